@@ -1,0 +1,129 @@
+"""Plain record types handed to the recorder from the hot path.
+
+They mirror the tables in ``batchscope.schema`` (column name = field name) so the
+background writer can insert them in bulk without translation. Building one is a
+few attribute stores; nothing here touches the database.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+
+@dataclass(slots=True)
+class BatchRow:
+    instance_id: str
+    model: str
+    seq: int
+    policy: str
+    settings_version: int
+    max_batch_size: int
+    bucket: Optional[int]
+    batch_size: int
+    real_elements: int
+    padded_elements: int
+    queue_wait_min_s: float
+    queue_wait_mean_s: float
+    queue_wait_max_s: float
+    compute_s: float
+    started_at: float
+    ended_at: float
+    outcome: str = "ok"
+    peak_memory_bytes: Optional[int] = None
+    cuda_graph: bool = False
+    queue_depth: Optional[int] = None
+
+
+@dataclass(slots=True)
+class RequestRow:
+    instance_id: str
+    model: str
+    batch_seq: Optional[int]
+    priority: int
+    arrived_at: float
+    finished_at: float
+    queue_wait_s: float
+    latency_s: float
+    outcome: str
+    bypass: bool = False
+    length: Optional[int] = None
+    ttft_s: Optional[float] = None
+    tpot_s: Optional[float] = None
+    prompt_tokens: Optional[int] = None
+    output_tokens: Optional[int] = None
+
+
+@dataclass(slots=True)
+class EventRow:
+    instance_id: str
+    model: Optional[str]
+    at: float
+    kind: str
+    message: str
+    severity: str = "info"
+    details_json: str = "{}"
+
+
+@dataclass(slots=True)
+class DeviceRow:
+    instance_id: str
+    at: float
+    device: str
+    kind: str
+    utilization_pct: Optional[float] = None
+    memory_used_bytes: Optional[int] = None
+    memory_total_bytes: Optional[int] = None
+    power_w: Optional[float] = None
+    sm_clock_mhz: Optional[float] = None
+    temperature_c: Optional[float] = None
+    torch_allocated_bytes: Optional[int] = None
+    torch_reserved_bytes: Optional[int] = None
+    process_rss_bytes: Optional[int] = None
+
+
+@dataclass(slots=True)
+class GenStepRow:
+    instance_id: str
+    model: str
+    at: float
+    mode: str
+    running: int
+    waiting: int
+    prefill_tokens: int
+    decode_tokens: int
+    blocks_used: int
+    blocks_free: int
+    preemptions: int
+    step_s: float
+
+
+Record = BatchRow | RequestRow | EventRow | DeviceRow | GenStepRow
+
+
+class RecorderLike(Protocol):
+    """What the runtime needs from a recorder: non-blocking ``put``."""
+
+    def put(self, record: Record) -> None: ...
+
+    @property
+    def dropped(self) -> int: ...
+
+
+@dataclass
+class ListRecorder:
+    """Keeps records in memory. For tests and for running with recording off."""
+
+    records: list = field(default_factory=list)
+    keep: bool = True
+
+    def put(self, record: Record) -> None:
+        if self.keep:
+            self.records.append(record)
+
+    @property
+    def dropped(self) -> int:
+        return 0
+
+    def of(self, kind: type) -> list:
+        return [r for r in self.records if isinstance(r, kind)]

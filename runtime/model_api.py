@@ -1,0 +1,142 @@
+"""The API a user implements to serve their own model.
+
+A request flows through small hooks, each with one job::
+
+    decode(inputs)        one request's named numpy arrays -> one item (tensors)
+    length(item)          how long the item is, for length bucketing (default 1)
+    collate(items, pad)   list of items -> one batch (padding to ``pad`` where needed)
+    predict(batch)        the forward pass, under torch.inference_mode()
+    split(output, n)      the batch output -> n per-request dicts of numpy arrays
+
+``setup(device)`` runs once before the first request. Errors raised from
+``decode`` as ``runtime.errors.ClientError``/``ValidationError`` reach the caller
+as 400/422 with their message; anything raised from ``predict`` fails only the
+batch it ran in.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+#: Open Inference Protocol datatypes and the numpy dtypes they map to.
+DATATYPES: dict[str, Any] = {
+    "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
+    "UINT64": np.uint64, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
+    "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
+    "BYTES": np.object_,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named input or output; ``-1`` in ``shape`` marks a variable dimension.
+
+    Shapes are per request (no batch dimension): the client may send them with or
+    without a leading batch dimension of 1.
+    """
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+def _missing(cls_name: str, hook: str, example: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{cls_name} must implement `{hook}`. For example:\n\n"
+        + textwrap.indent(textwrap.dedent(example).strip("\n"), "    ") + "\n")
+
+
+class ModelAPI:
+    """Base class for a servable model. Subclass it and fill in the hooks."""
+
+    #: the name clients use in ``/v2/models/{name}/infer``
+    name: ClassVar[str] = ""
+    inputs: ClassVar[Sequence[TensorSpec]] = ()
+    outputs: ClassVar[Sequence[TensorSpec]] = ()
+    #: True when requests differ in length and length bucketing applies
+    variable_length: ClassVar[bool] = False
+    #: the most a single request may hold along its variable dimension
+    max_length: ClassVar[int | None] = None
+    #: "request" models answer one call with one result; "generate" models stream tokens
+    kind: ClassVar[str] = "request"
+
+    device: Any = None
+
+    def setup(self, device: Any) -> None:
+        """Load weights and move them to ``device`` (a ``torch.device``)."""
+        self.device = device
+
+    def decode(self, inputs: dict[str, np.ndarray]) -> Any:
+        raise _missing(type(self).__name__, "decode", '''
+            def decode(self, inputs):
+                x = inputs["INPUT0"]                     # numpy array, no batch dim
+                if x.shape != (256,):
+                    raise ValidationError(f"INPUT0 must have shape [256], got {list(x.shape)}")
+                return torch.from_numpy(x)
+        ''')
+
+    def length(self, item: Any) -> int:
+        """The item's length along its variable dimension (used for bucketing)."""
+        return 1
+
+    def collate(self, items: list[Any], pad_to: int | None) -> Any:
+        raise _missing(type(self).__name__, "collate", '''
+            def collate(self, items, pad_to):
+                return torch.stack(items).to(self.device)  # pad to `pad_to` if lengths vary
+        ''')
+
+    def predict(self, batch: Any) -> Any:
+        raise _missing(type(self).__name__, "predict", '''
+            def predict(self, batch):
+                return self.net(batch)
+        ''')
+
+    def split(self, output: Any, n: int) -> list[dict[str, np.ndarray]]:
+        raise _missing(type(self).__name__, "split", '''
+            def split(self, output, n):
+                out = output.cpu().numpy()
+                return [{"OUTPUT0": out[i]} for i in range(n)]
+        ''')
+
+    def estimate_batch_bytes(self, batch_size: int, padded_length: int) -> int | None:
+        """Rough activation memory of a batch, for a CPU memory budget. None = unknown."""
+        return None
+
+    # -- metadata ---------------------------------------------------------------------
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "versions": ["1"],
+            "platform": "pytorch",
+            "inputs": [s.to_dict() for s in self.inputs],
+            "outputs": [s.to_dict() for s in self.outputs],
+        }
+
+
+def check_model(model: ModelAPI) -> None:
+    """Fail early, with the code to write, when a user's model is incomplete."""
+    cls = type(model)
+    if not isinstance(model, ModelAPI):
+        raise TypeError(f"{cls.__name__} must subclass runtime.model_api.ModelAPI:\n\n"
+                        "    from runtime.model_api import ModelAPI, TensorSpec\n"
+                        f"    class {cls.__name__}(ModelAPI):\n        name = 'my-model'\n        ...")
+    if not model.name:
+        raise TypeError(f"{cls.__name__} needs a class attribute `name = \"my-model\"`: "
+                        "it is the name clients use in /v2/models/{{name}}/infer")
+    if not model.inputs:
+        raise TypeError(f"{cls.__name__} needs `inputs = [TensorSpec('INPUT0', 'FP32', (256,))]`")
+    for spec in list(model.inputs) + list(model.outputs):
+        if spec.datatype not in DATATYPES:
+            raise TypeError(f"{cls.__name__}: tensor {spec.name!r} has datatype {spec.datatype!r}; "
+                            f"use one of {sorted(DATATYPES)}")
+    if model.kind == "request":
+        for hook in ("decode", "collate", "predict", "split"):
+            if getattr(cls, hook) is getattr(ModelAPI, hook):
+                getattr(ModelAPI, hook)(model, *([None] * (2 if hook in ("collate", "split") else 1)))
