@@ -19,7 +19,6 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[test]"
 
 export PYTHONUNBUFFERED=1
