@@ -12,7 +12,7 @@ from typing import Optional
 from sqlalchemy import Boolean, Float, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class Base(DeclarativeBase):
@@ -203,6 +203,23 @@ class ControlCommand(Base):
     handled_at: Mapped[Optional[float]] = mapped_column(Float)
 
 
+class CommandAck(Base):
+    """How one instance handled a command addressed to every instance (``instance_id`` NULL).
+
+    A broadcast command is handled once per instance: each instance that applies or
+    refuses it writes its own row here; the command row itself keeps the first outcome.
+    """
+
+    __tablename__ = "command_acks"
+    command_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    instance_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    #: applied | refused
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[Optional[str]] = mapped_column(Text)
+    applied_version: Mapped[Optional[int]] = mapped_column(Integer)
+    handled_at: Mapped[float] = mapped_column(Float)
+
+
 class Rollup(Base):
     """Per-interval summary of raw rows older than the retention window."""
 
@@ -225,5 +242,10 @@ class Rollup(Base):
     #: JSON {upper_bound_s: count} of request latencies; {size: count} of batch sizes
     latency_hist_json: Mapped[str] = mapped_column(Text, default="{}")
     batch_size_hist_json: Mapped[str] = mapped_column(Text, default="{}")
+    #: JSON {outcome: count} of the requests (ok, rejected, expired, error, ...)
+    outcomes_json: Mapped[str] = mapped_column(Text, default="{}")
 
-    __table_args__ = (Index("ix_rollups_model_start", "model", "interval_start"),)
+    __table_args__ = (
+        Index("ix_rollups_model_start", "model", "interval_start"),
+        Index("ix_rollups_key", "instance_id", "model", "interval_s", "interval_start"),
+    )
