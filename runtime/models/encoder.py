@@ -1,0 +1,127 @@
+"""``encoder``: a small transformer encoder producing one embedding per token sequence.
+
+INPUT_IDS INT64 [-1] (token ids in [0, 30522), 1..128 tokens; 0 is the padding id)
+-> Embedding(30522, 256, padding_idx=0) -> TransformerEncoder(d_model 256, 4 heads,
+4 layers, feed-forward 1024, no dropout, batch_first) with a key padding mask
+-> mean over the real tokens -> EMBEDDING FP32 [256].
+
+Requests differ in length, so the model is ``variable_length``: ``length(item)`` is
+the token count and ``collate`` pads with 0 up to ``pad_to`` (or the longest item).
+Benchmarks draw lengths from 8..128; anything from 1 to ``max_length`` is accepted.
+There is no positional encoding: the definition is fixed so that figures compare
+across tools, not to be a good language model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from runtime.errors import ClientError, ValidationError
+from runtime.model_api import ModelAPI, TensorSpec
+from runtime.models import seeded_init, take_input
+
+VOCAB_SIZE = 30522
+D_MODEL = 256
+HEADS = 4
+LAYERS = 4
+FEEDFORWARD = 1024
+MAX_LENGTH = 128
+PAD_ID = 0
+SEED = 4321
+
+
+class EncoderNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB_SIZE, D_MODEL, padding_idx=PAD_ID)
+        layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, dim_feedforward=FEEDFORWARD,
+                                           dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+
+    def forward(self, ids: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+        """ids (n, L) int64, pad_mask (n, L) bool with True at padding -> (n, D_MODEL)."""
+        hidden = self.encoder(self.embedding(ids), src_key_padding_mask=pad_mask)
+        keep = (~pad_mask).unsqueeze(-1).to(hidden.dtype)
+        return (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
+
+
+def build_encoder() -> EncoderNet:
+    net = EncoderNet()
+    seeded_init(net, SEED)
+    with torch.no_grad():
+        net.embedding.weight[PAD_ID].zero_()
+    return net.eval()
+
+
+@dataclass(slots=True)
+class EncoderBatch:
+    """A padded batch: token ids and the padding mask (True where padded)."""
+
+    ids: torch.Tensor
+    pad_mask: torch.Tensor
+
+
+class EncoderModel(ModelAPI):
+    name = "encoder"
+    inputs = (TensorSpec("INPUT_IDS", "INT64", (-1,)),)
+    outputs = (TensorSpec("EMBEDDING", "FP32", (D_MODEL,)),)
+    variable_length = True
+    max_length = MAX_LENGTH
+
+    net: EncoderNet | None = None
+
+    def setup(self, device: Any) -> None:
+        self.device = torch.device(device)
+        self.net = build_encoder().to(self.device)
+
+    def decode(self, inputs: dict[str, np.ndarray]) -> torch.Tensor:
+        expected = f"INT64 [1..{MAX_LENGTH}] token ids in [0, {VOCAB_SIZE})"
+        ids = take_input(inputs, "INPUT_IDS", 1, expected)
+        if ids.dtype.kind not in "iu":
+            raise ClientError(f"input 'INPUT_IDS' has datatype {ids.dtype}; expected {expected}")
+        n = ids.shape[0]
+        if n == 0 or n > MAX_LENGTH:
+            raise ValidationError(f"input 'INPUT_IDS' has {n} tokens; expected 1..{MAX_LENGTH} "
+                                  "(split longer texts into several requests)")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= VOCAB_SIZE:
+            bad = lo if lo < 0 else hi
+            raise ValidationError(f"input 'INPUT_IDS' holds token id {bad}; ids must be in [0, {VOCAB_SIZE})")
+        return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+
+    def length(self, item: torch.Tensor) -> int:
+        return int(item.shape[0])
+
+    def collate(self, items: list[torch.Tensor], pad_to: int | None) -> EncoderBatch:
+        longest = max(int(t.shape[0]) for t in items)
+        width = max(longest, pad_to or 0)
+        ids = torch.full((len(items), width), PAD_ID, dtype=torch.int64)
+        lengths = torch.empty(len(items), dtype=torch.int64)
+        for row, item in enumerate(items):
+            ids[row, : item.shape[0]] = item
+            lengths[row] = item.shape[0]
+        pad_mask = torch.arange(width).unsqueeze(0) >= lengths.unsqueeze(1)
+        if self.device is not None and self.device.type != "cpu":
+            ids = ids.to(self.device, non_blocking=True)
+            pad_mask = pad_mask.to(self.device, non_blocking=True)
+        return EncoderBatch(ids, pad_mask)
+
+    def predict(self, batch: EncoderBatch) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.net(batch.ids, batch.pad_mask)
+
+    def split(self, output: torch.Tensor, n: int) -> list[dict[str, np.ndarray]]:
+        out = output.numpy() if output.device.type == "cpu" else output.cpu().numpy()
+        return [{"EMBEDDING": out[i]} for i in range(n)]
+
+    def estimate_batch_bytes(self, batch_size: int, padded_length: int) -> int | None:
+        """Rough peak activations of one layer: token states and feed-forward (fp32)
+        plus the attention score matrices, which grow with the square of the length."""
+        per_token = 4 * (6 * D_MODEL + FEEDFORWARD)
+        attention = 4 * 2 * HEADS * padded_length * padded_length
+        return batch_size * (padded_length * per_token + attention)
