@@ -1,0 +1,311 @@
+"""Open Inference Protocol (KServe v2 REST) codec: bytes <-> numpy tensors.
+
+Pure functions, no I/O. The request side turns an ``/infer`` body (JSON, or JSON
+followed by raw tensor bytes when the client uses the binary tensor extension)
+into one request's named numpy arrays plus its scheduling parameters, checking
+every tensor against the model's ``TensorSpec``s. The response side turns the
+model's output arrays back into a v2 response body.
+
+Scheduling parameters follow Triton's schedule-policy extension: ``priority`` is
+1 (most urgent) .. ``priority_levels``, with 0 or absent meaning the model's
+default; ``timeout`` is in microseconds, 0 or absent meaning the default. The
+runtime's own priorities run from 0, so HTTP priority ``p`` is engine priority
+``p - 1``. ``realtime: true`` (or ``bypass: true``) asks for the bypass lane.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import orjson
+
+from runtime.errors import ClientError, ValidationError
+from runtime.model_api import DATATYPES, TensorSpec
+
+HEADER_LENGTH = "inference-header-content-length"
+_NP_TO_V2: dict[Any, str] = {np.dtype(v): k for k, v in DATATYPES.items()}
+_DUMPS_OPTS = orjson.OPT_SERIALIZE_NUMPY
+
+
+@dataclass(slots=True)
+class InferRequest:
+    """One decoded ``/infer`` call."""
+
+    inputs: dict[str, np.ndarray]
+    id: str | None = None
+    #: engine priority (0 = most urgent) or None for the model's default
+    priority: int | None = None
+    timeout_ms: float | None = None
+    bypass: bool = False
+    #: names of the outputs asked for (None = all) and which of them go back as binary
+    outputs: list[str] | None = None
+    binary_outputs: set[str] = field(default_factory=set)
+    binary_all: bool = False
+    #: the client sent a leading batch dimension of 1; echo it on the outputs
+    batched: bool = False
+
+
+# -- request ------------------------------------------------------------------------
+def _shape_of(name: str, shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ClientError(f"input {name!r}: 'shape' must be a list of non-negative integers, "
+                          f"got {shape!r}")
+    return tuple(shape)
+
+
+def _bytes_from_binary(name: str, raw: bytes, count: int) -> np.ndarray:
+    """BYTES tensors in binary form: each element is a 4-byte little-endian length + bytes."""
+    items: list[bytes] = []
+    pos = 0
+    while pos < len(raw):
+        if pos + 4 > len(raw):
+            raise ClientError(f"input {name!r}: truncated BYTES element in the binary data")
+        n = int.from_bytes(raw[pos:pos + 4], "little")
+        items.append(raw[pos + 4:pos + 4 + n])
+        pos += 4 + n
+    if len(items) != count:
+        raise ClientError(f"input {name!r}: shape needs {count} BYTES elements, the binary "
+                          f"data holds {len(items)}")
+    arr = np.empty(count, dtype=object)
+    arr[:] = items
+    return arr
+
+
+def _tensor(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple[str, np.ndarray, int]:
+    """Decode one entry of ``inputs``; returns (name, array, new binary offset)."""
+    if not isinstance(t, dict):
+        raise ClientError(f"inputs[{index}] must be an object with name, shape, datatype and data")
+    name = t.get("name")
+    if not isinstance(name, str) or not name:
+        raise ClientError(f"inputs[{index}] needs a 'name' string")
+    shape = _shape_of(name, t.get("shape"))
+    datatype = t.get("datatype")
+    np_dtype = DATATYPES.get(datatype) if isinstance(datatype, str) else None
+    if np_dtype is None:
+        raise ClientError(f"input {name!r}: datatype {datatype!r} is not supported; use one of "
+                          f"{', '.join(DATATYPES)}")
+    count = math.prod(shape)
+    params = t.get("parameters") or {}
+    size = params.get("binary_data_size") if isinstance(params, dict) else None
+    if size is not None:
+        if binary is None:
+            raise ClientError(f"input {name!r} has binary_data_size but the request carries no "
+                              "Inference-Header-Content-Length header")
+        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            raise ClientError(f"input {name!r}: binary_data_size={size!r} does not fit the "
+                              f"{len(binary) - offset} bytes left in the body")
+        raw = bytearray(binary[offset:offset + size])  # writable: torch.from_numpy wants that
+        offset += size
+        if datatype == "BYTES":
+            arr = _bytes_from_binary(name, raw, count)
+        else:
+            itemsize = np.dtype(np_dtype).itemsize
+            if size != count * itemsize:
+                raise ClientError(f"input {name!r}: shape {list(shape)} of {datatype} needs "
+                                  f"{count * itemsize} bytes, binary_data_size is {size}")
+            arr = np.frombuffer(raw, dtype=np_dtype)
+        return name, arr.reshape(shape), offset
+    if "data" not in t:
+        raise ClientError(f"input {name!r} has no 'data' (send the values as a flat or nested "
+                          "list, or use the binary tensor extension)")
+    data = t["data"]
+    try:
+        if datatype == "BYTES":
+            flat = np.asarray(data, dtype=object).reshape(-1)
+            arr = np.empty(flat.size, dtype=object)
+            arr[:] = [v.encode() if isinstance(v, str) else v for v in flat]
+        else:
+            arr = np.asarray(data, dtype=np_dtype)
+    except (ValueError, TypeError, OverflowError):
+        raise ClientError(f"input {name!r}: data is not a (rectangular) list of {datatype} "
+                          "values") from None
+    if arr.size != count:
+        raise ClientError(f"input {name!r}: shape {list(shape)} needs {count} values, "
+                          f"data has {arr.size}")
+    return name, arr.reshape(shape), offset
+
+
+def _scheduling(params: dict, priority_levels: int, req: InferRequest) -> None:
+    pr = params.get("priority")
+    if pr is not None:
+        if not isinstance(pr, int) or isinstance(pr, bool):
+            raise ClientError(f"parameter priority={pr!r} must be an integer")
+        if not 0 <= pr <= priority_levels:
+            raise ValidationError(
+                f"priority {pr} is out of range: send 1 (most urgent) to {priority_levels}, "
+                "or 0/omit it for the model's default priority")
+        req.priority = pr - 1 if pr > 0 else None
+    timeout = params.get("timeout")
+    if timeout is not None:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
+                or not math.isfinite(timeout) or timeout < 0:
+            raise ClientError(f"parameter timeout={timeout!r} must be a non-negative number "
+                              "of microseconds")
+        req.timeout_ms = timeout / 1000.0 if timeout > 0 else None
+    for key in ("realtime", "bypass"):
+        flag = params.get(key)
+        if flag is not None:
+            if not isinstance(flag, bool):
+                raise ClientError(f"parameter {key}={flag!r} must be true or false")
+            req.bypass = req.bypass or flag
+    if params.get("binary_data_output") is True:
+        req.binary_all = True
+
+
+def _requested_outputs(outputs: Any, specs: Sequence[TensorSpec], req: InferRequest) -> None:
+    if outputs is None:
+        return
+    if not isinstance(outputs, list):
+        raise ClientError("'outputs' must be a list of {name} objects")
+    known = {s.name for s in specs}
+    names: list[str] = []
+    for o in outputs:
+        name = o.get("name") if isinstance(o, dict) else None
+        if not isinstance(name, str):
+            raise ClientError("each entry of 'outputs' needs a 'name' string")
+        if name not in known:
+            raise ClientError(f"unknown output {name!r}; this model's outputs are {sorted(known)}")
+        params = o.get("parameters") or {}
+        if isinstance(params, dict) and params.get("binary_data") is True:
+            req.binary_outputs.add(name)
+        names.append(name)
+    req.outputs = names
+
+
+def _check_against_specs(model: str, specs: Sequence[TensorSpec], tensors: dict[str, np.ndarray],
+                         datatypes: dict[str, str], req: InferRequest) -> None:
+    unknown = sorted(set(tensors) - {s.name for s in specs})
+    if unknown:
+        raise ClientError(f"model {model!r} has no input(s) {unknown}; its inputs are "
+                          f"{[s.name for s in specs]}")
+    leading_one = []
+    for spec in specs:
+        arr = tensors.get(spec.name)
+        if arr is None:
+            raise ClientError(f"model {model!r} needs input {spec.name!r} ({spec.datatype}, "
+                              f"shape {list(spec.shape)}); the request has {sorted(tensors)}")
+        if datatypes[spec.name] != spec.datatype:
+            raise ClientError(f"input {spec.name!r} must have datatype {spec.datatype}, "
+                              f"got {datatypes[spec.name]}")
+        shape = arr.shape
+        batched = len(shape) == len(spec.shape) + 1 and shape[0] == 1
+        if batched:
+            shape = shape[1:]
+        if len(shape) != len(spec.shape) or any(
+                want != -1 and want != got for want, got in zip(spec.shape, shape)):
+            raise ClientError(f"input {spec.name!r} must have shape {list(spec.shape)} "
+                              f"(-1 = any size; an extra leading 1 is allowed), got "
+                              f"{list(arr.shape)}")
+        if batched:
+            tensors[spec.name] = arr[0]
+        leading_one.append(batched)
+    req.batched = bool(leading_one) and all(leading_one)
+
+
+def parse_infer(body: bytes, header_length: str | None, model: str,
+                specs: Sequence[TensorSpec], output_specs: Sequence[TensorSpec],
+                priority_levels: int) -> InferRequest:
+    """Decode and check one ``/infer`` body; raises ClientError/ValidationError."""
+    binary: memoryview | None = None
+    if header_length is not None:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise ClientError(f"Inference-Header-Content-Length={header_length!r} is not an "
+                              "integer") from None
+        if not 0 < n <= len(body):
+            raise ClientError(f"Inference-Header-Content-Length={n} does not fit a body of "
+                              f"{len(body)} bytes")
+        binary = memoryview(body)[n:]
+        body = body[:n]
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ClientError(f"the request body is not valid JSON ({exc}); send "
+                          '{"inputs": [{"name", "shape", "datatype", "data"}]}') from None
+    if not isinstance(doc, dict):
+        raise ClientError('the request body must be a JSON object with an "inputs" list')
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise ClientError('the request needs a non-empty "inputs" list of '
+                          '{"name", "shape", "datatype", "data"} objects')
+    tensors: dict[str, np.ndarray] = {}
+    datatypes: dict[str, str] = {}
+    offset = 0
+    for i, t in enumerate(raw_inputs):
+        name, arr, offset = _tensor(t, i, binary, offset)
+        if name in tensors:
+            raise ClientError(f"input {name!r} appears more than once")
+        tensors[name] = arr
+        datatypes[name] = t["datatype"]
+    req_id = doc.get("id")
+    req = InferRequest(inputs=tensors, id=None if req_id is None else str(req_id))
+    params = doc.get("parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ClientError("'parameters' must be a JSON object")
+        _scheduling(params, priority_levels, req)
+    _requested_outputs(doc.get("outputs"), output_specs, req)
+    _check_against_specs(model, specs, tensors, datatypes, req)
+    return req
+
+
+# -- response -----------------------------------------------------------------------
+def _datatype(arr: np.ndarray, spec: TensorSpec | None) -> str:
+    if spec is not None:
+        return spec.datatype
+    dt = _NP_TO_V2.get(arr.dtype)
+    if dt is None:
+        raise TypeError(f"output dtype {arr.dtype} has no Open Inference Protocol datatype")
+    return dt
+
+
+def _json_data(arr: np.ndarray, datatype: str) -> Any:
+    if datatype == "BYTES":
+        return [v.decode("utf-8", "replace") if isinstance(v, (bytes, bytearray)) else str(v)
+                for v in arr.reshape(-1).tolist()]
+    if arr.dtype == np.float16:
+        arr = arr.astype(np.float32)
+    return np.ascontiguousarray(arr).reshape(-1)
+
+
+def _binary_data(arr: np.ndarray, datatype: str) -> bytes:
+    if datatype == "BYTES":
+        parts = []
+        for v in arr.reshape(-1).tolist():
+            b = v if isinstance(v, (bytes, bytearray)) else str(v).encode()
+            parts.append(len(b).to_bytes(4, "little") + b)
+        return b"".join(parts)
+    return np.ascontiguousarray(arr, dtype=DATATYPES[datatype]).tobytes()
+
+
+def encode_infer(model: str, version: str, req: InferRequest, result: dict[str, np.ndarray],
+                 output_specs: Sequence[TensorSpec]) -> tuple[bytes, dict[str, str]]:
+    """The response body and extra headers (``Inference-Header-Content-Length`` if binary)."""
+    specs = {s.name: s for s in output_specs}
+    names = req.outputs if req.outputs is not None else list(result)
+    outputs = []
+    blobs: list[bytes] = []
+    for name in names:
+        arr = np.asarray(result[name])
+        datatype = _datatype(arr, specs.get(name))
+        shape = ([1] if req.batched else []) + list(arr.shape)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
+        if req.binary_all or name in req.binary_outputs:
+            blob = _binary_data(arr, datatype)
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = _json_data(arr, datatype)
+        outputs.append(entry)
+    doc: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": outputs}
+    if req.id is not None:
+        doc["id"] = req.id
+    head = orjson.dumps(doc, option=_DUMPS_OPTS)
+    if not blobs:
+        return head, {}
+    return head + b"".join(blobs), {"Inference-Header-Content-Length": str(len(head))}

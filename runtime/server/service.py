@@ -1,0 +1,217 @@
+"""One serving process: engine + recorders + metrics + live glue + HTTP, wired once.
+
+``Service`` is what ``batchscope serve`` and the demo run. Records flow through
+one path: the engine puts each record into a tee of the database recorder (when
+recording) and the Prometheus adapter. ``serve()`` binds the socket first so the
+URL is known before the instance registers itself, then runs uvicorn until a
+signal (or ``request_exit()``); startup and shutdown happen in the app lifespan.
+``ServiceThread`` runs a Service on its own event loop in a thread (tests, demo).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import uuid
+from typing import Any, AsyncIterator, Sequence
+
+import uvicorn
+from starlette.routing import BaseRoute
+
+from runtime.config import BatchingConfig, ServerConfig
+from runtime.model_api import ModelAPI
+from runtime.server.app import build_app
+from runtime.server.metrics import MetricsRecorder
+
+log = logging.getLogger("batchscope.server")
+
+VERSION = "0.1.0"
+
+
+def new_instance_id() -> str:
+    return f"{socket.gethostname()[:32]}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; port 0 picks a free ephemeral port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without re-raising the captured signal: SIGINT/SIGTERM end cleanly (exit 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class Service:
+    """Everything one serving process runs, built from models and settings."""
+
+    def __init__(self, models: dict[str, ModelAPI], configs: dict[str, BatchingConfig] | None,
+                 server: ServerConfig, *, instance_id: str | None = None, device: str = "cpu",
+                 extra_routes: Sequence[BaseRoute] = (), version: str = VERSION) -> None:
+        from runtime.engine import Engine  # the engine pulls in torch; import on use
+
+        self.server_config = server
+        self.instance_id = instance_id or new_instance_id()
+        self.device = device
+        self.version = version
+        self.url: str | None = None
+        self.metrics = MetricsRecorder()
+        self.db = None
+        self.db_recorder = None
+        recorder: Any = self.metrics
+        if server.record:
+            from batchscope.db import make_engine
+            from batchscope.recorder import Recorder, TeeRecorder
+
+            self.db = make_engine(server.database_url)
+            self.db_recorder = Recorder(self.db, buffer_size=server.recorder_buffer_size)
+            recorder = TeeRecorder(self.db_recorder, self.metrics)
+        self.engine = Engine(models, configs, recorder=recorder, instance_id=self.instance_id,
+                             device=device)
+        self.metrics.bind(stats=self._all_stats, dropped=self._dropped)
+        self.live = None
+        self.app = build_app(self.engine, metrics=self.metrics, extra_routes=extra_routes,
+                             version=version, lifespan=self._lifespan)
+        self._server: _Server | None = None
+        self.started = threading.Event()
+
+    # -- scrape-time sources ------------------------------------------------------------
+    def _all_stats(self) -> dict[str, dict[str, Any]]:
+        return {name: self.engine.stats(name) for name in self.engine.model_names()}
+
+    def _dropped(self) -> int:
+        return self.db_recorder.dropped if self.db_recorder is not None else 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Any) -> AsyncIterator[None]:
+        await self.startup()
+        try:
+            yield
+        finally:
+            await self.shutdown()
+
+    async def startup(self) -> None:
+        if self.db_recorder is not None:
+            self.db_recorder.start()
+        await self.engine.start()
+        if self.db is not None:
+            from runtime.live import LiveLink
+
+            self.live = LiveLink(self.engine, self.db, instance_id=self.instance_id,
+                                 url=self.url, device=str(self.device), version=self.version,
+                                 recorder=self.db_recorder, server=self.server_config)
+            await self.live.start()
+        self.started.set()
+
+    async def shutdown(self) -> None:
+        try:
+            await self.engine.stop()
+        finally:
+            if self.live is not None:
+                await self.live.stop()
+            if self.db_recorder is not None:
+                await asyncio.to_thread(self.db_recorder.close)
+
+    async def serve(self, sock: socket.socket | None = None) -> None:
+        """Serve until a signal or ``request_exit()``; binds host:port unless given ``sock``."""
+        cfg = self.server_config
+        sock = sock or bind_socket(cfg.host, cfg.port)
+        self.url = _url(sock)
+        config = uvicorn.Config(self.app, loop="none", http="httptools", lifespan="on",
+                                log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5, backlog=2048)
+        self._server = _Server(config)
+        try:
+            await self._server.serve(sockets=[sock])
+        finally:
+            sock.close()
+        if not self.started.is_set():
+            raise RuntimeError("the server did not start; see the log above for the reason")
+
+    def request_exit(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when available (faster), else the default loop."""
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.new_event_loop()
+
+
+class ServiceThread:
+    """Runs a Service in a background thread with its own event loop."""
+
+    def __init__(self, service: Service, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.service = service
+        self._sock = bind_socket(host, port)
+        self.url = _url(self._sock)
+        self._thread = threading.Thread(target=self._run, name="batchscope-server", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        self._loop = new_event_loop()
+        try:
+            self._loop.run_until_complete(self.service.serve(self._sock))
+        except BaseException as exc:  # surfaced by start()/stop()
+            self.error = exc
+        finally:
+            self._loop.close()
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        self._thread.start()
+        deadline_step = 0.05
+        waited = 0.0
+        while not self.service.started.wait(deadline_step):
+            waited += deadline_step
+            if self.error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"the server failed to start: {self.error!r}")
+            if waited >= timeout_s:
+                raise TimeoutError(f"the server did not start within {timeout_s} s")
+        return self.url
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self._loop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self.service.request_exit)
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> "ServiceThread":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
