@@ -1,0 +1,198 @@
+"""Recorder: everything is written, drops are counted, database failures are survived."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+
+import pytest
+from sqlalchemy import create_engine, event, func, select
+
+from batchscope.db import make_engine
+from batchscope.records import BatchRow, DeviceRow, EventRow, GenStepRow, ListRecorder, RequestRow
+from batchscope.recorder import Recorder, TeeRecorder
+from batchscope.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord
+
+
+def request(i: int, model: str = "mlp") -> RequestRow:
+    return RequestRow(instance_id="rt", model=model, batch_seq=i // 8, priority=i % 3, arrived_at=1000.0 + i,
+                      finished_at=1000.5 + i, queue_wait_s=0.001 * (i % 7), latency_s=0.01, outcome="ok",
+                      length=i % 50)
+
+
+def batch(i: int) -> BatchRow:
+    return BatchRow(instance_id="rt", model="mlp", seq=i, policy="dynamic", settings_version=1,
+                    max_batch_size=8, bucket=None, batch_size=8, real_elements=8, padded_elements=8,
+                    queue_wait_min_s=0.0, queue_wait_mean_s=0.001, queue_wait_max_s=0.002, compute_s=0.004,
+                    started_at=1000.0 + i, ended_at=1000.01 + i, peak_memory_bytes=2**33, cuda_graph=True)
+
+
+def others(i: int) -> list:
+    return [EventRow(instance_id="rt", model="mlp", at=1000.0 + i, kind="oom", message=f"oom {i}"),
+            DeviceRow(instance_id="rt", at=1000.0 + i, device="cpu", kind="cpu", utilization_pct=50.0),
+            GenStepRow(instance_id="rt", model="dec", at=1000.0 + i, mode="continuous", running=4, waiting=1,
+                       prefill_tokens=10, decode_tokens=4, blocks_used=3, blocks_free=5, preemptions=0,
+                       step_s=0.01)]
+
+
+def count(engine, model) -> int:
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(model)).scalar_one()
+
+
+@pytest.fixture
+def url(tmp_path):
+    return f"sqlite:///{tmp_path / 'rec.db'}"
+
+
+@pytest.fixture
+def engine(url):
+    eng = make_engine(url)
+    yield eng
+    eng.dispose()
+
+
+def short_busy_timeout(engine, ms: int = 20):
+    """Make lock waits fail fast so the tests do not wait out the default 5 s."""
+    @event.listens_for(engine, "connect")
+    def _short(dbapi_conn, _record):
+        dbapi_conn.execute(f"PRAGMA busy_timeout={ms}")
+    engine.dispose()
+
+
+def wait_until(predicate, limit: int = 2000) -> bool:
+    for _ in range(limit):
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+def test_everything_put_is_written(engine):
+    rec = Recorder(engine, flush_interval_s=0.01, max_rows_per_flush=500)
+    rec.start()
+    for i in range(3000):
+        rec.put(request(i))
+        if i % 10 == 0:
+            rec.put(batch(i))
+        if i % 100 == 0:
+            for r in others(i):
+                rec.put(r)
+    rec.close()
+    assert rec.dropped == 0
+    assert count(engine, RequestRecord) == 3000
+    assert count(engine, BatchRecord) == 300
+    assert count(engine, EventRecord) == count(engine, DeviceSample) == count(engine, GenerationStep) == 30
+    assert rec.written == 3000 + 300 + 90
+    assert rec.written_by_kind["requests"] == 3000
+    with engine.connect() as conn:
+        row = conn.execute(select(BatchRecord).where(BatchRecord.seq == 10)).one()
+    assert row.cuda_graph is True and row.peak_memory_bytes == 2**33 and row.bucket is None
+
+
+def test_full_buffer_drops_are_counted_exactly(engine):
+    rec = Recorder(engine, buffer_size=100)  # writer not started: nothing drains the buffer
+    for i in range(130):
+        rec.put(request(i))
+    for i in range(20):
+        rec.put(batch(i))
+    assert rec.buffered == 100
+    assert rec.dropped == 50
+    assert rec.dropped_by_kind == {"requests": 30, "batches": 20}
+    rec.close()
+    assert count(engine, RequestRecord) == 100 and rec.written == 100
+    # after close, put still never raises and counts what it refuses
+    rec.put(request(0))
+    assert rec.dropped == 51
+
+
+def test_close_flushes_what_is_left(engine):
+    rec = Recorder(engine, flush_interval_s=60.0, max_rows_per_flush=64)
+    rec.start()
+    for i in range(1000):
+        rec.put(request(i))
+    rec.close(timeout_s=30.0)
+    assert count(engine, RequestRecord) == 1000 and rec.dropped == 0 and rec.buffered == 0
+
+
+def test_locked_database_drops_then_recovers(url, engine):
+    short_busy_timeout(engine)
+    rec = Recorder(engine, flush_interval_s=0.01, instance_id="rt-9")
+    rec.start()
+    rec.put(request(0))
+    assert wait_until(lambda: rec.written == 1)
+
+    blocker = sqlite3.connect(url.split("///", 1)[1], isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        for i in range(1, 201):
+            rec.put(request(i))
+        assert wait_until(lambda: rec.dropped > 0 and not rec.healthy)
+        # the hot path is unaffected: puts keep going into the buffer, never raising
+        for i in range(201, 301):
+            rec.put(request(i))
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    for i in range(301, 401):
+        rec.put(request(i))
+    assert wait_until(lambda: rec.healthy and rec.written + rec.dropped >= 401 and rec.buffered == 0)
+    rec.close()
+    assert rec.written + rec.dropped == 401
+    assert count(engine, RequestRecord) == rec.written
+    assert rec.dropped_by_kind == {"requests": rec.dropped}
+    with engine.connect() as conn:
+        events = conn.execute(select(EventRecord).where(EventRecord.kind == "recorder_drops")).all()
+    assert len(events) == 1
+    details = json.loads(events[0].details_json)
+    assert events[0].instance_id == "rt-9" and details["dropped"] == rec.dropped
+    assert details["by_kind"] == {"requests": rec.dropped}
+
+
+def test_locked_database_with_synchronous_flush(url, engine):
+    """Deterministic variant: no writer thread, flushes driven by the test."""
+    short_busy_timeout(engine)
+    rec = Recorder(engine, max_rows_per_flush=1000)
+    blocker = sqlite3.connect(url.split("///", 1)[1], isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    for i in range(40):
+        rec.put(request(i))
+        rec.put(batch(i))
+    assert rec.flush() == 0
+    assert rec.dropped == 80 and rec.dropped_by_kind == {"requests": 40, "batches": 40} and not rec.healthy
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    for i in range(10):
+        rec.put(request(i))
+    assert rec.flush() == 10 and rec.healthy
+    assert count(engine, RequestRecord) == 10
+    assert count(engine, EventRecord) == 1  # the drops report
+
+
+def test_unwritable_database_never_raises(tmp_path):
+    broken = create_engine(f"sqlite:///{tmp_path / 'missing-dir' / 'x.db'}")
+    rec = Recorder(broken, flush_interval_s=0.01)
+    rec.start()
+    for i in range(50):
+        rec.put(request(i))
+    assert wait_until(lambda: rec.dropped == 50)
+    rec.put(object())  # not a record at all: still no exception on the hot path
+    rec.close(timeout_s=5.0)
+    assert rec.written == 0 and rec.dropped == 51 and rec.dropped_by_kind["object"] == 1
+
+
+def test_tee_fans_out(engine):
+    memory = ListRecorder()
+    rec = Recorder(engine, buffer_size=5)
+    tee = TeeRecorder(memory, rec)
+    for i in range(8):
+        tee.put(request(i))
+    assert len(memory.records) == 8 and tee.dropped == 3
+    tee.close()
+    assert count(engine, RequestRecord) == 5
+
+
+def test_rejects_nonsense_sizes(engine):
+    with pytest.raises(ValueError, match="buffer_size"):
+        Recorder(engine, buffer_size=0)
