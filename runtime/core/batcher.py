@@ -1,0 +1,360 @@
+"""``Batcher``: the synchronous batching state machine of one model.
+
+Time is always passed in; nothing here sleeps, reads a clock or touches asyncio,
+so every rule is tested with a fake clock. A shell (``runtime.engine``) calls:
+
+* ``submit(req, now)`` when a request arrives (raises ``QueueFull``/``ValidationError``);
+* ``expire(now)`` for requests whose deadline passed while queued (never executed);
+* ``next_batch(now, model_busy=...)`` for the dispatch decision;
+* ``next_wakeup(now)`` to know how long it may sleep before a decision can change;
+* ``complete(batch, now, compute_s)`` after a batch ran (feeds the adaptive window).
+
+Order of service:
+
+* Bypass (real-time) requests come first: they skip the batching window and run
+  at the next opportunity, batched only with other waiting bypass requests of the
+  same bucket, so no companion delays them.
+* Inside a queue, lower priority number first, then arrival order.
+* Across length buckets, among the buckets whose batch is due: the bucket holding
+  the most urgent priority; then a bucket holding a full batch (throughput); then
+  the bucket whose oldest request has waited longest (fairness).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from runtime.config import BatchingConfig
+from runtime.core import policy
+from runtime.core.queues import OVERFLOW, BucketMap, PriorityFifo
+from runtime.core.request import CANCELLED, DISPATCHED, EXPIRED, QUEUED, PendingRequest
+from runtime.errors import QueueFull, ValidationError
+
+#: the shortest Retry-After suggested to a refused client
+MIN_RETRY_AFTER_S = 0.05
+#: per-request service time assumed before any batch has run
+DEFAULT_SERVICE_S = 0.005
+
+
+@dataclass(slots=True)
+class Batch:
+    """Requests dispatched together, with what the run and the records need."""
+
+    requests: list[PendingRequest]
+    #: bucket edge (None for fixed-size inputs or bucketing off; -1 = overflow)
+    bucket: int | None
+    #: length every item is padded to (None for fixed-size inputs)
+    pad_to: int | None
+    settings_version: int
+    config: BatchingConfig
+    real_elements: int
+    padded_elements: int
+    #: requests waiting when the batch was formed, the batch included
+    queue_depth: int
+    dispatched_s: float
+    bypass: bool = False
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+def pad_length(lengths: list[int], bucket: int | None, config: BatchingConfig,
+               variable_length: bool) -> int | None:
+    """The length a batch of items with ``lengths`` is padded to."""
+    if not variable_length:
+        return None
+    if bucket is not None and bucket != OVERFLOW and config.pad_to == "bucket":
+        return bucket
+    return max(lengths)
+
+
+class Batcher:
+    """Queues, priorities, deadlines, buckets and the dispatch decision of one model."""
+
+    def __init__(self, model_name: str, config: BatchingConfig, *, variable_length: bool,
+                 version: int = 1) -> None:
+        self.model_name = model_name
+        self.variable_length = variable_length
+        self.version = version
+        self.depth = 0
+        self.draining = False
+        self._config = config
+        self._seq = 0
+        self._caps: dict[int | None, int] = {}
+        self._compute = policy.RecentMean()
+        self._per_request = policy.RecentMean()
+        self._deadlines: list[tuple[float, int, PendingRequest]] = []
+        self._live_deadlines = 0
+        self._expired: list[PendingRequest] = []
+        self._build_queues(config)
+
+    # -- structure ----------------------------------------------------------------------
+    def _build_queues(self, config: BatchingConfig) -> None:
+        self._buckets = BucketMap(config.bucket_edges, self.variable_length and config.bucketing)
+        keys = self._buckets.keys()
+        levels = config.priority_levels
+        self._queues: dict[int | None, PriorityFifo] = {k: PriorityFifo(levels) for k in keys}
+        self._bypass: dict[int | None, PriorityFifo] = {k: PriorityFifo(levels) for k in keys}
+        self._by_priority = [0] * levels
+
+    @property
+    def config(self) -> BatchingConfig:
+        return self._config
+
+    def set_config(self, config: BatchingConfig, version: int) -> None:
+        """Replace the settings; the next ``next_batch`` decides with them. Queued
+        requests are kept (re-bucketed and clamped to the priority range if needed)."""
+        old = self._config
+        self._config = config
+        self.version = version
+        if (old.bucketing, old.bucket_edges, old.priority_levels) != (
+                config.bucketing, config.bucket_edges, config.priority_levels):
+            live = sorted(self._all_live(), key=lambda r: r.seq)
+            self._build_queues(config)
+            top = config.priority_levels - 1
+            for req in live:
+                if req.priority > top:
+                    req.priority = top
+                req.bucket = self._buckets.bucket_of(req.length)
+                (self._bypass if req.bypass else self._queues)[req.bucket].push(req)
+                self._by_priority[req.priority] += 1
+
+    def set_size_cap(self, bucket: int | None, cap: int | None) -> None:
+        """Lower the batch size of one bucket below ``max_batch_size`` (None lifts it)."""
+        if cap is None:
+            self._caps.pop(bucket, None)
+        else:
+            self._caps[bucket] = max(1, int(cap))
+
+    def cap(self, bucket: int | None) -> int:
+        """The effective max batch size of a bucket."""
+        configured = self._config.max_batch_size
+        capped = self._caps.get(bucket, configured)
+        return capped if capped < configured else configured
+
+    def bucket_of(self, length: int) -> int | None:
+        return self._buckets.bucket_of(length)
+
+    # -- arrivals -----------------------------------------------------------------------
+    def submit(self, req: PendingRequest, now: float) -> bool:
+        """Queue a request. Returns False when it cannot change the shell's current
+        plan (so a sleeping shell need not be woken), True otherwise."""
+        cfg = self._config
+        if not 0 <= req.priority < cfg.priority_levels:
+            raise ValidationError(
+                f"priority={req.priority!r} is out of range for model {self.model_name!r}: "
+                f"valid priorities are 0 (most urgent) to {cfg.priority_levels - 1}")
+        if self.depth >= cfg.max_queue_size:
+            retry = self.retry_after_s()
+            raise QueueFull(
+                f"model {self.model_name!r} has {self.depth} requests waiting, its "
+                f"max_queue_size={cfg.max_queue_size}; retry after about {retry:.2f}s "
+                "or raise max_queue_size", retry_after_s=retry)
+        self._seq += 1
+        req.seq = self._seq
+        req.state = QUEUED
+        bucket = self._buckets.bucket_of(req.length)
+        req.bucket = bucket
+        queue = (self._bypass if req.bypass else self._queues)[bucket]
+        queue.push(req)
+        self.depth += 1
+        self._by_priority[req.priority] += 1
+        earliest = False
+        if req.deadline_s is not None:
+            heap = self._deadlines
+            heapq.heappush(heap, (req.deadline_s, req.seq, req))
+            self._live_deadlines += 1
+            earliest = heap[0][2] is req
+            if len(heap) > 64 and len(heap) > 4 * self._live_deadlines:
+                self._deadlines = [e for e in heap if e[2].state == QUEUED]
+                heapq.heapify(self._deadlines)
+        if req.bypass or earliest or queue.count == 1 or queue.count >= self.cap(bucket):
+            return True
+        return policy.window_s(cfg, self._compute.mean) is None
+
+    def cancel(self, req: PendingRequest) -> bool:
+        """Withdraw a queued request (its caller went away). False if it already left."""
+        if req.state != QUEUED:
+            return False
+        self._remove(req, CANCELLED)
+        return True
+
+    def _remove(self, req: PendingRequest, state: int) -> None:
+        req.state = state
+        (self._bypass if req.bypass else self._queues)[req.bucket].forget()
+        self.depth -= 1
+        self._by_priority[req.priority] -= 1
+        if req.deadline_s is not None:
+            self._live_deadlines -= 1
+
+    # -- deadlines ----------------------------------------------------------------------
+    def _collect_expired(self, now: float) -> None:
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            req = heapq.heappop(heap)[2]
+            if req.state == QUEUED:
+                self._remove(req, EXPIRED)
+                self._expired.append(req)
+
+    def expire(self, now: float) -> list[PendingRequest]:
+        """Requests whose deadline passed while they were queued; they never run."""
+        self._collect_expired(now)
+        out, self._expired = self._expired, []
+        return out
+
+    def _earliest_deadline(self) -> float | None:
+        heap = self._deadlines
+        while heap and heap[0][2].state != QUEUED:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    # -- the dispatch decision ----------------------------------------------------------
+    def _scan(self, queues: dict[int | None, PriorityFifo], now: float, model_busy: bool,
+              always_due: bool) -> tuple[int | None, bool, float | None]:
+        """(best due bucket, found one, earliest due time among queues)."""
+        window = None if always_due else policy.window_s(self._config, self._compute.mean)
+        best_key: int | None = None
+        best_rank: tuple[int, int, int] | None = None
+        earliest: float | None = None
+        for key, queue in queues.items():
+            count = queue.count
+            if not count:
+                continue
+            oldest = queue.oldest()
+            assert oldest is not None
+            cap = self.cap(key)
+            if always_due:
+                at = oldest.arrived_s
+            else:
+                at = policy.due_at(window, count, cap, oldest.arrived_s, model_busy)
+                if at is None:
+                    continue
+            if earliest is None or at < earliest:
+                earliest = at
+            if at > now:
+                continue
+            rank = (queue.best_priority() or 0, 0 if count >= cap else 1, oldest.seq)
+            if best_rank is None or rank < best_rank:
+                best_rank, best_key = rank, key
+        return best_key, best_rank is not None, earliest
+
+    def next_batch(self, now: float, *, model_busy: bool = False) -> Batch | None:
+        """The batch to run now, or None if none is due.
+
+        ``model_busy=True`` asks whether a batch is due although the model is still
+        running one (for shells that prepare the next batch ahead): the
+        work-conserving rule then only releases full batches.
+        """
+        self._collect_expired(now)
+        if not self.depth:
+            return None
+        if any(q.count for q in self._bypass.values()):
+            key, found, _ = self._scan(self._bypass, now, model_busy, True)
+            if found:
+                return self._form(self._bypass, key, now, bypass=True)
+        key, found, _ = self._scan(self._queues, now, model_busy, self.draining)
+        if not found:
+            return None
+        return self._form(self._queues, key, now, bypass=False)
+
+    def due_at(self, now: float, *, model_busy: bool = False) -> float | None:
+        """When the next batch is due (at or before ``now``: due now); None = nothing
+        becomes due until a request arrives or the model frees up."""
+        if not self.depth:
+            return None
+        if any(q.count for q in self._bypass.values()):
+            return now
+        return self._scan(self._queues, now, model_busy, self.draining)[2]
+
+    def next_wakeup(self, now: float, *, model_busy: bool = False) -> float | None:
+        """The earliest time a decision could change: a batch falls due or a queued
+        request's deadline passes. None = only an arrival can change anything."""
+        due = self.due_at(now, model_busy=model_busy)
+        deadline = self._earliest_deadline()
+        if due is None:
+            return deadline
+        return due if deadline is None or due < deadline else deadline
+
+    def _form(self, queues: dict[int | None, PriorityFifo], key: int | None, now: float,
+              *, bypass: bool) -> Batch:
+        cfg = self._config
+        queue = queues[key]
+        cap = self.cap(key)
+        if bypass or self.draining:
+            n = min(queue.count, cap)
+        else:
+            n = policy.batch_size(cfg, queue.count, cap)
+        reqs = queue.take(n)
+        depth_before = self.depth
+        by_priority = self._by_priority
+        real = 0
+        longest = 0
+        for req in reqs:
+            req.state = DISPATCHED
+            by_priority[req.priority] -= 1
+            if req.deadline_s is not None:
+                self._live_deadlines -= 1
+            length = req.length
+            real += length
+            if length > longest:
+                longest = length
+        self.depth -= len(reqs)
+        if not self.variable_length:
+            pad = None
+            padded = real
+        else:
+            pad = key if (key is not None and key != OVERFLOW and cfg.pad_to == "bucket") else longest
+            padded = pad * len(reqs)
+        return Batch(reqs, key, pad, self.version, cfg, real, padded, depth_before, now, bypass)
+
+    # -- feedback -----------------------------------------------------------------------
+    def complete(self, batch: Batch, now: float, compute_s: float) -> None:
+        """A batch finished after ``compute_s`` of device time."""
+        self._compute.add(compute_s)
+        if batch.requests:
+            self._per_request.add(compute_s / len(batch.requests))
+
+    @property
+    def mean_compute_s(self) -> float | None:
+        return self._compute.mean
+
+    def window_s(self) -> float | None:
+        """The current batching window (None = work-conserving)."""
+        return policy.window_s(self._config, self._compute.mean)
+
+    def retry_after_s(self) -> float:
+        """Estimated time for the current queue to drain (at least 50 ms)."""
+        per = self._per_request.mean
+        estimate = self.depth * (per if per is not None else DEFAULT_SERVICE_S)
+        return estimate if estimate > MIN_RETRY_AFTER_S else MIN_RETRY_AFTER_S
+
+    # -- shutdown and accounting --------------------------------------------------------
+    def start_draining(self) -> None:
+        """From now on every queued request is due (used while shutting down)."""
+        self.draining = True
+
+    def drain_all(self) -> list[PendingRequest]:
+        """Remove every queued request (marked cancelled), in arrival order."""
+        live = sorted(self._all_live(), key=lambda r: r.seq)
+        for req in live:
+            req.state = CANCELLED
+        for queue in (*self._queues.values(), *self._bypass.values()):
+            queue.clear()
+        self.depth = 0
+        self._by_priority = [0] * self._config.priority_levels
+        self._deadlines.clear()
+        self._live_deadlines = 0
+        return live
+
+    def _all_live(self) -> list[PendingRequest]:
+        out: list[PendingRequest] = []
+        for queue in (*self._queues.values(), *self._bypass.values()):
+            out.extend(queue.live())
+        return out
+
+    def depth_by_priority(self) -> dict[int, int]:
+        return dict(enumerate(self._by_priority))
+
+    def depth_by_bucket(self) -> dict[int | None, int]:
+        return {key: self._queues[key].count + self._bypass[key].count for key in self._queues}
