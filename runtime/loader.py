@@ -50,6 +50,8 @@ def parse_spec(spec: str) -> tuple[str | None, str]:
                           f"({', '.join(sorted(BUILTIN_MODELS))}), module:Class or path/file.py:Class")
     head, sep, tail = spec.partition("=")
     if sep and ":" not in head and "/" not in head:
+        if not head:
+            raise ConfigError(f"empty model name in {spec!r}: write served_name=target, e.g. fast=mlp")
         if not _NAME.match(head):
             raise ConfigError(f"model name {head!r} in {spec!r} may only hold letters, digits, '_', '-', '.'")
         if not tail:
