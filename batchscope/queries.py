@@ -208,6 +208,7 @@ def request_timeline(engine: Engine, w: Window, bucket_s: float | None = None) -
         df = df.drop(columns=["b"])
         df["requests_per_s"] = df["requests"] / bucket_s
         df["ok_per_s"] = df["ok"] / bucket_s
+        df["failed_per_s"] = (df["rejected"] + df["expired"] + df["errors"]) / bucket_s
     return df
 
 

@@ -1,0 +1,325 @@
+"""Plotly figure builders: ``DataFrame -> plotly Figure``.
+
+The only module that imports plotly. Every time chart carries the window's
+settings changes and OOM / error events as markers whose hover text says what
+changed. ``build_all`` makes every chart of a query bundle (``queries.live_bundle``);
+the dashboard and the offline report both use it, keyed by ``CHARTS``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+GIB = 1024 ** 3
+SETTINGS_MARKER = "settings changes"
+FAULT_MARKER = "OOM / errors"
+FAULT_KINDS = ("oom", "oom_failed", "model_error")
+
+#: chart key -> title (keys are what diagnosis flags point at)
+CHARTS: dict[str, str] = {
+    "latency": "Latency percentiles",
+    "throughput": "Throughput",
+    "wait_compute": "Queue wait vs compute",
+    "queue_depth": "Queue depth",
+    "batch_sizes": "Batch sizes",
+    "batch_efficiency": "Items per compute second by batch size",
+    "device": "Device utilization and memory",
+    "padding": "Padding waste per bucket",
+    "priority": "Latency per priority",
+    "model_share": "Device share per model",
+    "generation": "Generation: sequences, tokens, cache, preemptions",
+    "generation_latency": "Generation: time to first token and per-token latency",
+}
+
+
+def _times(seconds) -> pd.Series:
+    return pd.to_datetime(pd.Series(seconds, dtype="float64"), unit="s")
+
+
+def _base(title: str, *, height: int = 320) -> go.Figure:
+    fig = go.Figure()
+    _style(fig, title, height)
+    return fig
+
+
+def _style(fig: go.Figure, title: str, height: int = 320) -> go.Figure:
+    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
+                      template="plotly_white", margin=dict(l=50, r=20, t=40, b=40),
+                      legend=dict(orientation="h", y=-0.2), hovermode="x unified")
+    return fig
+
+
+def _empty(fig: go.Figure, what: str = "no data in this window") -> go.Figure:
+    fig.add_annotation(text=what, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
+                       font=dict(color="#888"))
+    return fig
+
+
+def _describe_change(message: str, details_json: str) -> str:
+    try:
+        details = json.loads(details_json or "{}")
+    except ValueError:
+        return message
+    old, new = details.get("old") or {}, details.get("new") or {}
+    if not isinstance(new, dict) or not new:
+        return message
+    who = details.get("requested_by")
+    text = "<br>".join(f"{k}: {old.get(k) if isinstance(old, dict) else '?'} → {v}"
+                       for k, v in new.items() if not isinstance(old, dict) or old.get(k) != v)
+    return f"{text or message}" + (f"<br>by {who}" if who else "")
+
+
+def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float | None = None,
+                      row: int | None = None, col: int | None = None) -> go.Figure:
+    """Mark settings changes and OOM / error events on a time chart."""
+    if events is None or not len(events):
+        return fig
+    if y is None:
+        ys = [v for tr in fig.data for v in (tr.y if tr.y is not None else ())
+              if v is not None and pd.notna(v)]
+        y = max(ys) if ys else 1.0
+    where = {} if row is None else {"row": row, "col": col or 1}
+    for name, kinds, symbol, color in (
+            (SETTINGS_MARKER, ("settings_change",), "diamond", "#6a3d9a"),
+            (FAULT_MARKER, FAULT_KINDS, "x", "#d62728")):
+        sel = events[events["kind"].isin(kinds)]
+        if not len(sel):
+            continue
+        hover = [(_describe_change(m, d) if k == "settings_change" else m)
+                 for m, d, k in zip(sel["message"], sel["details_json"], sel["kind"])]
+        x = _times(sel["at"])
+        fig.add_trace(go.Scatter(x=x, y=[y] * len(sel), mode="markers", name=name,
+                                 marker=dict(symbol=symbol, size=11, color=color),
+                                 hovertext=hover, hoverinfo="text+x"), **where)
+        for t in x:
+            fig.add_vline(x=t, line=dict(color=color, width=1, dash="dot"), **where)
+    return fig
+
+
+def latency(requests_t: pd.DataFrame, events: pd.DataFrame | None = None,
+            slo_ms: float | None = None) -> go.Figure:
+    fig = _base(CHARTS["latency"])
+    if not len(requests_t) or requests_t["latency_p50"].isna().all():
+        return _empty(fig)
+    x = _times(requests_t["t"])
+    for p, color in ((50, "#1f77b4"), (95, "#ff7f0e"), (99, "#d62728")):
+        fig.add_trace(go.Scatter(x=x, y=requests_t[f"latency_p{p}"] * 1000, name=f"p{p}",
+                                 mode="lines", line=dict(color=color)))
+    if slo_ms:
+        fig.add_trace(go.Scatter(x=[x.iloc[0], x.iloc[-1]], y=[slo_ms, slo_ms], name="SLO",
+                                 mode="lines", line=dict(color="#444", dash="dash")))
+    fig.update_yaxes(title_text="ms", rangemode="tozero")
+    return add_event_markers(fig, events)
+
+
+def throughput(requests_t: pd.DataFrame, batches_t: pd.DataFrame,
+               events: pd.DataFrame | None = None) -> go.Figure:
+    fig = _base(CHARTS["throughput"])
+    if not len(requests_t) and not len(batches_t):
+        return _empty(fig)
+    if len(requests_t):
+        x = _times(requests_t["t"])
+        fig.add_trace(go.Scatter(x=x, y=requests_t["ok_per_s"], name="served req/s", mode="lines"))
+        fig.add_trace(go.Scatter(x=x, y=requests_t["failed_per_s"], name="rejected+expired+errors /s",
+                                 mode="lines", line=dict(color="#d62728")))
+    if len(batches_t):
+        fig.add_trace(go.Scatter(x=_times(batches_t["t"]), y=batches_t["batches_per_s"],
+                                 name="batches/s", mode="lines", line=dict(dash="dot")))
+    fig.update_yaxes(title_text="per second", rangemode="tozero")
+    return add_event_markers(fig, events)
+
+
+def wait_vs_compute(batches_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Figure:
+    fig = _base(CHARTS["wait_compute"])
+    if not len(batches_t):
+        return _empty(fig)
+    x = _times(batches_t["t"])
+    fig.add_trace(go.Scatter(x=x, y=batches_t["queue_wait_mean_s"] * 1000, name="queue wait",
+                             stackgroup="one", mode="lines"))
+    fig.add_trace(go.Scatter(x=x, y=batches_t["compute_mean_s"] * 1000, name="compute",
+                             stackgroup="one", mode="lines"))
+    fig.update_yaxes(title_text="ms per batch (mean)", rangemode="tozero")
+    return add_event_markers(fig, events)
+
+
+def queue_depth(batches_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Figure:
+    fig = _base(CHARTS["queue_depth"])
+    if not len(batches_t) or batches_t["queue_depth_max"].isna().all():
+        return _empty(fig)
+    x = _times(batches_t["t"])
+    fig.add_trace(go.Scatter(x=x, y=batches_t["queue_depth_mean"], name="mean", mode="lines"))
+    fig.add_trace(go.Scatter(x=x, y=batches_t["queue_depth_max"], name="max", mode="lines",
+                             line=dict(dash="dot")))
+    fig.update_yaxes(title_text="waiting requests", rangemode="tozero")
+    return add_event_markers(fig, events)
+
+
+def batch_sizes(sizes: pd.DataFrame, max_batch_size: float | None = None) -> go.Figure:
+    fig = _base(CHARTS["batch_sizes"])
+    fig.update_layout(hovermode="closest")
+    if not len(sizes):
+        return _empty(fig)
+    fig.add_trace(go.Bar(x=sizes["batch_size"], y=sizes["batches"], name="batches"))
+    if max_batch_size and pd.notna(max_batch_size):
+        fig.add_vline(x=float(max_batch_size), line=dict(color="#d62728", dash="dash"),
+                      annotation_text=f"max {int(max_batch_size)}", annotation_position="top")
+    fig.update_xaxes(title_text="batch size")
+    fig.update_yaxes(title_text="batches")
+    return fig
+
+
+def batch_efficiency(sizes: pd.DataFrame) -> go.Figure:
+    fig = _base(CHARTS["batch_efficiency"])
+    fig.update_layout(hovermode="closest")
+    if not len(sizes):
+        return _empty(fig)
+    fig.add_trace(go.Scatter(x=sizes["batch_size"], y=sizes["items_per_compute_s"],
+                             mode="lines+markers", name="items / compute s",
+                             marker=dict(size=(sizes["batches"].clip(upper=400) ** 0.5 + 3))))
+    fig.update_xaxes(title_text="batch size")
+    fig.update_yaxes(title_text="items per compute second", rangemode="tozero")
+    return fig
+
+
+def device(device_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Figure:
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    _style(fig, CHARTS["device"])
+    if not len(device_t):
+        return _empty(fig)
+    for dev, part in device_t.groupby("device"):
+        x = _times(part["t"])
+        fig.add_trace(go.Scatter(x=x, y=part["utilization_pct"], name=f"{dev} utilization %",
+                                 mode="lines"), secondary_y=False)
+        mem = part["memory_used_bytes"]
+        if mem.isna().all():
+            mem = part["process_rss_bytes"]
+        fig.add_trace(go.Scatter(x=x, y=mem / GIB, name=f"{dev} memory GiB", mode="lines",
+                                 line=dict(dash="dot")), secondary_y=True)
+        total = part["memory_total_bytes"].dropna()
+        if len(total):
+            fig.add_trace(go.Scatter(x=[x.iloc[0], x.iloc[-1]], y=[total.max() / GIB] * 2,
+                                     name=f"{dev} memory limit", mode="lines",
+                                     line=dict(color="#999", dash="dash")), secondary_y=True)
+    fig.update_yaxes(title_text="utilization %", range=[0, 105], secondary_y=False)
+    fig.update_yaxes(title_text="GiB", rangemode="tozero", secondary_y=True)
+    return add_event_markers(fig, events, y=100.0)
+
+
+def padding(pad: pd.DataFrame) -> go.Figure:
+    fig = _base(CHARTS["padding"])
+    fig.update_layout(hovermode="closest")
+    if not len(pad):
+        return _empty(fig, "no variable-length batches in this window")
+    labels = [("overflow" if b == -1 else f"≤{int(b)}") for b in pad["bucket"]]
+    fig.add_trace(go.Bar(x=labels, y=pad["waste_fraction"] * 100, name="padding %",
+                         customdata=pad[["batches", "real_elements", "padded_elements"]],
+                         hovertemplate="bucket %{x}<br>waste %{y:.1f}%<br>batches %{customdata[0]}"
+                                       "<br>real %{customdata[1]} / padded %{customdata[2]}"))
+    fig.update_yaxes(title_text="% of computed elements that are padding", range=[0, 100])
+    fig.update_xaxes(title_text="length bucket", type="category")
+    return fig
+
+
+def priority(stats: pd.DataFrame) -> go.Figure:
+    fig = _base(CHARTS["priority"])
+    fig.update_layout(hovermode="closest", barmode="group")
+    if not len(stats):
+        return _empty(fig)
+    labels = [f"priority {int(p)}" for p in stats["priority"]]
+    for p in (50, 95, 99):
+        fig.add_trace(go.Bar(x=labels, y=stats[f"latency_p{p}"] * 1000, name=f"p{p}"))
+    fig.update_yaxes(title_text="latency ms")
+    return fig
+
+
+def model_share(share: pd.DataFrame) -> go.Figure:
+    fig = _base(CHARTS["model_share"])
+    fig.update_layout(hovermode="closest")
+    if not len(share):
+        return _empty(fig)
+    fig.add_trace(go.Pie(labels=share["model"], values=share["compute_total_s"], hole=0.45,
+                         name="compute s", textinfo="label+percent"))
+    return fig
+
+
+def generation(gen_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Figure:
+    fig = make_subplots(rows=2, cols=2, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=("sequences", "tokens per step", "KV cache blocks used",
+                                        "preemptions"))
+    _style(fig, CHARTS["generation"], height=480)
+    if not len(gen_t):
+        return _empty(fig)
+    x = _times(gen_t["t"])
+    fig.add_trace(go.Scatter(x=x, y=gen_t["running"], name="running", mode="lines"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=x, y=gen_t["waiting"], name="waiting", mode="lines"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=x, y=gen_t["tokens_per_step"], name="tokens/step", mode="lines"),
+                  row=1, col=2)
+    fig.add_trace(go.Scatter(x=x, y=gen_t["blocks_used"], name="blocks used", mode="lines"),
+                  row=2, col=1)
+    fig.add_trace(go.Scatter(x=x, y=gen_t["blocks_total"], name="blocks total", mode="lines",
+                             line=dict(dash="dash", color="#999")), row=2, col=1)
+    fig.add_trace(go.Bar(x=x, y=gen_t["preemptions"], name="preemptions"), row=2, col=2)
+    return add_event_markers(fig, events, y=float(gen_t["running"].max()), row=1, col=1)
+
+
+def generation_latency(summary: pd.DataFrame) -> go.Figure:
+    fig = _base(CHARTS["generation_latency"])
+    fig.update_layout(hovermode="closest", barmode="group")
+    if not len(summary) or pd.isna(summary.iloc[0].get("ttft_p50")):
+        return _empty(fig, "no finished generation requests in this window")
+    row = summary.iloc[0]
+    for p in (50, 95, 99):
+        fig.add_trace(go.Bar(x=["time to first token", "time per output token"],
+                             y=[row[f"ttft_p{p}"] * 1000, row[f"tpot_p{p}"] * 1000], name=f"p{p}"))
+    fig.update_yaxes(title_text="ms")
+    return fig
+
+
+def compare(before: pd.DataFrame, after: pd.DataFrame, *, labels=("before", "after")) -> go.Figure:
+    """Key headline figures of two windows side by side (each normalised to 'before')."""
+    fig = _base("Before / after")
+    fig.update_layout(hovermode="closest", barmode="group")
+    keys = [("ok_per_s", "served req/s"), ("mean_batch_size", "mean batch size"),
+            ("latency_p50", "p50 latency"), ("latency_p99", "p99 latency"),
+            ("queue_wait_mean_s", "mean queue wait")]
+    if not len(before) or not len(after):
+        return _empty(fig)
+    for label, frame in zip(labels, (before, after)):
+        row = frame.iloc[0]
+        vals = [row.get(k) for k, _ in keys]
+        texts = [("—" if v is None or pd.isna(v) else
+                  (f"{v * 1000:.1f} ms" if k.endswith(("_s", "p50", "p99")) else f"{v:.1f}"))
+                 for v, (k, _) in zip(vals, keys)]
+        base = [before.iloc[0].get(k) for k, _ in keys]
+        rel = [(v / b if v is not None and b and pd.notna(v) and pd.notna(b) else None)
+               for v, b in zip(vals, base)]
+        fig.add_trace(go.Bar(x=[n for _, n in keys], y=rel, name=label, text=texts,
+                             textposition="outside"))
+    fig.update_yaxes(title_text="relative to before")
+    return fig
+
+
+def build_all(bundle: dict[str, pd.DataFrame], *, slo_ms: float | None = None) -> dict[str, go.Figure]:
+    """Every chart of a ``queries.live_bundle`` result, keyed like ``CHARTS``."""
+    ev = bundle.get("events")
+    head = bundle["headline"].iloc[0] if len(bundle["headline"]) else {}
+    figs = {
+        "latency": latency(bundle["requests_t"], ev, slo_ms),
+        "throughput": throughput(bundle["requests_t"], bundle["batches_t"], ev),
+        "wait_compute": wait_vs_compute(bundle["batches_t"], ev),
+        "queue_depth": queue_depth(bundle["batches_t"], ev),
+        "batch_sizes": batch_sizes(bundle["batch_sizes"], head.get("max_batch_size")),
+        "batch_efficiency": batch_efficiency(bundle["batch_sizes"]),
+        "device": device(bundle["device_t"], ev),
+        "padding": padding(bundle["padding"]),
+        "priority": priority(bundle["priority"]),
+        "model_share": model_share(bundle["model_share"]),
+    }
+    if "generation_t" in bundle:
+        figs["generation"] = generation(bundle["generation_t"], ev)
+        figs["generation_latency"] = generation_latency(bundle["generation"])
+    return figs
