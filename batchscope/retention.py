@@ -1,0 +1,312 @@
+"""Retention: roll raw rows older than a window into per-interval summaries.
+
+``requests`` and ``batches`` rows older than the cutoff are summarised per
+(instance, model, interval) into ``rollups`` and deleted in the same transaction, so
+every row is counted exactly once: either raw or in a roll-up. Rows inside the raw
+window are never touched, so percentiles there stay exact. Events (except
+``settings_change``, kept for the settings history), device samples and generation
+steps older than the cutoff are deleted.
+
+What a roll-up row holds:
+
+* ``requests`` (all outcomes), ``requests_ok``, ``requests_failed`` and
+  ``outcomes_json`` ({outcome: count});
+* ``latency_sum_s``, ``queue_wait_sum_s`` and ``latency_hist_json`` over completed
+  (``ok``) requests: mean latency = ``latency_sum_s / requests_ok``; the histogram maps
+  each upper bound of :data:`LATENCY_BOUNDS_S` (as text, ``"inf"`` for the rest) to a
+  count, and :func:`hist_quantile` reads percentiles from it;
+* ``batches``, ``batch_size_sum``, ``real_elements``, ``padded_elements``,
+  ``compute_sum_s`` and ``batch_size_hist_json`` ({batch size: count}) over all batches.
+
+The cutoff is rounded down to a whole interval, and an interval that already has a
+roll-up (rows that arrived late) is merged into it, so running this again, or while
+the recorder writes, is safe. Work is cut into chunks of ``chunk_intervals`` intervals,
+one short transaction each, so writers are never blocked for long. On SQLite each
+chunk takes the write lock up front (``BEGIN IMMEDIATE``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from bisect import bisect_left
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping
+
+from sqlalchemy import Connection, Engine, Integer, case, cast, delete, func, insert, select, update
+
+from batchscope.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord, Rollup
+
+#: Upper bounds (seconds) of the latency histogram: 8 per decade from 0.1 ms to 100 s.
+LATENCY_BOUNDS_S: tuple[float, ...] = tuple(float(f"{1e-4 * 10 ** (i / 8):.4g}") for i in range(49))
+_LATENCY_KEYS: tuple[str, ...] = tuple(f"{b:g}" for b in LATENCY_BOUNDS_S) + ("inf",)
+#: Event kinds kept beyond the raw window.
+KEPT_EVENT_KINDS: tuple[str, ...] = ("settings_change",)
+
+
+@dataclass(frozen=True, slots=True)
+class RollupStats:
+    cutoff: float
+    requests_rolled: int = 0
+    batches_rolled: int = 0
+    rollups_inserted: int = 0
+    rollups_merged: int = 0
+    events_deleted: int = 0
+    device_samples_deleted: int = 0
+    generation_steps_deleted: int = 0
+    rollups_deleted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    """Keep raw rows for ``raw_max_age_s``; summarise older ones per ``interval_s``;
+    drop roll-ups older than ``rollup_max_age_s`` (None keeps them forever)."""
+
+    raw_max_age_s: float
+    interval_s: float = 60.0
+    rollup_max_age_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("raw_max_age_s", "interval_s", "rollup_max_age_s"):
+            value = getattr(self, name)
+            if value is None and name == "rollup_max_age_s":
+                continue
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+
+
+@dataclass(slots=True)
+class _Acc:
+    """A roll-up row being built."""
+
+    requests: int = 0
+    requests_ok: int = 0
+    outcomes: dict = field(default_factory=dict)
+    queue_wait_sum_s: float = 0.0
+    latency_sum_s: float = 0.0
+    latency_hist: dict = field(default_factory=dict)
+    batches: int = 0
+    batch_size_sum: int = 0
+    real_elements: int = 0
+    padded_elements: int = 0
+    compute_sum_s: float = 0.0
+    batch_size_hist: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ histograms
+
+def latency_bucket(latency_s: float) -> str:
+    """The histogram key (upper bound as text) a latency falls into."""
+    return _LATENCY_KEYS[bisect_left(LATENCY_BOUNDS_S, latency_s)]
+
+
+def merge_hists(*hists: Mapping[str, int]) -> dict[str, int]:
+    merged: dict[str, int] = {}
+    for hist in hists:
+        for key, n in hist.items():
+            merged[key] = merged.get(key, 0) + int(n)
+    return merged
+
+
+def hist_quantile(hist: Mapping[str, int] | str, q: float) -> float | None:
+    """The ``q`` quantile (0..1) of a histogram {upper bound: count}, as the upper bound
+    of the bucket holding it (``inf`` when beyond the last bound); None when empty."""
+    if isinstance(hist, str):
+        hist = json.loads(hist or "{}")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q={q!r} must be between 0 and 1")
+    items = sorted((float(k), int(n)) for k, n in hist.items() if int(n) > 0)
+    total = sum(n for _, n in items)
+    if total == 0:
+        return None
+    rank = max(1, math.ceil(q * total))
+    seen = 0
+    for bound, n in items:
+        seen += n
+        if seen >= rank:
+            return bound
+    return items[-1][0]
+
+
+# ------------------------------------------------------------------ transactions
+
+@contextmanager
+def _write_transaction(engine: Engine) -> Iterator[Connection]:
+    """A transaction that holds the write lock from its first statement on SQLite, so
+    rows read for the summary cannot change before they are deleted."""
+    with engine.connect() as conn:
+        if conn.dialect.name == "sqlite":
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        try:
+            yield conn
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+
+
+def _interval_index(conn: Connection, column, interval_s: float):
+    ratio = column / interval_s
+    if conn.dialect.name == "sqlite":
+        return cast(ratio, Integer)  # truncation = floor for the positive epoch times stored
+    return func.floor(ratio)
+
+
+# ------------------------------------------------------------------ roll-up
+
+def roll_up(engine: Engine, *, older_than: float, interval_s: float = 60.0,
+            chunk_intervals: int = 60) -> RollupStats:
+    """Summarise and delete raw rows older than ``older_than`` (wall seconds).
+
+    The cutoff is ``older_than`` rounded down to a multiple of ``interval_s``. Returns
+    what was done. Idempotent; safe while the recorder writes."""
+    if not (math.isfinite(interval_s) and interval_s > 0):
+        raise ValueError(f"interval_s={interval_s!r} must be a positive number of seconds")
+    if chunk_intervals < 1:
+        raise ValueError(f"chunk_intervals={chunk_intervals!r} must be at least 1")
+    cutoff = math.floor(older_than / interval_s) * interval_s
+    totals = {"requests_rolled": 0, "batches_rolled": 0, "rollups_inserted": 0, "rollups_merged": 0}
+    while True:
+        with engine.connect() as conn:
+            oldest = [conn.execute(select(func.min(col)).where(col < cutoff)).scalar()
+                      for col in (RequestRecord.finished_at, BatchRecord.ended_at)]
+        oldest = [t for t in oldest if t is not None]
+        if not oldest:
+            break
+        chunk_end = min(cutoff, (math.floor(min(oldest) / interval_s) + chunk_intervals) * interval_s)
+        with _write_transaction(engine) as conn:
+            done = _roll_chunk(conn, before=chunk_end, interval_s=interval_s)
+        for key, n in done.items():
+            totals[key] += n
+    with _write_transaction(engine) as conn:
+        events = conn.execute(delete(EventRecord).where(
+            EventRecord.at < cutoff, EventRecord.kind.not_in(KEPT_EVENT_KINDS))).rowcount
+        samples = conn.execute(delete(DeviceSample).where(DeviceSample.at < cutoff)).rowcount
+        steps = conn.execute(delete(GenerationStep).where(GenerationStep.at < cutoff)).rowcount
+    return RollupStats(cutoff=cutoff, events_deleted=events, device_samples_deleted=samples,
+                       generation_steps_deleted=steps, **totals)
+
+
+def _roll_chunk(conn: Connection, *, before: float, interval_s: float) -> dict[str, int]:
+    req, bat = RequestRecord, BatchRecord
+    # rows committed after this point get higher ids and are left for the next run
+    req_max = conn.execute(select(func.max(req.id))).scalar() or 0
+    bat_max = conn.execute(select(func.max(bat.id))).scalar() or 0
+    req_where = (req.finished_at < before, req.id <= req_max)
+    bat_where = (bat.ended_at < before, bat.id <= bat_max)
+    accs: dict[tuple[str, str, int], _Acc] = {}
+
+    k = _interval_index(conn, req.finished_at, interval_s).label("k")
+    bucket = case((req.outcome != "ok", -1),
+                  *[(req.latency_s <= b, i) for i, b in enumerate(LATENCY_BOUNDS_S)],
+                  else_=len(LATENCY_BOUNDS_S)).label("bucket")
+    groups = (req.instance_id, req.model, k, req.outcome, bucket)
+    rows = conn.execute(select(*groups, func.count(), func.sum(req.queue_wait_s), func.sum(req.latency_s))
+                        .where(*req_where).group_by(*groups))
+    requests = 0
+    for instance_id, model, idx, outcome, b, n, wait_s, latency_s in rows:
+        acc = accs.setdefault((instance_id, model, int(idx)), _Acc())
+        acc.requests += n
+        acc.outcomes[outcome] = acc.outcomes.get(outcome, 0) + n
+        requests += n
+        if outcome == "ok":
+            acc.requests_ok += n
+            acc.queue_wait_sum_s += wait_s or 0.0
+            acc.latency_sum_s += latency_s or 0.0
+            key = _LATENCY_KEYS[b]
+            acc.latency_hist[key] = acc.latency_hist.get(key, 0) + n
+
+    k = _interval_index(conn, bat.ended_at, interval_s).label("k")
+    groups = (bat.instance_id, bat.model, k, bat.batch_size)
+    rows = conn.execute(select(*groups, func.count(), func.sum(bat.real_elements), func.sum(bat.padded_elements),
+                               func.sum(bat.compute_s)).where(*bat_where).group_by(*groups))
+    batches = 0
+    for instance_id, model, idx, size, n, real, padded, compute_s in rows:
+        acc = accs.setdefault((instance_id, model, int(idx)), _Acc())
+        acc.batches += n
+        acc.batch_size_sum += n * size
+        acc.real_elements += real or 0
+        acc.padded_elements += padded or 0
+        acc.compute_sum_s += compute_s or 0.0
+        acc.batch_size_hist[str(size)] = acc.batch_size_hist.get(str(size), 0) + n
+        batches += n
+
+    inserted, merged = _store(conn, accs, interval_s)
+    deleted_requests = conn.execute(delete(req).where(*req_where)).rowcount
+    deleted_batches = conn.execute(delete(bat).where(*bat_where)).rowcount
+    if (deleted_requests, deleted_batches) != (requests, batches):
+        # the rows changed between summary and delete (possible only without a write
+        # lock): roll everything back rather than lose or double-count rows
+        raise RuntimeError(f"retention summarised {requests} requests/{batches} batches but would delete "
+                           f"{deleted_requests}/{deleted_batches}; rolled back, run it again")
+    return {"requests_rolled": requests, "batches_rolled": batches,
+            "rollups_inserted": inserted, "rollups_merged": merged}
+
+
+def _store(conn: Connection, accs: dict[tuple[str, str, int], _Acc], interval_s: float) -> tuple[int, int]:
+    if not accs:
+        return 0, 0
+    starts = [idx * interval_s for _, _, idx in accs]
+    existing = {(r.instance_id, r.model, r.interval_start): r for r in conn.execute(
+        select(Rollup.__table__).where(Rollup.interval_s == interval_s,
+                                       Rollup.interval_start >= min(starts),
+                                       Rollup.interval_start <= max(starts)))}
+    new_rows, merged = [], 0
+    for (instance_id, model, idx), acc in accs.items():
+        start = idx * interval_s
+        values = _values(acc)
+        old = existing.get((instance_id, model, start))
+        if old is None:
+            new_rows.append({"instance_id": instance_id, "model": model, "interval_start": start,
+                             "interval_s": interval_s, **values})
+            continue
+        merged += 1
+        conn.execute(update(Rollup).where(Rollup.id == old.id).values(_merge(old, values)))
+    if new_rows:
+        conn.execute(insert(Rollup), new_rows)
+    return len(new_rows), merged
+
+
+def _values(acc: _Acc) -> dict:
+    return {"requests": acc.requests, "requests_ok": acc.requests_ok,
+            "requests_failed": acc.requests - acc.requests_ok, "batches": acc.batches,
+            "batch_size_sum": acc.batch_size_sum, "real_elements": acc.real_elements,
+            "padded_elements": acc.padded_elements, "queue_wait_sum_s": acc.queue_wait_sum_s,
+            "compute_sum_s": acc.compute_sum_s, "latency_sum_s": acc.latency_sum_s,
+            "latency_hist_json": json.dumps(acc.latency_hist, sort_keys=True),
+            "batch_size_hist_json": json.dumps(acc.batch_size_hist, sort_keys=True),
+            "outcomes_json": json.dumps(acc.outcomes, sort_keys=True)}
+
+
+def _merge(old, values: dict) -> dict:
+    merged = {}
+    for name, value in values.items():
+        if name.endswith("_json"):
+            merged[name] = json.dumps(merge_hists(json.loads(getattr(old, name) or "{}"), json.loads(value)),
+                                      sort_keys=True)
+        else:
+            merged[name] = (getattr(old, name) or 0) + value
+    return merged
+
+
+# ------------------------------------------------------------------ policy
+
+def enforce(engine: Engine, policy: RetentionPolicy, now: float) -> RollupStats:
+    """Apply ``policy`` at wall time ``now``: roll up, then drop roll-ups past their age."""
+    stats = roll_up(engine, older_than=now - policy.raw_max_age_s, interval_s=policy.interval_s)
+    if policy.rollup_max_age_s is None:
+        return stats
+    with _write_transaction(engine) as conn:
+        gone = conn.execute(delete(Rollup).where(
+            Rollup.interval_start + Rollup.interval_s <= now - policy.rollup_max_age_s)).rowcount
+    return RollupStats(**{**_fields(stats), "rollups_deleted": gone})
+
+
+def _fields(stats: RollupStats) -> dict:
+    return {name: getattr(stats, name) for name in RollupStats.__slots__}
+
+
+def run_retention(engine: Engine, *, now: float, raw_keep_s: float, interval_s: float = 60.0) -> RollupStats:
+    """What the runtime calls periodically: keep ``raw_keep_s`` of raw rows."""
+    return enforce(engine, RetentionPolicy(raw_max_age_s=raw_keep_s, interval_s=interval_s), now)
