@@ -37,7 +37,7 @@ CHARTS: dict[str, str] = {
 
 
 def _times(seconds) -> pd.Series:
-    return pd.to_datetime(pd.Series(seconds, dtype="float64"), unit="s")
+    return pd.to_datetime(pd.Series(seconds, dtype="float64"), unit="s").dt.floor("us")
 
 
 def _base(title: str, *, height: int = 320) -> go.Figure:
