@@ -1,0 +1,357 @@
+"""Iteration-level scheduling of generation requests: a synchronous state machine.
+
+The caller drives it, passing the time in::
+
+    scheduler.add_request(seq)                     # joins the waiting queue
+    out = scheduler.schedule(now)                  # which tokens of which sequences run this step
+    logits = model.step(out.chunks)                # (the caller runs the model and samples)
+    result = scheduler.update_from_output(out, sampled_tokens, now)
+
+Every sequence is described by its known tokens (prompt + generated so far) and how
+many of them already have KV entries (``num_computed``). A step computes the
+missing ones, capped by ``max_num_batched_tokens``: a long prompt is prefilled in
+chunks, a running sequence computes its one newest token. When a chunk reaches the
+end of a sequence's known tokens, the sampled token is appended.
+
+Continuous mode: waiting requests join at the next step as long as their prompt's
+blocks fit, and a sequence leaves (freeing its blocks) as soon as it ends. When the
+cache runs short for running sequences to grow, the lowest-priority, newest one is
+preempted: its blocks are freed and it goes back to the waiting queue keeping its
+tokens, to be recomputed when it resumes.
+
+Static mode: a batch is admitted only when nothing is running, each member reserving
+blocks for its whole possible length; no one joins until the whole batch has ended.
+
+Every sequence ends exactly once, with an outcome: ok, expired, cancelled or error.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.errors import ClientError, ValidationError
+from runtime.generation.config import GenerationConfig
+from runtime.generation.kv_cache import BlockManager
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One generation request as the scheduler sees it."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    priority: int
+    arrival_s: float
+    #: monotonic time after which the request expires if it has not started yet
+    deadline_s: float | None = None
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    seed: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: str = WAITING
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    #: why generation stopped: "stop" (end token) or "length" (max_new_tokens / max_model_len)
+    finish_reason: str | None = None
+    #: ok | expired | cancelled | error
+    outcome: str | None = None
+    error: BaseException | None = None
+    num_preemptions: int = 0
+    #: sampling state kept across steps (e.g. a seeded torch.Generator)
+    sampler_state: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        n_prompt = len(self.prompt_ids)
+        if stop <= n_prompt:
+            return self.prompt_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_ids[start - n_prompt:stop - n_prompt]
+        return self.prompt_ids[start:] + self.output_ids[:stop - n_prompt]
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: lower priority number first, then earlier arrival."""
+        return (self.priority, self.arrival_s, self.seq_id)
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """The tokens of one sequence computed in one step."""
+
+    seq_id: int
+    token_ids: list[int]
+    #: position of ``token_ids[0]`` in the sequence
+    start_pos: int
+    block_table: list[int]
+    #: the chunk reaches the end of the known tokens: a new token is sampled from its last logits
+    completes: bool
+    #: a single newest token of a sequence that already generated (as opposed to prefill/recompute)
+    is_decode: bool
+
+
+@dataclass
+class SchedulerOutput:
+    mode: str
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    #: sequences joining the running batch this step
+    admitted: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    expired: list[Sequence] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    blocks_used: int = 0
+    blocks_free: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class StepResult:
+    #: (sequence, token id) for every token generated this step, in chunk order
+    new_tokens: list[tuple[Sequence, int]] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: GenerationConfig, *, eos_token_id: int | None = None,
+                 vocab_size: int | None = None) -> None:
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.blocks = BlockManager(config.num_cache_blocks, config.block_size)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._live: dict[int, Sequence] = {}
+        self.total_preemptions = 0
+        self.total_steps = 0
+
+    # -- submission -----------------------------------------------------------------
+    def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """Refuse a request that can never run, saying why and what would fit."""
+        cfg = self.config
+        if not prompt_ids:
+            raise ClientError("the prompt is empty; send at least one token")
+        if self.vocab_size is not None:
+            bad = [t for t in prompt_ids if not (0 <= t < self.vocab_size)]
+            if bad:
+                raise ClientError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                  f"[0, {self.vocab_size})")
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise ValidationError(f"max_tokens={max_new_tokens!r} must be a positive integer")
+        total = len(prompt_ids) + max_new_tokens
+        if total > cfg.max_model_len:
+            raise ValidationError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new_tokens}) is "
+                f"{total} tokens, beyond max_model_len={cfg.max_model_len}; shorten the prompt "
+                f"or ask for at most {max(0, cfg.max_model_len - len(prompt_ids))} tokens")
+        if total > cfg.cache_tokens:
+            raise ValidationError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new_tokens}) needs "
+                f"{self.blocks.blocks_for(total)} KV-cache blocks but the whole cache has "
+                f"{cfg.num_cache_blocks} ({cfg.cache_tokens} tokens); ask for fewer tokens")
+
+    def add_request(self, seq: Sequence) -> None:
+        if seq.seq_id in self._live:
+            raise ValueError(f"sequence {seq.seq_id} was already added")
+        self.check(seq.prompt_ids, seq.max_new_tokens)
+        seq.status = WAITING
+        self._live[seq.seq_id] = seq
+        insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def abort(self, seq_id: int, now: float, outcome: str = "cancelled",
+              error: BaseException | None = None) -> Sequence | None:
+        """End a sequence wherever it is (client gone, shutdown); None if already ended."""
+        seq = self._live.get(seq_id)
+        if seq is None:
+            return None
+        if seq.status == WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        self._finish(seq, now, outcome, None, error)
+        return seq
+
+    def abort_all(self, now: float, outcome: str, error: BaseException | None = None
+                  ) -> list[Sequence]:
+        return [s for s in (self.abort(i, now, outcome, error) for i in list(self._live))
+                if s is not None]
+
+    # -- figures --------------------------------------------------------------------
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._live.get(seq_id)
+
+    # -- one step -------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        cfg = self.config
+        out = SchedulerOutput(mode=cfg.mode)
+        self._expire(now, out)
+        budget = cfg.max_num_batched_tokens
+        self.running.sort(key=Sequence.sort_key)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.allocate(seq.seq_id, seq.num_computed + num_new):
+                victim = self.running[-1]  # lowest priority, newest
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status != RUNNING:
+                break  # it preempted itself: everyone after it is gone as well
+            budget -= self._add_chunk(out, seq, num_new)
+            i += 1
+
+        if cfg.mode == "static":
+            if not self.running and not out.preempted:
+                self._admit_static_batch(out, budget, now)
+        elif not out.preempted:
+            self._admit_continuous(out, budget, now)
+
+        out.num_running = len(self.running)
+        out.num_waiting = len(self.waiting)
+        out.blocks_used = self.blocks.num_used
+        out.blocks_free = self.blocks.num_free
+        if out.chunks:
+            self.total_steps += 1
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int],
+                           now: float) -> StepResult:
+        """Record that ``out`` ran: advance the computed counts, append sampled tokens,
+        end the sequences that stopped (freeing their blocks)."""
+        result = StepResult()
+        for chunk in out.chunks:
+            seq = self._live.get(chunk.seq_id)
+            if seq is None or seq.status != RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed = chunk.start_pos + len(chunk.token_ids)
+            if not chunk.completes:
+                continue
+            token = int(sampled[chunk.seq_id])
+            seq.output_ids.append(token)
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            result.new_tokens.append((seq, token))
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, now, "ok", reason)
+                result.finished.append(seq)
+        return result
+
+    def fail_step(self, out: SchedulerOutput, now: float, error: BaseException) -> list[Sequence]:
+        """The model raised running ``out``: every sequence in it ends with outcome error."""
+        failed = []
+        for chunk in out.chunks:
+            seq = self.abort(chunk.seq_id, now, "error", error)
+            if seq is not None:
+                failed.append(seq)
+        return failed
+
+    # -- internals ------------------------------------------------------------------
+    def _add_chunk(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> int:
+        start = seq.num_computed
+        stop = start + num_new
+        is_decode = num_new == 1 and bool(seq.output_ids) and stop == seq.num_tokens
+        out.chunks.append(ScheduledChunk(
+            seq_id=seq.seq_id, token_ids=seq.token_slice(start, stop), start_pos=start,
+            block_table=self.blocks.block_table(seq.seq_id), completes=stop == seq.num_tokens,
+            is_decode=is_decode))
+        if is_decode:
+            out.decode_tokens += 1
+        else:
+            out.prefill_tokens += num_new
+        return num_new
+
+    def _start_running(self, out: SchedulerOutput, seq: Sequence, now: float) -> None:
+        self.waiting.remove(seq)
+        if seq.first_scheduled_s is None:
+            seq.first_scheduled_s = now
+        seq.status = RUNNING
+        self.running.append(seq)
+        out.admitted.append(seq.seq_id)
+
+    def _admit_continuous(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        cfg = self.config
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                return
+            # keep one free block per running sequence so the batch can keep growing
+            headroom = len(self.running)
+            missing = self.blocks.blocks_missing(seq.seq_id, seq.num_tokens)
+            if missing + headroom > self.blocks.num_free:
+                return  # strict order: a large request is not overtaken by smaller ones
+            self.blocks.allocate(seq.seq_id, seq.num_tokens)
+            self._start_running(out, seq, now)
+            budget -= self._add_chunk(out, seq, min(seq.num_tokens - seq.num_computed, budget))
+
+    def _admit_static_batch(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        cfg = self.config
+        for seq in list(self.waiting):
+            if len(self.running) >= cfg.max_num_seqs:
+                break
+            # reserve the whole possible length up front: nobody has to grow later
+            full = min(len(seq.prompt_ids) + seq.max_new_tokens, cfg.max_model_len)
+            if not self.blocks.allocate(seq.seq_id, full):
+                break
+            self._start_running(out, seq, now)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            budget -= self._add_chunk(out, seq, min(seq.num_tokens - seq.num_computed, budget))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = WAITING
+        seq.num_preemptions += 1
+        self.total_preemptions += 1
+        insort(self.waiting, seq, key=Sequence.sort_key)
+        out.preempted.append(seq.seq_id)
+
+    def _expire(self, now: float, out: SchedulerOutput) -> None:
+        for seq in [s for s in self.waiting if s.deadline_s is not None
+                    and s.first_scheduled_s is None and now >= s.deadline_s]:
+            self.waiting.remove(seq)
+            self._finish(seq, now, "expired", None)
+            out.expired.append(seq)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if not seq.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id:
+            return "stop"
+        if len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, now: float, outcome: str, reason: str | None,
+                error: BaseException | None = None) -> None:
+        self.blocks.free(seq.seq_id)
+        self._live.pop(seq.seq_id, None)
+        seq.status = FINISHED
+        seq.finished_s = now
+        seq.outcome = outcome
+        seq.finish_reason = reason
+        seq.error = error
