@@ -18,7 +18,7 @@ import signal
 import socket
 import threading
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 import uvicorn
 from starlette.routing import BaseRoute
@@ -70,12 +70,24 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+class Mount(Protocol):
+    """Extra endpoints with their own lifecycle (e.g. ``/v1/completions`` of a generation
+    model): the routes are added to the app; ``start``/``stop`` run with the server's."""
+
+    routes: Sequence[BaseRoute]
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 class Service:
     """Everything one serving process runs, built from models and settings."""
 
     def __init__(self, models: dict[str, ModelAPI], configs: dict[str, BatchingConfig] | None,
                  server: ServerConfig, *, instance_id: str | None = None, device: str = "cpu",
-                 extra_routes: Sequence[BaseRoute] = (), version: str = VERSION) -> None:
+                 mounts: Sequence[Mount] = (), version: str = VERSION,
+                 on_started: Callable[["Service"], None] | None = None) -> None:
         from runtime.engine import Engine  # the engine pulls in torch; import on use
 
         self.server_config = server
@@ -98,6 +110,10 @@ class Service:
                              device=device)
         self.metrics.bind(stats=self._all_stats, dropped=self._dropped)
         self.live = None
+        self.sampler = None
+        self.mounts = list(mounts)
+        self.on_started = on_started
+        extra_routes = [route for mount in self.mounts for route in mount.routes]
         self.app = build_app(self.engine, metrics=self.metrics, extra_routes=extra_routes,
                              version=version, lifespan=self._lifespan)
         self._server: _Server | None = None
@@ -123,6 +139,8 @@ class Service:
         if self.db_recorder is not None:
             self.db_recorder.start()
         await self.engine.start()
+        for mount in self.mounts:
+            await mount.start()
         if self.db is not None:
             from runtime.live import LiveLink
 
@@ -130,12 +148,24 @@ class Service:
                                  url=self.url, device=str(self.device), version=self.version,
                                  recorder=self.db_recorder, server=self.server_config)
             await self.live.start()
+            from batchscope.telemetry import DeviceSampler
+
+            self.sampler = DeviceSampler(self.instance_id, self.db_recorder,
+                                         interval_s=self.server_config.device_sample_interval_s,
+                                         torch_device=str(self.device))
+            self.sampler.start()
         self.started.set()
+        if self.on_started is not None:
+            self.on_started(self)
 
     async def shutdown(self) -> None:
         try:
+            for mount in self.mounts:
+                await mount.stop()
             await self.engine.stop()
         finally:
+            if self.sampler is not None:
+                await asyncio.to_thread(self.sampler.stop)
             if self.live is not None:
                 await self.live.stop()
             if self.db_recorder is not None:

@@ -1,0 +1,280 @@
+"""The ``batchscope`` command: ``serve``, ``load`` and ``snapshot``.
+
+Input mistakes (unknown model, bad flag values, invalid settings) end with exit
+status 2 and one line on stderr saying what was wrong; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+from runtime.errors import BatchScopeError, ConfigError
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A mistake in the command line; reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+# -- serve --------------------------------------------------------------------------------
+#: batching flags: (flag, field, parse) -- each applies to every served model
+def _optional_ms(text: str) -> float | None:
+    if text.lower() in ("none", "null", "off"):
+        return None
+    return float(text)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+_BATCHING_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--policy", "policy", str, "static, dynamic or adaptive"),
+    ("--max-batch-size", "max_batch_size", int, "largest batch"),
+    ("--max-queue-delay-ms", "max_queue_delay_ms", _optional_ms,
+     "longest wait for companions; 'none' = work-conserving"),
+    ("--max-queue-size", "max_queue_size", int, "waiting requests beyond this get 429"),
+    ("--preferred-batch-sizes", "preferred_batch_sizes", _int_list, "e.g. 8,16,32"),
+    ("--bucket-edges", "bucket_edges", _int_list, "length buckets, e.g. 32,64,128"),
+    ("--priority-levels", "priority_levels", int, "number of priority levels"),
+    ("--default-timeout-ms", "default_timeout_ms", _optional_ms, "timeout when a request gives none"),
+    ("--static-max-wait-ms", "static_max_wait_ms", float, "static policy: longest wait"),
+    ("--memory-budget-mb", "memory_budget_mb", _optional_ms, "CPU memory budget per batch"),
+]
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve models over HTTP (KServe v2)")
+    p.add_argument("--model", action="append", dest="models", metavar="SPEC",
+                   help="builtin name (mlp, encoder, minilm), module:Class or path/file.py:Class; "
+                        "repeat for several models (default: mlp and encoder)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--db", default=None, metavar="URL",
+                   help="SQLAlchemy URL (default $BATCHSCOPE_DB_URL or sqlite:///data/batchscope.db)")
+    p.add_argument("--no-record", action="store_true", help="do not write to the database")
+    p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--instance-id", default=None)
+    p.add_argument("--heartbeat-interval-s", type=float, default=2.0)
+    p.add_argument("--control-poll-interval-s", type=float, default=0.5)
+    p.add_argument("--retention-raw-s", type=float, default=24 * 3600.0)
+    for flag, _, parse, text in _BATCHING_FLAGS:
+        p.add_argument(flag, type=parse, default=argparse.SUPPRESS, help=text)
+    p.add_argument("--no-bucketing", action="store_true", help="one queue regardless of length")
+    p.add_argument("--model-config", action="append", default=[], metavar="NAME=PATH.json",
+                   help="per-model batching settings from a JSON object")
+    p.add_argument("--set", action="append", default=[], dest="sets", metavar="NAME.FIELD=VALUE",
+                   help="one per-model setting, value as JSON (e.g. mlp.max_batch_size=8)")
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def batching_configs(args: argparse.Namespace, names: Sequence[str]) -> dict:
+    """Per-model ``BatchingConfig`` from the shared flags, then files, then ``--set``."""
+    from runtime.config import BatchingConfig
+
+    shared: dict[str, Any] = {}
+    for _, field_name, _, _ in _BATCHING_FLAGS:
+        if hasattr(args, field_name):  # given on the command line ('none' included)
+            shared[field_name] = getattr(args, field_name)
+    if args.no_bucketing:
+        shared["bucketing"] = False
+    per_model: dict[str, dict[str, Any]] = {name: dict(shared) for name in names}
+    for item in args.model_config:
+        name, sep, path = item.partition("=")
+        if not sep or name not in per_model:
+            raise UsageError(f"--model-config {item!r}: write NAME=PATH.json with NAME one of "
+                             f"{list(names)}")
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--model-config {item!r}: cannot read a JSON object from {path} "
+                             f"({exc})") from None
+        if not isinstance(doc, dict):
+            raise UsageError(f"--model-config {item!r}: {path} must hold a JSON object of settings")
+        per_model[name].update(doc)
+    for item in args.sets:
+        key, sep, value = item.partition("=")
+        name, dot, field_name = key.rpartition(".")
+        if not sep or not dot or name not in per_model:
+            raise UsageError(f"--set {item!r}: write NAME.FIELD=VALUE with NAME one of {list(names)}")
+        per_model[name][field_name] = _json_value(value)
+    configs = {}
+    for name, changes in per_model.items():
+        try:
+            configs[name] = BatchingConfig().with_changes(changes)
+        except ConfigError as exc:
+            raise UsageError(f"batchscope serve: model {name!r}: {exc.message}") from None
+    return configs
+
+
+def load_models(specs: Sequence[str]) -> dict:
+    from runtime.loader import load_model
+
+    models: dict[str, Any] = {}
+    for spec in specs:
+        model = load_model(spec)
+        if model.name in models:
+            raise UsageError(f"two models are named {model.name!r}; serve one under another name "
+                             f"with NAME=SPEC, e.g. --model {model.name}2={spec}")
+        models[model.name] = model
+    return models
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from runtime.config import ServerConfig
+    from batchscope.db import default_url
+
+    specs = args.models or ["mlp", "encoder"]
+    server = ServerConfig(host=args.host, port=args.port, database_url=args.db or default_url(),
+                          record=not args.no_record, torch_threads=args.torch_threads,
+                          heartbeat_interval_s=args.heartbeat_interval_s,
+                          control_poll_interval_s=args.control_poll_interval_s,
+                          retention_raw_s=args.retention_raw_s, models=tuple(specs))
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    models = load_models(specs)
+    configs = batching_configs(args, list(models))
+    return run_service(models, configs, server, device=args.device, instance_id=args.instance_id)
+
+
+def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu",
+                instance_id: str | None = None, banner: str = "serving") -> int:
+    """Serve in the foreground until SIGINT/SIGTERM; prints the URL once ready."""
+    from runtime.server.service import Service, new_event_loop
+
+    def announce(service: Service) -> None:
+        where = server.database_url if server.record else "not recording"
+        print(f"batchscope {banner} on {service.url}  models: {', '.join(models)}  "
+              f"device: {device}  database: {where}", flush=True)
+
+    service = Service(models, configs, server, device=device, instance_id=instance_id,
+                      on_started=announce)
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(service.serve())
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {server.host}:{server.port} ({exc.strerror or exc}); "
+                         "pick another --port or stop what uses it") from None
+    except RuntimeError as exc:  # startup failed; the reason was logged above
+        print(f"batchscope: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        loop.close()
+    print("batchscope stopped", flush=True)
+    return 0
+
+
+# -- load ---------------------------------------------------------------------------------
+def _add_load(sub: Any) -> None:
+    p = sub.add_parser("load", help="drive a server with closed- or open-loop load")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--concurrency", type=int, default=16, help="closed loop: connections")
+    p.add_argument("--rate", type=float, default=None,
+                   help="open loop: Poisson arrivals per second (overrides --concurrency)")
+    p.add_argument("--duration-s", type=float, default=10.0)
+    p.add_argument("--max-requests", type=int, default=1_000_000)
+    p.add_argument("--lengths", default=None, help="uniform:8:128, fixed:64 or choice:16,64")
+    p.add_argument("--priority", default=None,
+                   help="HTTP priority (1 = most urgent) or a mix like 1=0.1,2=0.9")
+    p.add_argument("--timeout-ms", type=float, default=None)
+    p.add_argument("--bypass", action="store_true", help="ask for the bypass lane")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--ceiling", action="store_true",
+                   help="measure the generator's own ceiling against a trivial local server")
+
+
+def _load(args: argparse.Namespace) -> int:
+    from runtime.loadgen import measure_ceiling, run_load
+
+    if args.ceiling:
+        report = measure_ceiling(duration_s=args.duration_s, concurrency=args.concurrency)
+    else:
+        report = run_load(args.url, args.model, concurrency=args.concurrency, rate=args.rate,
+                          duration_s=args.duration_s, max_requests=args.max_requests,
+                          lengths=args.lengths, priority=args.priority,
+                          timeout_ms=args.timeout_ms, bypass=args.bypass, seed=args.seed)
+    print(json.dumps(report.to_dict()) if args.json else report.summary(), flush=True)
+    return 0
+
+
+# -- snapshot -------------------------------------------------------------------------------
+def _snapshot(argv: list[str]) -> int:
+    try:
+        from batchscope import snapshot
+    except ImportError:
+        raise UsageError("snapshot export is not available in this build "
+                         "(batchscope.snapshot is missing)") from None
+    export = getattr(snapshot, "cli_export", None)
+    if export is None:
+        raise UsageError("snapshot export is not available in this build "
+                         "(batchscope.snapshot.cli_export is missing)")
+    if argv[:1] != ["export"]:
+        raise UsageError("usage: batchscope snapshot export [options]; see "
+                         "batchscope snapshot export --help")
+    return int(export(argv[1:]) or 0)
+
+
+# -- entry point --------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="batchscope", description="BatchScope: batching inference runtime "
+                                                    "with a live observability dashboard")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_serve(sub)
+    _add_load(sub)
+    sub.add_parser("snapshot", help="diagnostic snapshots: batchscope snapshot export ...",
+                   add_help=False)
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(message.splitlines()[0] if message else "batchscope: error", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["snapshot"]:
+            return _snapshot(argv[1:])
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if args.command == "serve":
+            return _serve(args)
+        return _load(args)
+    except UsageError as exc:
+        return _fail(str(exc))
+    except BatchScopeError as exc:  # ConfigError from the loader, LoadError, ...
+        return _fail(f"batchscope: {exc.message}")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

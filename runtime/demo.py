@@ -1,0 +1,142 @@
+"""Demo runtime: the server plus synthetic traffic whose load keeps changing.
+
+``python -m runtime.demo --db URL --port 0`` serves ``mlp`` and ``encoder``
+in-process, prints ``batchscope demo on <url> ...`` and then cycles through
+traffic phases (quiet, busy, bursts with rejections, tight deadlines, urgent
+priorities, variable encoder lengths) until it is killed, so a dashboard shows
+batches forming, queues building and draining, and occasional 429s and expiries.
+Rates stay modest (``--intensity`` scales them) so the dashboard can run alongside
+on a small machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from runtime.config import BatchingConfig, ServerConfig
+
+log = logging.getLogger("batchscope.demo")
+
+
+@dataclass(frozen=True)
+class Flow:
+    """One stream of open-loop traffic during a phase."""
+
+    model: str
+    rate_rps: float
+    lengths: str | None = None
+    priority: str | None = None
+    timeout_ms: float | None = None
+    bypass: bool = False
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    duration_s: float
+    flows: tuple[Flow, ...] = field(default_factory=tuple)
+
+
+LENGTHS = "uniform:8:128"
+MIX = "1=0.1,2=0.7,3=0.2"
+
+PHASES: tuple[Phase, ...] = (
+    Phase("quiet", 20, (Flow("mlp", 15, priority=MIX), Flow("encoder", 3, LENGTHS))),
+    Phase("busy", 30, (Flow("mlp", 250, priority=MIX), Flow("encoder", 15, LENGTHS, MIX))),
+    Phase("burst", 6, (Flow("mlp", 1500, priority=MIX), Flow("encoder", 40, LENGTHS))),
+    Phase("recovery", 15, (Flow("mlp", 60, priority=MIX), Flow("encoder", 6, LENGTHS))),
+    Phase("deadlines", 20, (Flow("mlp", 400, priority=MIX, timeout_ms=15),
+                            Flow("encoder", 20, "choice:16,120", timeout_ms=150))),
+    Phase("urgent", 15, (Flow("mlp", 150, priority="1"), Flow("mlp", 5, bypass=True),
+                         Flow("encoder", 10, "uniform:8:32", "1=0.5,3=0.5"))),
+    Phase("long-inputs", 20, (Flow("mlp", 40), Flow("encoder", 12, "uniform:96:256"))),
+)
+
+CONFIGS: dict[str, BatchingConfig] = {
+    "mlp": BatchingConfig(max_batch_size=32, max_queue_size=256, max_queue_delay_ms=2.0),
+    "encoder": BatchingConfig(policy="adaptive", max_batch_size=16, max_queue_size=96,
+                              bucket_edges=(32, 64, 128), pad_to="batch_max"),
+}
+
+
+async def run_phase(url: str, phase: Phase, *, intensity: float = 1.0, seed: int = 0) -> list[Any]:
+    """Run every flow of ``phase`` at once; returns their load reports."""
+    from runtime.loadgen import run_load_async
+
+    runs = [run_load_async(url, f.model, rate=max(0.5, f.rate_rps * intensity),
+                           duration_s=phase.duration_s, lengths=f.lengths, priority=f.priority,
+                           timeout_ms=f.timeout_ms, bypass=f.bypass, seed=seed + k,
+                           max_connections=64)
+            for k, f in enumerate(phase.flows)]
+    return list(await asyncio.gather(*runs, return_exceptions=True))
+
+
+async def drive(url: str, phases: Sequence[Phase] = PHASES, *, intensity: float = 1.0,
+                cycles: int | None = None) -> None:
+    """Cycle through ``phases`` (forever when ``cycles`` is None)."""
+    cycle = 0
+    while cycles is None or cycle < cycles:
+        for phase in phases:
+            reports = await run_phase(url, phase, intensity=intensity, seed=cycle * 100)
+            for report in reports:
+                if isinstance(report, BaseException):
+                    log.warning("demo phase %s: traffic failed: %s", phase.name, report)
+                else:
+                    log.info("demo phase %s: %s", phase.name, report.summary().replace("\n", "; "))
+        cycle += 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime.demo",
+                                     description="BatchScope demo runtime with synthetic traffic")
+    parser.add_argument("--db", default=None, help="SQLAlchemy URL to record into")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--intensity", type=float, default=1.0, help="scale every traffic rate")
+    parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    if not args.intensity > 0:
+        print("python -m runtime.demo: --intensity must be above 0", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import torch
+
+    from batchscope.db import default_url
+    from runtime.cli import load_models
+    from runtime.loadgen import run_async
+    from runtime.server.service import Service, ServiceThread
+
+    torch.set_num_threads(max(1, args.torch_threads))
+    server = ServerConfig(host=args.host, port=args.port, database_url=args.db or default_url(),
+                          models=("mlp", "encoder"))
+    models = load_models(["mlp", "encoder"])
+    service = Service(models, dict(CONFIGS), server, version="0.1.0-demo")
+    runner = ServiceThread(service, host=args.host, port=args.port)
+    url = runner.start()
+    print(f"batchscope demo on {url}  models: {', '.join(models)}  database: "
+          f"{server.database_url}", flush=True)
+
+    def _stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        run_async(drive(url, intensity=args.intensity))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        runner.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

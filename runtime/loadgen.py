@@ -1,0 +1,441 @@
+"""``batchscope load``: a closed- or open-loop load generator for the KServe v2 API.
+
+Closed loop: ``concurrency`` connections, each sends its next request as soon as
+the previous answer arrives. Open loop: Poisson arrivals at ``rate`` per second;
+each arrival takes an idle keep-alive connection (or opens one, up to
+``max_connections``) and its latency counts from its scheduled arrival, so a slow
+server cannot hide queueing from the numbers. Runs are bounded by ``duration_s``
+and ``max_requests``.
+
+The client is a minimal HTTP/1.1 keep-alive client on asyncio streams with request
+bytes prepared up front (a pool of payloads drawn from the model's metadata), so
+the generator itself costs little per request. ``measure_ceiling()`` runs it
+against a trivial server to tell how fast the generator alone can go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+import numpy as np
+import orjson
+
+from runtime.errors import ClientError
+
+PAYLOAD_POOL = 256
+DRAIN_GRACE_S = 10.0
+
+
+class LoadError(ClientError):
+    """The load could not be set up (bad option, unreachable server, unknown model)."""
+
+
+# -- options parsing ------------------------------------------------------------------
+def parse_lengths(spec: str | None) -> tuple[str, tuple[int, ...]] | None:
+    """``uniform:LO:HI``, ``fixed:N`` or ``choice:A,B,C`` -> (kind, numbers)."""
+    if spec is None:
+        return None
+    kind, _, rest = spec.partition(":")
+    try:
+        nums = tuple(int(x) for x in rest.replace(",", ":").split(":") if x)
+    except ValueError:
+        nums = ()
+    ok = (kind == "uniform" and len(nums) == 2 and 1 <= nums[0] <= nums[1]) or \
+         (kind == "fixed" and len(nums) == 1 and nums[0] >= 1) or \
+         (kind == "choice" and nums and min(nums) >= 1)
+    if not ok:
+        raise LoadError(f"--lengths {spec!r} is not understood; write uniform:8:128, fixed:64 "
+                        "or choice:16,64,128 (positive token counts)")
+    return kind, nums
+
+
+def parse_priority(spec: str | int | None) -> list[tuple[int, float]] | None:
+    """``2`` or a weighted mix ``1=0.1,2=0.6,3=0.3`` (HTTP priorities: 1 = most urgent)."""
+    if spec is None:
+        return None
+    if isinstance(spec, int):
+        return [(spec, 1.0)]
+    mix: list[tuple[int, float]] = []
+    try:
+        for part in str(spec).split(","):
+            level, _, weight = part.partition("=")
+            mix.append((int(level), float(weight) if weight else 1.0))
+    except ValueError:
+        mix = []
+    if not mix or any(lv < 0 or w <= 0 for lv, w in mix):
+        raise LoadError(f"--priority {spec!r} is not understood; write 2, or a weighted mix "
+                        "like 1=0.1,2=0.6,3=0.3 (1 = most urgent)")
+    return mix
+
+
+# -- payloads -------------------------------------------------------------------------
+def _tensor_data(datatype: str, shape: list[int], rng: np.random.Generator) -> list:
+    n = math.prod(shape)
+    if datatype.startswith("FP"):
+        return np.round(rng.standard_normal(n), 3).tolist()
+    if datatype.startswith(("INT", "UINT")):
+        return rng.integers(1, 100, n).tolist()
+    if datatype == "BOOL":
+        return rng.integers(0, 2, n).astype(bool).tolist()
+    return ["x"] * n
+
+
+def build_payloads(metadata: dict, *, lengths: str | None = None, priority: str | int | None = None,
+                   timeout_ms: float | None = None, bypass: bool = False, seed: int = 0,
+                   pool: int = PAYLOAD_POOL) -> list[bytes]:
+    """JSON ``/infer`` bodies for the model described by ``metadata`` (v2 model metadata)."""
+    rng = np.random.default_rng(seed)
+    pick = random.Random(seed)
+    length_spec = parse_lengths(lengths)
+    mix = parse_priority(priority)
+    inputs = metadata.get("inputs") or []
+    if not inputs:
+        raise LoadError(f"model {metadata.get('name')!r} lists no inputs in its metadata")
+    variable = any(-1 in spec["shape"] for spec in inputs)
+    count = pool if (variable or (mix and len(mix) > 1)) else min(pool, 16)
+    bodies = []
+    for _ in range(count):
+        length = 64
+        if length_spec is not None:
+            kind, nums = length_spec
+            length = (pick.randint(nums[0], nums[1]) if kind == "uniform"
+                      else nums[0] if kind == "fixed" else pick.choice(nums))
+        tensors = []
+        for spec in inputs:
+            shape = [length if d == -1 else d for d in spec["shape"]]
+            tensors.append({"name": spec["name"], "shape": shape, "datatype": spec["datatype"],
+                            "data": _tensor_data(spec["datatype"], shape, rng)})
+        params: dict[str, Any] = {}
+        if mix:
+            params["priority"] = pick.choices([lv for lv, _ in mix], [w for _, w in mix])[0]
+        if timeout_ms is not None:
+            params["timeout"] = int(timeout_ms * 1000)
+        if bypass:
+            params["realtime"] = True
+        doc: dict[str, Any] = {"inputs": tensors}
+        if params:
+            doc["parameters"] = params
+        bodies.append(orjson.dumps(doc))
+    return bodies
+
+
+# -- a minimal HTTP/1.1 keep-alive client ---------------------------------------------
+class _Conn:
+    __slots__ = ("reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> "_Conn":
+        reader, writer = await asyncio.open_connection(host, port, limit=1 << 22)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(reader, writer)
+
+    async def send(self, request: bytes) -> tuple[int, bytes]:
+        self.writer.write(request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        lower = head.lower()
+        at = lower.find(b"content-length:")
+        if at < 0:
+            raise ConnectionError("response without Content-Length")
+        end = lower.find(b"\r\n", at)
+        body = await self.reader.readexactly(int(lower[at + 15:end]))
+        if b"connection: close" in lower:
+            self.close()
+        return status, body
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        except Exception:
+            pass
+
+
+def _request_bytes(method: str, host: str, port: int, path: str, body: bytes) -> bytes:
+    head = (f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
+
+
+def _split_url(url: str) -> tuple[str, int]:
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise LoadError(f"--url {url!r} must look like http://127.0.0.1:8000")
+    return parts.hostname, parts.port or 80
+
+
+async def fetch_metadata(url: str, model: str) -> dict:
+    host, port = _split_url(url)
+    try:
+        conn = await asyncio.wait_for(_Conn.open(host, port), 10)
+        status, body = await asyncio.wait_for(
+            conn.send(_request_bytes("GET", host, port, f"/v2/models/{model}", b"")), 30)
+        conn.close()
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise LoadError(f"cannot reach {url} ({type(exc).__name__}: {exc}); is "
+                        "`batchscope serve` running there?") from None
+    if status != 200:
+        raise LoadError(f"model {model!r} is not served at {url} (HTTP {status}: "
+                        f"{body.decode(errors='replace')[:200]})")
+    return orjson.loads(body)
+
+
+# -- report -----------------------------------------------------------------------------
+@dataclass
+class LoadReport:
+    mode: str
+    model: str
+    duration_s: float
+    sent: int
+    ok: int
+    #: non-200 answers by status code, plus "connection" for transport failures and
+    #: "unfinished" for requests still open when the run ended
+    errors_by_status: dict[str, int] = field(default_factory=dict)
+    throughput_rps: float = 0.0
+    offered_rps: float | None = None
+    concurrency: int | None = None
+    latency_p50_ms: float | None = None
+    latency_p95_ms: float | None = None
+    latency_p99_ms: float | None = None
+    latency_mean_ms: float | None = None
+    latency_max_ms: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v:.2f}"
+
+        errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors_by_status.items())) or "none"
+        offered = f", offered {self.offered_rps:.0f}/s" if self.offered_rps else ""
+        return (f"{self.mode} loop on {self.model!r}: {self.sent} sent, {self.ok} ok in "
+                f"{self.duration_s:.2f} s -> {self.throughput_rps:.1f} req/s{offered}\n"
+                f"latency ms  p50 {ms(self.latency_p50_ms)}  p95 {ms(self.latency_p95_ms)}  "
+                f"p99 {ms(self.latency_p99_ms)}  mean {ms(self.latency_mean_ms)}  "
+                f"max {ms(self.latency_max_ms)}\nerrors by status: {errors}")
+
+
+class _Tally:
+    __slots__ = ("latencies", "errors", "sent")
+
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.errors: dict[str, int] = {}
+        self.sent = 0
+
+    def error(self, key: str) -> None:
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+    def report(self, mode: str, model: str, duration_s: float, **extra: Any) -> LoadReport:
+        lat = np.asarray(self.latencies) * 1000.0
+        rep = LoadReport(mode=mode, model=model, duration_s=duration_s, sent=self.sent,
+                         ok=len(self.latencies), errors_by_status=dict(self.errors),
+                         throughput_rps=len(self.latencies) / duration_s if duration_s > 0 else 0.0,
+                         **extra)
+        if lat.size:
+            p50, p95, p99 = np.percentile(lat, [50, 95, 99])
+            rep.latency_p50_ms, rep.latency_p95_ms, rep.latency_p99_ms = float(p50), float(p95), float(p99)
+            rep.latency_mean_ms, rep.latency_max_ms = float(lat.mean()), float(lat.max())
+        return rep
+
+
+# -- the two loops -------------------------------------------------------------------
+async def _closed(host: str, port: int, requests: Sequence[bytes], concurrency: int,
+                  deadline: float, max_requests: int, tally: _Tally) -> None:
+    async def worker(offset: int) -> None:
+        conn: _Conn | None = None
+        i = offset
+        while tally.sent < max_requests and time.perf_counter() < deadline:
+            tally.sent += 1
+            req = requests[i % len(requests)]
+            i += 1
+            t0 = time.perf_counter()
+            try:
+                if conn is None:
+                    conn = await _Conn.open(host, port)
+                status, _ = await conn.send(req)
+            except (OSError, asyncio.IncompleteReadError, ValueError, ConnectionError):
+                tally.error("connection")
+                if conn is not None:
+                    conn.close()
+                conn = None
+                await asyncio.sleep(0.01)
+                continue
+            if status == 200:
+                tally.latencies.append(time.perf_counter() - t0)
+            else:
+                tally.error(str(status))
+        if conn is not None:
+            conn.close()
+
+    await asyncio.gather(*(worker(k * 7) for k in range(concurrency)))
+
+
+async def _open(host: str, port: int, requests: Sequence[bytes], rate: float, deadline: float,
+                max_requests: int, max_connections: int, tally: _Tally, seed: int) -> None:
+    idle: list[_Conn] = []
+    opened = 0
+    slot = asyncio.Semaphore(max_connections)
+    rng = random.Random(seed)
+    tasks: set[asyncio.Task] = set()
+
+    async def one(req: bytes, scheduled: float) -> None:
+        nonlocal opened
+        async with slot:
+            conn = idle.pop() if idle else None
+            try:
+                if conn is None:
+                    conn = await _Conn.open(host, port)
+                    opened += 1
+                status, _ = await conn.send(req)
+            except (OSError, asyncio.IncompleteReadError, ValueError, ConnectionError):
+                tally.error("connection")
+                if conn is not None:
+                    conn.close()
+                return
+            idle.append(conn)
+        if status == 200:
+            tally.latencies.append(time.perf_counter() - scheduled)
+        else:
+            tally.error(str(status))
+
+    next_at = time.perf_counter()
+    i = 0
+    while tally.sent < max_requests:
+        now = time.perf_counter()
+        if next_at >= deadline:
+            break
+        while next_at <= now and tally.sent < max_requests:
+            task = asyncio.ensure_future(one(requests[i % len(requests)], next_at))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            tally.sent += 1
+            i += 1
+            next_at += rng.expovariate(rate)
+        await asyncio.sleep(max(0.0, min(next_at, deadline) - time.perf_counter()))
+    if tasks:
+        done, pending = await asyncio.wait(set(tasks), timeout=DRAIN_GRACE_S)
+        for task in pending:
+            task.cancel()
+            tally.error("unfinished")
+    for conn in idle:
+        conn.close()
+
+
+async def run_load_async(url: str, model: str, *, concurrency: int | None = 16,
+                         rate: float | None = None, duration_s: float = 10.0,
+                         max_requests: int = 1_000_000, lengths: str | None = None,
+                         priority: str | int | None = None, timeout_ms: float | None = None,
+                         bypass: bool = False, seed: int = 0, max_connections: int = 512,
+                         payloads: Sequence[bytes] | None = None,
+                         path: str | None = None) -> LoadReport:
+    """Drive ``model`` at ``url``; ``rate`` selects the open loop, else ``concurrency``."""
+    if not (duration_s > 0 and math.isfinite(duration_s)):
+        raise LoadError(f"--duration-s {duration_s!r} must be a positive number of seconds")
+    if max_requests < 1:
+        raise LoadError(f"--max-requests {max_requests!r} must be at least 1")
+    if rate is not None and not (rate > 0 and math.isfinite(rate)):
+        raise LoadError(f"--rate {rate!r} must be a positive number of requests per second")
+    if rate is None and (concurrency is None or concurrency < 1):
+        raise LoadError(f"--concurrency {concurrency!r} must be at least 1")
+    parse_lengths(lengths)
+    parse_priority(priority)
+    host, port = _split_url(url)
+    if payloads is None:
+        meta = await fetch_metadata(url, model)
+        payloads = build_payloads(meta, lengths=lengths, priority=priority,
+                                  timeout_ms=timeout_ms, bypass=bypass, seed=seed)
+    target = path or f"/v2/models/{model}/infer"
+    requests = [_request_bytes("POST", host, port, target, body) for body in payloads]
+    tally = _Tally()
+    start = time.perf_counter()
+    deadline = start + duration_s
+    if rate is None:
+        await _closed(host, port, requests, int(concurrency or 1), deadline, max_requests, tally)
+        return tally.report("closed", model, time.perf_counter() - start, concurrency=concurrency)
+    await _open(host, port, requests, rate, deadline, max_requests, max_connections, tally, seed)
+    return tally.report("open", model, time.perf_counter() - start, offered_rps=rate)
+
+
+def run_async(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover
+        return asyncio.run(coro)
+
+
+def run_load(url: str, model: str, **options: Any) -> LoadReport:
+    """Blocking form of :func:`run_load_async` (uses uvloop when available)."""
+    return run_async(run_load_async(url, model, **options))
+
+
+# -- the generator's own ceiling --------------------------------------------------------
+_CANNED = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+
+
+class _TrivialProtocol(asyncio.Protocol):
+    """Answers every request on a connection with a fixed 200 (pipelining-safe)."""
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.buf = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        out = []
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                break
+            n = 0
+            for line in self.buf[:end].lower().split(b"\r\n"):
+                if line.startswith(b"content-length:"):
+                    n = int(line[15:])
+            if len(self.buf) < end + 4 + n:
+                break
+            self.buf = self.buf[end + 4 + n:]
+            out.append(_CANNED)
+        if out:
+            self.transport.write(b"".join(out))
+
+
+def _trivial_server(port_out: Any) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_TrivialProtocol, "127.0.0.1", 0)
+        port_out.put(server.sockets[0].getsockname()[1])
+        await server.serve_forever()
+
+    run_async(main())
+
+
+def measure_ceiling(duration_s: float = 3.0, concurrency: int = 64) -> LoadReport:
+    """Closed-loop throughput against a trivial server in another process."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    proc = ctx.Process(target=_trivial_server, args=(ports,), daemon=True)
+    proc.start()
+    try:
+        port = ports.get(timeout=30)
+        return run_load(f"http://127.0.0.1:{port}", "trivial", concurrency=concurrency,
+                        duration_s=duration_s, payloads=[b"{}"], path="/")
+    finally:
+        proc.terminate()
+        proc.join(5)
