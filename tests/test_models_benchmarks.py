@@ -1,0 +1,82 @@
+"""The offline benchmark loop and the no-batching baseline server, driven for real."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from benchmarks.baseline_server import create_app, load_models
+from benchmarks.bench_offline import offline_throughput, run_offline
+from benchmarks.common import format_table, make_inputs
+from runtime.models.encoder import EncoderModel
+
+
+@pytest.fixture(scope="module")
+def client():
+    models = load_models(["mlp", "encoder"])
+    with TestClient(create_app(models)) as c:
+        yield c, models
+
+
+def test_offline_counts_items_and_padding():
+    model = EncoderModel()
+    model.setup("cpu")
+    reqs = make_inputs("encoder", 16, seed=3)
+    res = offline_throughput(model, reqs, 4, order="sorted", duration_s=60.0, max_batches=4, warmup_batches=0)
+    assert (res.batches, res.items, res.batch_size) == (4, 16, 4)
+    lengths = sorted(len(r["INPUT_IDS"]) for r in reqs)
+    padded = sum(4 * max(lengths[i:i + 4]) for i in range(0, 16, 4))
+    assert res.padding_efficiency == pytest.approx(sum(lengths) / padded)
+    random_order = offline_throughput(model, reqs, 4, order="random", duration_s=60.0, max_batches=4,
+                                      warmup_batches=0)
+    assert random_order.padding_efficiency < res.padding_efficiency
+
+
+def test_run_offline_rows_and_ratios():
+    rows = run_offline(["mlp"], [1, 4], duration_s=0.0)
+    assert [(r["model"], r["order"], r["batch_size"]) for r in rows] == [("mlp", "fixed", 1), ("mlp", "fixed", 4)]
+    assert rows[0]["speedup_vs_batch1"] == 1.0 and rows[1]["items_per_s"] > 0
+    table = format_table(rows, ["model", "batch_size", "items_per_s"])
+    assert table.splitlines()[0].split() == ["model", "batch_size", "items_per_s"]
+
+
+def test_make_inputs_is_seeded():
+    a, b = make_inputs("encoder", 5, seed=1), make_inputs("encoder", 5, seed=1)
+    assert all(np.array_equal(x["INPUT_IDS"], y["INPUT_IDS"]) for x, y in zip(a, b))
+    assert all(8 <= len(x["INPUT_IDS"]) <= 128 for x in make_inputs("encoder", 50))
+    with pytest.raises(ValueError, match="no input generator"):
+        make_inputs("other", 1)
+
+
+def test_baseline_server_answers_like_the_model(client):
+    c, models = client
+    assert c.get("/v2/health/ready").status_code == 200
+    meta = c.get("/v2/models/encoder").json()
+    assert meta["inputs"] == [{"name": "INPUT_IDS", "datatype": "INT64", "shape": [-1]}]
+    ids = list(range(1, 21))
+    r = c.post("/v2/models/encoder/infer", json={"id": "r1", "inputs": [
+        {"name": "INPUT_IDS", "datatype": "INT64", "shape": [1, 20], "data": ids}]})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["id"] == "r1" and doc["outputs"][0]["name"] == "EMBEDDING"
+    assert doc["outputs"][0]["shape"] == [1, 256]
+    model = models["encoder"]
+    want = model.split(model.predict(model.collate([model.decode({"INPUT_IDS": np.array(ids)})], None)), 1)
+    np.testing.assert_allclose(doc["outputs"][0]["data"], want[0]["EMBEDDING"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/v2/models/nope/infer", {"inputs": []}, 404, "not served here"),
+    ("/v2/models/mlp/infer", {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [3],
+                                          "data": [1, 2, 3]}]}, 400, "FP32 [256]"),
+    ("/v2/models/encoder/infer", {"inputs": [{"name": "INPUT_IDS", "datatype": "INT64", "shape": [2],
+                                              "data": [1, 99999]}]}, 422, "token id 99999"),
+    ("/v2/models/mlp/infer", {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [256],
+                                          "data": [1.0]}]}, 400, "needs 256 values"),
+    ("/v2/models/mlp/infer", {"nothing": 1}, 400, '"inputs" list'),
+])
+def test_baseline_server_errors(client, path, body, status, words):
+    c, _ = client
+    r = c.post(path, json=body)
+    assert r.status_code == status and words in r.json()["error"]
