@@ -1,0 +1,292 @@
+"""``GenerationEngine``: the asyncio shell around ``StepRunner`` for one generation model.
+
+One worker task loops over steps: it plans on the event loop (cheap), runs the model
+forward and sampling on the engine's own thread, then commits and hands each new
+token to its request's stream. Requests, aborts and settings changes happen on the
+event loop between those points, so the scheduler is only ever touched from there;
+a settings change takes effect at the next step.
+
+Every accepted request gets exactly one outcome: its last token (with a finish
+reason), or an error raised from its stream (RequestExpired, ModelError,
+ShuttingDown), or cancellation when its consumer goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from batchscope.records import RecorderLike
+from runtime.clock import MonotonicClock
+from runtime.errors import (BatchScopeError, ClientError, ModelError, ModelNotReady,
+                            RequestExpired, ShuttingDown)
+from runtime.generation.config import GenerationConfig
+from runtime.generation.model import GenerationModel
+from runtime.generation.runner import StepRunner
+from runtime.generation.scheduler import Sequence, StepResult
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One generated token as a stream yields it."""
+
+    token_id: int
+    #: the text this token completes (may be empty in the middle of a character)
+    text: str
+    #: 0 for the first generated token
+    index: int
+    #: None while generating; "stop" (end token) or "length" on the last event
+    finish_reason: str | None = None
+
+
+class GenerationStream:
+    """Async iterator over one request's ``TokenEvent``s; closing it cancels the request."""
+
+    def __init__(self, engine: "GenerationEngine", seq: Sequence, decoder: Any) -> None:
+        self._engine = engine
+        self.seq = seq
+        self._decoder = decoder
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.done = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.seq.prompt_ids)
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.seq.output_ids)
+
+    def __aiter__(self) -> "GenerationStream":
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.done and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is None:
+            self.done = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop generating for this request if it has not ended (outcome cancelled)."""
+        if self.seq.outcome is None:
+            self._engine._abort(self.seq.seq_id)
+        self.done = True
+
+    # -- fed by the engine ----------------------------------------------------------
+    def _token(self, token: int, final: bool) -> None:
+        text = self._decoder.feed(token) if self._decoder is not None else ""
+        if final and self._decoder is not None:
+            text += self._decoder.flush()
+        self._queue.put_nowait(TokenEvent(
+            token_id=token, text=text, index=len(self.seq.output_ids) - 1,
+            finish_reason=self.seq.finish_reason if final else None))
+        if final:
+            self._queue.put_nowait(None)
+
+    def _fail(self, error: BaseException) -> None:
+        self._queue.put_nowait(error)
+
+
+class GenerationEngine:
+    def __init__(self, model: GenerationModel, config: GenerationConfig | None = None, *,
+                 recorder: RecorderLike | None = None, instance_id: str = "local",
+                 clock: Any = None, device: Any = "cpu") -> None:
+        self.clock = clock or MonotonicClock()
+        self.runner = StepRunner(model, config, recorder=recorder, instance_id=instance_id,
+                                 clock=self.clock)
+        self.model = model
+        self.device = device
+        self.on_settings_change: list[Callable[[str, int, GenerationConfig], None]] = []
+        self._streams: dict[int, GenerationStream] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._worker: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._ready = False
+        self._accepting = False
+        self._seed_counter = 0
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    def is_ready(self) -> bool:
+        return self._ready and self._accepting
+
+    # -- life cycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        if self._worker is not None:
+            return
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gen-{self.name}")
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self.runner.setup, self.device)
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._ready = True
+        self._accepting = True
+        self._worker = loop.create_task(self._run(), name=f"generation-{self.name}")
+
+    async def stop(self, drain_timeout_s: float = 10.0) -> None:
+        """Refuse new requests, let queued and running ones finish, then end the rest."""
+        self._accepting = False
+        if self._worker is None:
+            return
+        if self.runner.has_work():
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout=drain_timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        self._ready = False
+        self._worker.cancel()
+        try:
+            await self._worker
+        except asyncio.CancelledError:
+            pass
+        self._worker = None
+        ended = self.runner.abort_all("cancelled", ShuttingDown(
+            f"{self.name!r} shut down before this request finished; retry on another instance"))
+        self._deliver_ended(ended)
+        self.runner.flush_events()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # -- requests -------------------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int] | None = None, prompt_text: str | None = None, *,
+               max_new_tokens: int | None = None, priority: int | None = None,
+               timeout_ms: float | None = None, ignore_eos: bool = False,
+               temperature: float = 0.0, seed: int | None = None) -> GenerationStream:
+        """Queue a request and return its stream; raises at once when it is refused."""
+        if not self._accepting:
+            if self._ready or self._worker is not None:
+                raise ShuttingDown(f"{self.name!r} is shutting down and takes no new requests")
+            raise ModelNotReady(f"{self.name!r} is not started yet; retry in a moment")
+        if (prompt_token_ids is None) == (prompt_text is None):
+            raise ClientError("give exactly one of a prompt text or a list of prompt token ids")
+        if prompt_text is not None:
+            if not isinstance(prompt_text, str):
+                raise ClientError("the prompt text must be a string")
+            if self.model.tokenizer is None:
+                raise ClientError(f"{self.name!r} has no tokenizer; send prompt token ids")
+            prompt_token_ids = self.model.tokenizer.encode(prompt_text)
+        if not isinstance(prompt_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+            raise ClientError("prompt token ids must be a list of integers")
+        if temperature and seed is None:
+            self._seed_counter += 1
+            seed = self._seed_counter
+        seq = self.runner.new_sequence(
+            prompt_token_ids, max_new_tokens=max_new_tokens, priority=priority,
+            timeout_ms=timeout_ms, ignore_eos=ignore_eos, temperature=temperature, seed=seed)
+        decoder = self.model.tokenizer.decoder() if self.model.tokenizer is not None else None
+        stream = GenerationStream(self, seq, decoder)
+        self._streams[seq.seq_id] = stream
+        self._idle.clear()
+        self._wake.set()
+        return stream
+
+    async def generate(self, prompt_token_ids: list[int] | None = None,
+                       prompt_text: str | None = None, *, max_new_tokens: int | None = None,
+                       priority: int | None = None, timeout_ms: float | None = None,
+                       ignore_eos: bool = False, temperature: float = 0.0,
+                       seed: int | None = None) -> AsyncIterator[TokenEvent]:
+        """Yield the request's tokens as they are generated (see ``submit`` for errors)."""
+        stream = self.submit(prompt_token_ids, prompt_text, max_new_tokens=max_new_tokens,
+                             priority=priority, timeout_ms=timeout_ms, ignore_eos=ignore_eos,
+                             temperature=temperature, seed=seed)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            stream.close()
+
+    def _abort(self, seq_id: int) -> None:
+        seq = self.runner.abort(seq_id, "cancelled")
+        self._streams.pop(seq_id, None)
+        if seq is not None and not self.runner.has_work():
+            self._idle.set()
+
+    # -- settings and figures ---------------------------------------------------------
+    def get_settings(self) -> tuple[int, GenerationConfig]:
+        return self.runner.get_settings()
+
+    def update_settings(self, changes: dict, requested_by: str = "api") -> tuple[int, GenerationConfig]:
+        version, config = self.runner.update_settings(changes, requested_by)
+        for listener in list(self.on_settings_change):
+            listener(self.name, version, config)
+        self._wake.set()
+        return version, config
+
+    def stats(self) -> dict[str, Any]:
+        out = self.runner.stats()
+        out["ready"] = self.is_ready()
+        return out
+
+    # -- the worker -----------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        runner = self.runner
+        while True:
+            if not runner.has_work():
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            out = runner.plan()
+            self._deliver_ended(out.expired)
+            if out.is_empty:
+                # nothing could run (only possible right after expiries); let the loop breathe
+                await asyncio.sleep(0.001)
+                continue
+            started = self.clock.now()
+            try:
+                sampled = await loop.run_in_executor(self._executor, runner.execute, out)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._deliver_ended(runner.fail(out, exc, started))
+                continue
+            self._deliver(runner.commit(out, sampled, started))
+
+    def _deliver(self, result: StepResult) -> None:
+        for seq, token in result.new_tokens:
+            stream = self._streams.get(seq.seq_id)
+            if stream is None:
+                continue
+            final = seq.outcome is not None
+            stream._token(token, final)
+            if final:
+                self._streams.pop(seq.seq_id, None)
+
+    def _deliver_ended(self, ended: list[Sequence]) -> None:
+        """Hand an error to the streams of requests that ended without a final token."""
+        for seq in ended:
+            stream = self._streams.pop(seq.seq_id, None)
+            if stream is not None:
+                stream._fail(self._error_for(seq))
+
+    def _error_for(self, seq: Sequence) -> BaseException:
+        if isinstance(seq.error, BatchScopeError):
+            return seq.error
+        if seq.outcome == "expired":
+            waited_ms = ((seq.finished_s or 0.0) - seq.arrival_s) * 1000.0
+            return RequestExpired(
+                f"the request waited {waited_ms:.0f} ms without getting a place in the running "
+                "batch, past its timeout; retry later or give a longer timeout_ms")
+        if seq.outcome == "error":
+            err = seq.error
+            return ModelError(f"the model failed while generating for this request "
+                              f"({type(err).__name__}: {err}); the request was not completed")
+        return ShuttingDown("the request was cancelled before it finished")
