@@ -308,3 +308,37 @@ class TeeRecorder:
         for target in self.targets:
             if hasattr(target, "close"):
                 target.close(timeout_s)
+
+
+def _measure(path: str, rows: int = 300_000) -> dict[str, float]:
+    """Cost of ``put`` and the sustained write rate into a SQLite file at ``path``."""
+    from batchscope.db import make_engine
+    from batchscope.records import RequestRow
+
+    engine = make_engine(f"sqlite:///{path}")
+    row = RequestRow(instance_id="bench", model="m", batch_seq=1, priority=0, arrived_at=1.0, finished_at=2.0,
+                     queue_wait_s=0.001, latency_s=0.01, outcome="ok")
+    recorder = Recorder(engine, buffer_size=rows)
+    started = time.perf_counter()
+    for _ in range(rows):
+        recorder.put(row)
+    put_ns = (time.perf_counter() - started) / rows * 1e9
+    started = time.perf_counter()
+    for _ in range(rows):
+        recorder.put(row)  # buffer full: every one of these is dropped
+    drop_ns = (time.perf_counter() - started) / rows * 1e9
+    started = time.perf_counter()
+    recorder.start()
+    recorder.close(timeout_s=600.0)
+    rate = recorder.written / (time.perf_counter() - started)
+    engine.dispose()
+    return {"put_ns": put_ns, "put_when_full_ns": drop_ns, "write_rows_per_s": rate}
+
+
+if __name__ == "__main__":  # python -m batchscope.recorder [db path]
+    import sys
+    import tempfile
+
+    target = sys.argv[1] if len(sys.argv) > 1 else f"{tempfile.mkdtemp()}/recorder-bench.db"
+    for name, value in _measure(target).items():
+        print(f"{name}: {value:,.0f}")

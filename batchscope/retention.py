@@ -20,9 +20,11 @@ What a roll-up row holds:
 
 The cutoff is rounded down to a whole interval, and an interval that already has a
 roll-up (rows that arrived late) is merged into it, so running this again, or while
-the recorder writes, is safe. Work is cut into chunks of ``chunk_intervals`` intervals,
-one short transaction each, so writers are never blocked for long. On SQLite each
-chunk takes the write lock up front (``BEGIN IMMEDIATE``).
+the recorder writes, is safe. Work is cut into chunks of ``chunk_intervals`` intervals.
+Each chunk is summarised by plain reads (writers go on), bounded by the highest row id
+seen, then stored and deleted in one short write transaction (on SQLite it takes the
+write lock up front, ``BEGIN IMMEDIATE``) that checks it deletes exactly the rows it
+summarised, and otherwise rolls back and summarises again.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import json
 import math
 from bisect import bisect_left
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Mapping
 
 from sqlalchemy import Connection, Engine, Integer, case, cast, delete, func, insert, select, update
@@ -43,6 +45,8 @@ LATENCY_BOUNDS_S: tuple[float, ...] = tuple(float(f"{1e-4 * 10 ** (i / 8):.4g}")
 _LATENCY_KEYS: tuple[str, ...] = tuple(f"{b:g}" for b in LATENCY_BOUNDS_S) + ("inf",)
 #: Event kinds kept beyond the raw window.
 KEPT_EVENT_KINDS: tuple[str, ...] = ("settings_change",)
+#: how many times a chunk is summarised again when its rows changed meanwhile
+MAX_RETRIES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,8 @@ class RollupStats:
     device_samples_deleted: int = 0
     generation_steps_deleted: int = 0
     rollups_deleted: int = 0
+    #: chunks summarised again because their rows changed meanwhile
+    chunks_retried: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +173,7 @@ def roll_up(engine: Engine, *, older_than: float, interval_s: float = 60.0,
         raise ValueError(f"chunk_intervals={chunk_intervals!r} must be at least 1")
     cutoff = math.floor(older_than / interval_s) * interval_s
     totals = {"requests_rolled": 0, "batches_rolled": 0, "rollups_inserted": 0, "rollups_merged": 0}
+    retries = 0
     while True:
         with engine.connect() as conn:
             oldest = [conn.execute(select(func.min(col)).where(col < cutoff)).scalar()
@@ -175,8 +182,13 @@ def roll_up(engine: Engine, *, older_than: float, interval_s: float = 60.0,
         if not oldest:
             break
         chunk_end = min(cutoff, (math.floor(min(oldest) / interval_s) + chunk_intervals) * interval_s)
-        with _write_transaction(engine) as conn:
-            done = _roll_chunk(conn, before=chunk_end, interval_s=interval_s)
+        try:
+            done = _roll_chunk(engine, before=chunk_end, interval_s=interval_s)
+        except RowsChanged:
+            retries += 1
+            if retries > MAX_RETRIES:
+                raise
+            continue
         for key, n in done.items():
             totals[key] += n
     with _write_transaction(engine) as conn:
@@ -185,10 +197,40 @@ def roll_up(engine: Engine, *, older_than: float, interval_s: float = 60.0,
         samples = conn.execute(delete(DeviceSample).where(DeviceSample.at < cutoff)).rowcount
         steps = conn.execute(delete(GenerationStep).where(GenerationStep.at < cutoff)).rowcount
     return RollupStats(cutoff=cutoff, events_deleted=events, device_samples_deleted=samples,
-                       generation_steps_deleted=steps, **totals)
+                       generation_steps_deleted=steps, chunks_retried=retries, **totals)
 
 
-def _roll_chunk(conn: Connection, *, before: float, interval_s: float) -> dict[str, int]:
+class RowsChanged(RuntimeError):
+    """Raw rows changed between their summary and their deletion (another roll-up ran)."""
+
+
+@dataclass(slots=True)
+class _Summary:
+    accs: dict
+    requests: int
+    batches: int
+    request_filter: tuple
+    batch_filter: tuple
+
+
+def _roll_chunk(engine: Engine, *, before: float, interval_s: float) -> dict[str, int]:
+    """Summarise rows older than ``before`` without blocking writers, then store the
+    summary and delete exactly those rows in one short write transaction."""
+    with engine.connect() as conn:
+        summary = _summarise(conn, before=before, interval_s=interval_s)
+    with _write_transaction(engine) as conn:
+        inserted, merged = _store(conn, summary.accs, interval_s)
+        deleted = (conn.execute(delete(RequestRecord).where(*summary.request_filter)).rowcount,
+                   conn.execute(delete(BatchRecord).where(*summary.batch_filter)).rowcount)
+        if deleted != (summary.requests, summary.batches):
+            # rolled back: nothing is lost or counted twice
+            raise RowsChanged(f"retention summarised {summary.requests} requests/{summary.batches} batches "
+                              f"but found {deleted[0]}/{deleted[1]} to delete")
+    return {"requests_rolled": summary.requests, "batches_rolled": summary.batches,
+            "rollups_inserted": inserted, "rollups_merged": merged}
+
+
+def _summarise(conn: Connection, *, before: float, interval_s: float) -> _Summary:
     req, bat = RequestRecord, BatchRecord
     # rows committed after this point get higher ids and are left for the next run
     req_max = conn.execute(select(func.max(req.id))).scalar() or 0
@@ -232,16 +274,8 @@ def _roll_chunk(conn: Connection, *, before: float, interval_s: float) -> dict[s
         acc.batch_size_hist[str(size)] = acc.batch_size_hist.get(str(size), 0) + n
         batches += n
 
-    inserted, merged = _store(conn, accs, interval_s)
-    deleted_requests = conn.execute(delete(req).where(*req_where)).rowcount
-    deleted_batches = conn.execute(delete(bat).where(*bat_where)).rowcount
-    if (deleted_requests, deleted_batches) != (requests, batches):
-        # the rows changed between summary and delete (possible only without a write
-        # lock): roll everything back rather than lose or double-count rows
-        raise RuntimeError(f"retention summarised {requests} requests/{batches} batches but would delete "
-                           f"{deleted_requests}/{deleted_batches}; rolled back, run it again")
-    return {"requests_rolled": requests, "batches_rolled": batches,
-            "rollups_inserted": inserted, "rollups_merged": merged}
+    return _Summary(accs=accs, requests=requests, batches=batches, request_filter=req_where,
+                    batch_filter=bat_where)
 
 
 def _store(conn: Connection, accs: dict[tuple[str, str, int], _Acc], interval_s: float) -> tuple[int, int]:
@@ -300,11 +334,7 @@ def enforce(engine: Engine, policy: RetentionPolicy, now: float) -> RollupStats:
     with _write_transaction(engine) as conn:
         gone = conn.execute(delete(Rollup).where(
             Rollup.interval_start + Rollup.interval_s <= now - policy.rollup_max_age_s)).rowcount
-    return RollupStats(**{**_fields(stats), "rollups_deleted": gone})
-
-
-def _fields(stats: RollupStats) -> dict:
-    return {name: getattr(stats, name) for name in RollupStats.__slots__}
+    return replace(stats, rollups_deleted=gone)
 
 
 def run_retention(engine: Engine, *, now: float, raw_keep_s: float, interval_s: float = 60.0) -> RollupStats:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 
 from batchscope.db import make_engine
 from batchscope.records import BatchRow, DeviceRow, EventRow, GenStepRow, RequestRow
@@ -232,3 +233,26 @@ def test_policy_validation(engine):
         RetentionPolicy(raw_max_age_s=10, interval_s=-1)
     with pytest.raises(ValueError, match="interval_s"):
         roll_up(engine, older_than=T0, interval_s=0.0)
+
+
+def test_rows_changed_between_summary_and_delete_are_summarised_again(tmp_path):
+    """Another process deletes a summarised row just before the write transaction: the
+    chunk is rolled back and summarised again, so the roll-up matches what was deleted."""
+    path = tmp_path / "race.db"
+    engine = make_engine(f"sqlite:///{path}")
+    store(engine, traffic(T0, 120, models=("mlp",)))
+    raced = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _race(conn, cursor, statement, *args):
+        if statement == "BEGIN IMMEDIATE" and not raced:
+            other = sqlite3.connect(path)
+            raced.append(other.execute("DELETE FROM requests WHERE id = (SELECT min(id) FROM requests)").rowcount)
+            other.commit()
+            other.close()
+
+    stats = roll_up(engine, older_than=T0 + 120)
+    assert raced == [1] and stats.chunks_retried == 1
+    assert stats.requests_rolled == 119 and count(engine, RequestRecord) == 0
+    assert sum(r.requests for r in rollup_rows(engine)) == 119
+    engine.dispose()
