@@ -249,7 +249,7 @@ class Batcher:
         self._collect_expired(now)
         if not self.depth:
             return None
-        if any(q.count for q in self._bypass.values()):
+        if self.has_bypass():
             key, found, _ = self._scan(self._bypass, now, model_busy, True)
             if found:
                 return self._form(self._bypass, key, now, bypass=True)
@@ -261,9 +261,10 @@ class Batcher:
     def due_at(self, now: float, *, model_busy: bool = False) -> float | None:
         """When the next batch is due (at or before ``now``: due now); None = nothing
         becomes due until a request arrives or the model frees up."""
+        self._collect_expired(now)
         if not self.depth:
             return None
-        if any(q.count for q in self._bypass.values()):
+        if self.has_bypass():
             return now
         return self._scan(self._queues, now, model_busy, self.draining)[2]
 
@@ -352,6 +353,10 @@ class Batcher:
         for queue in (*self._queues.values(), *self._bypass.values()):
             out.extend(queue.live())
         return out
+
+    def has_bypass(self) -> bool:
+        """A bypass (real-time) request is waiting."""
+        return any(q.count for q in self._bypass.values())
 
     def depth_by_priority(self) -> dict[int, int]:
         return dict(enumerate(self._by_priority))

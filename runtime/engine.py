@@ -1,0 +1,645 @@
+"""``Engine``: the asyncio shell around the batching core.
+
+One worker task per model drives that model's ``Batcher`` with the real clock.
+Batches run off the event loop in a single device thread (collate, predict and
+split under ``torch.inference_mode()``); the futures of a batch are resolved in
+one ``loop.call_soon_threadsafe`` callback. Several models share the device
+through ``FairArbiter``. Every accepted request gets exactly one outcome, and one
+``RequestRow``; every executed batch (and every out-of-memory attempt) one
+``BatchRow``; notable things an ``EventRow``.
+
+All public methods are to be called on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from batchscope.records import BatchRow, EventRow, ListRecorder, RecorderLike, RequestRow
+from runtime import devicemem
+from runtime.clock import MonotonicClock
+from runtime.config import BatchingConfig
+from runtime.core.arbiter import FairArbiter
+from runtime.core.batcher import Batch, Batcher, pad_length
+from runtime.core.request import PendingRequest
+from runtime.errors import (BatchScopeError, ClientError, ConfigError, ModelError, ModelNotFound,
+                            ModelNotReady, OutOfMemory, QueueFull, RequestExpired, ShuttingDown,
+                            ValidationError)
+from runtime.model_api import ModelAPI, check_model
+from runtime.oom import Attempt, SizeGovernor, check_budget, is_oom, run_splitting
+
+log = logging.getLogger("batchscope.engine")
+
+#: rejection and expiry events are folded into at most one per this many seconds
+EVENT_INTERVAL_S = 1.0
+#: longest model error text sent to a client
+MAX_ERROR_CHARS = 200
+
+
+class _Waker:
+    """Lets a worker sleep until woken or until a timeout, without ``wait_for``."""
+
+    __slots__ = ("_loop", "_fut")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._fut: asyncio.Future | None = None
+
+    async def wait(self, timeout_s: float | None) -> None:
+        fut = self._loop.create_future()
+        self._fut = fut
+        timer = None if timeout_s is None else self._loop.call_later(max(0.0, timeout_s), self.wake)
+        try:
+            await fut
+        finally:
+            self._fut = None
+            if timer is not None:
+                timer.cancel()
+
+    def wake(self) -> None:
+        fut = self._fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+
+class _Throttle:
+    """Counts occurrences and says when to report them (at most once per interval)."""
+
+    __slots__ = ("interval_s", "_last", "_pending")
+
+    def __init__(self, interval_s: float = EVENT_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last = -math.inf
+        self._pending = 0
+
+    def hit(self, now: float, n: int = 1) -> int:
+        """Returns how many occurrences to report now (0: stay quiet)."""
+        self._pending += n
+        if now - self._last < self.interval_s:
+            return 0
+        self._last = now
+        out, self._pending = self._pending, 0
+        return out
+
+
+class _Slot:
+    """Everything the engine keeps per model."""
+
+    def __init__(self, name: str, model: ModelAPI, config: BatchingConfig) -> None:
+        self.name = name
+        self.model = model
+        self.variable = bool(model.variable_length)
+        self.batcher = Batcher(name, config, variable_length=self.variable)
+        self.version = 1
+        self.governor = SizeGovernor(config.max_batch_size, config.oom_probe_after_batches)
+        self.waker: _Waker | None = None
+        self.task: asyncio.Task | None = None
+        self.ready = False
+        self.closing = False
+        self.in_flight = 0
+        self.current_done: asyncio.Future | None = None
+        self.current_batch: Batch | None = None
+        self.batches = 0
+        self.requests = 0
+        self.outcomes: dict[str, int] = {}
+        self.oom_events = 0
+        self.rejections = _Throttle()
+        self.expiries = _Throttle()
+
+    def bucket_keys(self) -> list[int | None]:
+        cfg = self.batcher.config
+        if not (self.variable and cfg.bucketing):
+            return [None]
+        return [*cfg.bucket_edges, -1]
+
+
+class Engine:
+    """Serves several request/response models on one device (see docs/architecture.md)."""
+
+    def __init__(self, models: dict[str, ModelAPI], configs: dict[str, BatchingConfig] | None = None,
+                 *, recorder: RecorderLike | None = None, instance_id: str = "local",
+                 clock: MonotonicClock | None = None, device: torch.device | str = "cpu") -> None:
+        configs = dict(configs or {})
+        unknown = sorted(set(configs) - set(models))
+        if unknown:
+            raise ConfigError(f"settings given for unknown model(s) {unknown}; served models are "
+                              f"{sorted(models)}")
+        if not models:
+            raise ConfigError("no models to serve; pass at least one model")
+        self._slots: dict[str, _Slot] = {}
+        for name, model in models.items():
+            check_model(model)
+            if model.kind != "request":
+                raise ConfigError(f"model {name!r} is a {model.kind!r} model; this engine serves "
+                                  "request/response models only, serve it with the generation engine")
+            self._slots[name] = _Slot(name, model, configs.get(name) or BatchingConfig())
+        self.instance_id = instance_id
+        self.device = torch.device(device)
+        self._clock = clock or MonotonicClock()
+        self._recorder: RecorderLike = recorder if recorder is not None else ListRecorder(keep=False)
+        self._arbiter = FairArbiter()
+        self._grants: dict[str, asyncio.Future] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._stopping = False
+        self._batch_seq = 0
+        self.on_settings_change: list[Callable[[str, int, BatchingConfig], None]] = []
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Set up every model (in the device thread) and start one worker per model."""
+        if self._loop is not None:
+            raise RuntimeError("the engine is already started")
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchscope-device")
+        for slot in self._slots.values():
+            await loop.run_in_executor(self._executor, slot.model.setup, self.device)
+            slot.waker = _Waker(loop)
+            slot.ready = True
+        for slot in self._slots.values():
+            slot.task = loop.create_task(self._worker(slot), name=f"batchscope-worker-{slot.name}")
+
+    async def stop(self, drain_timeout_s: float = 10.0) -> None:
+        """Refuse new work, run what is queued for up to ``drain_timeout_s``, then answer
+        whatever could not run with ``ShuttingDown``."""
+        if self._stopping:
+            return
+        self._stopping = True
+        loop = self._loop
+        if loop is None:
+            return
+        deadline = loop.time() + max(0.0, drain_timeout_s)
+        for slot in self._slots.values():
+            slot.ready = False
+            slot.closing = True
+            slot.batcher.start_draining()
+            if slot.waker is not None:
+                slot.waker.wake()
+        tasks = [s.task for s in self._slots.values() if s.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        now = self._clock.now()
+        for slot in self._slots.values():
+            for req in slot.batcher.drain_all():
+                self._settle(slot, req, now, "cancelled", error=ShuttingDown(
+                    "the server shut down before this request could run; send it again "
+                    "to a running instance"))
+        running = [s.current_done for s in self._slots.values() if s.current_done is not None]
+        if running:
+            await asyncio.wait(running, timeout=max(1.0, deadline - loop.time()))
+        now = self._clock.now()
+        for slot in self._slots.values():
+            batch = slot.current_batch
+            if batch is not None:
+                for req in batch.requests:
+                    self._settle(slot, req, now, "cancelled", error=ShuttingDown(
+                        "the server shut down while this request was running; its result "
+                        "was lost, send it again to a running instance"))
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    # -- requests -----------------------------------------------------------------------
+    async def infer(self, model: str, inputs: dict[str, np.ndarray], *, priority: int | None = None,
+                    timeout_ms: float | None = None, bypass: bool = False) -> dict[str, np.ndarray]:
+        slot = self._slots.get(model)
+        if slot is None:
+            raise ModelNotFound(f"model {model!r} is not served here; served models are "
+                                f"{sorted(self._slots)}")
+        if self._stopping:
+            raise ShuttingDown("the server is shutting down and accepts no new requests; "
+                               "retry on another instance")
+        if not slot.ready:
+            raise ModelNotReady(f"model {model!r} is still loading; retry in a moment")
+        api = slot.model
+        try:
+            item = api.decode(inputs)
+            length = int(api.length(item)) if slot.variable else 1
+        except BatchScopeError:
+            raise
+        except Exception as exc:
+            raise ClientError(f"could not read the inputs of model {model!r}: "
+                              f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]) from None
+        if slot.variable and api.max_length is not None and length > api.max_length:
+            raise ValidationError(f"input of length {length} is longer than model {model!r} "
+                                  f"accepts (max_length={api.max_length}); shorten it")
+        batcher = slot.batcher
+        cfg = batcher.config
+        if priority is None:
+            priority = cfg.default_priority
+        elif not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValidationError(f"priority={priority!r} must be an integer from 0 (most urgent) "
+                                  f"to {cfg.priority_levels - 1}")
+        if timeout_ms is None:
+            timeout_ms = cfg.default_timeout_ms
+        elif (isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float))
+              or not timeout_ms > 0 or not math.isfinite(timeout_ms)):
+            raise ValidationError(f"timeout_ms={timeout_ms!r} must be a positive number of milliseconds")
+        now = self._clock.now()
+        fut = self._loop.create_future()
+        req = PendingRequest(item, length=length, priority=priority,
+                             bypass=bool(bypass) and cfg.allow_bypass, arrived_s=now,
+                             deadline_s=None if timeout_ms is None else now + timeout_ms / 1000.0,
+                             future=fut)
+        try:
+            wake = batcher.submit(req, now)
+        except QueueFull:
+            self._rejected(slot, req, now)
+            raise
+        if wake:
+            slot.waker.wake()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.cancelled():
+                batcher.cancel(req)
+                self._record_request(slot, req, self._clock.now(), "cancelled", None, None)
+            raise
+
+    # -- outcomes -----------------------------------------------------------------------
+    def _record_request(self, slot: _Slot, req: PendingRequest, now: float, outcome: str,
+                        started_s: float | None, batch_seq: int | None) -> None:
+        slot.requests += 1
+        slot.outcomes[outcome] = slot.outcomes.get(outcome, 0) + 1
+        to_wall = self._clock.to_wall
+        arrived = req.arrived_s
+        self._recorder.put(RequestRow(
+            self.instance_id, slot.name, batch_seq, req.priority, to_wall(arrived), to_wall(now),
+            (started_s if started_s is not None else now) - arrived, now - arrived, outcome,
+            req.bypass, req.length if slot.variable else None))
+
+    def _settle(self, slot: _Slot, req: PendingRequest, now: float, outcome: str, *,
+                result: Any = None, error: BaseException | None = None,
+                started_s: float | None = None, batch_seq: int | None = None) -> None:
+        """Give a request its one outcome (no-op if it already has one)."""
+        fut = req.future
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
+        self._record_request(slot, req, now, outcome, started_s, batch_seq)
+
+    def _event(self, model: str | None, now: float, kind: str, message: str,
+               severity: str = "info", **details: Any) -> None:
+        self._recorder.put(EventRow(self.instance_id, model, self._clock.to_wall(now), kind, message,
+                                    severity, json.dumps(details, default=str)))
+
+    def _rejected(self, slot: _Slot, req: PendingRequest, now: float) -> None:
+        self._record_request(slot, req, now, "rejected", None, None)
+        count = slot.rejections.hit(now)
+        if count:
+            cfg = slot.batcher.config
+            self._event(slot.name, now, "rejected",
+                        f"{count} request(s) refused: queue of {slot.name!r} is full "
+                        f"(max_queue_size={cfg.max_queue_size})", "warning",
+                        count=count, queue_depth=slot.batcher.depth,
+                        max_queue_size=cfg.max_queue_size)
+
+    def _expired(self, slot: _Slot, reqs: list[PendingRequest], now: float) -> None:
+        for req in reqs:
+            waited_ms = (now - req.arrived_s) * 1000.0
+            timeout_ms = ((req.deadline_s or now) - req.arrived_s) * 1000.0
+            self._settle(slot, req, now, "expired", error=RequestExpired(
+                f"the request waited {waited_ms:.0f} ms in the queue of model {slot.name!r}, past "
+                f"its timeout of {timeout_ms:.0f} ms, and was not run; raise timeout_ms or "
+                "send less load"))
+        count = slot.expiries.hit(now, len(reqs))
+        if count:
+            self._event(slot.name, now, "expired",
+                        f"{count} request(s) expired in the queue of {slot.name!r}", "warning",
+                        count=count, queue_depth=slot.batcher.depth)
+
+    # -- the worker ---------------------------------------------------------------------
+    async def _worker(self, slot: _Slot) -> None:
+        batcher = slot.batcher
+        clock = self._clock
+        while True:
+            try:
+                now = clock.now()
+                expired = batcher.expire(now)
+                if expired:
+                    self._expired(slot, expired, now)
+                if slot.closing and not batcher.depth:
+                    return
+                due = batcher.due_at(now)
+                if due is None or due > now:
+                    wake_at = batcher.next_wakeup(now)
+                    await slot.waker.wait(None if wake_at is None else wake_at - now)
+                    continue
+                await self._acquire(slot.name, batcher.has_bypass())
+                device_s = 0.0
+                try:
+                    now = clock.now()
+                    batch = batcher.next_batch(now)
+                    expired = batcher.expire(now)
+                    if expired:
+                        self._expired(slot, expired, now)
+                    if batch is not None:
+                        device_s = await self._execute(slot, batch)
+                finally:
+                    self._release(slot.name, device_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in the engine: keep serving, say so loudly
+                log.exception("the worker of model %r hit an unexpected error", slot.name)
+                await asyncio.sleep(0.01)
+
+    async def _acquire(self, name: str, urgent: bool) -> None:
+        if self._arbiter.request(name, urgent=urgent):
+            return
+        fut = self._loop.create_future()
+        self._grants[name] = fut
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self._grants.pop(name, None)
+            if self._arbiter.holder == name:
+                self._release(name, 0.0)
+            else:
+                self._arbiter.withdraw(name)
+            raise
+
+    def _release(self, name: str, device_s: float) -> None:
+        nxt = self._arbiter.release(name, device_s)
+        while nxt is not None:
+            fut = self._grants.pop(nxt, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+                return
+            # that worker was cancelled while waiting: pass its turn on
+            nxt = self._arbiter.release(nxt, 0.0)
+
+    async def _execute(self, slot: _Slot, batch: Batch) -> float:
+        done = self._loop.create_future()
+        slot.in_flight = len(batch.requests)
+        slot.current_batch = batch
+        slot.current_done = done
+        self._executor.submit(self._run_in_thread, slot, batch, done)
+        # shielded: if the worker is cancelled at shutdown, stop() still waits for this
+        return await asyncio.shield(done)
+
+    # -- in the device thread -----------------------------------------------------------
+    def _run_in_thread(self, slot: _Slot, batch: Batch, done: asyncio.Future) -> None:
+        try:
+            attempts = self._run_batch(slot, batch)
+        except BaseException as exc:  # noqa: BLE001 - every request must still get an answer
+            now = self._clock.now()
+            attempts = [Attempt(0, len(batch.requests), "error", now, now, 0.0,
+                                error=f"{type(exc).__name__}: {exc}",
+                                trace=traceback.format_exc())]
+        try:
+            self._loop.call_soon_threadsafe(self._finish_batch, slot, batch, attempts, done)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _run_batch(self, slot: _Slot, batch: Batch) -> list[Attempt]:
+        model = slot.model
+        reqs = batch.requests
+        cfg = batch.config
+        device = self.device
+        clock = self._clock
+        whole = len(reqs)
+        on_cuda = device.type == "cuda"
+
+        def attempt(lo: int, hi: int) -> Attempt:
+            part = reqs if hi - lo == whole else reqs[lo:hi]
+            n = hi - lo
+            pad = batch.pad_to if n == whole else pad_length(
+                [r.length for r in part], batch.bucket, cfg, slot.variable)
+            if on_cuda:
+                devicemem.reset_peak(device)
+            started = clock.now()
+            try:
+                check_budget(model, n, pad, cfg.memory_budget_mb)
+                with torch.inference_mode():
+                    outputs = model.split(model.predict(model.collate([r.item for r in part], pad)), n)
+                if outputs is None or len(outputs) != n:
+                    got = "None" if outputs is None else len(outputs)
+                    raise ModelError(f"split returned {got} outputs for a batch of {n}; it must "
+                                     "return exactly one dict per request")
+            except Exception as exc:  # noqa: BLE001 - the model is user code
+                ended = clock.now()
+                text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                if is_oom(exc):
+                    memory = devicemem.figures(device)
+                    summary = devicemem.allocator_summary(device)
+                    if summary:
+                        memory["allocator_summary"] = summary
+                    return Attempt(lo, hi, "oom", started, ended, ended - started,
+                                   error=text[:MAX_ERROR_CHARS], memory=memory,
+                                   peak_memory_bytes=devicemem.peak_bytes(device))
+                return Attempt(lo, hi, "error", started, ended, ended - started,
+                               error=text[:MAX_ERROR_CHARS], trace=traceback.format_exc())
+            ended = clock.now()
+            return Attempt(lo, hi, "ok", started, ended, ended - started, outputs=outputs,
+                           peak_memory_bytes=devicemem.peak_bytes(device) if on_cuda else None)
+
+        return run_splitting(whole, attempt, recover=cfg.oom_recovery,
+                             free=lambda: devicemem.free_cached(device))
+
+    # -- back on the loop ---------------------------------------------------------------
+    def _finish_batch(self, slot: _Slot, batch: Batch, attempts: list[Attempt],
+                      done: asyncio.Future) -> None:
+        now = self._clock.now()
+        reqs = batch.requests
+        device_s = 0.0
+        had_oom = False
+        for a in attempts:
+            device_s += a.compute_s
+            seq = self._record_batch(slot, batch, a)
+            if a.outcome == "oom":
+                had_oom = True
+                self._oom_event(slot, batch, a, seq, now)
+            elif a.outcome == "error":
+                self._model_error(slot, a, seq, now)
+            if a.split:
+                continue
+            if a.outcome == "ok":
+                outputs = a.outputs
+                for i in range(a.start, a.stop):
+                    self._settle(slot, reqs[i], now, "ok", result=outputs[i - a.start],
+                                 started_s=a.started_s, batch_seq=seq)
+            elif a.outcome == "oom":
+                for i in range(a.start, a.stop):
+                    self._settle(slot, reqs[i], now, "oom", error=self._oom_error(slot, reqs[i], a),
+                                 started_s=a.started_s, batch_seq=seq)
+            else:
+                for i in range(a.start, a.stop):
+                    self._settle(slot, reqs[i], now, "error", error=ModelError(
+                        f"model {slot.name!r} failed on a batch of {a.size}: {a.error}"),
+                        started_s=a.started_s, batch_seq=seq)
+        if not had_oom and all(a.outcome == "ok" for a in attempts):
+            probed = slot.governor.on_success(batch.bucket)
+            if probed is not None:
+                self._apply_caps(slot)
+                self._event(slot.name, now, "oom_probe",
+                            f"{slot.name!r}: no out-of-memory in {slot.governor.probe_after_batches} "
+                            f"batches; effective max batch size back up to {probed}",
+                            bucket=batch.bucket, effective_max_batch_size=probed)
+        slot.batcher.complete(batch, now, device_s)
+        slot.in_flight = 0
+        slot.current_batch = None
+        slot.current_done = None
+        if not done.done():
+            done.set_result(device_s)
+
+    def _record_batch(self, slot: _Slot, batch: Batch, a: Attempt) -> int:
+        self._batch_seq += 1
+        seq = self._batch_seq
+        slot.batches += 1
+        reqs = batch.requests
+        if a.size == len(reqs):
+            part, real, padded = reqs, batch.real_elements, batch.padded_elements
+        else:
+            part = reqs[a.start:a.stop]
+            real = sum(r.length for r in part)
+            pad = pad_length([r.length for r in part], batch.bucket, batch.config, slot.variable)
+            padded = real if pad is None else pad * len(part)
+        start = a.started_s
+        arrived = [r.arrived_s for r in part]
+        to_wall = self._clock.to_wall
+        cfg = batch.config
+        self._recorder.put(BatchRow(
+            self.instance_id, slot.name, seq, cfg.policy, batch.settings_version,
+            cfg.max_batch_size, batch.bucket, len(part), real, padded,
+            start - max(arrived), start - sum(arrived) / len(arrived), start - min(arrived),
+            a.compute_s, to_wall(a.started_s), to_wall(a.ended_s), a.outcome,
+            a.peak_memory_bytes, False, batch.queue_depth))
+        return seq
+
+    def _oom_error(self, slot: _Slot, req: PendingRequest, a: Attempt) -> OutOfMemory:
+        if a.size == 1:
+            what = f"of length {req.length} " if slot.variable else ""
+            return OutOfMemory(f"this request {what}does not fit in the memory of model "
+                               f"{slot.name!r} even alone ({a.error}); send a smaller input")
+        return OutOfMemory(f"model {slot.name!r} ran out of memory on a batch of {a.size} and "
+                           f"oom_recovery is off ({a.error}); turn oom_recovery on or lower "
+                           "max_batch_size")
+
+    def _oom_event(self, slot: _Slot, batch: Batch, a: Attempt, seq: int, now: float) -> None:
+        slot.oom_events += 1
+        bucket = batch.bucket
+        if a.split:
+            first = (a.size + 1) // 2
+            cap = slot.governor.on_oom(bucket, a.size, slot.bucket_keys())
+            self._apply_caps(slot)
+            action = (f"split into 2 batches of {first}/{a.size - first}; effective max batch "
+                      f"size now {cap}")
+            kind, severity = "oom", "error"
+        else:
+            cap = slot.governor.limit(bucket)
+            action = ("a single request does not fit even alone; it failed with 507"
+                      if a.size == 1 else "oom_recovery is off; the batch failed with 507")
+            kind, severity = "oom_failed", "error"
+        self._event(slot.name, now, kind,
+                    f"{slot.name!r} ran out of memory on a batch of {a.size}: {action}", severity,
+                    batch_size=a.size, bucket=bucket, batch_seq=seq, error=a.error,
+                    memory=a.memory, action=action, effective_max_batch_size=cap)
+
+    def _model_error(self, slot: _Slot, a: Attempt, seq: int, now: float) -> None:
+        log.error("model %r raised on a batch of %d (batch %d):\n%s", slot.name, a.size, seq,
+                  a.trace or a.error)
+        self._event(slot.name, now, "model_error",
+                    f"{slot.name!r} failed on a batch of {a.size}: {a.error}", "error",
+                    batch_size=a.size, batch_seq=seq, error=a.error)
+
+    def _apply_caps(self, slot: _Slot) -> None:
+        gov = slot.governor
+        for key in slot.bucket_keys():
+            cap = gov.limit(key)
+            slot.batcher.set_size_cap(key, cap if cap < gov.configured_max else None)
+
+    # -- settings -----------------------------------------------------------------------
+    def get_settings(self, model: str) -> tuple[int, BatchingConfig]:
+        slot = self._slot(model)
+        return slot.version, slot.batcher.config
+
+    def update_settings(self, model: str, changes: dict, requested_by: str) -> tuple[int, BatchingConfig]:
+        """Validate and apply ``changes`` (ConfigError: nothing changes); they take effect
+        at the next batch boundary."""
+        slot = self._slot(model)
+        old = slot.batcher.config
+        new = old.with_changes(changes)
+        slot.version += 1
+        version = slot.version
+        slot.batcher.set_config(new, version)
+        if (old.bucketing, old.bucket_edges) != (new.bucketing, new.bucket_edges):
+            slot.governor = SizeGovernor(new.max_batch_size, new.oom_probe_after_batches)
+        else:
+            slot.governor.reconfigure(new.max_batch_size, new.oom_probe_after_batches)
+        for key in set(slot.bucket_keys()) | {None, *old.bucket_edges, -1}:
+            slot.batcher.set_size_cap(key, None)
+        self._apply_caps(slot)
+        self._event(model, self._clock.now(), "settings_change",
+                    f"{model!r} settings v{version}: " + ", ".join(
+                        f"{k}={v!r}" for k, v in changes.items()),
+                    old=old.to_dict(), new=new.to_dict(), changes=changes,
+                    requested_by=requested_by, version=version)
+        for listener in list(self.on_settings_change):
+            try:
+                listener(model, version, new)
+            except Exception:  # a listener must not undo an applied change
+                log.exception("a settings listener failed for model %r", model)
+        if slot.waker is not None:
+            slot.waker.wake()
+        return version, new
+
+    # -- introspection ------------------------------------------------------------------
+    def _slot(self, name: str) -> _Slot:
+        slot = self._slots.get(name)
+        if slot is None:
+            raise ModelNotFound(f"model {name!r} is not served here; served models are "
+                                f"{sorted(self._slots)}")
+        return slot
+
+    def model_names(self) -> list[str]:
+        return list(self._slots)
+
+    def model(self, name: str) -> ModelAPI:
+        return self._slot(name).model
+
+    def is_ready(self, name: str | None = None) -> bool:
+        if name is None:
+            return all(s.ready for s in self._slots.values())
+        slot = self._slots.get(name)
+        return slot is not None and slot.ready
+
+    def stats(self, model: str) -> dict:
+        """A JSON-ready snapshot of one model's queue, batches and device share."""
+        slot = self._slot(model)
+        batcher = slot.batcher
+        by_bucket = {("all" if k is None else str(k)): batcher.cap(k) for k in slot.bucket_keys()}
+        window = batcher.window_s()
+        return {
+            "queue_depth": batcher.depth,
+            "queue_depth_by_priority": {str(p): n for p, n in batcher.depth_by_priority().items()},
+            "queue_depth_by_bucket": {("all" if k is None else str(k)): n
+                                      for k, n in batcher.depth_by_bucket().items()},
+            "in_flight": slot.in_flight,
+            "effective_max_batch_size": min(by_bucket.values()),
+            "effective_max_batch_size_by_bucket": by_bucket,
+            "batches": slot.batches,
+            "requests": slot.requests,
+            "requests_by_outcome": dict(slot.outcomes),
+            "oom_events": slot.oom_events,
+            "device_time_s": self._arbiter.device_s.get(model, 0.0),
+            "device_grants": self._arbiter.grants.get(model, 0),
+            "mean_batch_compute_s": batcher.mean_compute_s,
+            "batching_window_ms": None if window is None else window * 1000.0,
+            "settings_version": slot.version,
+            "ready": slot.ready,
+        }

@@ -1,0 +1,146 @@
+"""Out-of-memory recovery: detection, split-and-retry, effective batch-size backoff.
+
+* ``is_oom(exc)`` recognises ``torch.cuda.OutOfMemoryError``, "out of memory"
+  RuntimeErrors, and ``MemoryBudgetExceeded`` (a CPU memory budget: the model's
+  ``estimate_batch_bytes`` above ``memory_budget_mb`` counts as OOM before running).
+* ``run_splitting`` runs a batch and, when an attempt runs out of memory, splits it
+  in halves and retries each half, recursively, down to single requests.
+* ``SizeGovernor`` is the pure state machine of the effective max batch size per
+  bucket: an OOM lowers it to the size of the halves (the largest size the split
+  will try), and after ``probe_after_batches`` clean batches it doubles back
+  toward the configured maximum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+
+class MemoryBudgetExceeded(RuntimeError):
+    """A batch's estimated memory is above the configured budget (treated as OOM)."""
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryBudgetExceeded)):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def check_budget(model: Any, batch_size: int, padded_length: int | None,
+                 budget_mb: float | None) -> None:
+    """Raise ``MemoryBudgetExceeded`` when the model's estimate exceeds the budget."""
+    if budget_mb is None:
+        return
+    estimate = model.estimate_batch_bytes(batch_size, padded_length or 1)
+    if estimate is not None and estimate > budget_mb * 1024 * 1024:
+        raise MemoryBudgetExceeded(
+            f"out of memory budget: a batch of {batch_size} (length {padded_length or 1}) "
+            f"needs about {estimate / 2**20:.1f} MiB, memory_budget_mb={budget_mb:g}")
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One run of a slice ``[start, stop)`` of a batch."""
+
+    start: int
+    stop: int
+    #: ok | error | oom
+    outcome: str
+    started_s: float
+    ended_s: float
+    compute_s: float
+    outputs: list | None = None
+    #: short "Type: message" of what the attempt raised (no traceback kept: an OOM's
+    #: frames would pin the very tensors that have to be freed before the retry)
+    error: str | None = None
+    #: the formatted traceback of a model error, for the server log
+    trace: str | None = None
+    #: an OOM attempt that was split into halves (its requests got another chance)
+    split: bool = False
+    peak_memory_bytes: int | None = None
+    #: memory figures at the moment of an OOM
+    memory: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def run_splitting(n: int, attempt: Callable[[int, int], Attempt], *, recover: bool,
+                  free: Callable[[], None]) -> list[Attempt]:
+    """Run ``attempt(0, n)``; on OOM (and ``recover``) free cached memory and retry
+    each half, depth first. Returns every attempt in the order it ran. A request's
+    outcome is that of the last attempt covering it that was not split."""
+    done: list[Attempt] = []
+    todo = [(0, n)]
+    while todo:
+        lo, hi = todo.pop()
+        result = attempt(lo, hi)
+        done.append(result)
+        if result.outcome == "oom" and recover and hi - lo > 1:
+            result.split = True
+            free()
+            mid = lo + (hi - lo + 1) // 2
+            todo.append((mid, hi))
+            todo.append((lo, mid))
+    return done
+
+
+def _rank(bucket: int | None) -> float:
+    if bucket is None:
+        return 0.0
+    return float("inf") if bucket < 0 else float(bucket)
+
+
+class SizeGovernor:
+    """Effective max batch size per bucket after out-of-memory errors."""
+
+    def __init__(self, configured_max: int, probe_after_batches: int) -> None:
+        self.configured_max = configured_max
+        self.probe_after_batches = probe_after_batches
+        self.caps: dict[int | None, int] = {}
+        self._clean: dict[int | None, int] = {}
+
+    def limit(self, bucket: int | None) -> int:
+        cap = self.caps.get(bucket, self.configured_max)
+        return cap if cap < self.configured_max else self.configured_max
+
+    def reconfigure(self, configured_max: int, probe_after_batches: int) -> None:
+        self.configured_max = configured_max
+        self.probe_after_batches = probe_after_batches
+        for bucket in [b for b, cap in self.caps.items() if cap >= configured_max]:
+            del self.caps[bucket]
+
+    def on_oom(self, bucket: int | None, failed_size: int,
+               longer: Iterable[int | None] = ()) -> int:
+        """A batch of ``failed_size`` ran out of memory in ``bucket``. The cap of that
+        bucket, and of the ``longer`` buckets given (longer items need more memory),
+        drops to the halves' size. Returns the bucket's new cap."""
+        new = max(1, (failed_size + 1) // 2)
+        for key in {bucket, *[b for b in longer if _rank(b) >= _rank(bucket)]}:
+            if new < self.limit(key):
+                self.caps[key] = new
+            self._clean[key] = 0
+        return self.limit(bucket)
+
+    def on_success(self, bucket: int | None) -> int | None:
+        """A batch ran without OOM. Returns the new cap when this probes back up."""
+        if bucket not in self.caps:
+            return None
+        clean = self._clean.get(bucket, 0) + 1
+        if clean < self.probe_after_batches:
+            self._clean[bucket] = clean
+            return None
+        self._clean[bucket] = 0
+        raised = self.caps[bucket] * 2
+        if raised >= self.configured_max:
+            del self.caps[bucket]
+            return self.configured_max
+        self.caps[bucket] = raised
+        return raised
+
+    def smallest_limit(self) -> int:
+        return min(self.caps.values(), default=self.configured_max)
