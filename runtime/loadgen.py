@@ -371,12 +371,12 @@ async def run_load_async(url: str, model: str, *, concurrency: int | None = 16,
 
 
 def run_async(coro: Any) -> Any:
+    """Run ``coro`` to completion on a fresh uvloop (or asyncio) event loop."""
     try:
         import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:  # pragma: no cover
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def run_load(url: str, model: str, **options: Any) -> LoadReport:
