@@ -174,6 +174,14 @@ class Recorder:
             return self._flush_locked()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # a bug, not a database failure: say so once, then count what comes
+            log.exception("recorder writer stopped unexpectedly; further records are dropped and counted")
+            self._limit = 0
+            self._discard_rest()
+
+    def _loop(self) -> None:
         while True:
             if not self._stopping and len(self._buffer) < self.max_rows_per_flush:
                 self._wake.wait(self.flush_interval_s)
