@@ -127,7 +127,8 @@ def headline(engine: Engine, w: Window) -> pd.DataFrame:
     """One row: throughput, latency percentiles, batch sizes, outcomes, device, drops."""
     where, params = _where(w, "finished_at")
     req = _df(engine, f"""
-        WITH r AS (SELECT latency_s, queue_wait_s, outcome FROM requests WHERE {where}),
+        WITH r AS (SELECT latency_s, queue_wait_s, outcome, finished_at FROM requests
+                   WHERE {where}),
         ok AS (SELECT latency_s, queue_wait_s, {_ranked('latency_s')}, {_ranked('queue_wait_s')}
                FROM r WHERE outcome = 'ok')
         SELECT (SELECT COUNT(*) FROM r) AS requests,
@@ -136,6 +137,7 @@ def headline(engine: Engine, w: Window) -> pd.DataFrame:
                (SELECT COUNT(*) FROM r WHERE outcome = 'expired') AS expired,
                (SELECT COUNT(*) FROM r WHERE outcome IN ('error', 'oom')) AS errors,
                (SELECT AVG(queue_wait_s) FROM r WHERE outcome = 'ok') AS queue_wait_mean_s,
+               (SELECT MIN(finished_at) FROM r) AS first_finished_at,
                {_pct_select('latency_s', 'latency')}, {_pct_select('queue_wait_s', 'wait')}
         FROM ok""", params)
     where_b, params_b = _where(w, "ended_at")
@@ -170,9 +172,15 @@ def headline(engine: Engine, w: Window) -> pd.DataFrame:
                 "policy": last.iloc[0]["policy"] if len(last) else None,
                 "settings_version": last.iloc[0]["settings_version"] if len(last) else None,
                 "window_s": w.duration_s})
-    row["requests_per_s"] = row["requests"] / w.duration_s
-    row["ok_per_s"] = row["ok"] / w.duration_s
-    row["batches_per_s"] = row["batches"] / w.duration_s
+    # rates over the part of the window that has data (a runtime started mid-window)
+    first = row.get("first_finished_at")
+    active_s = w.duration_s
+    if first is not None and pd.notna(first):
+        active_s = min(w.duration_s, max(1.0, w.end_s - float(first)))
+    row["active_s"] = active_s
+    row["requests_per_s"] = row["requests"] / active_s
+    row["ok_per_s"] = row["ok"] / active_s
+    row["batches_per_s"] = row["batches"] / active_s
     return pd.DataFrame([row])
 
 

@@ -38,21 +38,28 @@ def _val(v, unit: str = "", scale: float = 1.0, digits: int = 1) -> str:
     return f"{float(v) * scale:,.{digits}f}{unit}"
 
 
+def _ms(v) -> str:
+    if v is None or (isinstance(v, float) and pd.isna(v)):
+        return "—"
+    ms = float(v) * 1000
+    return f"{ms:.2f} ms" if ms < 10 else (f"{ms:.1f} ms" if ms < 100 else f"{ms:,.0f} ms")
+
+
 def headline_items(head: pd.Series | dict) -> list[tuple[str, str]]:
     """(label, text) pairs of the headline numbers, shared by the app and the report."""
     h = dict(head)
     return [
         ("served req/s", _val(h.get("ok_per_s"))),
         ("batches/s", _val(h.get("batches_per_s"))),
-        ("latency p50", _val(h.get("latency_p50"), " ms", 1000)),
-        ("latency p95", _val(h.get("latency_p95"), " ms", 1000)),
-        ("latency p99", _val(h.get("latency_p99"), " ms", 1000)),
+        ("latency p50", _ms(h.get("latency_p50"))),
+        ("latency p95", _ms(h.get("latency_p95"))),
+        ("latency p99", _ms(h.get("latency_p99"))),
         ("mean batch / max", f"{_val(h.get('mean_batch_size'), digits=2)} / "
                              f"{_val(h.get('max_batch_size'), digits=0)}"),
         ("queue depth", _val(h.get("queue_depth_last"), digits=0)),
         ("device utilization", _val(h.get("utilization_mean_pct"), " %")),
         ("memory peak", _val(h.get("memory_used_max_bytes"), " GiB", 1 / 2 ** 30, 2)),
-        ("rejected / expired / errors", f"{int(h.get('rejected') or 0)} / "
+        ("rejected/expired/errors", f"{int(h.get('rejected') or 0)} / "
                                         f"{int(h.get('expired') or 0)} / {int(h.get('errors') or 0)}"),
         ("recorder drops", _val(h.get("records_dropped"), digits=0)),
     ]

@@ -1,0 +1,113 @@
+"""Read queries against a database filled by ``synthetic`` with known numbers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from batchscope import queries, synthetic
+from batchscope.db import make_engine
+from batchscope.queries import Window, nearest_rank
+
+END = 2_000_000_000.0
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory):
+    engine = make_engine(f"sqlite:///{tmp_path_factory.mktemp('q') / 'q.db'}")
+    mlp = synthetic.generate(engine, synthetic.HEALTHY.with_(
+        duration_s=120, batches_per_s=5, rejected_per_s=0.5, expired_per_s=0.25), end_s=END, seed=1)
+    enc = synthetic.generate(engine, synthetic.SCENARIOS["padding"].with_(
+        duration_s=120, batches_per_s=3), end_s=END, seed=2)
+    yield engine, mlp, enc
+    engine.dispose()
+
+
+def test_headline_counts_and_exact_percentiles(filled):
+    engine, mlp, _ = filled
+    h = queries.headline(engine, Window(END - 200, END + 1, "mlp")).iloc[0]
+    assert h["batches"] == mlp.batches == 600
+    assert h["rejected"] == 60 and h["expired"] == 30
+    assert h["requests"] == mlp.requests
+    assert h["ok"] == len(mlp.latencies_ok_s)
+    for p in (50, 95, 99):
+        assert h[f"latency_p{p}"] == pytest.approx(nearest_rank(mlp.latencies_ok_s, p), abs=1e-12)
+    assert h["mean_batch_size"] == pytest.approx(mlp.batch_sizes.mean())
+    assert h["max_batch_size"] == 32
+
+
+def test_model_filter_and_all_models(filled):
+    engine, mlp, enc = filled
+    every = queries.headline(engine, Window(END - 200, END + 1)).iloc[0]
+    assert every["batches"] == mlp.batches + enc.batches
+    assert queries.models(engine) == ["encoder", "mlp"]
+    share = queries.model_share(engine, Window(END - 200, END + 1, "mlp"))
+    assert list(share["model"]) == ["encoder", "mlp"]
+    assert share["share"].sum() == pytest.approx(1.0)
+
+
+def test_batch_size_histogram_matches_generated(filled):
+    engine, mlp, _ = filled
+    sizes = queries.batch_sizes(engine, Window(END - 200, END + 1, "mlp"))
+    counts = np.bincount(mlp.batch_sizes)
+    assert {int(s): int(n) for s, n in zip(sizes["batch_size"], sizes["batches"])} == \
+        {s: int(n) for s, n in enumerate(counts) if n}
+
+
+def test_timeline_buckets_hold_exact_per_bucket_percentiles(filled):
+    engine, _, _ = filled
+    w = Window(END - 120, END, "mlp")
+    tl = queries.request_timeline(engine, w, bucket_s=30)
+    assert tl["requests"].sum() > 0
+    assert (tl["t"] % 30 == 0).all()
+    # recompute one bucket's percentile straight from the rows
+    t0 = float(tl["t"].iloc[1])
+    with engine.connect() as conn:
+        from sqlalchemy import text
+        rows = [r[0] for r in conn.execute(text(
+            "SELECT latency_s FROM requests WHERE model='mlp' AND outcome='ok' "
+            "AND finished_at >= :a AND finished_at < :b"), {"a": t0, "b": t0 + 30})]
+    assert tl["latency_p95"].iloc[1] == pytest.approx(nearest_rank(rows, 95), abs=1e-12)
+    assert tl["ok"].iloc[1] == len(rows)
+
+
+def test_window_excludes_rows_outside(filled):
+    engine, _, _ = filled
+    empty = queries.headline(engine, Window(END + 10, END + 20, "mlp")).iloc[0]
+    assert empty["requests"] == 0 and empty["batches"] == 0
+    assert empty["latency_p50"] is None or math.isnan(empty["latency_p50"])
+    assert len(queries.request_timeline(engine, Window(END + 10, END + 20))) == 0
+
+
+def test_padding_waste_per_bucket(filled):
+    engine, _, _ = filled
+    pad = queries.padding_by_bucket(engine, Window(END - 200, END + 1, "encoder"))
+    assert list(pad["bucket"]) == [256]
+    # lengths are uniform in 1..256 padded to 256: about half is padding
+    assert 0.4 < float(pad["waste_fraction"].iloc[0]) < 0.6
+
+
+def test_priority_stats_and_bundle(filled):
+    engine, _, _ = filled
+    w = Window(END - 200, END + 1, "mlp")
+    pr = queries.priority_stats(engine, w)
+    assert list(pr["priority"]) == [0, 1, 2]
+    assert pr["requests"].sum() == queries.headline(engine, w).iloc[0]["requests"]
+    bundle = queries.live_bundle(engine, w)
+    assert {"headline", "requests_t", "batches_t", "device_t", "events", "tail"} <= set(bundle)
+    assert "generation" not in bundle
+
+
+def test_nearest_rank_definition():
+    assert nearest_rank([5, 1, 3, 2, 4], 50) == 3
+    assert nearest_rank([1, 2], 99) == 2
+    assert nearest_rank(range(1, 101), 95) == 95
+    assert math.isnan(nearest_rank([], 50))
+
+
+def test_window_bucket_is_round():
+    assert Window(0, 900).bucket_s() == 15
+    assert Window(0, 60).bucket_s() == 1
+    assert Window.last(5, now=1000.0).start_s == 700.0
