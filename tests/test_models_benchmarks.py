@@ -11,6 +11,17 @@ from benchmarks.bench_offline import offline_throughput, run_offline
 from benchmarks.common import format_table, make_inputs
 from runtime.models.encoder import EncoderModel
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One intra-op thread: the suite shares two cores, and spinning threads slow everyone."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 
 @pytest.fixture(scope="module")
 def client():
@@ -34,7 +45,8 @@ def test_offline_counts_items_and_padding():
 
 
 def test_run_offline_rows_and_ratios():
-    rows = run_offline(["mlp"], [1, 4], duration_s=0.0)
+    rows = run_offline(["mlp"], [1, 4], duration_s=0.0, pool_size=16)
+    assert [r["batches"] for r in rows] == [16, 4]   # one whole pass over the pool
     assert [(r["model"], r["order"], r["batch_size"]) for r in rows] == [("mlp", "fixed", 1), ("mlp", "fixed", 4)]
     assert rows[0]["speedup_vs_batch1"] == 1.0 and rows[1]["items_per_s"] > 0
     table = format_table(rows, ["model", "batch_size", "items_per_s"])

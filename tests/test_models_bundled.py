@@ -11,6 +11,17 @@ from runtime.model_api import check_model
 from runtime.models.encoder import D_MODEL, MAX_LENGTH, VOCAB_SIZE, EncoderModel
 from runtime.models.mlp import MLPModel, build_mlp
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One intra-op thread: the suite shares two cores, and spinning threads slow everyone."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 
 @pytest.fixture(scope="module")
 def mlp() -> MLPModel:

@@ -12,6 +12,17 @@ pytest.importorskip("transformers")
 
 TEXTS = ["hello world", "Batching trades latency for throughput.", ""]
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One intra-op thread: the suite shares two cores, and spinning threads slow everyone."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 
 @pytest.fixture(scope="module")
 def minilm():
