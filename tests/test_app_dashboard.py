@@ -1,0 +1,85 @@
+"""The Streamlit app rendered with AppTest on a synthetic database (no demo runtime)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from batchscope import control, synthetic
+from batchscope.db import make_engine
+
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
+
+
+@pytest.fixture()
+def app_db(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    engine = make_engine(url)
+    now = time.time()
+    synthetic.generate(engine, synthetic.SCENARIOS["oom"].with_(
+        duration_s=300, batches_per_s=4, settings_changes=((0.5, {"max_batch_size": 16}),)),
+        end_s=now)
+    monkeypatch.setenv("BATCHSCOPE_DB_URL", url)
+    monkeypatch.setenv("BATCHSCOPE_NO_DEMO", "1")
+    yield engine
+    engine.dispose()
+
+
+def run_app() -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_headline_metrics_and_flags_render(app_db):
+    at = run_app()
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["mean batch / max"].endswith("/ 16")
+    assert metrics["latency p99"].endswith("ms")
+    assert metrics["rejected/expired/errors"] == "0 / 0 / 0"
+    assert any("Out of memory 2 time(s)" in e.label for e in at.expander)
+    # the instance reported until now, so it counts as live and no demo is started
+    assert any("Attached to live runtime" in c.value for c in at.caption)
+    assert len(at.get("plotly_chart")) >= 10
+
+
+def test_apply_writes_a_control_command(app_db):
+    at = run_app()
+    box = next(n for n in at.number_input if n.label == "Max batch size")
+    assert box.value == 16  # the published current settings
+    box.set_value(24)
+    next(b for b in at.button if b.label == "Apply").click()
+    at.run()
+    assert not at.exception
+    cmds = control.recent_commands(app_db, model="mlp")
+    assert len(cmds) == 1
+    assert cmds[0].changes == {"max_batch_size": 24} and cmds[0].status == "pending"
+    assert any("pending" in i.value for i in at.info)
+    control.ack_command(app_db, cmds[0].id, applied_version=3, now=time.time())
+    at.run()
+    assert any("applied as settings version 3" in s.value for s in at.success)
+
+
+def test_refusal_reason_is_shown(app_db):
+    at = run_app()
+    next(n for n in at.number_input if n.label == "Max batch size").set_value(8)
+    next(b for b in at.button if b.label == "Apply").click()
+    at.run()
+    cid = control.recent_commands(app_db, model="mlp")[0].id
+    control.refuse_command(app_db, cid, reason="max_batch_size=8 is too small", now=time.time())
+    at.run()
+    assert any("refused — max_batch_size=8 is too small" in e.value for e in at.error)
+
+
+def test_revert_requests_the_old_settings(app_db):
+    at = run_app()
+    assert any("max_batch_size" in str(d.value) for d in at.dataframe)
+    next(b for b in at.button if b.label.startswith("Revert")).click()
+    at.run()
+    cmd = control.recent_commands(app_db, model="mlp")[0]
+    assert cmd.changes == {"max_batch_size": 32}
+    assert cmd.requested_by == "dashboard (revert)"
