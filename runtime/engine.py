@@ -108,6 +108,8 @@ class _Slot:
         self.in_flight = 0
         self.current_done: asyncio.Future | None = None
         self.current_batch: Batch | None = None
+        #: CUDA-graph runner (device thread only), made when cuda_graphs is on, per max size
+        self.graphs: Any = None
         self.batches = 0
         self.requests = 0
         self.outcomes: dict[str, int] = {}
@@ -163,7 +165,12 @@ class Engine:
         self._loop = loop
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchscope-device")
         for slot in self._slots.values():
-            await loop.run_in_executor(self._executor, slot.model.setup, self.device)
+            try:
+                await loop.run_in_executor(self._executor, slot.model.setup, self.device)
+            except Exception:
+                log.exception("setup of model %r on %s failed", slot.name, self.device)
+                self._executor.shutdown(wait=False)
+                raise
             slot.waker = _Waker(loop)
             slot.ready = True
         for slot in self._slots.values():
@@ -414,6 +421,7 @@ class Engine:
         clock = self._clock
         whole = len(reqs)
         on_cuda = device.type == "cuda"
+        graphs = self._graph_runner(slot, cfg) if on_cuda and cfg.cuda_graphs else None
 
         def attempt(lo: int, hi: int) -> Attempt:
             part = reqs if hi - lo == whole else reqs[lo:hi]
@@ -423,10 +431,17 @@ class Engine:
             if on_cuda:
                 devicemem.reset_peak(device)
             started = clock.now()
+            used_graph = False
             try:
                 check_budget(model, n, pad, cfg.memory_budget_mb)
                 with torch.inference_mode():
-                    outputs = model.split(model.predict(model.collate([r.item for r in part], pad)), n)
+                    inputs = model.collate([r.item for r in part], pad)
+                    if graphs is None:
+                        output = model.predict(inputs)
+                    else:
+                        output, used_graph = graphs.run(inputs, n)
+                    outputs = model.split(output, n)
+                    del inputs, output
                 if outputs is None or len(outputs) != n:
                     got = "None" if outputs is None else len(outputs)
                     raise ModelError(f"split returned {got} outputs for a batch of {n}; it must "
@@ -446,10 +461,20 @@ class Engine:
                                error=text[:MAX_ERROR_CHARS], trace=traceback.format_exc())
             ended = clock.now()
             return Attempt(lo, hi, "ok", started, ended, ended - started, outputs=outputs,
-                           peak_memory_bytes=devicemem.peak_bytes(device) if on_cuda else None)
+                           peak_memory_bytes=devicemem.peak_bytes(device) if on_cuda else None,
+                           cuda_graph=used_graph)
 
         return run_splitting(whole, attempt, recover=cfg.oom_recovery,
                              free=lambda: devicemem.free_cached(device))
+
+    def _graph_runner(self, slot: _Slot, cfg: BatchingConfig) -> Any:
+        """The slot's CUDA-graph runner for the current max batch size (device thread)."""
+        runner = slot.graphs
+        if runner is None or runner.sizes[-1] != cfg.max_batch_size:
+            from runtime.cudagraphs import CudaGraphRunner  # CUDA only: import on use
+            runner = slot.graphs = CudaGraphRunner(slot.model, self.device,
+                                                   max_batch_size=cfg.max_batch_size)
+        return runner
 
     # -- back on the loop ---------------------------------------------------------------
     def _finish_batch(self, slot: _Slot, batch: Batch, attempts: list[Attempt],
@@ -518,7 +543,7 @@ class Engine:
             cfg.max_batch_size, batch.bucket, len(part), real, padded,
             start - max(arrived), start - sum(arrived) / len(arrived), start - min(arrived),
             a.compute_s, to_wall(a.started_s), to_wall(a.ended_s), a.outcome,
-            a.peak_memory_bytes, False, batch.queue_depth))
+            a.peak_memory_bytes, a.cuda_graph, batch.queue_depth))
         return seq
 
     def _oom_error(self, slot: _Slot, req: PendingRequest, a: Attempt) -> OutOfMemory:
@@ -642,4 +667,5 @@ class Engine:
             "batching_window_ms": None if window is None else window * 1000.0,
             "settings_version": slot.version,
             "ready": slot.ready,
+            "cuda_graphs": slot.graphs.stats() if slot.graphs is not None else None,
         }

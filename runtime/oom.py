@@ -61,6 +61,8 @@ class Attempt:
     #: an OOM attempt that was split into halves (its requests got another chance)
     split: bool = False
     peak_memory_bytes: int | None = None
+    #: the forward pass replayed a captured CUDA graph
+    cuda_graph: bool = False
     #: memory figures at the moment of an OOM
     memory: dict = field(default_factory=dict)
 
