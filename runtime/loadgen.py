@@ -163,6 +163,31 @@ class _Conn:
             pass
 
 
+_TRANSPORT_ERRORS = (OSError, asyncio.IncompleteReadError, ValueError, ConnectionError)
+
+
+async def _exchange(conn: _Conn | None, host: str, port: int,
+                    request: bytes) -> tuple[_Conn, int]:
+    """Send on ``conn`` (or a new connection); returns the connection and the status.
+
+    A kept-alive connection the server closed while it sat idle fails before any
+    answer arrives; the request is then sent once more on a fresh connection.
+    """
+    if conn is not None:
+        try:
+            status, _ = await conn.send(request)
+            return conn, status
+        except (asyncio.IncompleteReadError, ConnectionError):
+            conn.close()
+    conn = await _Conn.open(host, port)
+    try:
+        status, _ = await conn.send(request)
+    except BaseException:
+        conn.close()
+        raise
+    return conn, status
+
+
 def _request_bytes(method: str, host: str, port: int, path: str, body: bytes) -> bytes:
     head = (f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
@@ -264,13 +289,9 @@ async def _closed(host: str, port: int, requests: Sequence[bytes], concurrency: 
             i += 1
             t0 = time.perf_counter()
             try:
-                if conn is None:
-                    conn = await _Conn.open(host, port)
-                status, _ = await conn.send(req)
-            except (OSError, asyncio.IncompleteReadError, ValueError, ConnectionError):
+                conn, status = await _exchange(conn, host, port, req)
+            except _TRANSPORT_ERRORS:
                 tally.error("connection")
-                if conn is not None:
-                    conn.close()
                 conn = None
                 await asyncio.sleep(0.01)
                 continue
@@ -287,24 +308,16 @@ async def _closed(host: str, port: int, requests: Sequence[bytes], concurrency: 
 async def _open(host: str, port: int, requests: Sequence[bytes], rate: float, deadline: float,
                 max_requests: int, max_connections: int, tally: _Tally, seed: int) -> None:
     idle: list[_Conn] = []
-    opened = 0
     slot = asyncio.Semaphore(max_connections)
     rng = random.Random(seed)
     tasks: set[asyncio.Task] = set()
 
     async def one(req: bytes, scheduled: float) -> None:
-        nonlocal opened
         async with slot:
-            conn = idle.pop() if idle else None
             try:
-                if conn is None:
-                    conn = await _Conn.open(host, port)
-                    opened += 1
-                status, _ = await conn.send(req)
-            except (OSError, asyncio.IncompleteReadError, ValueError, ConnectionError):
+                conn, status = await _exchange(idle.pop() if idle else None, host, port, req)
+            except _TRANSPORT_ERRORS:
                 tally.error("connection")
-                if conn is not None:
-                    conn.close()
                 return
             idle.append(conn)
         if status == 200:

@@ -31,6 +31,8 @@ from runtime.server.metrics import MetricsRecorder
 log = logging.getLogger("batchscope.server")
 
 VERSION = "0.1.0"
+#: idle keep-alive connections stay open this long (load generators reuse them)
+KEEP_ALIVE_S = 60
 
 
 def new_instance_id() -> str:
@@ -178,7 +180,8 @@ class Service:
         self.url = _url(sock)
         config = uvicorn.Config(self.app, loop="none", http="httptools", lifespan="on",
                                 log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5, backlog=2048)
+                                timeout_graceful_shutdown=5, backlog=2048,
+                                timeout_keep_alive=KEEP_ALIVE_S)
         self._server = _Server(config)
         try:
             await self._server.serve(sockets=[sock])

@@ -1,0 +1,133 @@
+"""``batchscope`` end to end through subprocesses: serve, load, shutdown, bad input,
+and the demo runtime as the dashboard starts it."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from sqlalchemy import text
+
+from batchscope import control
+from batchscope.db import make_engine
+
+pytestmark = pytest.mark.slow
+
+CLI = [sys.executable, "-m", "runtime.cli"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def lines_of(proc: subprocess.Popen) -> queue.Queue:
+    out: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            out.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return out
+
+
+def first_url(out: queue.Queue, timeout_s: float = 90.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = out.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if " on http://" in line:
+            return line.split(" on ", 1)[1].split()[0]
+    raise AssertionError("the server never printed its URL")
+
+
+def test_serve_then_load_then_sigterm(tmp_path):
+    url_db = f"sqlite:///{tmp_path / 'cli.db'}"
+    server = subprocess.Popen(
+        CLI + ["serve", "--model", "mlp", "--port", "0", "--db", url_db, "--torch-threads", "1",
+               "--max-batch-size", "16", "--set", "mlp.max_queue_size=512",
+               "--instance-id", "cli-test", "--heartbeat-interval-s", "0.2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        out = lines_of(server)
+        url = first_url(out)
+        assert url.startswith("http://127.0.0.1:")
+        load = subprocess.run(CLI + ["load", "--url", url, "--model", "mlp", "--concurrency", "8",
+                                     "--duration-s", "1", "--max-requests", "300", "--json"],
+                              capture_output=True, text=True, timeout=120, env=ENV)
+        assert load.returncode == 0, load.stderr
+        report = json.loads(load.stdout)
+        assert report["mode"] == "closed" and 0 < report["sent"] <= 300
+        assert report["ok"] == report["sent"] and report["errors_by_status"] == {}
+        assert report["latency_p50_ms"] > 0
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    db = make_engine(url_db)
+    inst = control.all_instances(db)
+    assert [i.id for i in inst] == ["cli-test"] and inst[0].stopped_at is not None
+    assert control.current_settings(db, "cli-test", "mlp")[1]["max_batch_size"] == 16
+    assert control.current_settings(db, "cli-test", "mlp")[1]["max_queue_size"] == 512
+    with db.connect() as conn:
+        n = conn.execute(text("SELECT count(*) FROM requests WHERE model='mlp' AND outcome='ok'")).scalar()
+    assert n == report["ok"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["serve", "--model", "no_such_model", "--no-record"], "unknown model 'no_such_model'"),
+    (["serve", "--max-batch-size", "lots"], "invalid int value: 'lots'"),
+    (["serve", "--no-record", "--max-batch-size", "0"], "max_batch_size=0"),
+    (["serve", "--no-record", "--set", "mlp.nope=1"], "unknown setting(s) ['nope']"),
+    (["serve", "--no-record", "--set", "other.max_batch_size=1"], "NAME one of"),
+    (["load", "--lengths", "sometimes"], "--lengths 'sometimes' is not understood"),
+    (["load", "--url", "http://127.0.0.1:9", "--duration-s", "1"], "cannot reach"),
+    (["load", "--duration-s", "-1"], "--duration-s -1.0 must be a positive"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_input_mistakes_exit_2_with_one_line(args, fragment):
+    r = subprocess.run(CLI + args, capture_output=True, text=True, timeout=120, env=ENV)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert fragment in lines[0] and "Traceback" not in r.stderr
+
+
+
+def test_demo_records_batches_and_stops_on_sigterm(tmp_path):
+    url_db = f"sqlite:///{tmp_path / 'demo.db'}"
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.demo", "--db", url_db, "--port", "0",
+                             "--intensity", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        url = first_url(lines_of(proc))
+        db = make_engine(url_db)
+
+        def counts():
+            with db.connect() as conn:
+                return dict(conn.execute(text(
+                    "SELECT model, count(*) FROM requests WHERE outcome='ok' GROUP BY model")).all())
+
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (counts().get("mlp", 0) >= 20
+                                                   and counts().get("encoder", 0) >= 2):
+            time.sleep(0.5)
+        seen = counts()
+        assert seen.get("mlp", 0) >= 20 and seen.get("encoder", 0) >= 2, seen
+        live = control.live_instances(db, now=time.time())
+        assert [i.url for i in live] == [url] and set(live[0].models) == {"mlp", "encoder"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert control.all_instances(db)[0].stopped_at is not None
