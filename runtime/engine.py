@@ -94,7 +94,8 @@ class _Throttle:
 class _Slot:
     """Everything the engine keeps per model."""
 
-    def __init__(self, name: str, model: ModelAPI, config: BatchingConfig) -> None:
+    def __init__(self, name: str, model: ModelAPI, config: BatchingConfig,
+                 event_interval_s: float) -> None:
         self.name = name
         self.model = model
         self.variable = bool(model.variable_length)
@@ -114,8 +115,8 @@ class _Slot:
         self.requests = 0
         self.outcomes: dict[str, int] = {}
         self.oom_events = 0
-        self.rejections = _Throttle()
-        self.expiries = _Throttle()
+        self.rejections = _Throttle(event_interval_s)
+        self.expiries = _Throttle(event_interval_s)
 
     def bucket_keys(self) -> list[int | None]:
         cfg = self.batcher.config
@@ -129,7 +130,10 @@ class Engine:
 
     def __init__(self, models: dict[str, ModelAPI], configs: dict[str, BatchingConfig] | None = None,
                  *, recorder: RecorderLike | None = None, instance_id: str = "local",
-                 clock: MonotonicClock | None = None, device: torch.device | str = "cpu") -> None:
+                 clock: MonotonicClock | None = None, device: torch.device | str = "cpu",
+                 event_interval_s: float = EVENT_INTERVAL_S) -> None:
+        """``event_interval_s``: rejection and expiry events of a model are folded into at
+        most one per this many seconds (each carries the count); request rows are not."""
         configs = dict(configs or {})
         unknown = sorted(set(configs) - set(models))
         if unknown:
@@ -143,7 +147,8 @@ class Engine:
             if model.kind != "request":
                 raise ConfigError(f"model {name!r} is a {model.kind!r} model; this engine serves "
                                   "request/response models only, serve it with the generation engine")
-            self._slots[name] = _Slot(name, model, configs.get(name) or BatchingConfig())
+            self._slots[name] = _Slot(name, model, configs.get(name) or BatchingConfig(),
+                                      event_interval_s)
         self.instance_id = instance_id
         self.device = torch.device(device)
         self._clock = clock or MonotonicClock()

@@ -39,7 +39,7 @@ class Held:
         self.model.hold = self.hold
         self.rec = ListRecorder()
         self.engine = Engine({"double": self.model}, {"double": BatchingConfig().with_changes(config)},
-                             recorder=self.rec)
+                             recorder=self.rec, event_interval_s=3600.0)
 
     async def start_blocked(self) -> asyncio.Task:
         """Start, and run one request that stays inside predict until ``release``."""
@@ -152,7 +152,7 @@ def test_queue_full_gives_429_with_retry_after_and_a_request_row():
         await asyncio.gather(first, *queued)
         rejected = [r for r in h.rec.of(RequestRow) if r.outcome == "rejected"]
         assert len(rejected) == 2
-        # folded into one event per second, with the count
+        # folded into one event per interval, with the count
         events = [e for e in h.rec.of(EventRow) if e.kind == "rejected"]
         assert len(events) == 1 and json.loads(events[0].details_json)["count"] == 1
         assert h.engine.stats("double")["requests_by_outcome"] == {"rejected": 2, "ok": 3}
