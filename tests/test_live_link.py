@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import pytest
@@ -40,76 +41,81 @@ def run(coro):
     return asyncio.run(coro)
 
 
+@contextlib.asynccontextmanager
+async def linked(db, ticks):
+    """A started engine serving ``double`` and a started LiveLink on ``db``."""
+    engine = Engine({"double": DoubleModel()}, instance_id="inst-1")
+    await engine.start()
+    link = make_link(engine, db, ticks)
+    try:
+        await link.start()
+        yield engine, link
+    finally:
+        await link.stop()
+        await engine.stop()
+
+
 def test_register_publish_apply_refuse_and_stop(tmp_path):
     db = make_engine(f"sqlite:///{tmp_path / 'live.db'}")
     ticks = Ticks()
 
     async def scenario():
-        engine = Engine({"double": DoubleModel()}, instance_id="inst-1")
-        await engine.start()
-        link = make_link(engine, db, ticks)
-        await link.start()
-        inst = control.all_instances(db)
-        assert [i.id for i in inst] == ["inst-1"] and inst[0].models == ("double",)
-        assert control.current_settings(db, "inst-1", "double")[0] == 1
+        async with linked(db, ticks) as (engine, link):
+            inst = control.all_instances(db)
+            assert [i.id for i in inst] == ["inst-1"] and inst[0].models == ("double",)
+            assert control.current_settings(db, "inst-1", "double")[0] == 1
 
-        good = control.request_change(db, model="double", changes={"max_batch_size": 4},
-                                      requested_by="dash")
-        bad = control.request_change(db, model="double", changes={"max_batch_size": "many"},
-                                     requested_by="dash")
-        await link.step()               # not due yet: nothing polled
-        assert control.command_status(db, good).status == "pending"
-        ticks.t += 1.0
-        await link.step()
-        ok = control.command_status(db, good)
-        assert ok.status == "applied" and ok.applied_version == 2
-        assert engine.get_settings("double")[1].max_batch_size == 4
-        refused = control.command_status(db, bad)
-        assert refused.status == "refused" and "max_batch_size='many'" in refused.reason
-        assert (link.applied, link.refused) == (1, 1)
-        await link.step()               # the listener queued version 2; it is published now
-        version, settings = control.current_settings(db, "inst-1", "double")
-        assert version == 2 and settings["max_batch_size"] == 4
+            good = control.request_change(db, model="double", changes={"max_batch_size": 4},
+                                          requested_by="dash")
+            bad = control.request_change(db, model="double", changes={"max_batch_size": "many"},
+                                         requested_by="dash")
+            await link.step()               # not due yet: nothing polled
+            assert control.command_status(db, good).status == "pending"
+            ticks.t += 1.0
+            await link.step()
+            ok = control.command_status(db, good)
+            assert ok.status == "applied" and ok.applied_version == 2
+            assert engine.get_settings("double")[1].max_batch_size == 4
+            refused = control.command_status(db, bad)
+            assert refused.status == "refused" and "max_batch_size='many'" in refused.reason
+            assert (link.applied, link.refused) == (1, 1)
+            await link.step()               # the listener queued version 2: published now
+            version, settings = control.current_settings(db, "inst-1", "double")
+            assert version == 2 and settings["max_batch_size"] == 4
 
-        engine.update_settings("double", {"max_batch_size": 6}, requested_by="http")
-        await link.step()
-        assert control.current_settings(db, "inst-1", "double")[0] == 3
+            engine.update_settings("double", {"max_batch_size": 6}, requested_by="http")
+            await link.step()
+            assert control.current_settings(db, "inst-1", "double")[0] == 3
 
-        before = control.all_instances(db)[0].last_seen_at
-        ticks.t += 5.0
-        await link.step()
-        assert control.all_instances(db)[0].last_seen_at > before
-        await link.stop()
-        await engine.stop()
+            before = control.all_instances(db)[0].last_seen_at
+            ticks.t += 5.0
+            await link.step()
+            assert control.all_instances(db)[0].last_seen_at > before
         assert control.all_instances(db)[0].stopped_at is not None
 
     run(scenario())
 
 
 def test_database_failures_never_raise_and_recover(tmp_path, caplog):
-    broken = create_engine(f"sqlite:///{tmp_path / 'missing-dir' / 'x.db'}")
+    folder = tmp_path / "missing-dir"
+    broken = create_engine(f"sqlite:///{folder / 'x.db'}")
     ticks = Ticks()
 
     async def scenario():
-        engine = Engine({"double": DoubleModel()}, instance_id="inst-1")
-        await engine.start()
-        link = make_link(engine, broken, ticks)
         with caplog.at_level(logging.WARNING, logger="batchscope.live"):
-            await link.start()
-            for _ in range(3):
-                ticks.t += 10
+            async with linked(broken, ticks) as (engine, link):
+                for _ in range(3):
+                    ticks.t += 10
+                    await link.step()
+                assert not link.registered
+                warnings = [r for r in caplog.records if "registration failed" in r.getMessage()]
+                assert len(warnings) == 1   # logged once, retried quietly
+                # the database comes back: the next step registers and publishes
+                folder.mkdir()
+                make_engine(f"sqlite:///{folder / 'x.db'}")
                 await link.step()
-        assert not link.registered
-        warnings = [r for r in caplog.records if "registration failed" in r.getMessage()]
-        assert len(warnings) == 1        # logged once, retried silently
-        # the database comes back: the next step registers and publishes
-        (tmp_path / "missing-dir").mkdir()
-        make_engine(f"sqlite:///{tmp_path / 'missing-dir' / 'x.db'}")
-        await link.step()
-        assert link.registered
-        assert control.current_settings(broken, "inst-1", "double")[0] == 1
-        await link.stop()
-        await engine.stop()
+                assert link.registered
+                assert control.current_settings(broken, "inst-1", "double")[0] == 1
 
     run(scenario())
 
@@ -119,17 +125,12 @@ def test_heartbeat_reregisters_when_the_row_is_gone(tmp_path):
     ticks = Ticks()
 
     async def scenario():
-        engine = Engine({"double": DoubleModel()}, instance_id="inst-1")
-        await engine.start()
-        link = make_link(engine, db, ticks)
-        await link.start()
-        with db.begin() as conn:
-            conn.exec_driver_sql("DELETE FROM runtime_instances")
-        ticks.t += 5.0
-        await link.step()               # heartbeat finds no row
-        await link.step()               # registers again
-        assert [i.id for i in control.all_instances(db)] == ["inst-1"]
-        await link.stop()
-        await engine.stop()
+        async with linked(db, ticks) as (engine, link):
+            with db.begin() as conn:
+                conn.exec_driver_sql("DELETE FROM runtime_instances")
+            ticks.t += 5.0
+            await link.step()               # heartbeat finds no row
+            await link.step()               # registers again
+            assert [i.id for i in control.all_instances(db)] == ["inst-1"]
 
     run(scenario())
