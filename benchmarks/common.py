@@ -6,9 +6,10 @@ batching server) is driven with the same data.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -102,3 +103,16 @@ def _cell(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3g}"
     return str(v)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run a block with ``threads`` intra-op threads, restoring the previous count after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

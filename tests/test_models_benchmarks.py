@@ -8,19 +8,14 @@ from fastapi.testclient import TestClient
 
 from benchmarks.baseline_server import create_app, load_models
 from benchmarks.bench_offline import offline_throughput, run_offline
-from benchmarks.common import format_table, make_inputs
+from benchmarks.common import format_table, make_inputs, torch_threads
 from runtime.models.encoder import EncoderModel
 
+
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread: the suite shares two cores, and spinning threads slow everyone."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+def one_torch_thread():  # the suite shares two cores: spinning intra-op threads slow everyone
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

