@@ -160,7 +160,8 @@ class GenerationEngine:
         self._deliver_ended(ended)
         self.runner.flush_events()
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            # a step still in flight finishes on its own; its results are no longer wanted
+            self._executor.shutdown(wait=False)
             self._executor = None
 
     # -- requests -------------------------------------------------------------------
