@@ -336,3 +336,14 @@ def test_submit_wake_hint_is_false_only_when_nothing_can_change():
     assert b.submit(PendingRequest("b", arrived_s=now), now) is False  # same window
     assert b.submit(PendingRequest("c", arrived_s=now), now) is False
     assert b.submit(PendingRequest("d", arrived_s=now), now) is True   # full batch
+
+
+def test_bypass_lane_survives_a_rebucketing_settings_change():
+    b, clock = make(variable_length=True, bucket_edges=[8], max_queue_delay_ms=100.0)
+    add(b, clock, "n", length=5)
+    add(b, clock, "rt", length=20, bypass=True)
+    b.set_config(b.config.with_changes({"bucket_edges": [16, 32]}), version=2)
+    assert b.has_bypass()
+    batch = b.next_batch(clock.now())
+    assert items(batch) == ["rt"] and batch.bypass and batch.bucket == 32
+    assert not b.has_bypass() and b.next_batch(clock.now()) is None

@@ -96,6 +96,7 @@ class Batcher:
         levels = config.priority_levels
         self._queues: dict[int | None, PriorityFifo] = {k: PriorityFifo(levels) for k in keys}
         self._bypass: dict[int | None, PriorityFifo] = {k: PriorityFifo(levels) for k in keys}
+        self._bypass_count = 0
         self._by_priority = [0] * levels
 
     @property
@@ -119,6 +120,7 @@ class Batcher:
                 req.bucket = self._buckets.bucket_of(req.length)
                 (self._bypass if req.bypass else self._queues)[req.bucket].push(req)
                 self._by_priority[req.priority] += 1
+                self._bypass_count += req.bypass
 
     def set_size_cap(self, bucket: int | None, cap: int | None) -> None:
         """Lower the batch size of one bucket below ``max_batch_size`` (None lifts it)."""
@@ -158,6 +160,7 @@ class Batcher:
         req.bucket = bucket
         queue = (self._bypass if req.bypass else self._queues)[bucket]
         queue.push(req)
+        self._bypass_count += req.bypass
         self.depth += 1
         self._by_priority[req.priority] += 1
         earliest = False
@@ -183,6 +186,7 @@ class Batcher:
     def _remove(self, req: PendingRequest, state: int) -> None:
         req.state = state
         (self._bypass if req.bypass else self._queues)[req.bucket].forget()
+        self._bypass_count -= req.bypass
         self.depth -= 1
         self._by_priority[req.priority] -= 1
         if req.deadline_s is not None:
@@ -301,6 +305,8 @@ class Batcher:
             if length > longest:
                 longest = length
         self.depth -= len(reqs)
+        if bypass:
+            self._bypass_count -= len(reqs)
         if not self.variable_length:
             pad = None
             padded = real
@@ -343,6 +349,7 @@ class Batcher:
         for queue in (*self._queues.values(), *self._bypass.values()):
             queue.clear()
         self.depth = 0
+        self._bypass_count = 0
         self._by_priority = [0] * self._config.priority_levels
         self._deadlines.clear()
         self._live_deadlines = 0
@@ -356,7 +363,7 @@ class Batcher:
 
     def has_bypass(self) -> bool:
         """A bypass (real-time) request is waiting."""
-        return any(q.count for q in self._bypass.values())
+        return self._bypass_count > 0
 
     def depth_by_priority(self) -> dict[int, int]:
         return dict(enumerate(self._by_priority))
