@@ -356,10 +356,10 @@ class Engine:
                 device_s = 0.0
                 try:
                     now = clock.now()
-                    batch = batcher.next_batch(now)
                     expired = batcher.expire(now)
                     if expired:
                         self._expired(slot, expired, now)
+                    batch = batcher.next_batch(now)
                     if batch is not None:
                         device_s = await self._execute(slot, batch)
                 finally:
