@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,9 +47,8 @@ class DemoRuntime:
         if not (ROOT / "runtime" / "demo.py").exists():
             self.error = "the demo runtime (runtime/demo.py) is not part of this checkout"
             return
-        log_path = ROOT / "data" / "demo-runtime.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")
+        self.log_path = Path(tempfile.gettempdir()) / "batchscope-demo-runtime.log"
+        self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.demo", "--db", url, "--port", "0"],
             cwd=str(ROOT), stdout=self._log, stderr=subprocess.STDOUT,
@@ -91,6 +91,8 @@ def sidebar() -> dict:
                         key="demo_on")
     snaps = st.session_state.get("snapshots", {})
     sources = ["Live database"] + [f"Snapshot: {name}" for name in snaps]
+    if "switch_source" in st.session_state:  # a snapshot was just opened: browse it
+        st.session_state["source"] = st.session_state.pop("switch_source")
     source = sb.radio("Data", sources, key="source")
     return {"url": url, "demo": demo_ok, "source": source}
 
@@ -337,15 +339,22 @@ def snapshot_tab(engine, scope: dict, slo_ms: float) -> None:
     files = st.file_uploader("Open snapshot(s) — two to compare", type=["zip"],
                              accept_multiple_files=True, key="upload")
     snaps = st.session_state.setdefault("snapshots", {})
+    opened = None
     for f in files or []:
-        if f.name in snaps:
+        if f.name in snaps or f.name in st.session_state.get("snap_errors", {}):
             continue
         try:
             snaps[f.name] = snapshot.load_snapshot(f.getvalue())
-            st.success(f"Opened {f.name}: choose “Snapshot: {f.name}” under Data in the sidebar "
-                       "to browse it.")
+            opened = f.name
         except snapshot.SnapshotError as exc:
-            st.error(f"{f.name} was not opened: {exc}")
+            st.session_state.setdefault("snap_errors", {})[f.name] = str(exc)
+    for name, err in st.session_state.get("snap_errors", {}).items():
+        st.error(f"{name} was not opened: {err}")
+    if opened is not None:
+        st.session_state["switch_source"] = f"Snapshot: {opened}"
+        st.rerun()
+    if snaps:
+        st.caption("Opened: " + ", ".join(snaps) + " — pick one under Data in the sidebar.")
     if len(snaps) >= 2:
         compare_snapshots(snaps, slo_ms)
 
@@ -386,7 +395,7 @@ def main() -> None:
 
     st.title("BatchScope")
     if snap is not None:
-        st.info(f"Browsing snapshot **{opts['source'][10:]}** (not live).")
+        st.info(f"Browsing snapshot {opts['source'][10:]} (not live).")
     elif scope["live_ids"]:
         st.caption(f"Attached to live runtime(s): {', '.join(scope['live_ids'])}")
     elif opts["demo"]:
@@ -398,7 +407,7 @@ def main() -> None:
                     f"started (pid {demo.proc.pid}) with synthetic traffic. Turn this off with "
                     "BATCHSCOPE_NO_DEMO=1 or the sidebar toggle.")
         else:
-            st.error("The demo runtime exited; see data/demo-runtime.log.")
+            st.error(f"The demo runtime exited; see {demo.log_path}.")
     else:
         st.warning(f"No runtime is reporting to {opts['url']}; showing recorded data only.")
 

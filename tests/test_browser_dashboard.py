@@ -1,0 +1,161 @@
+"""The real app in Debian chromium, attached to the real demo runtime.
+
+Starts ``python -m runtime.demo`` recording into a temporary database and
+``streamlit run app.py`` on a free port, then drives the page: charts render,
+the live region refreshes on its own, a max batch size set in the UI reaches the
+runtime and the next batches follow it, and a snapshot downloads and re-opens.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from batchscope import control, snapshot
+from batchscope.db import make_engine
+from sqlalchemy import text
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = Path(os.environ.get("BATCHSCOPE_BROWSER_ARTIFACTS", ROOT / "benchmarks" / "results" / "browser"))
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow,
+              pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                                 reason=f"{CHROMIUM} is absent (install Debian's chromium)")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check, timeout_s: float, what: str, step_s: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(step_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    base = tmp_path_factory.mktemp("browser")
+    url = f"sqlite:///{base / 'live.db'}"
+    engine = make_engine(url)
+    env = {**os.environ, "BATCHSCOPE_DB_URL": url, "BATCHSCOPE_NO_DEMO": "1"}
+    runtime = subprocess.Popen([sys.executable, "-m", "runtime.demo", "--db", url, "--port", "0",
+                                "--intensity", "0.5"], cwd=ROOT, env=env,
+                               stdout=open(base / "runtime.log", "wb"), stderr=subprocess.STDOUT)
+    port = free_port()
+    app = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port",
+                            str(port), "--server.headless", "true"], cwd=ROOT, env=env,
+                           stdout=open(base / "app.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: control.live_instances(engine, now=time.time()), 60, "the demo runtime")
+        wait_for(lambda: _batches(engine, "encoder") > 5, 60, "recorded batches")
+        yield {"engine": engine, "url": f"http://127.0.0.1:{port}", "base": base}
+    finally:
+        stop(app)
+        stop(runtime)
+        engine.dispose()
+
+
+def _batches(engine, model: str, after: float = 0.0, max_size: int | None = None) -> int:
+    sql = "SELECT COUNT(*) FROM batches WHERE model = :m AND started_at > :t"
+    if max_size is not None:
+        sql += " AND max_batch_size = :s AND batch_size <= :s"
+    with engine.connect() as conn:
+        return conn.execute(text(sql), {"m": model, "t": after, "s": max_size}).scalar()
+
+
+@pytest.fixture(scope="module")
+def page(stack):
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        pg = browser.new_page(viewport={"width": 1500, "height": 1800}, accept_downloads=True)
+        pg.set_default_timeout(30_000)
+        wait_for(lambda: _try_goto(pg, stack["url"]), 60, "the Streamlit server")
+        yield pg
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        pg.screenshot(path=str(ARTIFACTS / "dashboard-end.png"))
+        browser.close()
+
+
+def _try_goto(pg, url: str) -> bool:
+    try:
+        pg.goto(url, timeout=5_000)
+        return True
+    except Exception:  # the server is still starting
+        return False
+
+
+def test_charts_render_and_live_region_updates(page):
+    wait_for(lambda: page.locator(".js-plotly-plot").count() >= 8, 90, "the charts")
+    caption = page.get_by_text("refreshed", exact=False).first
+    first = caption.inner_text()
+    wait_for(lambda: caption.inner_text() != first, 20, "a live refresh without input")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"), full_page=True)
+
+
+def test_max_batch_size_from_the_ui_reaches_the_runtime(page, stack):
+    engine = stack["engine"]
+    page.get_by_role("tab", name="Tuning").click()
+    box = page.get_by_label("Max batch size")
+    box.wait_for()
+    box.fill("3")
+    page.get_by_role("button", name="Apply").click()
+    page.get_by_text("applied as settings version", exact=False).wait_for(timeout=45_000)
+    cmd = control.recent_commands(engine, model="encoder")[0]
+    assert cmd.status == "applied" and cmd.changes.get("max_batch_size") == 3
+    # the batches after the change follow the new maximum
+    wait_for(lambda: _batches(engine, "encoder", cmd.handled_at, max_size=3) >= 3, 60,
+             "batches with the new max batch size")
+    with engine.connect() as conn:
+        bigger = conn.execute(text("SELECT COUNT(*) FROM batches WHERE model='encoder' AND "
+                                   "started_at > :t + 0.5 AND batch_size > 3"),
+                              {"t": cmd.handled_at}).scalar()
+    assert bigger == 0
+
+
+def test_snapshot_downloads_and_reopens(page, stack):
+    page.get_by_role("tab", name="Snapshots").click()
+    page.get_by_role("button", name="Prepare snapshot of the current window").click()
+    button = page.get_by_role("button", name="Download snapshot")
+    button.wait_for(timeout=60_000)
+    with page.expect_download(timeout=30_000) as dl:
+        button.click()
+    path = stack["base"] / "downloaded.zip"
+    dl.value.save_as(str(path))
+    snap = snapshot.load_snapshot(path)
+    try:
+        assert snap.manifest["tables"]["batches"]["rows"] > 0
+    finally:
+        snap.close()
+    page.locator("input[type=file]").set_input_files(str(path))
+    # opening a snapshot switches the page to browse it
+    page.get_by_text("Browsing snapshot downloaded.zip", exact=False).wait_for(timeout=60_000)
+    page.get_by_role("tab", name="Live").click()
+    wait_for(lambda: page.locator(".js-plotly-plot").count() >= 8, 60, "snapshot charts")
