@@ -31,3 +31,34 @@ def test_queue_full_carries_retry_after_rounded_up():
     assert error_response(QueueFull("full")).headers["Retry-After"] == "1"
     expired = error_response(RequestExpired("waited too long"))
     assert expired.status_code == 503 and "retry-after" not in expired.headers
+
+
+def test_fast_path_and_starlette_route_answer_alike():
+    import contextlib
+
+    from runtime.engine import Engine
+    from runtime.models.toys import DoubleModel
+    from runtime.server.app import FastInfer, build_app
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await app.state.engine.start()
+        yield
+        await app.state.engine.stop()
+
+    good = {"inputs": [{"name": "INPUT0", "shape": [4], "datatype": "FP32", "data": [1, 2, 3, 4]}],
+            "id": "x"}
+    bad = {"inputs": [{"name": "INPUT0", "shape": [3], "datatype": "FP32", "data": [1, 2, 3]}]}
+    answers = []
+    for fast in (False, True):   # a fresh engine each time: an engine starts once
+        app = build_app(Engine({"double": DoubleModel()}), lifespan=lifespan)
+        with TestClient(FastInfer(app) if fast else app) as client:
+            answers.append([(r.status_code, r.json()) for r in (
+                client.post("/v2/models/double/infer", json=good),
+                client.post("/v2/models/double/versions/1/infer", json=good),
+                client.post("/v2/models/double/versions/2/infer", json=good),
+                client.post("/v2/models/double/infer", json=bad),
+                client.post("/v2/models/nope/infer", json=good))])
+    assert answers[0] == answers[1]
+    assert [status for status, _ in answers[1]] == [200, 200, 404, 400, 404]
+    assert answers[1][0][1]["outputs"][0]["data"] == [2, 4, 6, 8]

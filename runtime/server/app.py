@@ -67,17 +67,35 @@ def guarded(handler: Handler) -> Handler:
     return run
 
 
-def _served(request: Request) -> ServedModel:
-    name = request.path_params["name"]
-    served = request.app.state.models.get(name)
+def find_model(models: dict[str, ServedModel], name: str, version: str | None) -> ServedModel:
+    served = models.get(name)
     if served is None:
-        raise ModelNotFound(f"unknown model {name!r}; served models are "
-                            f"{sorted(request.app.state.models)}")
-    version = request.path_params.get("version")
+        raise ModelNotFound(f"unknown model {name!r}; served models are {sorted(models)}")
     if version is not None and version != MODEL_VERSION:
         raise ModelNotFound(f"model {name!r} has no version {version!r}; its only version is "
                             f"{MODEL_VERSION!r}")
     return served
+
+
+def _served(request: Request) -> ServedModel:
+    return find_model(request.app.state.models, request.path_params["name"],
+                      request.path_params.get("version"))
+
+
+async def answer_infer(state: Any, name: str, version: str | None, body: bytes,
+                       header_length: str | None) -> tuple[bytes, dict[str, str]]:
+    """One ``/infer`` call: decode, run through the engine, encode. Raises BatchScopeError."""
+    served = find_model(state.models, name, version)
+    engine = state.engine
+    if not engine.is_ready(served.name):
+        raise ModelNotReady(f"model {served.name!r} is not ready yet; retry in a moment")
+    _, config = engine.get_settings(served.name)
+    model = served.model
+    req = parse_infer(body, header_length, served.name, model.inputs, model.outputs,
+                      config.priority_levels)
+    result = await engine.infer(served.name, req.inputs, priority=req.priority,
+                                timeout_ms=req.timeout_ms, bypass=req.bypass)
+    return encode_infer(served.name, MODEL_VERSION, req, result, model.outputs)
 
 
 # -- handlers -----------------------------------------------------------------------
@@ -106,18 +124,9 @@ async def model_ready(request: Request) -> Response:
 
 
 async def infer(request: Request) -> Response:
-    served = _served(request)
-    engine = request.app.state.engine
-    if not engine.is_ready(served.name):
-        raise ModelNotReady(f"model {served.name!r} is not ready yet; retry in a moment")
-    body = await request.body()
-    _, config = engine.get_settings(served.name)
-    model = served.model
-    req = parse_infer(body, request.headers.get(HEADER_LENGTH), served.name, model.inputs,
-                      model.outputs, config.priority_levels)
-    result = await engine.infer(served.name, req.inputs, priority=req.priority,
-                                timeout_ms=req.timeout_ms, bypass=req.bypass)
-    payload, headers = encode_infer(served.name, MODEL_VERSION, req, result, model.outputs)
+    payload, headers = await answer_infer(
+        request.app.state, request.path_params["name"], request.path_params.get("version"),
+        await request.body(), request.headers.get(HEADER_LENGTH))
     media = "application/octet-stream" if headers else "application/json"
     return Response(payload, headers=headers, media_type=media)
 
@@ -168,3 +177,67 @@ def build_app(engine: Any, *, metrics: MetricsRecorder | None = None,
         meta["name"] = name
         app.state.models[name] = ServedModel(name=name, model=model, metadata=meta)
     return app
+
+
+# -- the hot path without the framework ---------------------------------------------------
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_HEADER_LENGTH_B = HEADER_LENGTH.encode()
+_INFER_PREFIX = "/v2/models/"
+_INFER_SUFFIX = "/infer"
+
+
+def _infer_target(path: str) -> tuple[str, str | None] | None:
+    """(model, version) for ``/v2/models/{m}[/versions/{v}]/infer``, else None."""
+    if not (path.startswith(_INFER_PREFIX) and path.endswith(_INFER_SUFFIX)):
+        return None
+    parts = path[len(_INFER_PREFIX):-len(_INFER_SUFFIX)].split("/")
+    if len(parts) == 1 and parts[0]:
+        return parts[0], None
+    if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
+        return parts[0], parts[2]
+    return None
+
+
+class FastInfer:
+    """ASGI wrapper that answers ``POST .../infer`` directly and hands everything else
+    (and the lifespan) to the Starlette app. Same answers as the Starlette route, with
+    less per-request framework work on the path that carries the load."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+        self.state = app.state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        target = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            target = _infer_target(scope["path"])
+        if target is None:
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        more = True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        header_length = None
+        for key, value in scope["headers"]:
+            if key == _HEADER_LENGTH_B:
+                header_length = value.decode("latin-1")
+        status, headers = 200, _JSON_HEADERS
+        try:
+            payload, extra = await answer_infer(self.state, target[0], target[1],
+                                                b"".join(chunks), header_length)
+            if extra:
+                headers = [(b"content-type", b"application/octet-stream")] + [
+                    (k.lower().encode(), v.encode()) for k, v in extra.items()]
+        except BatchScopeError as exc:
+            response = error_response(exc)
+            await response(scope, receive, send)
+            return
+        except Exception:
+            log.exception("unexpected error answering POST %s", scope["path"])
+            status, payload = 500, b'{"error":"internal error"}'
+        await send({"type": "http.response.start", "status": status,
+                    "headers": headers + [(b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})

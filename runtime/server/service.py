@@ -25,7 +25,7 @@ from starlette.routing import BaseRoute
 
 from runtime.config import BatchingConfig, ServerConfig
 from runtime.model_api import ModelAPI
-from runtime.server.app import build_app
+from runtime.server.app import FastInfer, build_app
 from runtime.server.metrics import MetricsRecorder
 
 log = logging.getLogger("batchscope.server")
@@ -178,7 +178,7 @@ class Service:
         cfg = self.server_config
         sock = sock or bind_socket(cfg.host, cfg.port)
         self.url = _url(sock)
-        config = uvicorn.Config(self.app, loop="none", http="httptools", lifespan="on",
+        config = uvicorn.Config(FastInfer(self.app), loop="none", http="httptools", lifespan="on",
                                 log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=5, backlog=2048,
                                 timeout_keep_alive=KEEP_ALIVE_S)
