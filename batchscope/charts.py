@@ -40,9 +40,11 @@ def _times(seconds) -> pd.Series:
     return pd.to_datetime(pd.Series(seconds, dtype="float64"), unit="s").dt.floor("us")
 
 
-def _base(title: str, *, height: int = 320) -> go.Figure:
+def _base(title: str, *, height: int = 320, closest: bool = False) -> go.Figure:
     fig = go.Figure()
     _style(fig, title, height)
+    if closest:  # categorical charts: hover the bar/point under the cursor
+        fig.update_layout(hovermode="closest")
     return fig
 
 
@@ -159,8 +161,7 @@ def queue_depth(batches_t: pd.DataFrame, events: pd.DataFrame | None = None) -> 
 
 
 def batch_sizes(sizes: pd.DataFrame, max_batch_size: float | None = None) -> go.Figure:
-    fig = _base(CHARTS["batch_sizes"])
-    fig.update_layout(hovermode="closest")
+    fig = _base(CHARTS["batch_sizes"], closest=True)
     if not len(sizes):
         return _empty(fig)
     fig.add_trace(go.Bar(x=sizes["batch_size"], y=sizes["batches"], name="batches"))
@@ -173,8 +174,7 @@ def batch_sizes(sizes: pd.DataFrame, max_batch_size: float | None = None) -> go.
 
 
 def batch_efficiency(sizes: pd.DataFrame) -> go.Figure:
-    fig = _base(CHARTS["batch_efficiency"])
-    fig.update_layout(hovermode="closest")
+    fig = _base(CHARTS["batch_efficiency"], closest=True)
     if not len(sizes):
         return _empty(fig)
     fig.add_trace(go.Scatter(x=sizes["batch_size"], y=sizes["items_per_compute_s"],
@@ -210,8 +210,7 @@ def device(device_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Fig
 
 
 def padding(pad: pd.DataFrame) -> go.Figure:
-    fig = _base(CHARTS["padding"])
-    fig.update_layout(hovermode="closest")
+    fig = _base(CHARTS["padding"], closest=True)
     if not len(pad):
         return _empty(fig, "no variable-length batches in this window")
     labels = [("overflow" if b == -1 else f"≤{int(b)}") for b in pad["bucket"]]
@@ -225,8 +224,8 @@ def padding(pad: pd.DataFrame) -> go.Figure:
 
 
 def priority(stats: pd.DataFrame) -> go.Figure:
-    fig = _base(CHARTS["priority"])
-    fig.update_layout(hovermode="closest", barmode="group")
+    fig = _base(CHARTS["priority"], closest=True)
+    fig.update_layout(barmode="group")
     if not len(stats):
         return _empty(fig)
     labels = [f"priority {int(p)}" for p in stats["priority"]]
@@ -237,8 +236,7 @@ def priority(stats: pd.DataFrame) -> go.Figure:
 
 
 def model_share(share: pd.DataFrame) -> go.Figure:
-    fig = _base(CHARTS["model_share"])
-    fig.update_layout(hovermode="closest")
+    fig = _base(CHARTS["model_share"], closest=True)
     if not len(share):
         return _empty(fig)
     fig.add_trace(go.Pie(labels=share["model"], values=share["compute_total_s"], hole=0.45,
@@ -267,8 +265,8 @@ def generation(gen_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Fi
 
 
 def generation_latency(summary: pd.DataFrame) -> go.Figure:
-    fig = _base(CHARTS["generation_latency"])
-    fig.update_layout(hovermode="closest", barmode="group")
+    fig = _base(CHARTS["generation_latency"], closest=True)
+    fig.update_layout(barmode="group")
     if not len(summary) or pd.isna(summary.iloc[0].get("ttft_p50")):
         return _empty(fig, "no finished generation requests in this window")
     row = summary.iloc[0]
@@ -281,8 +279,8 @@ def generation_latency(summary: pd.DataFrame) -> go.Figure:
 
 def compare(before: pd.DataFrame, after: pd.DataFrame, *, labels=("before", "after")) -> go.Figure:
     """Key headline figures of two windows side by side (each normalised to 'before')."""
-    fig = _base("Before / after")
-    fig.update_layout(hovermode="closest", barmode="group")
+    fig = _base("Before / after", closest=True)
+    fig.update_layout(barmode="group")
     keys = [("ok_per_s", "served req/s"), ("mean_batch_size", "mean batch size"),
             ("latency_p50", "p50 latency"), ("latency_p99", "p99 latency"),
             ("queue_wait_mean_s", "mean queue wait")]

@@ -206,13 +206,18 @@ def _check_members(zf: zipfile.ZipFile, limits: Limits) -> dict[str, zipfile.Zip
     return members
 
 
-def _check_manifest(raw: bytes) -> dict:
+def _parse_json(raw: bytes, member: str):
+    """JSON only (no NaN/Infinity); anything else is a SnapshotError naming the member."""
     try:
-        manifest = json.loads(raw, parse_constant=_reject_constant)
+        return json.loads(raw, parse_constant=_reject_constant)
+    except SnapshotError:
+        raise
     except (ValueError, UnicodeDecodeError) as exc:
-        if isinstance(exc, SnapshotError):
-            raise
-        raise SnapshotError(f"{MANIFEST} is not valid JSON: {exc}") from None
+        raise SnapshotError(f"{member} is not valid JSON: {exc}") from None
+
+
+def _check_manifest(raw: bytes) -> dict:
+    manifest = _parse_json(raw, MANIFEST)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise SnapshotError(f"{MANIFEST} does not describe a {FORMAT!r} file")
     version = manifest.get("format_version")
@@ -254,12 +259,7 @@ def _value_checker(column, limits: Limits):
 
 
 def _check_table(name: str, raw: bytes, limits: Limits) -> tuple[list[str], list[list]]:
-    try:
-        doc = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        if isinstance(exc, SnapshotError):
-            raise
-        raise SnapshotError(f"tables/{name}.json is not valid JSON: {exc}") from None
+    doc = _parse_json(raw, f"tables/{name}.json")
     if not isinstance(doc, dict) or not isinstance(doc.get("columns"), list) \
             or not isinstance(doc.get("rows"), list):
         raise SnapshotError(f"tables/{name}.json must be an object with 'columns' and 'rows' lists")
