@@ -1,0 +1,243 @@
+"""End-to-end serving benchmark: the BatchScope server against the models' own offline
+throughput and against a plain one-forward-per-request server, all in one run.
+
+Every figure is measured in the same run on the same machine, and every target is
+printed as a ratio of two of them:
+
+* encoder, 64 clients, random lengths 8..128: server req/s / offline items/s of
+  length-sorted batches of 32 (target >= 0.85); also with bucketing off and with no
+  batching (max batch size 1) to show what bucketing buys.
+* mlp, 64 clients: server req/s / the plain no-batching server's req/s (target >= 6).
+* 1 client, default settings: p50 latency - the model's batch-1 time (target <= 1 ms).
+* recording on vs off: throughput loss (target <= 3 %), runs interleaved on/off.
+* the batching core alone: microseconds per request with a no-op model.
+
+Server and load generator share this machine; torch runs on one thread in the server.
+
+    python -m benchmarks.bench_serving                 # everything, ~4 minutes
+    python -m benchmarks.bench_serving --duration-s 5 --only mlp --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_offline import run_offline  # noqa: E402
+from runtime.loadgen import run_load  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+URL_RE = re.compile(r"(http://127\.0\.0\.1:\d+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def process(cmd: Sequence[str], *, ready: str, timeout_s: float = 120.0) -> Iterator[str]:
+    """Start ``cmd``, wait for a line containing ``ready`` and a URL; yield the URL."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = None
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            match = URL_RE.search(line)
+            if ready in line and match:
+                url = match.group(1)
+                break
+        if url is None:
+            raise RuntimeError(f"{cmd[2:5]} did not start:\n{''.join(lines[-20:])}")
+        wait_ready(url, deadline)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_ready(url: str, deadline: float) -> None:
+    """Poll the KServe readiness route until it answers 200 (bounded by ``deadline``)."""
+    import urllib.request
+
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} never became ready")
+
+
+def serve_cmd(*extra: str, db: str | None = None, models: Sequence[str] = ("mlp", "encoder")) -> list[str]:
+    cmd = [sys.executable, "-m", "runtime.cli", "serve", "--port", "0", "--torch-threads", "1"]
+    for m in models:
+        cmd += ["--model", m]
+    cmd += ["--db", db] if db else ["--no-record"]
+    return cmd + list(extra)
+
+
+def baseline_cmd() -> list[str]:
+    return [sys.executable, "-m", "benchmarks.baseline_server", "--port", str(free_port()),
+            "--model", "mlp", "--model", "encoder"]
+
+
+def load(url: str, model: str, *, concurrency: int, duration_s: float,
+         lengths: str | None = None, warmup_s: float = 1.0) -> dict[str, Any]:
+    if warmup_s > 0:
+        run_load(url, model, concurrency=concurrency, duration_s=warmup_s, lengths=lengths)
+    report = run_load(url, model, concurrency=concurrency, duration_s=duration_s, lengths=lengths)
+    out = report.to_dict()
+    errors = sum(report.errors_by_status.values())
+    print(f"  {model:8s} c={concurrency:<3d} {report.throughput_rps:9.1f} req/s  "
+          f"p50 {report.latency_p50_ms or 0:7.2f} ms  p99 {report.latency_p99_ms or 0:7.2f} ms"
+          f"  errors {errors}", flush=True)
+    return out
+
+
+def core_overhead_us() -> dict[str, float]:
+    from runtime.config import BatchingConfig
+    from runtime.core.bench import measure
+
+    return {
+        "fixed_size_us": measure(BatchingConfig(), n=200_000),
+        "bucketed_us": measure(BatchingConfig(), n=200_000, variable_length=True,
+                               lengths=(8, 40, 70, 100, 128)),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration-s", type=float, default=8.0, help="length of each load run")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--only", default="mlp,encoder,latency,recording,core",
+                    help="comma list of parts: mlp, encoder, latency, recording, core")
+    ap.add_argument("--json", default=None, help="write all figures to this file")
+    args = ap.parse_args(argv)
+    parts = set(args.only.split(","))
+    d, c = args.duration_s, args.concurrency
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},
+        "settings": {"duration_s": d, "concurrency": c, "torch_threads": 1},
+    }
+    ratios: dict[str, float] = {}
+
+    print("offline ceilings (torch 1 thread)", flush=True)
+    offline = run_offline(("mlp", "encoder"), (1, 32), duration_s=2.0, threads=1)
+    results["offline"] = offline
+
+    def off(model: str, order: str, bs: int) -> dict[str, Any]:
+        return next(r for r in offline if r["model"] == model and r["order"] == order
+                    and r["batch_size"] == bs)
+
+    for r in offline:
+        print(f"  {r['model']:8s} {r['order']:7s} batch {r['batch_size']:3d}: "
+              f"{r['items_per_s']:9.1f} items/s  {r['ms_per_batch']:.3f} ms/batch", flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        db = f"sqlite:///{tmp}/bench.db"
+        if parts & {"mlp", "encoder", "latency"}:
+            print("batchscope server (recording on, default settings)", flush=True)
+            with process(serve_cmd(db=db), ready="serving") as url:
+                if "mlp" in parts:
+                    results["mlp_server"] = load(url, "mlp", concurrency=c, duration_s=d)
+                if "encoder" in parts:
+                    results["encoder_server"] = load(url, "encoder", concurrency=c, duration_s=d,
+                                                     lengths="uniform:8:128")
+                if "latency" in parts:
+                    results["mlp_1client"] = load(url, "mlp", concurrency=1, duration_s=d)
+                    results["encoder_1client"] = load(url, "encoder", concurrency=1, duration_s=d,
+                                                      lengths="fixed:64")
+        if "encoder" in parts:
+            print("encoder with bucketing off", flush=True)
+            with process(serve_cmd("--no-bucketing", models=("encoder",)), ready="serving") as url:
+                results["encoder_no_bucketing"] = load(url, "encoder", concurrency=c, duration_s=d,
+                                                       lengths="uniform:8:128")
+            print("encoder with no batching (max batch size 1)", flush=True)
+            with process(serve_cmd("--max-batch-size", "1", models=("encoder",)), ready="serving") as url:
+                results["encoder_batch1"] = load(url, "encoder", concurrency=c, duration_s=d,
+                                                 lengths="uniform:8:128")
+        if "mlp" in parts:
+            print("plain server, one forward per request (FastAPI/uvicorn)", flush=True)
+            with process(baseline_cmd(), ready="baseline server") as url:
+                results["mlp_baseline"] = load(url, "mlp", concurrency=c, duration_s=d)
+        if "recording" in parts:
+            print("recording on vs off (interleaved, mlp)", flush=True)
+            on_runs, off_runs = [], []
+            for i in range(2):
+                for record in (True, False):
+                    with process(serve_cmd(db=db if record else None, models=("mlp",)),
+                                 ready="serving") as url:
+                        r = load(url, "mlp", concurrency=c, duration_s=d)
+                        (on_runs if record else off_runs).append(r["throughput_rps"])
+            results["recording"] = {"on_rps": on_runs, "off_rps": off_runs}
+
+    if "core" in parts:
+        results["core"] = core_overhead_us()
+        print(f"batching core alone: {results['core']['fixed_size_us']:.2f} us/request fixed-size, "
+              f"{results['core']['bucketed_us']:.2f} us/request bucketed", flush=True)
+
+    if "encoder_server" in results:
+        sorted32 = off("encoder", "sorted", 32)["items_per_s"]
+        ratios["encoder_server_vs_offline_sorted32"] = results["encoder_server"]["throughput_rps"] / sorted32
+        for key in ("encoder_no_bucketing", "encoder_batch1"):
+            if key in results:
+                ratios[f"{key}_vs_offline_sorted32"] = results[key]["throughput_rps"] / sorted32
+    if "mlp_server" in results and "mlp_baseline" in results:
+        ratios["mlp_server_vs_plain_server"] = (results["mlp_server"]["throughput_rps"]
+                                                / results["mlp_baseline"]["throughput_rps"])
+    if "mlp_1client" in results:
+        b1 = off("mlp", "fixed", 1)["ms_per_batch"]
+        ratios["mlp_1client_p50_minus_batch1_ms"] = results["mlp_1client"]["latency_p50_ms"] - b1
+    if "encoder_1client" in results:
+        results["encoder_1client_note"] = "length 64; offline batch-1 figure is over lengths 8..128"
+    if "recording" in results:
+        on = statistics.median(results["recording"]["on_rps"])
+        offv = statistics.median(results["recording"]["off_rps"])
+        ratios["recording_throughput_loss_pct"] = (1 - on / offv) * 100
+    results["ratios"] = ratios
+
+    print("\nratios measured in this run", flush=True)
+    targets = {"encoder_server_vs_offline_sorted32": ">= 0.85", "mlp_server_vs_plain_server": ">= 6",
+               "mlp_1client_p50_minus_batch1_ms": "<= 1.0", "recording_throughput_loss_pct": "<= 3"}
+    for key, value in ratios.items():
+        print(f"  {key:45s} {value:8.3f}   {targets.get(key, '')}", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
