@@ -60,8 +60,9 @@ _BATCHING_FLAGS: list[tuple[str, str, Any, str]] = [
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve models over HTTP (KServe v2)")
     p.add_argument("--model", action="append", dest="models", metavar="SPEC",
-                   help="builtin name (mlp, encoder, minilm), module:Class or path/file.py:Class; "
-                        "repeat for several models (default: mlp and encoder)")
+                   help="builtin name (mlp, encoder, minilm; decoder = generation at "
+                        "/v1/completions), module:Class or path/file.py:Class; repeat for "
+                        "several models (default: mlp and encoder)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--db", default=None, metavar="URL",
@@ -128,17 +129,33 @@ def batching_configs(args: argparse.Namespace, names: Sequence[str]) -> dict:
     return configs
 
 
-def load_models(specs: Sequence[str]) -> dict:
+#: builtin generation models (served at /v1/completions with continuous batching)
+GENERATION_BUILTINS: dict[str, str] = {"decoder": "runtime.models.decoder:TinyDecoder"}
+
+
+def _generation_model(spec: str) -> Any:
+    import importlib
+
+    module, _, cls = GENERATION_BUILTINS[spec].partition(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def load_models(specs: Sequence[str]) -> tuple[dict, dict]:
+    """(request models, generation models) by served name, from ``--model`` specs."""
     from runtime.loader import load_model
 
     models: dict[str, Any] = {}
+    generation: dict[str, Any] = {}
     for spec in specs:
-        model = load_model(spec)
-        if model.name in models:
+        model = _generation_model(spec) if spec in GENERATION_BUILTINS else load_model(spec)
+        if model.name in models or model.name in generation:
             raise UsageError(f"two models are named {model.name!r}; serve one under another name "
                              f"with NAME=SPEC, e.g. --model {model.name}2={spec}")
-        models[model.name] = model
-    return models
+        (generation if spec in GENERATION_BUILTINS else models)[model.name] = model
+    if not models:
+        raise UsageError("serve at least one request/response model (e.g. --model mlp) next to "
+                         "the generation model(s)")
+    return models, generation
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -155,23 +172,25 @@ def _serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    models = load_models(specs)
+    models, generation = load_models(specs)
     configs = batching_configs(args, list(models))
-    return run_service(models, configs, server, device=args.device, instance_id=args.instance_id)
+    return run_service(models, configs, server, device=args.device, instance_id=args.instance_id,
+                       generation=generation)
 
 
 def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu",
-                instance_id: str | None = None, banner: str = "serving") -> int:
+                instance_id: str | None = None, generation: dict | None = None) -> int:
     """Serve in the foreground until SIGINT/SIGTERM; prints the URL once ready."""
     from runtime.server.service import Service, new_event_loop
 
     def announce(service: Service) -> None:
         where = server.database_url if server.record else "not recording"
-        print(f"batchscope {banner} on {service.url}  models: {', '.join(models)}  "
+        names = list(models) + list(generation or {})
+        print(f"batchscope serving on {service.url}  models: {', '.join(names)}  "
               f"device: {device}  database: {where}", flush=True)
 
     service = Service(models, configs, server, device=device, instance_id=instance_id,
-                      on_started=announce)
+                      generation=generation, on_started=announce)
     loop = new_event_loop()
     try:
         loop.run_until_complete(service.serve())

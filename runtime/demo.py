@@ -1,9 +1,10 @@
 """Demo runtime: the server plus synthetic traffic whose load keeps changing.
 
-``python -m runtime.demo --db URL --port 0`` serves ``mlp`` and ``encoder``
-in-process, prints ``batchscope demo on <url> ...`` and then cycles through
-traffic phases (quiet, busy, bursts with rejections, tight deadlines, urgent
-priorities, variable encoder lengths) until it is killed, so a dashboard shows
+``python -m runtime.demo --db URL --port 0`` serves ``mlp``, ``encoder`` and the
+generation model ``decoder`` (``/v1/completions``) in-process, prints
+``batchscope demo on <url> ...`` and then cycles through traffic phases (quiet,
+busy, bursts with rejections, tight deadlines, urgent priorities, variable encoder
+lengths, completions) until it is killed, so a dashboard shows
 batches forming, queues building and draining, and occasional 429s and expiries.
 Rates stay modest (``--intensity`` scales them) so the dashboard can run alongside
 on a small machine.
@@ -34,6 +35,8 @@ class Flow:
     priority: str | None = None
     timeout_ms: float | None = None
     bypass: bool = False
+    #: generation: completions with up to this many new tokens (0 = a KServe flow)
+    max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,15 +50,18 @@ LENGTHS = "uniform:8:128"
 MIX = "1=0.1,2=0.7,3=0.2"
 
 PHASES: tuple[Phase, ...] = (
-    Phase("quiet", 20, (Flow("mlp", 15, priority=MIX), Flow("encoder", 3, LENGTHS))),
-    Phase("busy", 30, (Flow("mlp", 250, priority=MIX), Flow("encoder", 15, LENGTHS, MIX))),
+    Phase("quiet", 20, (Flow("mlp", 15, priority=MIX), Flow("encoder", 3, LENGTHS),
+                        Flow("decoder", 0.5, max_tokens=32))),
+    Phase("busy", 30, (Flow("mlp", 250, priority=MIX), Flow("encoder", 15, LENGTHS, MIX),
+                       Flow("decoder", 2, max_tokens=64))),
     Phase("burst", 6, (Flow("mlp", 1500, priority=MIX), Flow("encoder", 40, LENGTHS))),
     Phase("recovery", 15, (Flow("mlp", 60, priority=MIX), Flow("encoder", 6, LENGTHS))),
     Phase("deadlines", 20, (Flow("mlp", 400, priority=MIX, timeout_ms=15),
                             Flow("encoder", 20, "choice:16,120", timeout_ms=150))),
     Phase("urgent", 15, (Flow("mlp", 150, priority="1"), Flow("mlp", 5, bypass=True),
                          Flow("encoder", 10, "uniform:8:32", "1=0.5,3=0.5"))),
-    Phase("long-inputs", 20, (Flow("mlp", 40), Flow("encoder", 12, "uniform:96:256"))),
+    Phase("long-inputs", 20, (Flow("mlp", 40), Flow("encoder", 12, "uniform:96:256"),
+                              Flow("decoder", 1, max_tokens=128))),
 )
 
 CONFIGS: dict[str, BatchingConfig] = {
@@ -65,30 +71,77 @@ CONFIGS: dict[str, BatchingConfig] = {
 }
 
 
-async def run_phase(url: str, phase: Phase, *, intensity: float = 1.0, seed: int = 0) -> list[Any]:
-    """Run every flow of ``phase`` at once; returns their load reports."""
+PROMPTS = ("The batching window", "Queues form when", "A GPU waits for", "Latency is")
+
+
+async def completions(url: str, flow: Flow, rate_rps: float, duration_s: float,
+                      seed: int) -> str:
+    """Poisson completions requests to ``/v1/completions``; returns a one-line summary."""
+    import random
+
+    import httpx
+
+    rng = random.Random(seed)
+    outcomes: dict[int, int] = {}
+
+    async def one(client: httpx.AsyncClient) -> None:
+        body = {"model": flow.model, "prompt": rng.choice(PROMPTS),
+                "max_tokens": rng.randint(4, flow.max_tokens), "temperature": 0.8,
+                "seed": rng.randint(0, 1 << 30)}
+        try:
+            r = await client.post("/v1/completions", json=body)
+            outcomes[r.status_code] = outcomes.get(r.status_code, 0) + 1
+        except httpx.HTTPError:
+            outcomes[0] = outcomes.get(0, 0) + 1
+
+    loop = asyncio.get_running_loop()
+    end = loop.time() + duration_s
+    async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
+        tasks = []
+        while True:
+            await asyncio.sleep(rng.expovariate(rate_rps))
+            if loop.time() >= end:
+                break
+            tasks.append(asyncio.ensure_future(one(client)))
+        await asyncio.gather(*tasks)
+    return f"completions on {flow.model!r}: answers by status {outcomes}"
+
+
+async def run_phase(url: str, phase: Phase, *, intensity: float = 1.0, seed: int = 0,
+                    models: Sequence[str] = ("mlp", "encoder", "decoder")) -> list[Any]:
+    """Run every flow of ``phase`` on ``models`` at once; returns their reports."""
     from runtime.loadgen import run_load_async
 
-    runs = [run_load_async(url, f.model, rate=max(0.5, f.rate_rps * intensity),
-                           duration_s=phase.duration_s, lengths=f.lengths, priority=f.priority,
-                           timeout_ms=f.timeout_ms, bypass=f.bypass, seed=seed + k,
-                           max_connections=64)
-            for k, f in enumerate(phase.flows)]
+    runs = []
+    for k, f in enumerate(phase.flows):
+        if f.model not in models:
+            continue
+        rate = max(0.2, f.rate_rps * intensity)
+        if f.max_tokens:
+            runs.append(completions(url, f, rate, phase.duration_s, seed + k))
+        else:
+            runs.append(run_load_async(url, f.model, rate=rate, duration_s=phase.duration_s,
+                                       lengths=f.lengths, priority=f.priority,
+                                       timeout_ms=f.timeout_ms, bypass=f.bypass, seed=seed + k,
+                                       max_connections=64))
     return list(await asyncio.gather(*runs, return_exceptions=True))
 
 
 async def drive(url: str, phases: Sequence[Phase] = PHASES, *, intensity: float = 1.0,
-                cycles: int | None = None) -> None:
+                cycles: int | None = None, models: Sequence[str] = ("mlp", "encoder", "decoder"),
+                ) -> None:
     """Cycle through ``phases`` (forever when ``cycles`` is None)."""
     cycle = 0
     while cycles is None or cycle < cycles:
         for phase in phases:
-            reports = await run_phase(url, phase, intensity=intensity, seed=cycle * 100)
+            reports = await run_phase(url, phase, intensity=intensity, seed=cycle * 100,
+                                      models=models)
             for report in reports:
                 if isinstance(report, BaseException):
                     log.warning("demo phase %s: traffic failed: %s", phase.name, report)
                 else:
-                    log.info("demo phase %s: %s", phase.name, report.summary().replace("\n", "; "))
+                    text = report if isinstance(report, str) else report.summary()
+                    log.info("demo phase %s: %s", phase.name, text.replace("\n", "; "))
         cycle += 1
 
 
@@ -100,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--intensity", type=float, default=1.0, help="scale every traffic rate")
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--no-generation", action="store_true",
+                        help="leave out the generation model (decoder)")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     if not args.intensity > 0:
@@ -107,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     import torch
 
@@ -116,13 +172,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runtime.server.service import Service, ServiceThread
 
     torch.set_num_threads(max(1, args.torch_threads))
+    specs = ["mlp", "encoder"] + ([] if args.no_generation else ["decoder"])
     server = ServerConfig(host=args.host, port=args.port, database_url=args.db or default_url(),
-                          models=("mlp", "encoder"))
-    models = load_models(["mlp", "encoder"])
-    service = Service(models, dict(CONFIGS), server, version="0.1.0-demo")
+                          models=tuple(specs))
+    models, generation = load_models(specs)
+    service = Service(models, dict(CONFIGS), server, generation=generation, version="0.1.0-demo")
     runner = ServiceThread(service, host=args.host, port=args.port)
     url = runner.start()
-    print(f"batchscope demo on {url}  models: {', '.join(models)}  database: "
+    print(f"batchscope demo on {url}  models: {', '.join(specs)}  database: "
           f"{server.database_url}", flush=True)
 
     def _stop(signum: int, frame: Any) -> None:
@@ -130,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     try:
-        run_async(drive(url, intensity=args.intensity))
+        run_async(drive(url, intensity=args.intensity, models=specs))
     except KeyboardInterrupt:
         pass
     finally:

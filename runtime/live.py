@@ -27,10 +27,41 @@ import time
 from typing import Any, Callable
 
 from batchscope import control
-from runtime.config import BatchingConfig, ServerConfig
+from runtime.config import ServerConfig
 from runtime.errors import BatchScopeError
 
 log = logging.getLogger("batchscope.live")
+
+
+class ModelDirectory:
+    """One view over the request engine and any generation engines (one per model), so the
+    live link publishes and tunes every served model the same way."""
+
+    def __init__(self, engine: Any, generation: dict[str, Any] | None = None) -> None:
+        self.engine = engine
+        self.generation = dict(generation or {})
+
+    def names(self) -> list[str]:
+        return list(self.engine.model_names()) + list(self.generation)
+
+    def kind(self, model: str) -> str:
+        if model in self.generation:
+            return "generate"
+        return getattr(self.engine.model(model), "kind", "request")
+
+    def get_settings(self, model: str) -> tuple[int, Any]:
+        gen = self.generation.get(model)
+        return gen.get_settings() if gen is not None else self.engine.get_settings(model)
+
+    def update_settings(self, model: str, changes: dict, requested_by: str) -> tuple[int, Any]:
+        gen = self.generation.get(model)
+        if gen is not None:
+            return gen.update_settings(changes, requested_by=requested_by)
+        return self.engine.update_settings(model, changes, requested_by=requested_by)
+
+    def listeners(self) -> list[list]:
+        return [self.engine.on_settings_change] + [g.on_settings_change
+                                                    for g in self.generation.values()]
 
 
 def _retention_runner() -> Callable[..., Any] | None:
@@ -47,8 +78,10 @@ class LiveLink:
                  device: str | None, version: str | None, recorder: Any = None,
                  server: ServerConfig | None = None, host: str | None = None,
                  pid: int | None = None, wall: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 generation: dict[str, Any] | None = None) -> None:
         self.engine = engine
+        self.models = ModelDirectory(engine, generation)
         self.db = db
         self.instance_id = instance_id
         self.url = url
@@ -61,7 +94,7 @@ class LiveLink:
         self._wall = wall
         self._mono = monotonic
         self.registered = False
-        self._pending: dict[str, tuple[int, BatchingConfig]] = {}
+        self._pending: dict[str, tuple[int, Any]] = {}
         self._next_heartbeat = 0.0
         self._next_poll = 0.0
         self._next_retention = monotonic() + self.server.rollup_interval_s
@@ -75,7 +108,7 @@ class LiveLink:
         self.refused = 0
 
     # -- settings listener --------------------------------------------------------------
-    def _on_settings_change(self, model: str, version: int, config: BatchingConfig) -> None:
+    def _on_settings_change(self, model: str, version: int, config: Any) -> None:
         self._pending[model] = (version, config)
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
@@ -96,10 +129,10 @@ class LiveLink:
         return result
 
     def _models(self) -> list[str]:
-        return list(self.engine.model_names())
+        return self.models.names()
 
     def _kind(self, model: str) -> str:
-        return getattr(self.engine.model(model), "kind", "request")
+        return self.models.kind(model)
 
     async def _register(self) -> None:
         ok = await self._safely("registration", control.register_instance, self.db,
@@ -110,7 +143,7 @@ class LiveLink:
             return
         self.registered = True
         for model in self._models():
-            self._pending[model] = self.engine.get_settings(model)
+            self._pending[model] = self.models.get_settings(model)
 
     async def _publish(self) -> None:
         while self._pending:
@@ -143,7 +176,7 @@ class LiveLink:
     async def apply_command(self, cmd: control.Command) -> None:
         """Apply one command on this loop, then acknowledge or refuse it in the database."""
         try:
-            version, _ = self.engine.update_settings(cmd.model, cmd.changes,
+            version, _ = self.models.update_settings(cmd.model, cmd.changes,
                                                      requested_by=cmd.requested_by)
         except BatchScopeError as exc:
             self.refused += 1
@@ -184,7 +217,8 @@ class LiveLink:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self.engine.on_settings_change.append(self._on_settings_change)
+        for listeners in self.models.listeners():
+            listeners.append(self._on_settings_change)
         self._next_heartbeat = self._mono() + self.server.heartbeat_interval_s
         await self.step()
         self._task = asyncio.create_task(self._run(), name="batchscope-live")
@@ -211,10 +245,11 @@ class LiveLink:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        try:
-            self.engine.on_settings_change.remove(self._on_settings_change)
-        except ValueError:
-            pass
+        for listeners in self.models.listeners():
+            try:
+                listeners.remove(self._on_settings_change)
+            except ValueError:
+                pass
         if self.registered:
             await self._publish()
             await self._safely("stop marker", control.mark_stopped, self.db, self.instance_id,

@@ -123,7 +123,7 @@ def test_demo_records_batches_and_stops_on_sigterm(tmp_path):
         seen = counts()
         assert seen.get("mlp", 0) >= 20 and seen.get("encoder", 0) >= 2, seen
         live = control.live_instances(db, now=time.time())
-        assert [i.url for i in live] == [url] and set(live[0].models) == {"mlp", "encoder"}
+        assert [i.url for i in live] == [url] and set(live[0].models) == {"mlp", "encoder", "decoder"}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

@@ -18,11 +18,9 @@ import signal
 import socket
 import threading
 import uuid
-from typing import Any, AsyncIterator, Callable, Protocol, Sequence
+from typing import Any, AsyncIterator, Callable
 
 import uvicorn
-from starlette.routing import BaseRoute
-
 from runtime.config import BatchingConfig, ServerConfig
 from runtime.model_api import ModelAPI
 from runtime.server.app import FastInfer, build_app
@@ -72,15 +70,26 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-class Mount(Protocol):
-    """Extra endpoints with their own lifecycle (e.g. ``/v1/completions`` of a generation
-    model): the routes are added to the app; ``start``/``stop`` run with the server's."""
+class GenerationMount:
+    """Generation models (continuous batching) served at ``/v1/completions``: one
+    ``GenerationEngine`` per model, started and stopped with the server."""
 
-    routes: Sequence[BaseRoute]
+    def __init__(self, models: dict[str, Any], *, recorder: Any, instance_id: str,
+                 device: str) -> None:
+        from runtime.generation.engine import GenerationEngine
+        from runtime.generation.http import routes
 
-    async def start(self) -> None: ...
+        self.engines = {name: GenerationEngine(model, recorder=recorder, instance_id=instance_id,
+                                               device=device)
+                        for name, model in models.items()}
+        self.routes = routes(self.engines)
 
-    async def stop(self) -> None: ...
+    async def start(self) -> None:
+        for engine in self.engines.values():
+            await engine.start()
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(e.stop() for e in self.engines.values()))
 
 
 class Service:
@@ -88,7 +97,7 @@ class Service:
 
     def __init__(self, models: dict[str, ModelAPI], configs: dict[str, BatchingConfig] | None,
                  server: ServerConfig, *, instance_id: str | None = None, device: str = "cpu",
-                 mounts: Sequence[Mount] = (), version: str = VERSION,
+                 generation: dict[str, Any] | None = None, version: str = VERSION,
                  on_started: Callable[["Service"], None] | None = None) -> None:
         from runtime.engine import Engine  # the engine pulls in torch; import on use
 
@@ -113,9 +122,12 @@ class Service:
         self.metrics.bind(stats=self._all_stats, dropped=self._dropped)
         self.live = None
         self.sampler = None
-        self.mounts = list(mounts)
+        self.generation = None
+        if generation:
+            self.generation = GenerationMount(generation, recorder=recorder,
+                                              instance_id=self.instance_id, device=device)
         self.on_started = on_started
-        extra_routes = [route for mount in self.mounts for route in mount.routes]
+        extra_routes = self.generation.routes if self.generation is not None else []
         self.app = build_app(self.engine, metrics=self.metrics, extra_routes=extra_routes,
                              version=version, lifespan=self._lifespan)
         self._server: _Server | None = None
@@ -141,14 +153,16 @@ class Service:
         if self.db_recorder is not None:
             self.db_recorder.start()
         await self.engine.start()
-        for mount in self.mounts:
-            await mount.start()
+        if self.generation is not None:
+            await self.generation.start()
         if self.db is not None:
             from runtime.live import LiveLink
 
             self.live = LiveLink(self.engine, self.db, instance_id=self.instance_id,
                                  url=self.url, device=str(self.device), version=self.version,
-                                 recorder=self.db_recorder, server=self.server_config)
+                                 recorder=self.db_recorder, server=self.server_config,
+                                 generation=(self.generation.engines
+                                             if self.generation is not None else None))
             await self.live.start()
             from batchscope.telemetry import DeviceSampler
 
@@ -162,8 +176,8 @@ class Service:
 
     async def shutdown(self) -> None:
         try:
-            for mount in self.mounts:
-                await mount.stop()
+            if self.generation is not None:
+                await self.generation.stop()
             await self.engine.stop()
         finally:
             if self.sampler is not None:
