@@ -115,7 +115,8 @@ class Service:
             from batchscope.recorder import Recorder, TeeRecorder
 
             self.db = make_engine(server.database_url)
-            self.db_recorder = Recorder(self.db, buffer_size=server.recorder_buffer_size)
+            self.db_recorder = Recorder(self.db, buffer_size=server.recorder_buffer_size,
+                                        instance_id=self.instance_id)
             recorder = TeeRecorder(self.db_recorder, self.metrics)
         self.engine = Engine(models, configs, recorder=recorder, instance_id=self.instance_id,
                              device=device)
