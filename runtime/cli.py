@@ -129,29 +129,18 @@ def batching_configs(args: argparse.Namespace, names: Sequence[str]) -> dict:
     return configs
 
 
-#: builtin generation models (served at /v1/completions with continuous batching)
-GENERATION_BUILTINS: dict[str, str] = {"decoder": "runtime.models.decoder:TinyDecoder"}
-
-
-def _generation_model(spec: str) -> Any:
-    import importlib
-
-    module, _, cls = GENERATION_BUILTINS[spec].partition(":")
-    return getattr(importlib.import_module(module), cls)()
-
-
 def load_models(specs: Sequence[str]) -> tuple[dict, dict]:
     """(request models, generation models) by served name, from ``--model`` specs."""
-    from runtime.loader import load_model
+    from runtime.loader import is_generation_model, load_model
 
     models: dict[str, Any] = {}
     generation: dict[str, Any] = {}
     for spec in specs:
-        model = _generation_model(spec) if spec in GENERATION_BUILTINS else load_model(spec)
+        model = load_model(spec)
         if model.name in models or model.name in generation:
             raise UsageError(f"two models are named {model.name!r}; serve one under another name "
                              f"with NAME=SPEC, e.g. --model {model.name}2={spec}")
-        (generation if spec in GENERATION_BUILTINS else models)[model.name] = model
+        (generation if is_generation_model(model) else models)[model.name] = model
     if not models:
         raise UsageError("serve at least one request/response model (e.g. --model mlp) next to "
                          "the generation model(s)")

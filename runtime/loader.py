@@ -7,8 +7,9 @@ A spec is one of:
 * ``path/to/file.py:ClassName`` — imported from that file;
 
 optionally prefixed with ``served_name=`` to serve it under another name (``fast=mlp``).
-The class must subclass ``runtime.model_api.ModelAPI`` and take no constructor arguments
-(a module-level ``ModelAPI`` instance is accepted too). Every mistake raises
+The class must subclass ``runtime.model_api.ModelAPI`` (request/response models) or
+``runtime.generation.model.GenerationModel`` (token generation with continuous batching)
+and take no constructor arguments (a module-level instance is accepted too). Every mistake raises
 ``ConfigError`` saying what was wrong and what to write instead.
 """
 
@@ -60,7 +61,7 @@ def parse_spec(spec: str) -> tuple[str | None, str]:
     return None, spec
 
 
-def load_model(spec: str) -> ModelAPI:
+def load_model(spec: str) -> Any:
     """Instantiate and validate the model a spec names (see the module docstring)."""
     served_name, target = parse_spec(spec)
     if target in BUILTIN_MODELS:
@@ -73,6 +74,10 @@ def load_model(spec: str) -> ModelAPI:
             "package.module:ClassName, or path/to/file.py:ClassName")
     if served_name is not None:
         model.name = served_name
+    if is_generation_model(model):
+        if not model.name:
+            raise ConfigError(f"generation model {target!r} needs a class attribute `name = \"my-decoder\"`")
+        return model
     try:
         check_model(model)
     except (TypeError, NotImplementedError) as exc:
@@ -125,9 +130,26 @@ def _import_file(path_text: str) -> Any:
     return module
 
 
-def _instantiate(obj: Any, target: str) -> ModelAPI:
-    if isinstance(obj, ModelAPI):
+def _generation_base() -> type:
+    from runtime.generation.model import GenerationModel
+
+    return GenerationModel
+
+
+def is_generation_model(model: Any) -> bool:
+    """True for models served with continuous batching at /v1/completions."""
+    return isinstance(model, _generation_base())
+
+
+def _instantiate(obj: Any, target: str) -> Any:
+    if isinstance(obj, (ModelAPI, _generation_base())):
         return obj
+    if isinstance(obj, type) and issubclass(obj, _generation_base()):
+        try:
+            return obj()
+        except TypeError as exc:
+            raise ConfigError(f"cannot create {obj.__name__}() from {target!r}: {exc}. Model classes "
+                              "are created without arguments") from None
     if not isinstance(obj, type):
         raise ConfigError(f"{target!r} is a {type(obj).__name__}, not a model class; it must be a "
                           "subclass of runtime.model_api.ModelAPI:\n\n" + _EXAMPLE.format(cls="MyModel"))

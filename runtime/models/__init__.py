@@ -13,6 +13,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "mlp": "runtime.models.mlp:MLPModel",
     "encoder": "runtime.models.encoder:EncoderModel",
     "minilm": "runtime.models.minilm:MiniLMModel",
+    # generation (continuous batching), served at /v1/completions
+    "decoder": "runtime.models.decoder:TinyDecoder",
 }
 
 
