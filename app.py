@@ -180,9 +180,26 @@ def render_flags(flags: list[diagnosis.Flag], figs: dict | None, prefix: str) ->
                 st.plotly_chart(figs[f.chart], key=f"{prefix}-flag-{i}-{f.chart}")
 
 
+def cached_bundle(engine, w: queries.Window) -> dict:
+    """The live bundle, re-queried only when the last query is older than twice its cost.
+
+    Short windows are re-queried on every refresh; long windows over large databases
+    (a second or more per query) refresh less often so the server stays responsive.
+    """
+    key = (str(engine.url), w.duration_s, w.model, w.instance_id)
+    last = st.session_state.get("bundle_cache")
+    now = time.monotonic()
+    if last and last["key"] == key and now - last["at"] < 2.0 * last["cost_s"]:
+        return last["bundle"]
+    bundle = queries.live_bundle(engine, w)
+    st.session_state["bundle_cache"] = {"key": key, "bundle": bundle, "at": now,
+                                        "cost_s": time.monotonic() - now}
+    return bundle
+
+
 def live_view(engine, scope: dict, slo_ms: float) -> None:
     w = current_window(scope)
-    bundle = queries.live_bundle(engine, w)
+    bundle = cached_bundle(engine, w) if scope["live"] else queries.live_bundle(engine, w)
     head = bundle["headline"].iloc[0]
     st.caption(f"Window {fmt_time(w.start_s)} → {fmt_time(w.end_s)} · model "
                f"{w.model or 'all'} · {int(head['requests'])} requests, "

@@ -335,14 +335,14 @@ def rule_starvation(bundle: dict, th: Thresholds) -> Flag | None:
         for _, lvl in pr.iloc[1:].iterrows():
             exp_bad = (lvl["expired_fraction"] >= th.starvation_expired_fraction
                        and best["expired_fraction"] < th.starvation_expired_fraction / 5)
-            w, wb = _num(lvl["wait_p95"]), _num(best["wait_p95"])
+            w, wb = _num(lvl["queue_wait_mean_s"]), _num(best["queue_wait_mean_s"])
             wait_bad = w >= th.starvation_min_wait_s and w >= th.starvation_wait_ratio * max(wb, 1e-6)
             if exp_bad or wait_bad:
                 return Flag("starvation", "warning",
                             f"Priority {int(lvl['priority'])} is starved",
                             {"priority": int(lvl["priority"]),
                              "expired_fraction": round(float(lvl["expired_fraction"]), 3),
-                             "wait_p95_ms": _ms(w), "priority_0_wait_p95_ms": _ms(wb),
+                             "queue_wait_mean_ms": _ms(w), "priority_0_queue_wait_mean_ms": _ms(wb),
                              "priority_0_expired_fraction": round(float(best["expired_fraction"]), 3)},
                             ["Higher priorities take every batch slot; lower-priority requests "
                              "wait until they expire. Add capacity or raise max_batch_size so "

@@ -127,19 +127,17 @@ def headline(engine: Engine, w: Window) -> pd.DataFrame:
     """One row: throughput, latency percentiles, batch sizes, outcomes, device, drops."""
     where, params = _where(w, "finished_at")
     req = _df(engine, f"""
-        WITH r AS (SELECT latency_s, queue_wait_s, outcome, finished_at FROM requests
-                   WHERE {where}),
-        ok AS (SELECT latency_s, queue_wait_s, {_ranked('latency_s')}, {_ranked('queue_wait_s')}
-               FROM r WHERE outcome = 'ok')
-        SELECT (SELECT COUNT(*) FROM r) AS requests,
-               (SELECT COUNT(*) FROM r WHERE outcome = 'ok') AS ok,
-               (SELECT COUNT(*) FROM r WHERE outcome = 'rejected') AS rejected,
-               (SELECT COUNT(*) FROM r WHERE outcome = 'expired') AS expired,
-               (SELECT COUNT(*) FROM r WHERE outcome IN ('error', 'oom')) AS errors,
-               (SELECT AVG(queue_wait_s) FROM r WHERE outcome = 'ok') AS queue_wait_mean_s,
-               (SELECT MIN(finished_at) FROM r) AS first_finished_at,
-               {_pct_select('latency_s', 'latency')}, {_pct_select('queue_wait_s', 'wait')}
-        FROM ok""", params)
+        SELECT COUNT(*) AS requests, COALESCE(SUM(outcome = 'ok'), 0) AS ok,
+               COALESCE(SUM(outcome = 'rejected'), 0) AS rejected,
+               COALESCE(SUM(outcome = 'expired'), 0) AS expired,
+               COALESCE(SUM(outcome IN ('error', 'oom')), 0) AS errors,
+               AVG(CASE WHEN outcome = 'ok' THEN queue_wait_s END) AS queue_wait_mean_s,
+               MIN(finished_at) AS first_finished_at
+        FROM requests WHERE {where}""", params)
+    pct = _df(engine, f"""
+        SELECT {_pct_select('latency_s', 'latency')}
+        FROM (SELECT latency_s, {_ranked('latency_s')} FROM requests
+              WHERE {where} AND outcome = 'ok')""", params)
     where_b, params_b = _where(w, "ended_at")
     bat = _df(engine, f"""
         SELECT COUNT(*) AS batches, AVG(batch_size) AS mean_batch_size,
@@ -165,7 +163,7 @@ def headline(engine: Engine, w: Window) -> pd.DataFrame:
     inst = "WHERE id = :inst" if w.instance_id else ""
     drops = _df(engine, f"SELECT COALESCE(SUM(records_dropped), 0) AS records_dropped "
                         f"FROM runtime_instances {inst}", {"inst": w.instance_id})
-    row = {**req.iloc[0].to_dict(), **bat.iloc[0].to_dict(), **dev.iloc[0].to_dict(),
+    row = {**req.iloc[0].to_dict(), **pct.iloc[0].to_dict(), **bat.iloc[0].to_dict(), **dev.iloc[0].to_dict(),
            **drops.iloc[0].to_dict()}
     row.update({"max_batch_size": last.iloc[0]["max_batch_size"] if len(last) else None,
                 "queue_depth_last": last.iloc[0]["queue_depth"] if len(last) else None,
@@ -200,20 +198,20 @@ def request_timeline(engine: Engine, w: Window, bucket_s: float | None = None) -
     bucket_s = bucket_s or w.bucket_s()
     where, params = _where(w, "finished_at")
     params["bucket"] = bucket_s
-    df = _df(engine, f"""
-        WITH r AS (SELECT CAST(finished_at / :bucket AS INTEGER) AS b, latency_s, outcome
-                   FROM requests WHERE {where}),
-        counts AS (SELECT b, COUNT(*) AS requests,
-                          SUM(outcome = 'ok') AS ok, SUM(outcome = 'rejected') AS rejected,
-                          SUM(outcome = 'expired') AS expired,
-                          SUM(outcome IN ('error', 'oom')) AS errors FROM r GROUP BY b),
-        ranked AS (SELECT b, latency_s, {_ranked('latency_s', 'b')} FROM r WHERE outcome = 'ok'),
-        pcts AS (SELECT b, {_pct_select('latency_s', 'latency')} FROM ranked GROUP BY b)
-        SELECT counts.b * :bucket AS t, counts.*, pcts.latency_p50, pcts.latency_p95,
-               pcts.latency_p99
-        FROM counts LEFT JOIN pcts ON pcts.b = counts.b ORDER BY counts.b""", params)
+    bucket_expr = "CAST(finished_at / :bucket AS INTEGER)"
+    counts = _df(engine, f"""
+        SELECT {bucket_expr} AS b, COUNT(*) AS requests, SUM(outcome = 'ok') AS ok,
+               SUM(outcome = 'rejected') AS rejected, SUM(outcome = 'expired') AS expired,
+               SUM(outcome IN ('error', 'oom')) AS errors
+        FROM requests WHERE {where} GROUP BY {bucket_expr} ORDER BY b""", params)
+    pcts = _df(engine, f"""
+        SELECT b, {_pct_select('latency_s', 'latency')}
+        FROM (SELECT {bucket_expr} AS b, latency_s, {_ranked('latency_s', bucket_expr)}
+              FROM requests WHERE {where} AND outcome = 'ok') GROUP BY b""", params)
+    df = counts.merge(pcts, on="b", how="left")
+    df.insert(0, "t", df["b"] * bucket_s)
+    df = df.drop(columns=["b"])
     if len(df):
-        df = df.drop(columns=["b"])
         df["requests_per_s"] = df["requests"] / bucket_s
         df["ok_per_s"] = df["ok"] / bucket_s
         df["failed_per_s"] = (df["rejected"] + df["expired"] + df["errors"]) / bucket_s
@@ -280,22 +278,18 @@ def padding_by_bucket(engine: Engine, w: Window) -> pd.DataFrame:
 
 
 def priority_stats(engine: Engine, w: Window) -> pd.DataFrame:
-    """Per priority level: outcomes, exact latency and queue wait percentiles."""
+    """Per priority level: outcomes, mean queue wait and exact latency percentiles."""
     where, params = _where(w, "finished_at")
-    return _df(engine, f"""
-        WITH r AS (SELECT priority, latency_s, queue_wait_s, outcome FROM requests WHERE {where}),
-        counts AS (SELECT priority, COUNT(*) AS requests, SUM(outcome = 'ok') AS ok,
-                          SUM(outcome = 'expired') AS expired, SUM(outcome = 'rejected') AS rejected,
-                          AVG(CASE WHEN outcome = 'ok' THEN queue_wait_s END) AS queue_wait_mean_s
-                   FROM r GROUP BY priority),
-        ranked AS (SELECT priority, latency_s, queue_wait_s, {_ranked('latency_s', 'priority')},
-                          {_ranked('queue_wait_s', 'priority')} FROM r WHERE outcome = 'ok'),
-        pcts AS (SELECT priority, {_pct_select('latency_s', 'latency')},
-                        {_pct_select('queue_wait_s', 'wait')} FROM ranked GROUP BY priority)
-        SELECT counts.*, pcts.latency_p50, pcts.latency_p95, pcts.latency_p99, pcts.wait_p50,
-               pcts.wait_p95, pcts.wait_p99
-        FROM counts LEFT JOIN pcts ON pcts.priority = counts.priority ORDER BY counts.priority""",
-               params)
+    counts = _df(engine, f"""
+        SELECT priority, COUNT(*) AS requests, SUM(outcome = 'ok') AS ok,
+               SUM(outcome = 'expired') AS expired, SUM(outcome = 'rejected') AS rejected,
+               AVG(CASE WHEN outcome = 'ok' THEN queue_wait_s END) AS queue_wait_mean_s
+        FROM requests WHERE {where} GROUP BY priority ORDER BY priority""", params)
+    pcts = _df(engine, f"""
+        SELECT priority, {_pct_select('latency_s', 'latency')}
+        FROM (SELECT priority, latency_s, {_ranked('latency_s', 'priority')}
+              FROM requests WHERE {where} AND outcome = 'ok') GROUP BY priority""", params)
+    return counts.merge(pcts, on="priority", how="left")
 
 
 def model_share(engine: Engine, w: Window) -> pd.DataFrame:
