@@ -21,6 +21,10 @@ from runtime.generation.model import ByteTokenizer, GenerationModel
 from runtime.generation.scheduler import ScheduledChunk
 
 
+#: a group of decode tokens holds contexts down to this fraction of its longest one
+GROUP_RATIO = 0.7
+
+
 class TinyDecoder(GenerationModel):
     name = "decoder"
 
@@ -81,9 +85,12 @@ class TinyDecoder(GenerationModel):
         if self.k_pool is None:
             raise RuntimeError("call setup(device, num_blocks, block_size) before step()")
         bs, dev = self.block_size, self.device
-        decodes = [c for c in chunks if len(c.token_ids) == 1]
+        # single tokens first, longest context first, so that each group of similar
+        # context lengths is a contiguous range of rows
+        decodes = sorted((c for c in chunks if len(c.token_ids) == 1),
+                         key=lambda c: c.start_pos, reverse=True)
         longer = [c for c in chunks if len(c.token_ids) > 1]
-        ordered = decodes + longer  # decode tokens first: rows 0..len(decodes)-1
+        ordered = decodes + longer
 
         tokens: list[int] = []
         positions: list[int] = []
@@ -99,7 +106,8 @@ class TinyDecoder(GenerationModel):
         pos_t = torch.tensor(positions, device=dev)
         slot_t = torch.tensor(slots, device=dev)
 
-        dec_ctx = self._decode_context(decodes) if decodes else None
+        dec_groups = [(start, stop, self._decode_context(decodes[start:stop]))
+                      for start, stop in self._length_groups(decodes)]
         long_ctx = [self._chunk_context(c) for c in longer]
 
         w = self.weights
@@ -113,11 +121,9 @@ class TinyDecoder(GenerationModel):
             k_flat[slot_t] = k
             v_flat[slot_t] = v
             attn = torch.empty(n_tok, h, hd, device=dev)
-            if dec_ctx is not None:
-                blocks, mask = dec_ctx
-                n_dec = len(decodes)
-                attn[:n_dec] = self._attend(q[:n_dec].unsqueeze(1), self.k_pool[i], self.v_pool[i],
-                                            blocks, mask)[:, 0]
+            for start, stop, (blocks, mask) in dec_groups:
+                attn[start:stop] = self._attend(q[start:stop].unsqueeze(1), self.k_pool[i],
+                                                self.v_pool[i], blocks, mask)[:, 0]
             row = len(decodes)
             for c, (blocks, mask) in zip(longer, long_ctx):
                 n = len(c.token_ids)
@@ -136,6 +142,18 @@ class TinyDecoder(GenerationModel):
         # back to the caller's chunk order
         index = {id(c): j for j, c in enumerate(ordered)}
         return logits_ordered[[index[id(c)] for c in chunks]]
+
+    def _length_groups(self, decodes: list[ScheduledChunk]) -> list[tuple[int, int]]:
+        """Row ranges of single-token chunks (sorted longest first) whose context lengths
+        are within ``GROUP_RATIO`` of the group's longest: attention pads each group only
+        to its own longest context instead of the step's."""
+        groups: list[tuple[int, int]] = []
+        start = 0
+        for j in range(1, len(decodes) + 1):
+            if j == len(decodes) or decodes[j].start_pos + 1 < GROUP_RATIO * (decodes[start].start_pos + 1):
+                groups.append((start, j))
+                start = j
+        return groups
 
     def _decode_context(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded block tables [S, nb] and a key mask [S, 1, 1, nb*bs] for single-token chunks."""
