@@ -1,0 +1,11 @@
+"""Continuous batching for token generation.
+
+    config.py     GenerationConfig: scheduler limits, KV-cache geometry, mode
+    kv_cache.py   BlockManager: fixed-size blocks of the shared KV pool per sequence
+    scheduler.py  Scheduler: the iteration-level state machine (time passed in)
+    model.py      GenerationModel: the API a decoder implements; tokenizer; sampling
+    runner.py     StepRunner: plan / execute / commit one step, with its records
+    engine.py     GenerationEngine: the asyncio shell, token streams, settings
+    http.py       OpenAI-compatible /v1/completions routes
+    toys.py       SteppedModel: hold, count or fail steps of a real model (tests, demos)
+"""
