@@ -206,6 +206,8 @@ class StepRunner:
         return {
             "mode": self.config.mode, "settings_version": self.settings_version,
             "running": len(sch.running), "waiting": len(sch.waiting),
+            # the names the request engine's stats use, for tools that read both
+            "queue_depth": len(sch.waiting), "in_flight": len(sch.running),
             "blocks_used": sch.blocks.num_used, "blocks_free": sch.blocks.num_free,
             "num_cache_blocks": sch.blocks.num_blocks, "block_size": sch.blocks.block_size,
             "steps": self.steps, "preemptions": sch.total_preemptions,
