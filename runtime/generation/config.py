@@ -10,10 +10,10 @@ is allocated; changing it at run time is refused with a message saying so.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from runtime.config import _is_int, _is_number
 from runtime.errors import ConfigError
 
 GenMode = Literal["continuous", "static"]
@@ -21,15 +21,6 @@ GEN_MODES: tuple[str, ...] = ("continuous", "static")
 
 #: settings that size the KV cache; they cannot change while it is allocated
 FIXED_AT_START: tuple[str, ...] = ("block_size", "num_cache_blocks", "max_model_len")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(float(value)))
 
 
 @dataclass(frozen=True)
