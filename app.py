@@ -246,6 +246,9 @@ def tuning_form(engine, scope: dict) -> None:
     st.caption(f"Current settings of **{model}**" + (f" on {inst_id}, version {version}" if inst_id
                                                      else " (none published yet)"))
     target = scope["instance"]
+    if cur and "max_batch_size" not in cur:  # e.g. a generation model's own settings
+        generic_form(engine, model, target, cur)
+        return
     with st.form("tuning"):
         c1, c2, c3 = st.columns(3)
         policy = c1.selectbox("Policy", POLICIES,
@@ -287,6 +290,53 @@ def tuning_form(engine, scope: dict) -> None:
                                      requested_by="dashboard", instance_id=target)
         st.session_state["last_command"] = cid
         st.toast(f"Requested change #{cid}: {json.dumps(changes)}")
+
+
+def _parse_value(text: str, like):
+    """A text field back into the type of the current value ('' or 'null' = null)."""
+    text = text.strip()
+    if text in ("", "null", "none", "auto"):
+        return None
+    if isinstance(like, list):
+        return _parse_ints(text, "this setting")
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def generic_form(engine, model: str, target: str | None, cur: dict) -> None:
+    """One field per published setting, for models whose settings are not batching ones."""
+    with st.form("tuning-generic"):
+        cols = st.columns(3)
+        wanted = {}
+        for i, (key, value) in enumerate(cur.items()):
+            col = cols[i % 3]
+            if isinstance(value, bool):
+                wanted[key] = col.checkbox(key, value=value)
+            elif isinstance(value, int):
+                wanted[key] = int(col.number_input(key, value=value, step=1))
+            elif isinstance(value, float):
+                wanted[key] = float(col.number_input(key, value=value))
+            else:
+                shown = "" if value is None else (", ".join(map(str, value))
+                                                  if isinstance(value, list) else str(value))
+                wanted[key] = (col.text_input(key, shown), value)
+        submitted = st.form_submit_button("Apply", type="primary")
+    if not submitted:
+        return
+    try:
+        wanted = {k: (_parse_value(*v) if isinstance(v, tuple) else v) for k, v in wanted.items()}
+    except ValueError as exc:
+        st.error(str(exc))
+        return
+    changes = {k: v for k, v in wanted.items() if cur.get(k) != v}
+    if not changes:
+        st.info("Nothing differs from the current settings.")
+        return
+    cid = control.request_change(engine, model=model, changes=changes, requested_by="dashboard",
+                                 instance_id=target)
+    st.session_state["last_command"] = cid
 
 
 def command_status_view(engine) -> None:

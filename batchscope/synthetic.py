@@ -94,6 +94,10 @@ class Generated:
 
 
 def _settings_dict(sc: Scenario, overrides: dict | None = None) -> dict:
+    if sc.generation:  # a continuous-batching model publishes its scheduler settings
+        return {"mode": "continuous", "block_size": 16, "num_cache_blocks": 512,
+                "max_num_seqs": 24, "max_num_batched_tokens": 2048, "max_queue_size": 256,
+                "default_timeout_ms": None, **(overrides or {})}
     out = {
         "policy": sc.policy, "max_batch_size": sc.max_batch_size,
         "max_queue_delay_ms": sc.max_queue_delay_ms, "preferred_batch_sizes": [],

@@ -83,3 +83,19 @@ def test_revert_requests_the_old_settings(app_db):
     cmd = control.recent_commands(app_db, model="mlp")[0]
     assert cmd.changes == {"max_batch_size": 32}
     assert cmd.requested_by == "dashboard (revert)"
+
+
+def test_generation_model_gets_its_own_settings_form(app_db):
+    synthetic.generate(app_db, synthetic.SCENARIOS["generation"].with_(
+        duration_s=120, batches_per_s=2, gen_steps_per_s=5), end_s=time.time(), seed=5)
+    at = run_app()
+    at.selectbox(key="model").set_value("decoder").run()
+    assert not at.exception
+    assert "Generation: sequences, tokens, cache, preemptions" in json.dumps(
+        [c.proto.spec for c in at.get("plotly_chart")])
+    box = next(n for n in at.number_input if n.label == "max_num_seqs")
+    box.set_value(8)
+    next(b for b in at.button if b.label == "Apply").click()
+    at.run()
+    cmd = control.recent_commands(app_db, model="decoder")[0]
+    assert cmd.changes == {"max_num_seqs": 8}

@@ -122,12 +122,21 @@ def test_charts_render_and_live_region_updates(page):
 
 def test_max_batch_size_from_the_ui_reaches_the_runtime(page, stack):
     engine = stack["engine"]
+    page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').nth(1).click()
+    page.get_by_role("option", name="encoder").click()
+    page.get_by_text("model encoder", exact=False).first.wait_for()
     page.get_by_role("tab", name="Tuning").click()
     box = page.get_by_label("Max batch size")
     box.wait_for()
     box.fill("3")
     page.get_by_role("button", name="Apply").click()
-    page.get_by_text("applied as settings version", exact=False).wait_for(timeout=45_000)
+    try:
+        page.get_by_text("applied as settings version", exact=False).wait_for(timeout=45_000)
+    except Exception:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "tuning-failure.png"), full_page=True)
+        raise AssertionError(f"no applied status; commands: "
+                             f"{control.recent_commands(engine, model='encoder')}") from None
     cmd = control.recent_commands(engine, model="encoder")[0]
     assert cmd.status == "applied" and cmd.changes.get("max_batch_size") == 3
     # the batches after the change follow the new maximum
