@@ -18,7 +18,7 @@ def bundle(tmp_path_factory):
     engine = make_engine(f"sqlite:///{tmp_path_factory.mktemp('c') / 'c.db'}")
     sc = synthetic.SCENARIOS["preemption"].with_(
         duration_s=120, batches_per_s=4, oom_events=2,
-        settings_changes=((0.5, {"max_batch_size": 16}),))
+        settings_changes=((0.5, {"max_num_seqs": 16}),))
     synthetic.generate(engine, sc, end_s=END)
     out = queries.live_bundle(engine, queries.Window(END - 120, END + 1, sc.model))
     engine.dispose()
@@ -40,7 +40,7 @@ def test_latency_chart_has_percentiles_slo_and_markers(bundle):
     assert list(fig.data[3].y) == [20, 20]
     settings = next(t for t in fig.data if t.name == charts.SETTINGS_MARKER)
     faults = next(t for t in fig.data if t.name == charts.FAULT_MARKER)
-    assert len(settings.x) == 1 and "max_batch_size: 32 → 16" in settings.hovertext[0]
+    assert len(settings.x) == 1 and "max_num_seqs: 24 → 16" in settings.hovertext[0]
     assert len(faults.x) == 2 and "out of memory" in faults.hovertext[0]
     # one dotted vertical line per marker
     assert len(fig.layout.shapes) == 3
@@ -54,7 +54,7 @@ def test_time_charts_all_carry_markers(bundle):
 
 
 def test_batch_size_histogram_marks_configured_max(bundle):
-    fig = charts.batch_sizes(bundle["batch_sizes"], 16)
+    fig = charts.batch_sizes(bundle["batch_sizes"], 16.0)
     assert fig.data[0].type == "bar"
     assert sum(fig.data[0].y) == int(bundle["headline"].iloc[0]["batches"])
     assert [s.x0 for s in fig.layout.shapes] == [16.0]
