@@ -112,16 +112,6 @@ def instances(engine: Engine) -> pd.DataFrame:
                        "ORDER BY last_seen_at DESC", {})
 
 
-def latest_activity_s(engine: Engine) -> float | None:
-    """Wall time of the newest batch or request (uses the time indexes' max)."""
-    with engine.connect() as conn:
-        vals = [conn.execute(text(q)).scalar() for q in (
-            "SELECT MAX(last_seen_at) FROM runtime_instances",
-            "SELECT MAX(at) FROM events")]
-    vals = [v for v in vals if v is not None]
-    return max(vals) if vals else None
-
-
 # -- headline -------------------------------------------------------------------------
 def headline(engine: Engine, w: Window) -> pd.DataFrame:
     """One row: throughput, latency percentiles, batch sizes, outcomes, device, drops."""
