@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):
+    import common  # noqa: F401  (puts the repository root on sys.path)
 from batchscope import charts, diagnosis, queries, synthetic
 from batchscope.db import make_engine
 
