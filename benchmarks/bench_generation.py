@@ -6,7 +6,9 @@ through the bundled paged decoder twice per repeat, once per mode, interleaved s
 that a noisy machine hurts both alike. Everything is the same between the modes but
 the scheduling: ``continuous`` lets requests join at the next step and leave as soon
 as they end; ``static`` admits a batch (reserving each member's whole length, which
-is what a non-paged static batch does) and admits nobody until all of it ended.
+is what a non-paged static batch does) and admits nobody until all of it ended; like
+one padded batch tensor, a member that finished early still has its row computed
+(``pad_rows``) until the longest member finishes, though its result goes out at once.
 
 The step loop runs in this process without HTTP (the runtime's own ``StepRunner``),
 on the real clock, torch on one thread. Reported: output tokens/s over the makespan
@@ -104,7 +106,8 @@ def run_mode(model: TinyDecoder, config: GenerationConfig, jobs: list[Job], *,
         "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
         "mean_seqs_per_step": statistics.fmean(s.running for s in steps) if steps else 0.0,
-        "steps": len(steps), "preemptions": runner.scheduler.total_preemptions,
+        "steps": len(steps), "pad_rows": runner.padding_rows,
+        "preemptions": runner.scheduler.total_preemptions,
     }
 
 
@@ -171,7 +174,7 @@ def run_benchmark(s: BenchSettings) -> dict[str, Any]:
 COLUMNS = ("repeat", "mode", "requests", "output_tokens", "makespan_s", "tokens_per_s",
            "tokens_per_cpu_s",
            "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_seqs_per_step",
-           "steps", "preemptions")
+           "steps", "pad_rows", "preemptions")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

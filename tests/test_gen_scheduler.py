@@ -36,7 +36,8 @@ def step(sch: Scheduler, now: float = 0.0, token_of=lambda seq_id: 5):
 
 def check_invariants(sch: Scheduler) -> None:
     owners = set(sch.blocks.owners())
-    assert owners <= {s.seq_id for s in sch.running}
+    assert owners <= {s.seq_id for s in sch.running + sch.padded}
+    assert not sch.padded or sch.running  # pad rows only while their batch runs
     used = sum(len(sch.blocks.block_table(i)) for i in owners)
     assert used == sch.blocks.num_used
     assert len(sch.running) <= sch.config.max_num_seqs
@@ -231,15 +232,35 @@ def test_static_mode_admits_a_batch_and_nobody_joins_until_it_ends():
     # whole possible length reserved up front: 4 + 6 tokens = 3 blocks for seq 2
     assert len(sch.blocks.block_table(2)) == 3
     sch.add_request(seq(3, 4, 2, arrival=1.0))
-    joined_while_running = []
+    _, res = step(sch, 1.0)
+    short = res.finished[0]
+    assert short.seq_id == 1 and short.outcome == "ok"  # its result is out at once...
+    joined_while_running, pad_rows = [], 0
     while sch.get(2) is not None:
         out, res = step(sch, 1.0)
-        if sch.get(2) is not None or any(s.seq_id == 2 for s in res.finished):
-            joined_while_running += out.admitted
-    assert joined_while_running == []
-    assert sch.get(1) is None  # the short one left before the batch ended
+        joined_while_running += out.admitted
+        # ...but like a row of a padded batch tensor it keeps its slot and is computed
+        assert [(c.seq_id, c.is_padding, c.completes) for c in out.chunks if c.seq_id == 1] \
+            == [(1, True, False)]
+        assert sch.blocks.block_table(1) != [] or sch.get(2) is None
+        pad_rows += out.padding_tokens
+    assert joined_while_running == [] and pad_rows == 4
+    assert len(short.output_ids) == 2 and sch.blocks.num_used == 0 and sch.padded == []
     out, _ = step(sch, 2.0)
-    assert out.admitted == [3]
+    assert out.admitted == [3] and out.padding_tokens == 0
+
+
+def test_switching_static_to_continuous_releases_pad_rows():
+    sch = make("static", num_cache_blocks=64)
+    sch.add_request(seq(1, 4, 1))
+    sch.add_request(seq(2, 4, 8))
+    step(sch)
+    assert [s.seq_id for s in sch.padded] == [1]
+    sch.config = sch.config.with_changes({"mode": "continuous"})
+    sch.add_request(seq(3, 4, 2))
+    out, _ = step(sch)
+    assert sch.padded == [] and sch.blocks.block_table(1) == []
+    assert out.padding_tokens == 0 and out.admitted == [3]
 
 
 def test_static_mode_batch_is_bounded_by_the_same_cache():

@@ -51,6 +51,7 @@ class StepRunner:
         self.counts: dict[str, int] = {k: 0 for k in OUTCOMES}
         self.steps = 0
         self.tokens_generated = 0
+        self.padding_rows = 0
 
     @property
     def config(self) -> GenerationConfig:
@@ -145,6 +146,7 @@ class StepRunner:
         result = self.scheduler.update_from_output(out, sampled, now)
         self.steps += 1
         self.tokens_generated += len(result.new_tokens)
+        self.padding_rows += out.padding_tokens
         self._record_step(out, now, now - started_s)
         for seq in result.finished:
             self._record_end(seq)
@@ -211,7 +213,8 @@ class StepRunner:
             "blocks_used": sch.blocks.num_used, "blocks_free": sch.blocks.num_free,
             "num_cache_blocks": sch.blocks.num_blocks, "block_size": sch.blocks.block_size,
             "steps": self.steps, "preemptions": sch.total_preemptions,
-            "tokens_generated": self.tokens_generated, "requests": dict(self.counts),
+            "tokens_generated": self.tokens_generated, "padding_rows": self.padding_rows,
+            "requests": dict(self.counts),
         }
 
     # -- records --------------------------------------------------------------------
@@ -222,7 +225,7 @@ class StepRunner:
     def _record_step(self, out: SchedulerOutput, now: float, step_s: float) -> None:
         self._put(GenStepRow(
             instance_id=self.instance_id, model=self.model_name, at=self.clock.to_wall(now),
-            mode=out.mode, running=len(out.chunks), waiting=out.num_waiting,
+            mode=out.mode, running=out.num_live_chunks, waiting=out.num_waiting,
             prefill_tokens=out.prefill_tokens, decode_tokens=out.decode_tokens,
             blocks_used=out.blocks_used, blocks_free=out.blocks_free,
             preemptions=len(out.preempted), step_s=step_s))

@@ -21,6 +21,9 @@ tokens, to be recomputed when it resumes.
 
 Static mode: a batch is admitted only when nothing is running, each member reserving
 blocks for its whole possible length; no one joins until the whole batch has ended.
+It runs like one padded batch tensor: a member that finished gets its result at once
+but keeps its slot and its blocks, and its row is still computed each step (a pad
+row: its last position again, sampling nothing) until the longest member finishes.
 
 Every sequence ends exactly once, with an outcome: ok, expired, cancelled or error.
 """
@@ -97,6 +100,8 @@ class ScheduledChunk:
     completes: bool
     #: a single newest token of a sequence that already generated (as opposed to prefill/recompute)
     is_decode: bool
+    #: a static batch's finished member whose row is still computed (nothing is sampled)
+    is_padding: bool = False
 
 
 @dataclass
@@ -109,6 +114,8 @@ class SchedulerOutput:
     expired: list[Sequence] = field(default_factory=list)
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    #: rows of finished static-batch members computed again (waste static batching pays)
+    padding_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
     blocks_used: int = 0
@@ -117,6 +124,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def num_live_chunks(self) -> int:
+        """Sequences that did useful work this step (pad rows excluded)."""
+        return len(self.chunks) - self.padding_tokens
 
 
 @dataclass
@@ -136,6 +148,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._live: dict[int, Sequence] = {}
+        #: finished members of the running static batch, still holding slot and blocks
+        self.padded: list[Sequence] = []
         self.total_preemptions = 0
         self.total_steps = 0
 
@@ -183,6 +197,7 @@ class Scheduler:
         else:
             self.running.remove(seq)
         self._finish(seq, now, outcome, None, error)
+        self._end_padding_if_batch_over()
         return seq
 
     def abort_all(self, now: float, outcome: str, error: BaseException | None = None
@@ -223,6 +238,14 @@ class Scheduler:
             budget -= self._add_chunk(out, seq, num_new)
             i += 1
 
+        if cfg.mode != "static":
+            self._end_padding()
+        self._end_padding_if_batch_over()
+        for seq in self.padded:
+            if budget <= 0:
+                break
+            budget -= self._add_padding_chunk(out, seq)
+
         if cfg.mode == "static":
             if not self.running and not out.preempted:
                 self._admit_static_batch(out, budget, now)
@@ -257,14 +280,20 @@ class Scheduler:
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.running.remove(seq)
-                self._finish(seq, now, "ok", reason)
+                keep_slot = out.mode == "static" and self.config.mode == "static"
+                self._finish(seq, now, "ok", reason, keep_blocks=keep_slot)
+                if keep_slot:
+                    self.padded.append(seq)
                 result.finished.append(seq)
+        self._end_padding_if_batch_over()
         return result
 
     def fail_step(self, out: SchedulerOutput, now: float, error: BaseException) -> list[Sequence]:
         """The model raised running ``out``: every sequence in it ends with outcome error."""
         failed = []
         for chunk in out.chunks:
+            if chunk.is_padding:
+                continue
             seq = self.abort(chunk.seq_id, now, "error", error)
             if seq is not None:
                 failed.append(seq)
@@ -284,6 +313,25 @@ class Scheduler:
         else:
             out.prefill_tokens += num_new
         return num_new
+
+    def _add_padding_chunk(self, out: SchedulerOutput, seq: Sequence) -> int:
+        # the last computed position again: its slot is allocated and its values do not change
+        pos = seq.num_tokens - 2
+        out.chunks.append(ScheduledChunk(
+            seq_id=seq.seq_id, token_ids=seq.token_slice(pos, pos + 1), start_pos=pos,
+            block_table=self.blocks.block_table(seq.seq_id), completes=False, is_decode=False,
+            is_padding=True))
+        out.padding_tokens += 1
+        return 1
+
+    def _end_padding_if_batch_over(self) -> None:
+        if self.padded and not self.running:
+            self._end_padding()
+
+    def _end_padding(self) -> None:
+        for seq in self.padded:
+            self.blocks.free(seq.seq_id)
+        self.padded = []
 
     def _start_running(self, out: SchedulerOutput, seq: Sequence, now: float) -> None:
         self.waiting.remove(seq)
@@ -347,8 +395,9 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, now: float, outcome: str, reason: str | None,
-                error: BaseException | None = None) -> None:
-        self.blocks.free(seq.seq_id)
+                error: BaseException | None = None, *, keep_blocks: bool = False) -> None:
+        if not keep_blocks:
+            self.blocks.free(seq.seq_id)
         self._live.pop(seq.seq_id, None)
         seq.status = FINISHED
         seq.finished_s = now
