@@ -60,14 +60,17 @@ PHASES: tuple[Phase, ...] = (
                             Flow("encoder", 20, "choice:16,120", timeout_ms=150))),
     Phase("urgent", 15, (Flow("mlp", 150, priority="1"), Flow("mlp", 5, bypass=True),
                          Flow("encoder", 10, "uniform:8:32", "1=0.5,3=0.5"))),
-    Phase("long-inputs", 20, (Flow("mlp", 40), Flow("encoder", 12, "uniform:96:256"),
+    Phase("long-inputs", 20, (Flow("mlp", 40), Flow("encoder", 14, "uniform:96:128"),
                               Flow("decoder", 1, max_tokens=128))),
 )
 
 CONFIGS: dict[str, BatchingConfig] = {
     "mlp": BatchingConfig(max_batch_size=32, max_queue_size=256, max_queue_delay_ms=2.0),
+    # the memory budget makes full batches of long inputs (16 x 128 tokens, ~28 MB of
+    # activations) run out of memory, so the demo shows OOM recovery: split, back off, probe
     "encoder": BatchingConfig(policy="adaptive", max_batch_size=16, max_queue_size=96,
-                              bucket_edges=(32, 64, 128), pad_to="batch_max"),
+                              bucket_edges=(32, 64, 128), pad_to="batch_max",
+                              memory_budget_mb=20.0, oom_probe_after_batches=40),
 }
 
 
