@@ -115,6 +115,7 @@ class GenerationEngine:
         self._idle = asyncio.Event()
         self._ready = False
         self._accepting = False
+        self._stopping = False
         self._seed_counter = 0
 
     @property
@@ -136,11 +137,13 @@ class GenerationEngine:
         self._idle.set()
         self._ready = True
         self._accepting = True
+        self._stopping = False
         self._worker = loop.create_task(self._run(), name=f"generation-{self.name}")
 
     async def stop(self, drain_timeout_s: float = 10.0) -> None:
         """Refuse new requests, let queued and running ones finish, then end the rest."""
         self._accepting = False
+        self._stopping = True
         if self._worker is None:
             return
         if self.runner.has_work():
@@ -171,7 +174,7 @@ class GenerationEngine:
                temperature: float = 0.0, seed: int | None = None) -> GenerationStream:
         """Queue a request and return its stream; raises at once when it is refused."""
         if not self._accepting:
-            if self._ready or self._worker is not None:
+            if self._stopping:
                 raise ShuttingDown(f"{self.name!r} is shutting down and takes no new requests")
             raise ModelNotReady(f"{self.name!r} is not started yet; retry in a moment")
         if (prompt_token_ids is None) == (prompt_text is None):
