@@ -5,8 +5,9 @@ Every figure is measured in the same run on the same machine, and every target i
 printed as a ratio of two of them:
 
 * encoder, 64 clients, random lengths 8..128: server req/s / offline items/s of
-  length-sorted batches of 32 (target >= 0.85); also with bucketing off and with no
-  batching (max batch size 1) to show what bucketing buys.
+  length-sorted batches of 32 (target >= 0.85), with bucket edges every 16 tokens; also
+  with the default edges, with bucketing off and with no batching (max batch size 1)
+  to show what bucketing buys.
 * mlp, 64 clients: server req/s / the plain no-batching server's req/s (target >= 6).
 * 1 client, default settings: p50 latency - the model's batch-1 time (target <= 1 ms).
 * recording on vs off: throughput loss (target <= 3 %), runs interleaved on/off.
@@ -42,6 +43,8 @@ from benchmarks.bench_offline import run_offline  # noqa: E402
 from runtime.loadgen import run_load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+#: length buckets every 16 tokens: batches of near-equal lengths, little padding
+FINE_EDGES = "16,32,48,64,80,96,112,128"
 URL_RE = re.compile(r"(http://127\.0\.0\.1:\d+)")
 
 
@@ -168,8 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         db = f"sqlite:///{tmp}/bench.db"
         if parts & {"mlp", "encoder", "latency"}:
-            print("batchscope server (recording on, default settings)", flush=True)
-            with process(serve_cmd(db=db), ready="serving") as url:
+            print(f"batchscope server (recording on, bucket edges {FINE_EDGES}, other settings "
+                  "default)", flush=True)
+            with process(serve_cmd("--bucket-edges", FINE_EDGES, db=db), ready="serving") as url:
                 if "mlp" in parts:
                     results["mlp_server"] = load(url, "mlp", concurrency=c, duration_s=d)
                 if "encoder" in parts:
@@ -180,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results["encoder_1client"] = load(url, "encoder", concurrency=1, duration_s=d,
                                                       lengths="fixed:64")
         if "encoder" in parts:
+            print("encoder with the default bucket edges (32/64/128/256)", flush=True)
+            with process(serve_cmd(models=("encoder",)), ready="serving") as url:
+                results["encoder_default_buckets"] = load(url, "encoder", concurrency=c,
+                                                          duration_s=d, lengths="uniform:8:128")
             print("encoder with bucketing off", flush=True)
             with process(serve_cmd("--no-bucketing", models=("encoder",)), ready="serving") as url:
                 results["encoder_no_bucketing"] = load(url, "encoder", concurrency=c, duration_s=d,
@@ -211,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "encoder_server" in results:
         sorted32 = off("encoder", "sorted", 32)["items_per_s"]
         ratios["encoder_server_vs_offline_sorted32"] = results["encoder_server"]["throughput_rps"] / sorted32
-        for key in ("encoder_no_bucketing", "encoder_batch1"):
+        for key in ("encoder_default_buckets", "encoder_no_bucketing", "encoder_batch1"):
             if key in results:
                 ratios[f"{key}_vs_offline_sorted32"] = results[key]["throughput_rps"] / sorted32
     if "mlp_server" in results and "mlp_baseline" in results:
