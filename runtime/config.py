@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from runtime.errors import ConfigError
 
@@ -26,6 +26,65 @@ def _is_int(value: Any) -> bool:
 def _is_number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(float(value)))
+
+
+def collector(problems: list[str]) -> Callable[[bool, str], bool]:
+    """``need(cond, msg)``: records ``msg`` in ``problems`` when ``cond`` is false."""
+
+    def need(cond: bool, msg: str) -> bool:
+        if not cond:
+            problems.append(msg)
+        return cond
+
+    return need
+
+
+def check_queueing(config: Any, need: Callable[[bool, str], bool]) -> None:
+    """Checks of the queueing fields every settings class shares: ``max_queue_size``,
+    ``priority_levels``, ``default_priority`` and ``default_timeout_ms``."""
+    need(_is_int(config.max_queue_size) and 1 <= config.max_queue_size <= 1_000_000,
+         f"max_queue_size={config.max_queue_size!r} must be an integer from 1 to 1000000")
+    levels = config.priority_levels
+    if need(_is_int(levels) and 1 <= levels <= 16,
+            f"priority_levels={levels!r} must be an integer from 1 to 16"):
+        need(_is_int(config.default_priority) and 0 <= config.default_priority < levels,
+             f"default_priority={config.default_priority!r} must be an integer from 0 to "
+             f"{levels - 1} (priority_levels={levels})")
+    timeout = config.default_timeout_ms
+    need(timeout is None or (_is_number(timeout) and 0 < timeout <= 3_600_000),
+         f"default_timeout_ms={timeout!r} must be null or a number of milliseconds above 0 "
+         "and at most 3600000")
+
+
+def apply_changes(config: Any, changes: Any, *, list_fields: tuple[str, ...] = (),
+                  float_fields: tuple[str, ...] = ()) -> Any:
+    """A copy of the frozen dataclass ``config`` with ``changes`` applied and validated.
+
+    Shared by every settings class: refuses a non-object and unknown field names
+    (listing the known ones), turns JSON lists of ``list_fields`` into tuples and
+    integers of ``float_fields`` into floats, then lets the class validate the result.
+    Raises ``ConfigError``; ``config`` itself never changes.
+    """
+    if not isinstance(changes, dict):
+        raise ConfigError("settings must be a JSON object of field: value pairs, e.g. "
+                          '{"max_batch_size": 16}. Nothing was changed.')
+    known = [f.name for f in fields(config)]
+    unknown = sorted(set(changes) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {unknown}; known settings are {known}. "
+                          "Nothing was changed.")
+    clean = dict(changes)
+    for key in list_fields:
+        if key in clean:
+            value = clean[key]
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{key}={value!r} must be a list of integers. "
+                                  "Nothing was changed.")
+            clean[key] = tuple(value)
+    for key in float_fields:
+        if _is_int(clean.get(key)):
+            clean[key] = float(clean[key])
+    return dataclasses.replace(config, **clean)
 
 
 @dataclass(frozen=True)
@@ -80,11 +139,7 @@ class BatchingConfig:
     # -- validation -----------------------------------------------------------------
     def validate(self) -> None:
         problems: list[str] = []
-
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                problems.append(msg)
-
+        need = collector(problems)
         need(self.policy in POLICIES,
              f"policy={self.policy!r} is not one of {', '.join(POLICIES)}")
         need(_is_int(self.max_batch_size) and 1 <= self.max_batch_size <= 4096,
@@ -120,18 +175,7 @@ class BatchingConfig:
                  f"bucket_edges={list(edges)} must be strictly increasing, e.g. [32, 64, 128, 256]")
         need(self.pad_to in ("bucket", "batch_max"),
              f"pad_to={self.pad_to!r} must be 'bucket' or 'batch_max'")
-        need(_is_int(self.max_queue_size) and 1 <= self.max_queue_size <= 1_000_000,
-             f"max_queue_size={self.max_queue_size!r} must be an integer from 1 to 1000000")
-        need(_is_int(self.priority_levels) and 1 <= self.priority_levels <= 16,
-             f"priority_levels={self.priority_levels!r} must be an integer from 1 to 16")
-        if _is_int(self.priority_levels):
-            need(_is_int(self.default_priority) and 0 <= self.default_priority < self.priority_levels,
-                 f"default_priority={self.default_priority!r} must be an integer from 0 to "
-                 f"{self.priority_levels - 1} (priority_levels={self.priority_levels})")
-        need(self.default_timeout_ms is None or (_is_number(self.default_timeout_ms)
-                                                 and 0 < self.default_timeout_ms <= 3_600_000),
-             f"default_timeout_ms={self.default_timeout_ms!r} must be null or a number of "
-             "milliseconds above 0")
+        check_queueing(self, need)
         for name in ("allow_bypass", "oom_recovery", "cuda_graphs"):
             v = getattr(self, name)
             need(isinstance(v, bool), f"{name}={v!r} must be true or false")
@@ -157,26 +201,11 @@ class BatchingConfig:
 
     def with_changes(self, changes: dict[str, Any]) -> "BatchingConfig":
         """A new validated config with ``changes`` applied; raises ConfigError."""
-        if not isinstance(changes, dict):
-            raise ConfigError("settings must be a JSON object of field: value pairs")
-        unknown = sorted(set(changes) - set(self.field_names()))
-        if unknown:
-            raise ConfigError(f"unknown setting(s) {unknown}; known settings are "
-                              f"{list(self.field_names())}. Nothing was changed.")
-        clean = dict(changes)
-        for key in ("preferred_batch_sizes", "bucket_edges"):
-            if key in clean:
-                value = clean[key]
-                if not isinstance(value, (list, tuple)):
-                    raise ConfigError(f"{key}={value!r} must be a list of integers. "
-                                      "Nothing was changed.")
-                clean[key] = tuple(value)
-        for key in ("max_queue_delay_ms", "static_max_wait_ms", "adaptive_floor_ms",
-                    "adaptive_ceiling_ms", "adaptive_factor", "default_timeout_ms",
-                    "memory_budget_mb"):
-            if _is_int(clean.get(key)):
-                clean[key] = float(clean[key])
-        return dataclasses.replace(self, **clean)
+        return apply_changes(self, changes, list_fields=("preferred_batch_sizes", "bucket_edges"),
+                             float_fields=("max_queue_delay_ms", "static_max_wait_ms",
+                                           "adaptive_floor_ms", "adaptive_ceiling_ms",
+                                           "adaptive_factor", "default_timeout_ms",
+                                           "memory_budget_mb"))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BatchingConfig":

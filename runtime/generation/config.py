@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from runtime.config import _is_int, _is_number
+from runtime.config import _is_int, _is_number, apply_changes, check_queueing, collector
 from runtime.errors import ConfigError
 
 GenMode = Literal["continuous", "static"]
@@ -57,10 +57,7 @@ class GenerationConfig:
 
     def validate(self) -> None:
         problems: list[str] = []
-
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                problems.append(msg)
+        need = collector(problems)
 
         def int_in(name: str, low: int, high: int) -> bool:
             value = getattr(self, name)
@@ -79,15 +76,7 @@ class GenerationConfig:
                  f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs="
                  f"{self.max_num_seqs}: every running sequence needs at least one token per step; "
                  "raise max_num_batched_tokens or lower max_num_seqs")
-        int_in("max_queue_size", 1, 1_000_000)
-        if int_in("priority_levels", 1, 16):
-            need(_is_int(self.default_priority) and 0 <= self.default_priority < self.priority_levels,
-                 f"default_priority={self.default_priority!r} must be an integer from 0 to "
-                 f"{self.priority_levels - 1} (priority_levels={self.priority_levels})")
-        need(self.default_timeout_ms is None or (_is_number(self.default_timeout_ms)
-                                                 and 0 < self.default_timeout_ms <= 3_600_000),
-             f"default_timeout_ms={self.default_timeout_ms!r} must be null or a number of "
-             "milliseconds above 0 and at most 3600000")
+        check_queueing(self, need)
         int_in("default_max_new_tokens", 1, 1_000_000)
         need(_is_number(self.preemption_event_interval_s)
              and 0 <= self.preemption_event_interval_s <= 3600,
@@ -111,17 +100,8 @@ class GenerationConfig:
 
     def with_changes(self, changes: dict[str, Any]) -> "GenerationConfig":
         """A new validated config with ``changes`` applied; raises ConfigError."""
-        if not isinstance(changes, dict):
-            raise ConfigError("settings must be a JSON object of field: value pairs")
-        unknown = sorted(set(changes) - set(self.field_names()))
-        if unknown:
-            raise ConfigError(f"unknown setting(s) {unknown}; known settings are "
-                              f"{list(self.field_names())}. Nothing was changed.")
-        clean = dict(changes)
-        for key in ("default_timeout_ms", "preemption_event_interval_s"):
-            if _is_int(clean.get(key)):
-                clean[key] = float(clean[key])
-        return dataclasses.replace(self, **clean)
+        return apply_changes(self, changes,
+                             float_fields=("default_timeout_ms", "preemption_event_interval_s"))
 
     def with_runtime_changes(self, changes: dict[str, Any]) -> "GenerationConfig":
         """Like ``with_changes`` but refuses the settings that size the allocated cache."""
@@ -137,3 +117,11 @@ class GenerationConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GenerationConfig":
         return cls().with_changes(data)
+
+    @classmethod
+    def for_model(cls, model_max_len: int | None,
+                  changes: dict[str, Any] | None = None) -> "GenerationConfig":
+        """The defaults for a model that attends over ``model_max_len`` tokens (0/None =
+        unknown): ``max_model_len`` capped at it, then ``changes`` applied."""
+        base = cls(max_model_len=min(1024, model_max_len or 1024))
+        return base.with_changes(changes) if changes else base
