@@ -28,40 +28,10 @@ from typing import Any, Callable
 
 from batchscope import control
 from runtime.config import ServerConfig
+from runtime.directory import ModelDirectory
 from runtime.errors import BatchScopeError
 
 log = logging.getLogger("batchscope.live")
-
-
-class ModelDirectory:
-    """One view over the request engine and any generation engines (one per model), so the
-    live link publishes and tunes every served model the same way."""
-
-    def __init__(self, engine: Any, generation: dict[str, Any] | None = None) -> None:
-        self.engine = engine
-        self.generation = dict(generation or {})
-
-    def names(self) -> list[str]:
-        return list(self.engine.model_names()) + list(self.generation)
-
-    def kind(self, model: str) -> str:
-        if model in self.generation:
-            return "generate"
-        return getattr(self.engine.model(model), "kind", "request")
-
-    def get_settings(self, model: str) -> tuple[int, Any]:
-        gen = self.generation.get(model)
-        return gen.get_settings() if gen is not None else self.engine.get_settings(model)
-
-    def update_settings(self, model: str, changes: dict, requested_by: str) -> tuple[int, Any]:
-        gen = self.generation.get(model)
-        if gen is not None:
-            return gen.update_settings(changes, requested_by=requested_by)
-        return self.engine.update_settings(model, changes, requested_by=requested_by)
-
-    def listeners(self) -> list[list]:
-        return [self.engine.on_settings_change] + [g.on_settings_change
-                                                    for g in self.generation.values()]
 
 
 def _retention_runner() -> Callable[..., Any] | None:

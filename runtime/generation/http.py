@@ -199,7 +199,8 @@ def _usage(streams: list[GenerationStream]) -> dict[str, int]:
 
 # -- handlers -----------------------------------------------------------------------------
 def routes(engines: dict[str, GenerationEngine]) -> list[Route]:
-    """The OpenAI-style routes serving ``engines`` (model name -> engine)."""
+    """The OpenAI-style routes serving ``engines`` (model name -> engine); each route
+    carries ``engines`` as ``generation_engines`` for the app's control API."""
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "batchscope"}
@@ -243,9 +244,13 @@ def routes(engines: dict[str, GenerationEngine]) -> list[Route]:
                    for i, t in enumerate(texts)]
         return _json({**head, "choices": choices, "usage": _usage(streams)})
 
-    return [Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/models", list_models, methods=["GET"]),
-            Route("/v1/models/{model}", get_model, methods=["GET"])]
+    served = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", list_models, methods=["GET"]),
+              Route("/v1/models/{model}", get_model, methods=["GET"])]
+    for route in served:
+        # lets the app's other endpoints (the control API) find the engines it mounts
+        route.generation_engines = engines  # type: ignore[attr-defined]
+    return served
 
 
 def _not_found(name: str, engines: dict[str, GenerationEngine]) -> ModelNotFound:

@@ -1,8 +1,14 @@
-"""HTTP control API: read and change a model's batching settings, read its stats.
+"""HTTP control API: read and change a model's settings, read its stats.
 
-``GET  /v2/models/{name}/batching``          -> {model, version, settings}
+``GET  /v2/models/{name}/batching``          -> {model, kind, version, settings}
 ``POST|PATCH /v2/models/{name}/batching``    partial JSON object of settings -> applied
-``GET  /v2/models/{name}/stats``             -> queue depth, effective max batch size, counts
+``GET  /v2/models/{name}/stats``             -> queue depth, in flight, counts, ...
+
+Every served model answers: a request model with its ``BatchingConfig`` and the
+request engine's stats, a generation model (``/v1/completions``) with its
+``GenerationConfig`` and its ``GenerationEngine``'s stats. The generation engines
+are found in ``app.state.generation_engines`` when the server set it, else on the
+mounted routes of ``runtime.generation.http.routes`` (they carry them).
 
 A change is validated by the engine (``ConfigError`` -> 422, nothing changes) and
 takes effect at the next batch boundary. ``X-Requested-By`` names who asked
@@ -18,7 +24,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from runtime.errors import ClientError, ModelNotFound
+from runtime.directory import ModelDirectory
+from runtime.errors import ClientError
 
 REQUESTED_BY_HEADER = "x-requested-by"
 
@@ -28,25 +35,34 @@ def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = 
                     headers=headers, media_type="application/json")
 
 
-def _known(engine: Any, name: str) -> str:
-    if name not in engine.model_names():
-        raise ModelNotFound(f"unknown model {name!r}; served models are {engine.model_names()}")
-    return name
+def model_directory(app: Any) -> ModelDirectory:
+    """The app's models, request and generation alike (built once per app)."""
+    directory = getattr(app.state, "model_directory", None)
+    if directory is None:
+        generation = getattr(app.state, "generation_engines", None)
+        if generation is None:
+            generation = {}
+            for route in app.routes:
+                generation.update(getattr(route, "generation_engines", None) or {})
+        directory = ModelDirectory(app.state.engine, generation)
+        app.state.model_directory = directory
+    return directory
 
 
-def settings_doc(engine: Any, name: str) -> dict[str, Any]:
-    version, config = engine.get_settings(name)
-    return {"model": name, "version": version, "settings": config.to_dict()}
+def settings_doc(models: ModelDirectory, name: str) -> dict[str, Any]:
+    version, config = models.get_settings(name)
+    return {"model": name, "kind": models.kind(name), "version": version,
+            "settings": config.to_dict()}
 
 
 async def get_batching(request: Request) -> Response:
-    engine = request.app.state.engine
-    return json_response(settings_doc(engine, _known(engine, request.path_params["name"])))
+    models = model_directory(request.app)
+    return json_response(settings_doc(models, models.require(request.path_params["name"])))
 
 
 async def change_batching(request: Request) -> Response:
-    engine = request.app.state.engine
-    name = _known(engine, request.path_params["name"])
+    models = model_directory(request.app)
+    name = models.require(request.path_params["name"])
     body = await request.body()
     try:
         changes = orjson.loads(body) if body else None
@@ -56,17 +72,17 @@ async def change_batching(request: Request) -> Response:
     if not isinstance(changes, dict) or not changes:
         raise ClientError("the body must be a non-empty JSON object of settings to change, "
                           'e.g. {"max_batch_size": 16}')
-    requested_by = request.headers.get(REQUESTED_BY_HEADER) or "http"
-    version, config = engine.update_settings(name, changes, requested_by=requested_by[:64])
-    return json_response({"model": name, "version": version, "settings": config.to_dict(),
-                          "requested_by": requested_by[:64]})
+    requested_by = (request.headers.get(REQUESTED_BY_HEADER) or "http")[:64]
+    models.update_settings(name, changes, requested_by=requested_by)
+    return json_response({**settings_doc(models, name), "requested_by": requested_by})
 
 
 async def get_stats(request: Request) -> Response:
-    engine = request.app.state.engine
-    name = _known(engine, request.path_params["name"])
-    version, _ = engine.get_settings(name)
-    return json_response({"model": name, "settings_version": version, **engine.stats(name)})
+    models = model_directory(request.app)
+    name = models.require(request.path_params["name"])
+    version, _ = models.get_settings(name)
+    return json_response({"model": name, "kind": models.kind(name), "settings_version": version,
+                          **models.stats(name)})
 
 
 def control_routes() -> list[Route]:
