@@ -78,9 +78,11 @@ def _add_serve(sub: Any) -> None:
         p.add_argument(flag, type=parse, default=argparse.SUPPRESS, help=text)
     p.add_argument("--no-bucketing", action="store_true", help="one queue regardless of length")
     p.add_argument("--model-config", action="append", default=[], metavar="NAME=PATH.json",
-                   help="per-model batching settings from a JSON object")
+                   help="per-model settings from a JSON object (BatchingConfig fields; "
+                        "GenerationConfig fields for a generation model such as decoder)")
     p.add_argument("--set", action="append", default=[], dest="sets", metavar="NAME.FIELD=VALUE",
-                   help="one per-model setting, value as JSON (e.g. mlp.max_batch_size=8)")
+                   help="one per-model setting, value as JSON (e.g. mlp.max_batch_size=8, "
+                        "decoder.max_num_seqs=16)")
 
 
 def _json_value(text: str) -> Any:
@@ -90,17 +92,18 @@ def _json_value(text: str) -> Any:
         return text
 
 
-def batching_configs(args: argparse.Namespace, names: Sequence[str]) -> dict:
-    """Per-model ``BatchingConfig`` from the shared flags, then files, then ``--set``."""
-    from runtime.config import BatchingConfig
-
+def _per_model_changes(args: argparse.Namespace, names: Sequence[str],
+                       request_names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Each model's settings changes: the shared batching flags (request models only),
+    then ``--model-config`` files, then ``--set``, later ones winning."""
     shared: dict[str, Any] = {}
     for _, field_name, _, _ in _BATCHING_FLAGS:
         if hasattr(args, field_name):  # given on the command line ('none' included)
             shared[field_name] = getattr(args, field_name)
     if args.no_bucketing:
         shared["bucketing"] = False
-    per_model: dict[str, dict[str, Any]] = {name: dict(shared) for name in names}
+    per_model: dict[str, dict[str, Any]] = {
+        name: dict(shared) if name in request_names else {} for name in names}
     for item in args.model_config:
         name, sep, path = item.partition("=")
         if not sep or name not in per_model:
@@ -120,12 +123,30 @@ def batching_configs(args: argparse.Namespace, names: Sequence[str]) -> dict:
         if not sep or not dot or name not in per_model:
             raise UsageError(f"--set {item!r}: write NAME.FIELD=VALUE with NAME one of {list(names)}")
         per_model[name][field_name] = _json_value(value)
-    configs = {}
+    return per_model
+
+
+def model_settings(args: argparse.Namespace, models: dict, generation: dict) -> dict:
+    """Per-model settings from the command line: a ``BatchingConfig`` for each request
+    model and a ``GenerationConfig`` for each generation model (the latter is also put
+    on the model as ``generation_config``, which its engine starts with)."""
+    from runtime.config import BatchingConfig
+    from runtime.generation.config import GenerationConfig
+
+    names = list(models) + list(generation)
+    per_model = _per_model_changes(args, names, list(models))
+    configs: dict[str, Any] = {}
     for name, changes in per_model.items():
         try:
-            configs[name] = BatchingConfig().with_changes(changes)
+            if name in generation:
+                model = generation[name]
+                configs[name] = GenerationConfig.for_model(model.max_model_len, changes)
+                model.generation_config = configs[name]
+            else:
+                configs[name] = BatchingConfig().with_changes(changes)
         except ConfigError as exc:
-            raise UsageError(f"batchscope serve: model {name!r}: {exc.message}") from None
+            kind = "generation" if name in generation else "batching"
+            raise UsageError(f"batchscope serve: {kind} model {name!r}: {exc.message}") from None
     return configs
 
 
@@ -162,7 +183,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.torch_threads)
     models, generation = load_models(specs)
-    configs = batching_configs(args, list(models))
+    settings = model_settings(args, models, generation)
+    configs = {name: settings[name] for name in models}
     return run_service(models, configs, server, device=args.device, instance_id=args.instance_id,
                        generation=generation)
 

@@ -122,6 +122,12 @@ class GenerationConfig:
     def for_model(cls, model_max_len: int | None,
                   changes: dict[str, Any] | None = None) -> "GenerationConfig":
         """The defaults for a model that attends over ``model_max_len`` tokens (0/None =
-        unknown): ``max_model_len`` capped at it, then ``changes`` applied."""
+        unknown): ``max_model_len`` capped at it, then ``changes`` applied. Raises
+        ConfigError when the result asks for more than the model attends over."""
         base = cls(max_model_len=min(1024, model_max_len or 1024))
-        return base.with_changes(changes) if changes else base
+        config = base.with_changes(changes) if changes else base
+        if model_max_len and config.max_model_len > model_max_len:
+            raise ConfigError(f"max_model_len={config.max_model_len} exceeds what the model can "
+                              f"attend over ({model_max_len}); lower max_model_len to at most "
+                              f"{model_max_len}. Nothing was changed.")
+        return config

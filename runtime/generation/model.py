@@ -87,6 +87,9 @@ class GenerationModel:
     max_model_len: int = 0
     tokenizer: Any = None
     device: Any = None
+    #: the settings to serve this model with when the engine is given none
+    #: (``batchscope serve --model-config/--set`` put them here); None = defaults
+    generation_config: Any = None
 
     @property
     def eos_token_id(self) -> int | None:

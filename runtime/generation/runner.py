@@ -33,7 +33,7 @@ class StepRunner:
     def __init__(self, model: GenerationModel, config: GenerationConfig | None = None, *,
                  recorder: RecorderLike | None = None, instance_id: str = "local",
                  clock: Any = None) -> None:
-        config = config or GenerationConfig(max_model_len=min(1024, model.max_model_len or 1024))
+        config = config or model.generation_config or GenerationConfig.for_model(model.max_model_len)
         if model.max_model_len and config.max_model_len > model.max_model_len:
             raise ConfigError(f"max_model_len={config.max_model_len} exceeds what model "
                               f"{model.name!r} can attend over ({model.max_model_len}); "
