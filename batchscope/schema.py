@@ -118,8 +118,8 @@ class EventRecord(Base):
     instance_id: Mapped[str] = mapped_column(String(64))
     model: Mapped[Optional[str]] = mapped_column(String(128))
     at: Mapped[float] = mapped_column(Float, index=True)
-    #: settings_change | rejected | expired | model_error | oom | oom_failed |
-    #: preemption | started | stopped | recorder_drops
+    #: settings_change | rejected | expired | model_error | oom | oom_failed | oom_probe |
+    #: preemption | recorder_drops | started | stopped (see docs/architecture.md)
     kind: Mapped[str] = mapped_column(String(32))
     severity: Mapped[str] = mapped_column(String(16), default="info")
     message: Mapped[str] = mapped_column(Text)
