@@ -71,6 +71,37 @@ class _Waker:
             fut.set_result(None)
 
 
+class CallbackOutcome:
+    """Stands where a request's future would: hands its one outcome to a callback."""
+
+    __slots__ = ("_fn", "_done")
+
+    def __init__(self, fn: Callable[[Any, BaseException | None], None]) -> None:
+        self._fn = fn
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return False
+
+    def set_result(self, result: Any) -> None:
+        self._finish(result, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._finish(None, error)
+
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._fn(result, error)
+        except Exception:  # the answer path must not break the batch that settles it
+            log.exception("a request's completion callback failed")
+
+
 class _Throttle:
     """Counts occurrences and says when to report them (at most once per interval)."""
 
@@ -224,8 +255,10 @@ class Engine:
             self._executor.shutdown(wait=False)
 
     # -- requests -----------------------------------------------------------------------
-    async def infer(self, model: str, inputs: dict[str, np.ndarray], *, priority: int | None = None,
-                    timeout_ms: float | None = None, bypass: bool = False) -> dict[str, np.ndarray]:
+    def _admit(self, model: str, inputs: dict[str, np.ndarray], priority: int | None,
+               timeout_ms: float | None, bypass: bool, outcome: Any) -> PendingRequest:
+        """Check and queue one request whose answer goes to ``outcome`` (a future, or
+        anything with ``done/set_result/set_exception``). Raises before queueing."""
         slot = self._slots.get(model)
         if slot is None:
             raise ModelNotFound(f"model {model!r} is not served here; served models are "
@@ -260,11 +293,10 @@ class Engine:
               or not timeout_ms > 0 or not math.isfinite(timeout_ms)):
             raise ValidationError(f"timeout_ms={timeout_ms!r} must be a positive number of milliseconds")
         now = self._clock.now()
-        fut = self._loop.create_future()
         req = PendingRequest(item, length=length, priority=priority,
                              bypass=bool(bypass) and cfg.allow_bypass, arrived_s=now,
                              deadline_s=None if timeout_ms is None else now + timeout_ms / 1000.0,
-                             future=fut)
+                             future=outcome)
         try:
             wake = batcher.submit(req, now)
         except QueueFull:
@@ -272,13 +304,29 @@ class Engine:
             raise
         if wake:
             slot.waker.wake()
+        return req
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray], *, priority: int | None = None,
+                    timeout_ms: float | None = None, bypass: bool = False) -> dict[str, np.ndarray]:
+        fut = (self._loop or asyncio.get_running_loop()).create_future()
+        req = self._admit(model, inputs, priority, timeout_ms, bypass, fut)
         try:
             return await fut
         except asyncio.CancelledError:
             if fut.cancelled():
-                batcher.cancel(req)
-                self._record_request(slot, req, self._clock.now(), "cancelled", None, None)
+                self._slots[model].batcher.cancel(req)
+                self._record_request(self._slots[model], req, self._clock.now(), "cancelled",
+                                     None, None)
             raise
+
+    def submit(self, model: str, inputs: dict[str, np.ndarray], priority: int | None,
+               timeout_ms: float | None, bypass: bool,
+               on_done: Callable[[Any, BaseException | None], None]) -> None:
+        """``infer`` without a coroutine: the same checks and errors (raised here, before
+        anything is queued); an accepted request's outcome arrives exactly once as
+        ``on_done(result, None)`` or ``on_done(None, error)``, called on the loop while its
+        batch settles. ``on_done`` must not raise (what it raises is logged and dropped)."""
+        self._admit(model, inputs, priority, timeout_ms, bypass, CallbackOutcome(on_done))
 
     # -- outcomes -----------------------------------------------------------------------
     def _record_request(self, slot: _Slot, req: PendingRequest, now: float, outcome: str,

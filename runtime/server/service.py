@@ -3,8 +3,11 @@
 ``Service`` is what ``batchscope serve`` and the demo run. Records flow through
 one path: the engine puts each record into a tee of the database recorder (when
 recording) and the Prometheus adapter. ``serve()`` binds the socket first so the
-URL is known before the instance registers itself, then runs uvicorn until a
-signal (or ``request_exit()``); startup and shutdown happen in the app lifespan.
+URL is known before the instance registers itself, runs ``startup()``, then serves
+HTTP/1.1 with ``runtime.server.http1`` (the inference route through
+``runtime.server.fastpath``, everything else through the Starlette app) until a
+signal (or ``request_exit()``), then stops accepting, lets in-flight requests
+finish and runs ``shutdown()``.
 ``ServiceThread`` runs a Service on its own event loop in a thread (tests, demo).
 """
 
@@ -18,12 +21,13 @@ import signal
 import socket
 import threading
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable, Iterator
 
-import uvicorn
 from runtime.config import BatchingConfig, ServerConfig
 from runtime.model_api import ModelAPI
-from runtime.server.app import FastInfer, build_app
+from runtime.server.app import build_app
+from runtime.server.fastpath import InferHook
+from runtime.server.http1 import HttpServer
 from runtime.server.metrics import MetricsRecorder
 
 log = logging.getLogger("batchscope.server")
@@ -31,6 +35,8 @@ log = logging.getLogger("batchscope.server")
 VERSION = "0.1.0"
 #: idle keep-alive connections stay open this long (load generators reuse them)
 KEEP_ALIVE_S = 60
+#: at shutdown, requests in flight get this long to be answered
+GRACEFUL_SHUTDOWN_S = 5.0
 
 
 def new_instance_id() -> str:
@@ -51,23 +57,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def _url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without re-raising the captured signal: SIGINT/SIGTERM end cleanly (exit 0)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[override]
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 class GenerationMount:
@@ -130,8 +119,9 @@ class Service:
         self.on_started = on_started
         extra_routes = self.generation.routes if self.generation is not None else []
         self.app = build_app(self.engine, metrics=self.metrics, extra_routes=extra_routes,
-                             version=version, lifespan=self._lifespan)
-        self._server: _Server | None = None
+                             version=version)
+        self._exit_requested = False
+        self._exit: asyncio.Future | None = None
         self.started = threading.Event()
 
     # -- scrape-time sources ------------------------------------------------------------
@@ -142,14 +132,6 @@ class Service:
         return self.db_recorder.dropped if self.db_recorder is not None else 0
 
     # -- lifecycle ------------------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def _lifespan(self, app: Any) -> AsyncIterator[None]:
-        await self.startup()
-        try:
-            yield
-        finally:
-            await self.shutdown()
-
     async def startup(self) -> None:
         if self.db_recorder is not None:
             self.db_recorder.start()
@@ -193,21 +175,53 @@ class Service:
         cfg = self.server_config
         sock = sock or bind_socket(cfg.host, cfg.port)
         self.url = _url(sock)
-        config = uvicorn.Config(FastInfer(self.app), loop="none", http="httptools", lifespan="on",
-                                log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5, backlog=2048,
-                                timeout_keep_alive=KEEP_ALIVE_S)
-        self._server = _Server(config)
+        loop = asyncio.get_running_loop()
+        self._exit = loop.create_future()
+        if self._exit_requested:
+            self._exit.set_result(None)
+        http = HttpServer(self.app, fast=InferHook(self.app.state), keep_alive_s=KEEP_ALIVE_S)
         try:
-            await self._server.serve(sockets=[sock])
+            with _exit_on_signals(loop, self.request_exit):
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    log.exception("startup failed")
+                    with contextlib.suppress(Exception):
+                        await self.shutdown()
+                    raise RuntimeError(f"the server did not start ({type(exc).__name__}: "
+                                       f"{exc}); see the log above for the reason") from exc
+                try:
+                    await http.start(sock)
+                    await self._exit
+                finally:
+                    try:
+                        await http.shutdown(GRACEFUL_SHUTDOWN_S)
+                    finally:
+                        await self.shutdown()
         finally:
             sock.close()
-        if not self.started.is_set():
-            raise RuntimeError("the server did not start; see the log above for the reason")
 
     def request_exit(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
+        """Ask ``serve()`` to stop (call on the loop's thread)."""
+        self._exit_requested = True
+        if self._exit is not None and not self._exit.done():
+            self._exit.set_result(None)
+
+
+@contextlib.contextmanager
+def _exit_on_signals(loop: asyncio.AbstractEventLoop, handler: Callable[[], None]) -> Iterator[None]:
+    """SIGINT/SIGTERM end the service cleanly (exit 0); only in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    for sig in sigs:
+        loop.add_signal_handler(sig, handler)
+    try:
+        yield
+    finally:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

@@ -1,0 +1,110 @@
+"""``POST /v2/models/{name}[/versions/{v}]/infer`` answered without a framework.
+
+``InferHook`` is the ``fast`` hook of ``runtime.server.http1.HttpServer``: it takes
+an inference request straight from the parser, decodes it, hands it to the
+engine's callback entry (``Engine.submit``) and answers from the batch-settle
+callback, with no Task or coroutine per request. Every answer is the one the
+Starlette route gives (same codec, same error bodies and statuses, Retry-After on
+429). Anything else (and a request to a path that is not an inference route) is
+left to the ASGI app.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable
+
+import orjson
+
+from runtime.errors import BatchScopeError, ModelNotReady
+from runtime.server.app import MODEL_VERSION, find_model
+from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer
+
+log = logging.getLogger("batchscope.server")
+
+_JSON = (b"content-type", b"application/json")
+_JSON_HEADERS = [_JSON]
+_HEADER_LENGTH_B = HEADER_LENGTH.encode()
+_PREFIX = "/v2/models/"
+_SUFFIX = "/infer"
+_INTERNAL = b'{"error":"internal error"}'
+
+Answer = Callable[[int, list[tuple[bytes, bytes]], bytes], None]
+
+
+def infer_target(path: str) -> tuple[str, str | None] | None:
+    """(model, version) for ``/v2/models/{m}[/versions/{v}]/infer``, else None."""
+    if not (path.startswith(_PREFIX) and path.endswith(_SUFFIX)):
+        return None
+    parts = path[len(_PREFIX):-len(_SUFFIX)].split("/")
+    if len(parts) == 1 and parts[0]:
+        return parts[0], None
+    if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
+        return parts[0], parts[2]
+    return None
+
+
+def error_answer(exc: BatchScopeError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """(status, headers, body) of a refused request, as the Starlette route answers it."""
+    headers = _JSON_HEADERS
+    if exc.http_status == 429:
+        retry = exc.retry_after_s if exc.retry_after_s is not None else 1.0
+        headers = [_JSON, (b"retry-after", str(max(1, math.ceil(retry))).encode())]
+    return exc.http_status, headers, orjson.dumps(exc.to_dict())
+
+
+class InferHook:
+    """Answers inference requests for the models in ``state`` (the Starlette app's state)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.engine = state.engine
+        self.models = state.models
+
+    def __call__(self, conn: Any, method: bytes, path: str, headers: list[tuple[bytes, bytes]],
+                 body: bytes, answer: Answer) -> bool:
+        if method != b"POST":
+            return False
+        target = infer_target(path)
+        if target is None:
+            return False
+        header_length = None
+        for key, value in headers:
+            if key == _HEADER_LENGTH_B:
+                header_length = value.decode("latin-1")
+        try:
+            served = find_model(self.models, target[0], target[1])
+            name = served.name
+            engine = self.engine
+            if not engine.is_ready(name):
+                raise ModelNotReady(f"model {name!r} is not ready yet; retry in a moment")
+            _, config = engine.get_settings(name)
+            model = served.model
+            req = parse_infer(body, header_length, name, model.inputs, model.outputs,
+                              config.priority_levels)
+            outputs = model.outputs
+
+            def done(result: Any, error: BaseException | None) -> None:
+                if error is None:
+                    try:
+                        payload, extra = encode_infer(name, MODEL_VERSION, req, result, outputs)
+                    except Exception:
+                        log.exception("could not encode the answer of model %r", name)
+                        answer(500, _JSON_HEADERS, _INTERNAL)
+                        return
+                    if extra:
+                        answer(200, [(b"content-type", b"application/octet-stream")] + [
+                            (k.lower().encode(), v.encode()) for k, v in extra.items()], payload)
+                    else:
+                        answer(200, _JSON_HEADERS, payload)
+                elif isinstance(error, BatchScopeError):
+                    answer(*error_answer(error))
+                else:
+                    log.error("unexpected error from model %r: %r", name, error)
+                    answer(500, _JSON_HEADERS, _INTERNAL)
+
+            engine.submit(name, req.inputs, req.priority, req.timeout_ms, req.bypass, done)
+        except BatchScopeError as exc:
+            answer(*error_answer(exc))
+        return True

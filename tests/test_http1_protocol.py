@@ -1,0 +1,415 @@
+"""HTTP/1.1 behaviour of ``runtime.server.http1`` over raw sockets on 127.0.0.1.
+
+Two servers: the real ``Service`` (inference fast path + Starlette routes, a
+``DoubleModel`` that can be held inside ``predict``), and a bare ``HttpServer``
+around a tiny ASGI app for streaming, body limits and shutdown. Every socket read
+is bounded by a timeout; outcomes are checked by content, never by duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import orjson
+import pytest
+
+from runtime.config import BatchingConfig, ServerConfig
+from runtime.models.toys import DoubleModel
+from runtime.server.http1 import HttpServer
+from runtime.server.service import Service, ServiceThread, bind_socket, new_event_loop
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 20.0
+INFER = "/v2/models/double/infer"
+
+
+def infer_body(value: float) -> bytes:
+    return orjson.dumps({"inputs": [{"name": "INPUT0", "shape": [4], "datatype": "FP32",
+                                     "data": [value] * 4}]})
+
+
+def request(method: str, path: str, body: bytes = b"", *, version: str = "1.1",
+            headers: dict[str, str] | None = None) -> bytes:
+    lines = [f"{method} {path} HTTP/{version}", "Host: 127.0.0.1"]
+    all_headers = dict(headers or {})
+    if body and "Transfer-Encoding" not in all_headers:
+        all_headers.setdefault("Content-Length", str(len(body)))
+    lines += [f"{k}: {v}" for k, v in all_headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+class Reader:
+    """Reads whole HTTP responses from a socket (bounded by the socket timeout)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+
+    def _fill(self) -> bool:
+        data = self.sock.recv(65536)
+        self.buf += data
+        return bool(data)
+
+    def _until(self, marker: bytes) -> bytes:
+        while marker not in self.buf:
+            if not self._fill():
+                raise ConnectionError(f"closed before {marker!r}; got {self.buf!r}")
+        head, self.buf = self.buf.split(marker, 1)
+        return head
+
+    def _exactly(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            if not self._fill():
+                raise ConnectionError("closed mid-body")
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    def response(self, *, head_only: bool = False) -> tuple[int, dict[str, str], bytes]:
+        head = self._until(b"\r\n\r\n").decode("latin-1")
+        status_line, *lines = head.split("\r\n")
+        status = int(status_line.split()[1])
+        headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines)}
+        if head_only or status == 100:
+            return status, headers, b""
+        if "content-length" in headers:
+            return status, headers, self._exactly(int(headers["content-length"]))
+        if headers.get("transfer-encoding") == "chunked":
+            parts = []
+            while True:
+                size = int(self._until(b"\r\n"), 16)
+                if size == 0:
+                    self._until(b"\r\n")
+                    return status, headers, b"".join(parts)
+                parts.append(self._exactly(size))
+                self._exactly(2)
+        while self._fill():  # delimited by close
+            pass
+        out, self.buf = self.buf, b""
+        return status, headers, out
+
+    def closed(self) -> bool:
+        """True when the server closed the connection (and sent nothing more)."""
+        try:
+            return not self.buf and not self._fill()
+        except ConnectionResetError:
+            return True
+
+
+def connect(url: str) -> tuple[socket.socket, Reader]:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=TIMEOUT_S)
+    return sock, Reader(sock)
+
+
+@pytest.fixture(scope="module")
+def service():
+    hold = threading.Event()
+    hold.set()
+    models = {"double": DoubleModel(hold=hold)}
+    cfg = ServerConfig(record=False)
+    svc = Service(models, {"double": BatchingConfig(max_batch_size=8)}, cfg,
+                  instance_id="http1-test")
+    runner = ServiceThread(svc)
+    url = runner.start()
+    yield {"url": url, "hold": hold, "service": svc}
+    hold.set()
+    runner.stop()
+
+
+def outputs(body: bytes) -> list[float]:
+    return orjson.loads(body)["outputs"][0]["data"]
+
+
+def test_keep_alive_serves_many_requests_on_one_connection(service):
+    sock, rd = connect(service["url"])
+    with sock:
+        for v in (1.0, 2.0, 3.0):
+            sock.sendall(request("POST", INFER, infer_body(v)))
+            status, headers, body = rd.response()
+            assert status == 200 and headers["content-type"] == "application/json"
+            assert outputs(body) == [2 * v] * 4
+            assert "connection" not in headers
+        sock.sendall(request("GET", "/v2/health/live"))
+        status, _, body = rd.response()
+        assert status == 200 and orjson.loads(body) == {"live": True}
+
+
+def test_connection_close_and_http10(service):
+    sock, rd = connect(service["url"])
+    with sock:
+        sock.sendall(request("POST", INFER, infer_body(1.0), headers={"Connection": "close"}))
+        status, headers, _ = rd.response()
+        assert status == 200 and headers["connection"] == "close"
+        assert rd.closed()
+    sock, rd = connect(service["url"])
+    with sock:
+        sock.sendall(request("GET", "/v2/health/live", version="1.0"))
+        status, headers, _ = rd.response()
+        assert status == 200 and headers["connection"] == "close"
+        assert rd.closed()
+    sock, rd = connect(service["url"])
+    with sock:
+        for _ in range(2):
+            sock.sendall(request("POST", INFER, infer_body(4.0), version="1.0",
+                                 headers={"Connection": "keep-alive"}))
+            status, headers, body = rd.response()
+            assert status == 200 and headers["connection"] == "keep-alive"
+            assert outputs(body) == [8.0] * 4
+
+
+def test_pipelined_requests_are_answered_in_order(service):
+    sock, rd = connect(service["url"])
+    with sock:
+        burst = (request("POST", INFER, infer_body(1.0)) + request("GET", "/v2/health/live")
+                 + request("POST", INFER, infer_body(2.0))
+                 + request("POST", "/v2/models/nope/infer", infer_body(3.0))
+                 + request("POST", INFER, infer_body(5.0)))
+        sock.sendall(burst)
+        answers = [rd.response() for _ in range(5)]
+    assert [a[0] for a in answers] == [200, 200, 200, 404, 200]
+    assert outputs(answers[0][2]) == [2.0] * 4
+    assert orjson.loads(answers[1][2]) == {"live": True}
+    assert outputs(answers[2][2]) == [4.0] * 4
+    assert "unknown model 'nope'" in orjson.loads(answers[3][2])["error"]
+    assert outputs(answers[4][2]) == [10.0] * 4
+
+
+def test_expect_100_continue_then_body(service):
+    sock, rd = connect(service["url"])
+    body = infer_body(6.0)
+    with sock:
+        head = request("POST", INFER, headers={"Content-Length": str(len(body)),
+                                               "Expect": "100-continue"})
+        sock.sendall(head)
+        status, _, _ = rd.response()
+        assert status == 100
+        sock.sendall(body)
+        status, _, answer = rd.response()
+        assert status == 200 and outputs(answer) == [12.0] * 4
+
+
+def test_chunked_request_body(service):
+    sock, rd = connect(service["url"])
+    body = infer_body(7.0)
+    chunked = b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in (body[:10], body[10:])) + b"0\r\n\r\n"
+    with sock:
+        sock.sendall(request("POST", INFER, headers={"Transfer-Encoding": "chunked"}) + chunked)
+        status, _, answer = rd.response()
+        assert status == 200 and outputs(answer) == [14.0] * 4
+
+
+def test_head_answers_headers_only(service):
+    sock, rd = connect(service["url"])
+    with sock:
+        sock.sendall(request("HEAD", "/v2/health/live"))
+        status, headers, _ = rd.response(head_only=True)
+        assert status == 200 and int(headers["content-length"]) > 0
+        sock.sendall(request("GET", "/v2/health/live"))
+        status, headers, body = rd.response()
+        assert status == 200 and orjson.loads(body) == {"live": True}
+
+
+def test_malformed_request_gets_400_and_close(service):
+    sock, rd = connect(service["url"])
+    with sock:
+        sock.sendall(b"GARBAGE \x00\x01 nonsense\r\n\r\n")
+        status, headers, body = rd.response()
+        assert status == 400 and headers["connection"] == "close"
+        assert "malformed HTTP request" in orjson.loads(body)["error"]
+        assert rd.closed()
+
+
+def test_bad_inference_requests_answer_like_the_app(service):
+    sock, rd = connect(service["url"])
+    with sock:
+        sock.sendall(request("POST", INFER, b"{not json"))
+        status, _, body = rd.response()
+        assert status == 400 and "not valid JSON" in orjson.loads(body)["error"]
+        sock.sendall(request("POST", "/v2/models/double/versions/7/infer", infer_body(1.0)))
+        status, _, body = rd.response()
+        assert status == 404 and "no version '7'" in orjson.loads(body)["error"]
+        sock.sendall(request("POST", "/v2/models/double/versions/1/infer", infer_body(1.5)))
+        status, _, body = rd.response()
+        assert status == 200 and outputs(body) == [3.0] * 4
+        sock.sendall(request("GET", INFER))
+        status, _, _ = rd.response()
+        assert status == 405
+
+
+def test_client_gone_mid_request_still_gets_one_outcome(service):
+    svc: Service = service["service"]
+    hold = service["hold"]
+    engine = svc.engine
+    before = engine.stats("double")["requests_by_outcome"].get("ok", 0)
+    hold.clear()
+    try:
+        sock, _ = connect(service["url"])
+        sock.sendall(request("POST", INFER, infer_body(1.0)))
+        deadline = time.monotonic() + TIMEOUT_S
+        while engine.stats("double")["in_flight"] == 0 and engine.stats("double")["queue_depth"] == 0:
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.01)
+        sock.close()
+    finally:
+        hold.set()
+    deadline = time.monotonic() + TIMEOUT_S
+    while engine.stats("double")["requests_by_outcome"].get("ok", 0) != before + 1:
+        assert time.monotonic() < deadline, "the abandoned request got no outcome"
+        time.sleep(0.01)
+    sock, rd = connect(service["url"])
+    with sock:
+        sock.sendall(request("POST", INFER, infer_body(2.0)))
+        status, _, body = rd.response()
+        assert status == 200 and outputs(body) == [4.0] * 4
+
+
+# -- a bare HttpServer around a small ASGI app ----------------------------------------------
+class Bare:
+    """``HttpServer`` in a thread; the fast hook holds ``/slow`` until ``release`` is set."""
+
+    def __init__(self, *, max_body_bytes: int = 1000) -> None:
+        self.release = threading.Event()
+        self.loop = new_event_loop()
+        self.sock = bind_socket("127.0.0.1", 0)
+        host, port = self.sock.getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        self.server = HttpServer(self.asgi, fast=self.fast, max_body_bytes=max_body_bytes)
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(self.sock), self.loop).result(TIMEOUT_S)
+
+    def fast(self, conn, method, path, headers, body, answer) -> bool:
+        if path != "/slow":
+            return False
+
+        def poll() -> None:
+            if self.release.is_set():
+                answer(200, [(b"content-type", b"text/plain")], b"slow done")
+            else:
+                self.loop.call_later(0.005, poll)
+
+        poll()
+        return True
+
+    async def asgi(self, scope, receive, send) -> None:
+        message = await receive()
+        if scope["path"] == "/stream":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/plain")]})
+            for part in (b"one ", b"two ", b"three"):
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        if scope["path"] == "/boom":
+            raise RuntimeError("a bug in the app")
+        reply = orjson.dumps({"path": scope["path"], "query": scope["query_string"].decode(),
+                              "method": scope["method"], "body_bytes": len(message["body"])})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": reply})
+
+    def shutdown(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.shutdown(TIMEOUT_S), self.loop).result(TIMEOUT_S)
+
+    def close(self) -> None:
+        self.release.set()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(TIMEOUT_S)
+        self.loop.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def bare():
+    server = Bare()
+    yield server
+    server.close()
+
+
+def test_asgi_bridge_streams_with_chunked_encoding(bare):
+    sock, rd = connect(bare.url)
+    with sock:
+        sock.sendall(request("GET", "/stream"))
+        status, headers, body = rd.response()
+        assert status == 200 and headers["transfer-encoding"] == "chunked"
+        assert body == b"one two three"
+        sock.sendall(request("GET", "/a%20b?x=1", b"12345"))
+        status, _, body = rd.response()
+        assert orjson.loads(body) == {"path": "/a b", "query": "x=1", "method": "GET",
+                                      "body_bytes": 5}
+    sock, rd = connect(bare.url)
+    with sock:  # HTTP/1.0 has no chunked encoding: the body ends with the connection
+        sock.sendall(request("GET", "/stream", version="1.0"))
+        status, headers, body = rd.response()
+        assert "transfer-encoding" not in headers and headers["connection"] == "close"
+        assert body == b"one two three"
+
+
+def test_app_error_is_a_500_and_the_connection_lives_on(bare):
+    sock, rd = connect(bare.url)
+    with sock:
+        sock.sendall(request("GET", "/boom"))
+        status, _, body = rd.response()
+        assert status == 500 and orjson.loads(body) == {"error": "internal error"}
+        sock.sendall(request("GET", "/after"))
+        assert rd.response()[0] == 200
+
+
+def test_body_limit_is_a_413_and_close(bare):
+    sock, rd = connect(bare.url)
+    with sock:
+        sock.sendall(request("POST", "/x", b"a" * 1001))
+        status, headers, body = rd.response()
+        assert status == 413 and headers["connection"] == "close"
+        assert "larger than this server accepts (1000 bytes)" in orjson.loads(body)["error"]
+        assert rd.closed()
+    sock, rd = connect(bare.url)
+    with sock:  # with Expect: the refusal comes instead of 100 Continue
+        sock.sendall(request("POST", "/x", headers={"Content-Length": "5000",
+                                                    "Expect": "100-continue"}))
+        assert rd.response()[0] == 413
+    sock, rd = connect(bare.url)
+    with sock:  # chunked bodies are counted as they arrive
+        big = b"".join(b"%x\r\n%b\r\n" % (400, b"b" * 400) for _ in range(3)) + b"0\r\n\r\n"
+        sock.sendall(request("POST", "/x", headers={"Transfer-Encoding": "chunked"}) + big)
+        assert rd.response()[0] == 413
+
+
+def test_pipelined_fast_and_asgi_answers_keep_order(bare):
+    sock, rd = connect(bare.url)
+    with sock:
+        sock.sendall(request("GET", "/slow") + request("GET", "/quick"))
+        bare.loop.call_soon_threadsafe(lambda: None)
+        bare.release.set()
+        first, second = rd.response(), rd.response()
+    assert first[2] == b"slow done"
+    assert orjson.loads(second[2])["path"] == "/quick"
+
+
+def test_graceful_shutdown_finishes_in_flight_then_closes(bare):
+    idle, idle_rd = connect(bare.url)
+    busy, busy_rd = connect(bare.url)
+    with idle, busy:
+        idle.sendall(request("GET", "/warm"))
+        assert idle_rd.response()[0] == 200
+        busy.sendall(request("GET", "/slow"))
+        done = threading.Thread(target=bare.shutdown)
+        # wait until the request is in: the server sees one busy connection
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any(c.queue for c in list(bare.server.connections)):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        done.start()
+        assert idle_rd.closed()  # idle connections close at once
+        bare.release.set()
+        status, headers, body = busy_rd.response()
+        assert status == 200 and body == b"slow done" and headers["connection"] == "close"
+        assert busy_rd.closed()
+        done.join(TIMEOUT_S)
+        assert not done.is_alive()
+    with pytest.raises(OSError):
+        socket.create_connection(bare.sock.getsockname()[:2], timeout=TIMEOUT_S).recv(1)
