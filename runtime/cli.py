@@ -283,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(message: str) -> int:
-    print(message.splitlines()[0] if message else "batchscope: error", file=sys.stderr)
+    # the whole message: some carry the code to write on the lines after the first
+    print(message.rstrip() or "batchscope: error", file=sys.stderr)
     return EXIT_USAGE
 
 

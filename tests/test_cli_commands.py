@@ -101,6 +101,22 @@ def test_input_mistakes_exit_2_with_one_line(args, fragment):
     assert fragment in lines[0] and "Traceback" not in r.stderr
 
 
+def test_incomplete_user_model_shows_the_code_to_write(tmp_path):
+    (tmp_path / "half.py").write_text(
+        "from runtime.model_api import ModelAPI, TensorSpec\n"
+        "class Half(ModelAPI):\n"
+        "    name = 'half'\n"
+        "    inputs = (TensorSpec('X', 'FP32', (4,)),)\n"
+        "    outputs = (TensorSpec('Y', 'FP32', (4,)),)\n"
+        "    def decode(self, inputs):\n"
+        "        return inputs['X']\n")
+    r = subprocess.run(CLI + ["serve", "--no-record", "--model", f"{tmp_path / 'half.py'}:Half"],
+                       capture_output=True, text=True, timeout=120, env=ENV)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "is incomplete: Half must implement `collate`" in r.stderr
+    assert "def collate(self, items, pad_to):" in r.stderr and "Traceback" not in r.stderr
+
+
 
 def test_demo_records_batches_and_stops_on_sigterm(tmp_path):
     url_db = f"sqlite:///{tmp_path / 'demo.db'}"
