@@ -3,8 +3,18 @@
 ``put`` runs on the request path: it is a length check and a ``deque.append`` (both
 atomic under the GIL), never touches the database and never raises. When the buffer
 is full the record is dropped and counted. A daemon thread drains the buffer every
-``flush_interval_s`` (sooner when a full flush is waiting) and inserts each table's
-rows with one Core ``insert`` per flush, in its own transaction.
+``flush_interval_s`` (at once again while a full flush is waiting) and writes each
+table's rows in one transaction per flush.
+
+The serving process is bound by its event-loop thread, and the writer competes with
+it for the GIL, so the writer keeps its own Python work per row near zero: rows
+leave the buffer, are grouped by type and turned into one flat parameter list by
+C-level iterators (``starmap``, ``compress``, ``attrgetter``, ``chain``). On SQLite
+they go straight to the ``sqlite3`` connection as multi-row ``INSERT ... VALUES
+(...), (...)`` statements of up to a few hundred rows each, so a flush of thousands
+of rows binds its parameters in C and lets go of the GIL only a few times (inside
+each statement, while SQLite does the work). Other databases get one SQLAlchemy Core
+``insert`` per table per flush.
 
 When the database fails (locked, disk full, unreachable) the rows in hand are dropped
 and counted, the failure is logged once per kind, and the writer backs off
@@ -19,10 +29,11 @@ import logging
 import threading
 import time
 from collections import deque
-from operator import attrgetter
+from itertools import chain, compress, repeat, starmap
+from operator import attrgetter, is_
 from typing import Any, Callable
 
-from sqlalchemy import Engine, Table, insert
+from sqlalchemy import Boolean, Engine, Table, insert
 
 from batchscope.records import BatchRow, DeviceRow, EventRow, GenStepRow, RequestRow
 from batchscope.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord
@@ -44,6 +55,11 @@ BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 5.0
 #: least time between two ``recorder_drops`` events
 DROP_REPORT_INTERVAL_S = 10.0
+#: most rows in one multi-row SQLite INSERT (a power of two); fewer when the
+#: connection's limit on bound parameters calls for it
+SQLITE_ROWS_PER_STATEMENT = 256
+#: SQLite's limit on bound parameters before 3.32, used when the limit cannot be read
+SQLITE_SAFE_PARAMS = 999
 
 
 def _to_dicts(cls: type) -> Callable[[list], list[dict]]:
@@ -60,11 +76,98 @@ def _to_dicts(cls: type) -> Callable[[list], list[dict]]:
 _CONVERTERS: dict[type, Callable[[list], list[dict]]] = {cls: _to_dicts(cls) for cls in _ROW_TABLES}
 
 
+def group_by_type(records: list) -> dict[type, list]:
+    """``records`` split by exact type, order kept within each type; C-level loops only."""
+    types = list(map(type, records))
+    kinds = set(types)
+    if len(kinds) == 1:
+        return {types[0]: records}
+    return {cls: list(compress(records, map(is_, types, repeat(cls)))) for cls in kinds}
+
+
+class SqliteInserts:
+    """Multi-row INSERT statements for one record type, run on a ``sqlite3`` connection.
+
+    ``n`` rows are written as ``n // chunk`` full statements (one ``executemany``) plus
+    at most one statement per set bit of the remainder, so every statement text is
+    one of a handful, each prepared once and kept in the connection's cache.
+
+    ``sqlite3`` binds ``None`` and ``bool`` through its slow adaptation path (several
+    times the cost of a number), so before binding, boolean columns become ints and
+    nullable columns that are ``None`` in every row of the flush are left out of the
+    statement (they are NULL either way). All of it runs on whole columns at once
+    (extended slices of the flat list), never row by row in Python."""
+
+    def __init__(self, cls: type, table: Table, max_params: int) -> None:
+        self.table = table.name
+        self.names = tuple(cls.__slots__)
+        self.max_params = max_params
+        self._flatten = attrgetter(*self.names)
+        columns = [table.c[name] for name in self.names]
+        self._booleans = tuple(i for i, col in enumerate(columns) if isinstance(col.type, Boolean))
+        self._nullable = tuple(i for i, col in enumerate(columns)
+                               if col.nullable and col.server_default is None)
+        self._sql: dict[tuple[tuple[str, ...], int], str] = {}
+
+    def rows_per_statement(self, width: int) -> int:
+        rows = SQLITE_ROWS_PER_STATEMENT
+        while rows > 1 and rows * width > self.max_params:
+            rows //= 2
+        return rows
+
+    def sql(self, names: tuple[str, ...], rows: int) -> str:
+        key = (names, rows)
+        text = self._sql.get(key)
+        if text is None:
+            one = "(" + ", ".join(repeat("?", len(names))) + ")"
+            text = self._sql[key] = (f'INSERT INTO "{self.table}" ({", ".join(names)}) VALUES '
+                                     + ", ".join(repeat(one, rows)))
+        return text
+
+    def params(self, records: list) -> tuple[tuple[str, ...], list]:
+        """The columns to write and all rows' values for them in one flat list."""
+        flat = list(chain.from_iterable(map(self._flatten, records)))
+        n, width = len(records), len(self.names)
+        for c in self._booleans:
+            try:
+                flat[c::width] = list(map(int, flat[c::width]))
+            except TypeError:  # a None among them: leave the column as it is
+                pass
+        omitted = [c for c in self._nullable if flat[c] is None and flat[c::width].count(None) == n]
+        if not omitted:
+            return self.names, flat
+        for c in reversed(omitted):  # highest first, so lower columns keep their offsets
+            del flat[c::width]
+            width -= 1
+        return tuple(name for i, name in enumerate(self.names) if i not in omitted), flat
+
+    def run(self, cursor: Any, records: list) -> None:
+        names, flat = self.params(records)
+        width = len(names)
+        chunk = self.rows_per_statement(width)
+        full, rest = divmod(len(records), chunk)
+        step = chunk * width
+        if full:
+            cursor.executemany(self.sql(names, chunk), [flat[i:i + step] for i in range(0, full * step, step)])
+        done = full * step
+        size = chunk // 2
+        while rest:
+            if rest >= size:
+                cursor.execute(self.sql(names, size), flat[done:done + size * width])
+                done += size * width
+                rest -= size
+            size //= 2
+
+
+def is_pysqlite(engine: Engine) -> bool:
+    return engine.dialect.name == "sqlite" and engine.dialect.driver == "pysqlite"
+
+
 class Recorder:
     """Implements ``RecorderLike``: non-blocking ``put``, bulk writes in the background."""
 
-    def __init__(self, engine: Engine, *, buffer_size: int = 100_000, flush_interval_s: float = 0.25,
-                 max_rows_per_flush: int = 20_000, instance_id: str = "local",
+    def __init__(self, engine: Engine, *, buffer_size: int = 100_000, flush_interval_s: float = 0.5,
+                 max_rows_per_flush: int = 50_000, instance_id: str = "local",
                  clock: Callable[[], float] = time.time) -> None:
         if buffer_size < 1 or max_rows_per_flush < 1 or flush_interval_s <= 0:
             raise ValueError("buffer_size and max_rows_per_flush must be >= 1 and flush_interval_s > 0")
@@ -97,6 +200,8 @@ class Recorder:
         self._last_report_at = float("-inf")
         self._backoff_s = 0.0
         self._retry_at = 0.0
+        self._sqlite = is_pysqlite(engine)
+        self._inserts: dict[type, SqliteInserts] = {}
 
     # ------------------------------------------------------------------ hot path
     def put(self, record: Any) -> None:
@@ -205,38 +310,52 @@ class Recorder:
     def _take(self) -> list:
         buffer = self._buffer
         n = min(len(buffer), self.max_rows_per_flush)
-        popleft = buffer.popleft
-        return [popleft() for _ in range(n)]
+        return list(starmap(buffer.popleft, repeat((), n)))
 
     def _flush_locked(self) -> int:
         records = self._take()
         if not records:
             return 0
         groups: dict[type, list] = {}
-        for record in records:
-            groups.setdefault(type(record), []).append(record)
-        written = 0
-        for cls, group in groups.items():
-            table = _ROW_TABLES.get(cls)
-            if table is None:
-                if cls not in self._unknown_types:
-                    self._unknown_types.add(cls)
-                    log.warning("recorder: records of type %s have no table; they are dropped and counted",
-                                cls.__name__)
-                self._count_write_drops(cls, len(group))
+        for cls, group in group_by_type(records).items():
+            if cls in _ROW_TABLES:
+                groups[cls] = group
                 continue
-            written += self._write(cls, table, group)
+            if cls not in self._unknown_types:
+                self._unknown_types.add(cls)
+                log.warning("recorder: records of type %s have no table; they are dropped and counted",
+                            cls.__name__)
+            self._count_write_drops(cls, len(group))
+        written = self._write_groups(groups) if groups else 0
         self.flushes += 1
         if written and not self._failing:
             self._maybe_report_drops()
         return written
 
-    def _write(self, cls: type, table: Table, group: list) -> int:
-        kind = table.name
+    def _write_groups(self, groups: dict[type, list]) -> int:
+        """Each group in its own transaction; a failed group is dropped and counted."""
+        if not self._sqlite:
+            return sum(self._write(cls, group, self._insert_core) for cls, group in groups.items())
         try:
-            rows = _CONVERTERS[cls](group)
-            with self.engine.begin() as conn:
-                conn.execute(insert(table), rows)
+            raw = self.engine.raw_connection()
+        except Exception as exc:  # cannot even connect: everything in hand is lost
+            for cls, group in groups.items():
+                self._count_write_drops(cls, len(group))
+            self._note_failure(type(exc).__name__, f"connecting to write {sum(map(len, groups.values()))} "
+                                                   f"rows failed: {exc}")
+            return 0
+        written = 0
+        try:
+            for cls, group in groups.items():
+                written += self._write(cls, group, lambda c, rows: self._insert_sqlite(raw, c, rows))
+        finally:
+            raw.close()  # back to the pool
+        return written
+
+    def _write(self, cls: type, group: list, insert_rows: Callable[[type, list], None]) -> int:
+        kind = KIND_OF[cls]
+        try:
+            insert_rows(cls, group)
         except Exception as exc:  # the database is down, locked, full...: drop, count, back off
             self._count_write_drops(cls, len(group))
             self._note_failure(type(exc).__name__, f"writing {len(group)} {kind} rows failed: {exc}")
@@ -248,6 +367,28 @@ class Recorder:
             self._failing.clear()
             self._backoff_s = 0.0
         return len(group)
+
+    def _insert_core(self, cls: type, rows: list) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(insert(_ROW_TABLES[cls]), _CONVERTERS[cls](rows))
+
+    def _insert_sqlite(self, raw: Any, cls: type, rows: list) -> None:
+        """One transaction on the pooled DBAPI connection ``raw``; rolled back on failure."""
+        inserts = self._inserts.get(cls)
+        if inserts is None:
+            inserts = self._inserts[cls] = SqliteInserts(cls, _ROW_TABLES[cls], _max_params(raw))
+        cursor = raw.cursor()
+        try:
+            inserts.run(cursor, rows)
+            raw.commit()
+        except BaseException:
+            try:
+                raw.rollback()
+            except Exception:  # the connection is gone; the pool replaces it
+                raw.invalidate()
+            raise
+        finally:
+            cursor.close()
 
     def _count_write_drops(self, cls: type, n: int) -> None:
         kind = KIND_OF.get(cls) or cls.__name__
@@ -265,8 +406,8 @@ class Recorder:
     def _discard_rest(self) -> None:
         with self._write_lock:
             while self._buffer:
-                for record in self._take():
-                    self._count_write_drops(type(record), 1)
+                for cls, group in group_by_type(self._take()).items():
+                    self._count_write_drops(cls, len(group))
 
     def _maybe_report_drops(self) -> None:
         dropped = self.dropped
@@ -281,8 +422,7 @@ class Recorder:
                          details_json=json.dumps({"dropped": new, "dropped_total": dropped,
                                                   "by_kind": self.dropped_by_kind}))
         try:
-            with self.engine.begin() as conn:
-                conn.execute(insert(EventRecord.__table__), _CONVERTERS[EventRow]([event]))
+            self._insert_core(EventRow, [event])
         except Exception as exc:
             self._note_failure(type(exc).__name__, f"writing the recorder_drops event failed: {exc}")
             return
@@ -290,16 +430,27 @@ class Recorder:
         self._last_report_at = now
 
 
+def _max_params(raw: Any) -> int:
+    """The most parameters one statement on this ``sqlite3`` connection may bind."""
+    import sqlite3
+
+    try:
+        return int(raw.driver_connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
+    except Exception:  # Python < 3.11 or an unexpected wrapper: the oldest limit is safe
+        return SQLITE_SAFE_PARAMS
+
+
 class TeeRecorder:
     """Hands each record to several recorders (e.g. the database and a live view)."""
 
     def __init__(self, *targets: Any) -> None:
         self.targets = tuple(targets)
+        self._puts = tuple((target, target.put) for target in self.targets)
 
     def put(self, record: Any) -> None:
-        for target in self.targets:
+        for target, put in self._puts:
             try:
-                target.put(record)
+                put(record)
             except Exception:  # one broken target must not break the request path
                 log.exception("recorder target %r failed", target)
 
@@ -316,37 +467,3 @@ class TeeRecorder:
         for target in self.targets:
             if hasattr(target, "close"):
                 target.close(timeout_s)
-
-
-def _measure(path: str, rows: int = 300_000) -> dict[str, float]:
-    """Cost of ``put`` and the sustained write rate into a SQLite file at ``path``."""
-    from batchscope.db import make_engine
-    from batchscope.records import RequestRow
-
-    engine = make_engine(f"sqlite:///{path}")
-    row = RequestRow(instance_id="bench", model="m", batch_seq=1, priority=0, arrived_at=1.0, finished_at=2.0,
-                     queue_wait_s=0.001, latency_s=0.01, outcome="ok")
-    recorder = Recorder(engine, buffer_size=rows)
-    started = time.perf_counter()
-    for _ in range(rows):
-        recorder.put(row)
-    put_ns = (time.perf_counter() - started) / rows * 1e9
-    started = time.perf_counter()
-    for _ in range(rows):
-        recorder.put(row)  # buffer full: every one of these is dropped
-    drop_ns = (time.perf_counter() - started) / rows * 1e9
-    started = time.perf_counter()
-    recorder.start()
-    recorder.close(timeout_s=600.0)
-    rate = recorder.written / (time.perf_counter() - started)
-    engine.dispose()
-    return {"put_ns": put_ns, "put_when_full_ns": drop_ns, "write_rows_per_s": rate}
-
-
-if __name__ == "__main__":  # python -m batchscope.recorder [db path]
-    import sys
-    import tempfile
-
-    target = sys.argv[1] if len(sys.argv) > 1 else f"{tempfile.mkdtemp()}/recorder-bench.db"
-    for name, value in _measure(target).items():
-        print(f"{name}: {value:,.0f}")

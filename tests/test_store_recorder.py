@@ -196,3 +196,120 @@ def test_tee_fans_out(engine):
 def test_rejects_nonsense_sizes(engine):
     with pytest.raises(ValueError, match="buffer_size"):
         Recorder(engine, buffer_size=0)
+
+
+# ---------------------------------------------------------------------------- SQLite fast path
+def generation_request(i: int) -> RequestRow:
+    return RequestRow(instance_id="rt", model="dec", batch_seq=None, priority=1, arrived_at=2000.0 + i,
+                      finished_at=2001.0 + i, queue_wait_s=0.002, latency_s=1.0, outcome="ok", bypass=i % 2 == 0,
+                      length=None, ttft_s=0.05 * i, tpot_s=None if i % 3 else 0.01, prompt_tokens=i,
+                      output_tokens=2 * i)
+
+
+def stored(engine, model, cls) -> list:
+    names = cls.__slots__
+    with engine.connect() as conn:
+        rows = conn.execute(select(*[getattr(model, n) for n in names]).order_by(model.id)).all()
+    return [cls(**dict(zip(names, row))) for row in rows]
+
+
+def test_rows_read_back_exactly_as_put(engine):
+    """Mixed groups: None and bool values, all-None columns, partial statements."""
+    plain = [request(i) for i in range(1000)]  # ttft/tpot/tokens None in every row
+    gen = [generation_request(i) for i in range(37)]  # some None, some values, bools both ways
+    batches = [batch(i) for i in range(300)]
+    batches[7].bucket, batches[8].cuda_graph, batches[9].queue_depth = 64, False, 3
+    rec = Recorder(engine, max_rows_per_flush=10_000)
+    for r in plain + batches + gen:
+        rec.put(r)
+    assert rec.flush() == 1337 and rec.dropped == 0
+    assert stored(engine, RequestRecord, RequestRow) == plain + gen
+    assert stored(engine, BatchRecord, BatchRow) == batches
+    with engine.connect() as conn:
+        kinds = conn.execute(select(RequestRecord.bypass).where(RequestRecord.model == "dec")).scalars().all()
+    assert kinds == [i % 2 == 0 for i in range(37)] and all(type(k) is bool for k in kinds)
+
+
+def test_core_path_writes_the_same_rows(engine, url, tmp_path, monkeypatch):
+    """Databases other than SQLite go through SQLAlchemy Core; the rows are identical."""
+    import batchscope.recorder as recorder_module
+
+    records = [request(i) for i in range(50)] + [generation_request(i) for i in range(9)] + [batch(1)]
+    fast = Recorder(engine)
+    for r in records:
+        fast.put(r)
+    assert fast.flush() == 60
+    monkeypatch.setattr(recorder_module, "is_pysqlite", lambda _engine: False)
+    other = make_engine(f"sqlite:///{tmp_path / 'core.db'}")
+    core = Recorder(other)
+    for r in records:
+        core.put(r)
+    assert core.flush() == 60
+    assert stored(other, RequestRecord, RequestRow) == stored(engine, RequestRecord, RequestRow)
+    assert stored(other, BatchRecord, BatchRow) == stored(engine, BatchRecord, BatchRow) == [batch(1)]
+    other.dispose()
+
+
+def test_a_flush_uses_few_statements(engine):
+    """1000 rows are a handful of multi-row INSERTs, not one statement per row."""
+    statements: list[str] = []
+
+    @event.listens_for(engine, "connect")
+    def _trace(dbapi_conn, _record):
+        dbapi_conn.set_trace_callback(statements.append)
+
+    engine.dispose()
+    rec = Recorder(engine, max_rows_per_flush=5000)
+    for i in range(1000):
+        rec.put(request(i))
+    assert rec.flush() == 1000
+    inserts = [s for s in statements if s.startswith("INSERT")]
+    # 3 statements of 256 rows, then 128 + 64 + 32 + 8 for the remaining 232
+    assert len(inserts) == 7
+    assert count(engine, RequestRecord) == 1000
+
+
+def test_small_parameter_limit_splits_statements(engine):
+    from batchscope.recorder import SqliteInserts
+
+    table = RequestRecord.__table__
+    inserts = SqliteInserts(RequestRow, table, max_params=40)
+    assert inserts.rows_per_statement(len(RequestRow.__slots__)) == 2
+    rows = [generation_request(i) for i in range(5)]
+    raw = engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        inserts.run(cursor, rows)
+        raw.commit()
+    finally:
+        raw.close()
+    assert stored(engine, RequestRecord, RequestRow) == rows
+
+
+def test_a_refused_group_is_dropped_alone(engine):
+    """One table's rows failing (an unbindable value) loses only that table's rows."""
+    rec = Recorder(engine)
+    bad = batch(1)
+    bad.bucket = [1, 2]  # sqlite3 cannot bind a list
+    for i in range(20):
+        rec.put(request(i))
+    rec.put(bad)
+    rec.put(batch(2))
+    assert rec.flush() == 20
+    assert rec.dropped == 2 and rec.dropped_by_kind == {"batches": 2} and not rec.healthy
+    assert count(engine, RequestRecord) == 20 and count(engine, BatchRecord) == 0
+    rec.put(batch(3))
+    assert rec.flush() == 1 and rec.healthy
+    assert stored(engine, BatchRecord, BatchRow) == [batch(3)]
+
+
+def test_tee_keeps_feeding_after_a_broken_target(engine):
+    class Broken:
+        def put(self, record):
+            raise RuntimeError("broken")
+
+    memory = ListRecorder()
+    tee = TeeRecorder(Broken(), memory)
+    for i in range(4):
+        tee.put(request(i))
+    assert len(memory.records) == 4
