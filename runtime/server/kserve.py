@@ -16,7 +16,7 @@ runtime's own priorities run from 0, so HTTP priority ``p`` is engine priority
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -42,7 +42,7 @@ class InferRequest:
     bypass: bool = False
     #: names of the outputs asked for (None = all) and which of them go back as binary
     outputs: list[str] | None = None
-    binary_outputs: set[str] = field(default_factory=set)
+    binary_outputs: set[str] | frozenset[str] = frozenset()
     binary_all: bool = False
     #: the client sent a leading batch dimension of 1; echo it on the outputs
     batched: bool = False
@@ -50,11 +50,14 @@ class InferRequest:
 
 # -- request ------------------------------------------------------------------------
 def _shape_of(name: str, shape: Any) -> tuple[int, ...]:
-    if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise ClientError(f"input {name!r}: 'shape' must be a list of non-negative integers, "
-                          f"got {shape!r}")
-    return tuple(shape)
+    if type(shape) is list:
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return tuple(shape)
+    raise ClientError(f"input {name!r}: 'shape' must be a list of non-negative integers, "
+                      f"got {shape!r}")
 
 
 def _bytes_from_binary(name: str, raw: bytes, count: int) -> np.ndarray:
@@ -126,7 +129,7 @@ def _tensor(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple
     if arr.size != count:
         raise ClientError(f"input {name!r}: shape {list(shape)} needs {count} values, "
                           f"data has {arr.size}")
-    return name, arr.reshape(shape), offset
+    return name, (arr if arr.shape == shape else arr.reshape(shape)), offset
 
 
 def _scheduling(params: dict, priority_levels: int, req: InferRequest) -> None:
@@ -171,6 +174,8 @@ def _requested_outputs(outputs: Any, specs: Sequence[TensorSpec], req: InferRequ
             raise ClientError(f"unknown output {name!r}; this model's outputs are {sorted(known)}")
         params = o.get("parameters") or {}
         if isinstance(params, dict) and params.get("binary_data") is True:
+            if not isinstance(req.binary_outputs, set):
+                req.binary_outputs = set()
             req.binary_outputs.add(name)
         names.append(name)
     req.outputs = names
@@ -178,11 +183,12 @@ def _requested_outputs(outputs: Any, specs: Sequence[TensorSpec], req: InferRequ
 
 def _check_against_specs(model: str, specs: Sequence[TensorSpec], tensors: dict[str, np.ndarray],
                          datatypes: dict[str, str], req: InferRequest) -> None:
-    unknown = sorted(set(tensors) - {s.name for s in specs})
-    if unknown:
-        raise ClientError(f"model {model!r} has no input(s) {unknown}; its inputs are "
-                          f"{[s.name for s in specs]}")
-    leading_one = []
+    if len(tensors) != len(specs) or any(s.name not in tensors for s in specs):
+        unknown = sorted(set(tensors) - {s.name for s in specs})
+        if unknown:
+            raise ClientError(f"model {model!r} has no input(s) {unknown}; its inputs are "
+                              f"{[s.name for s in specs]}")
+    all_batched = True
     for spec in specs:
         arr = tensors.get(spec.name)
         if arr is None:
@@ -192,18 +198,20 @@ def _check_against_specs(model: str, specs: Sequence[TensorSpec], tensors: dict[
             raise ClientError(f"input {spec.name!r} must have datatype {spec.datatype}, "
                               f"got {datatypes[spec.name]}")
         shape = arr.shape
-        batched = len(shape) == len(spec.shape) + 1 and shape[0] == 1
+        want_shape = spec.shape
+        batched = len(shape) == len(want_shape) + 1 and shape[0] == 1
         if batched:
             shape = shape[1:]
-        if len(shape) != len(spec.shape) or any(
-                want != -1 and want != got for want, got in zip(spec.shape, shape)):
+        if shape != want_shape and (len(shape) != len(want_shape) or any(
+                want != -1 and want != got for want, got in zip(want_shape, shape))):
             raise ClientError(f"input {spec.name!r} must have shape {list(spec.shape)} "
                               f"(-1 = any size; an extra leading 1 is allowed), got "
                               f"{list(arr.shape)}")
         if batched:
             tensors[spec.name] = arr[0]
-        leading_one.append(batched)
-    req.batched = bool(leading_one) and all(leading_one)
+        else:
+            all_batched = False
+    req.batched = bool(specs) and all_batched
 
 
 def parse_infer(body: bytes, header_length: str | None, model: str,

@@ -1,13 +1,17 @@
 """Prometheus metrics fed from the same records the database gets.
 
 ``MetricsRecorder`` is recorder-like (``put(record)``): tee it with the database
-recorder and the engine keeps one recording path. Queue depths and recorder
-drops are read at scrape time, so nothing extra runs per request for them.
+recorder and the engine keeps one recording path. ``put`` only appends the record
+to a pending list; the records are folded into the Prometheus series when the
+list reaches ``FOLD_EVERY`` records or at scrape time, so the request path pays
+one append. Queue depths and recorder drops are read at scrape time.
 Everything lives in the recorder's own ``CollectorRegistry``.
 """
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -19,6 +23,8 @@ from batchscope.records import BatchRow, RequestRow
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+#: pending records folded into the series at this many (and at every scrape)
+FOLD_EVERY = 4096
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                     1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -53,6 +59,35 @@ class _ScrapeCollector:
         return [depth, in_flight, eff, drops]
 
 
+def _append(groups: dict[Any, list[float]], key: Any, value: float) -> None:
+    values = groups.get(key)
+    if values is None:
+        groups[key] = [value]
+    else:
+        values.append(value)
+
+
+def _observe_many(child: Any, values: list[float]) -> None:
+    """``child.observe(v)`` for every value, with one increment per bucket and one for the
+    sum (the histogram's own buckets are used when it exposes them)."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for v in values:
+            child.observe(v)
+        return
+    per_bucket = [0] * len(bounds)
+    for v in values:
+        i = bisect_left(bounds, v)
+        if i < len(per_bucket):
+            per_bucket[i] += 1
+    for i, n in enumerate(per_bucket):
+        if n:
+            buckets[i].inc(n)
+    total.inc(math.fsum(values))
+
+
 class MetricsRecorder:
     """Turns BatchRow/RequestRow records into Prometheus series; other records are ignored."""
 
@@ -82,6 +117,7 @@ class MetricsRecorder:
         # labelled children cached: a dict lookup instead of prometheus' label resolution
         self._batch_children: dict[tuple[str, str], tuple] = {}
         self._request_children: dict[tuple[str, str, int], tuple] = {}
+        self._pending: list[Any] = []
 
     def bind(self, *, stats: Callable[[], dict[str, dict[str, Any]]] | None = None,
              dropped: Callable[[], int] | None = None) -> None:
@@ -97,24 +133,46 @@ class MetricsRecorder:
         return 0
 
     def put(self, record: Any) -> None:
-        kind = type(record)
-        if kind is RequestRow:
-            self._request(record)
-        elif kind is BatchRow:
-            self._batch(record)
+        pending = self._pending
+        pending.append(record)
+        if len(pending) >= FOLD_EVERY:
+            self.fold()
 
-    def _batch(self, b: BatchRow) -> None:
+    def fold(self) -> None:
+        """Fold the pending records into the Prometheus series, grouped per series."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        observations: dict[Any, list[float]] = {}
+        counts: dict[Any, int] = {}
+        for record in pending:
+            kind = type(record)
+            if kind is RequestRow:
+                ch = self._request_child(record)
+                if record.outcome == "ok":
+                    _append(observations, ch[0], record.queue_wait_s)
+                _append(observations, ch[1], record.latency_s)
+                counts[ch[2]] = counts.get(ch[2], 0) + 1
+            elif kind is BatchRow:
+                ch = self._batch_child(record)
+                _append(observations, ch[0], record.batch_size)
+                _append(observations, ch[1], record.compute_s)
+                counts[ch[2]] = counts.get(ch[2], 0) + 1
+        for child, values in observations.items():
+            _observe_many(child, values)
+        for child, n in counts.items():
+            child.inc(n)
+
+    def _batch_child(self, b: BatchRow) -> tuple:
         key = (b.model, b.outcome)
         ch = self._batch_children.get(key)
         if ch is None:
             ch = (self.batch_size.labels(b.model), self.compute_seconds.labels(b.model),
                   self.batches.labels(b.model, b.outcome))
             self._batch_children[key] = ch
-        ch[0].observe(b.batch_size)
-        ch[1].observe(b.compute_s)
-        ch[2].inc()
+        return ch
 
-    def _request(self, q: RequestRow) -> None:
+    def _request_child(self, q: RequestRow) -> tuple:
         key = (q.model, q.outcome, q.priority)
         ch = self._request_children.get(key)
         if ch is None:
@@ -122,11 +180,9 @@ class MetricsRecorder:
                   self.latency_seconds.labels(q.model, q.outcome, str(q.priority)),
                   self.requests.labels(q.model, q.outcome))
             self._request_children[key] = ch
-        if q.outcome == "ok":
-            ch[0].observe(q.queue_wait_s)
-        ch[1].observe(q.latency_s)
-        ch[2].inc()
+        return ch
 
     # -- exposition ---------------------------------------------------------------------
     def render(self) -> bytes:
+        self.fold()
         return generate_latest(self.registry)
