@@ -29,6 +29,10 @@ SEVERITY_ICON = {"critical": "🔴", "warning": "🟠", "info": "🔵"}
 POLICIES = ("static", "dynamic", "adaptive")
 
 st.set_page_config(page_title="BatchScope", page_icon="📦", layout="wide")
+# headline numbers sit six to a row: a smaller value font keeps "50.3 ms" or
+# "1.67 GiB" whole instead of cut to "50.3 …" on a laptop-sized window
+st.markdown("<style>[data-testid='stMetricValue']{font-size:1.6rem}"
+            "[data-testid='stMetricLabel'] p{font-size:0.8rem}</style>", unsafe_allow_html=True)
 
 
 # -- resources (one per Streamlit server process) ------------------------------------
@@ -109,14 +113,18 @@ def pick_scope(engine, *, live: bool, snap: snapshot.Snapshot | None) -> dict:
                         format_func=lambda i: i + (" (live)" if i in live_ids else ""))
     inst_id = None if inst == "all" else inst
     names = queries.models(engine, inst_id)
-    model = sb.selectbox("Model", names or ["(none yet)"], key="model")
+    # start on a batching model: its charts are the ones every view fills
+    kinds = queries.model_kinds(engine, inst_id)
+    first = next((i for i, n in enumerate(names) if kinds.get(n, "request") != "generate"), 0)
+    model = sb.selectbox("Model", names or ["(none yet)"], index=first, key="model")
     model = None if model == "(none yet)" else model
     if snap is not None:
         w = snap.window
         window = queries.Window(w.start_s, w.end_s, model, inst_id)
         sb.caption(f"Snapshot window: {fmt_time(w.start_s)} → {fmt_time(w.end_s)}")
         return {"window": window, "live": False, "model": model, "instance": inst_id,
-                "live_ids": live_ids, "minutes": w.duration_s / 60, "end_ago_min": 0.0}
+                "live_ids": live_ids, "names": names, "minutes": w.duration_s / 60,
+                "end_ago_min": 0.0}
     choice = sb.radio("Time window", list(WINDOWS_MIN) + ["custom"], index=2, horizontal=True,
                       key="window_choice")
     end_ago = 0.0
@@ -127,7 +135,8 @@ def pick_scope(engine, *, live: bool, snap: snapshot.Snapshot | None) -> dict:
     else:
         minutes = WINDOWS_MIN[choice]
     return {"window": None, "live": end_ago == 0.0, "model": model, "instance": inst_id,
-            "live_ids": live_ids, "minutes": float(minutes), "end_ago_min": float(end_ago)}
+            "live_ids": live_ids, "names": names, "minutes": float(minutes),
+            "end_ago_min": float(end_ago)}
 
 
 def current_window(scope: dict) -> queries.Window:
@@ -447,6 +456,17 @@ def compare_snapshots(snaps: dict, slo_ms: float) -> None:
 
 
 # -- page -----------------------------------------------------------------------------
+def rerun_when_runtimes_change(engine, scope: dict) -> None:
+    """Rebuild the whole page (sidebar included) when runtimes or models appear or go:
+    the live view refreshes on its own, but the Instance and Model pickers are drawn
+    once per page run and would otherwise keep showing "(none yet)" after a runtime
+    (e.g. the auto-started demo) begins reporting."""
+    live_ids = [i.id for i in control.live_instances(engine, now=time.time())]
+    names = queries.models(engine, scope["instance"])
+    if live_ids != scope["live_ids"] or names != scope["names"]:
+        st.rerun(scope="app")
+
+
 def main() -> None:
     opts = sidebar()
     engine = engine_for(opts["url"])
@@ -479,6 +499,8 @@ def main() -> None:
         st.warning(f"No runtime is reporting to {opts['url']}; showing recorded data only.")
 
     live = snap is None and scope["live"] and not paused
+    if live:
+        st.fragment(run_every=2.0)(rerun_when_runtimes_change)(engine, scope)
     tabs = st.tabs(["Live", "Tuning", "Snapshots"])
     with tabs[0]:
         st.fragment(run_every=refresh_s if live else None)(live_view)(data_engine, scope, slo_ms)

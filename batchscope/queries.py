@@ -106,6 +106,13 @@ def models(engine: Engine, instance_id: str | None = None) -> list[str]:
     return sorted(names)
 
 
+def model_kinds(engine: Engine, instance_id: str | None = None) -> dict[str, str]:
+    """Each model's published kind ("request", "generate", ...) from ``model_settings``."""
+    q = "SELECT model, kind FROM model_settings" + (" WHERE instance_id = :i" if instance_id else "")
+    with engine.connect() as conn:
+        return {str(m): str(k or "request") for m, k in conn.execute(text(q), {"i": instance_id})}
+
+
 def instances(engine: Engine) -> pd.DataFrame:
     return _df(engine, "SELECT id, host, pid, models_json, url, device, version, started_at, "
                        "last_seen_at, stopped_at, records_dropped FROM runtime_instances "
