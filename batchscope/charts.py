@@ -228,7 +228,8 @@ def priority(stats: pd.DataFrame) -> go.Figure:
     fig.update_layout(barmode="group")
     if not len(stats):
         return _empty(fig)
-    labels = [f"priority {int(p)}" for p in stats["priority"]]
+    # recorded priorities are the engine's (0 = most urgent); HTTP clients send p + 1
+    labels = [f"priority {int(p)} (HTTP {int(p) + 1})" for p in stats["priority"]]
     for p in (50, 95, 99):
         fig.add_trace(go.Bar(x=labels, y=stats[f"latency_p{p}"] * 1000, name=f"p{p}"))
     fig.update_yaxes(title_text="latency ms")

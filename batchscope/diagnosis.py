@@ -147,7 +147,8 @@ def rule_tail_latency(bundle: dict, th: Thresholds) -> Flag | None:
     dominant = "queue wait" if wait >= comp else "compute"
     steps = ([
         "Shorten max_queue_delay_ms (or set it to auto) so requests do not wait for companions.",
-        "Send latency-critical requests at priority 0 or through the bypass lane.",
+        "Send latency-critical requests at the most urgent priority (engine priority 0, "
+        "HTTP priority 1) or through the bypass lane.",
         "Switch to the adaptive policy so the wait follows the measured compute time.",
         "If the queue is long, add capacity: the tail is requests queued behind full batches.",
     ] if dominant == "queue wait" else [
@@ -232,7 +233,8 @@ def rule_saturation(bundle: dict, th: Thresholds) -> Flag | None:
                  "or a faster device.",
                  "Shed load early: a smaller max_queue_size or a default_timeout_ms fails "
                  "requests fast instead of letting every request wait.",
-                 "Give critical traffic priority 0 so it is served first under overload."],
+                 "Give critical traffic the most urgent priority (engine 0, HTTP 1) so it is "
+                 "served first under overload."],
                 "queue_depth")
 
 
@@ -339,7 +341,7 @@ def rule_starvation(bundle: dict, th: Thresholds) -> Flag | None:
             wait_bad = w >= th.starvation_min_wait_s and w >= th.starvation_wait_ratio * max(wb, 1e-6)
             if exp_bad or wait_bad:
                 return Flag("starvation", "warning",
-                            f"Priority {int(lvl['priority'])} is starved",
+                            f"Priority {int(lvl['priority'])} (HTTP {int(lvl['priority']) + 1}) is starved",
                             {"priority": int(lvl["priority"]),
                              "expired_fraction": round(float(lvl["expired_fraction"]), 3),
                              "queue_wait_mean_ms": _ms(w), "priority_0_queue_wait_mean_ms": _ms(wb),
