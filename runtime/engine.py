@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import math
+import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -41,6 +42,8 @@ log = logging.getLogger("batchscope.engine")
 
 #: rejection and expiry events are folded into at most one per this many seconds
 EVENT_INTERVAL_S = 1.0
+#: the longest the event loop waits for the device thread to pick up a batch
+HANDOFF_WAIT_S = 0.002
 #: longest model error text sent to a client
 MAX_ERROR_CHARS = 200
 
@@ -140,6 +143,8 @@ class _Slot:
         self.in_flight = 0
         self.current_done: asyncio.Future | None = None
         self.current_batch: Batch | None = None
+        #: finished batches whose requests still wait for their answers
+        self.finished: list[tuple[Batch, list[Attempt], list[int]]] = []
         #: CUDA-graph runner (device thread only), made when cuda_graphs is on, per max size
         self.graphs: Any = None
         self.batches = 0
@@ -188,6 +193,8 @@ class Engine:
         self._grants: dict[str, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor: ThreadPoolExecutor | None = None
+        #: released by the device thread when it starts a batch (see ``_execute``)
+        self._handoff = threading.Lock()
         self._stopping = False
         self._batch_seq = 0
         self.on_settings_change: list[Callable[[str, int, BatchingConfig], None]] = []
@@ -234,6 +241,8 @@ class Engine:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        for slot in self._slots.values():
+            self._answer_finished(slot)
         now = self._clock.now()
         for slot in self._slots.values():
             for req in slot.batcher.drain_all():
@@ -243,6 +252,8 @@ class Engine:
         running = [s.current_done for s in self._slots.values() if s.current_done is not None]
         if running:
             await asyncio.wait(running, timeout=max(1.0, deadline - loop.time()))
+        for slot in self._slots.values():
+            self._answer_finished(slot)
         now = self._clock.now()
         for slot in self._slots.values():
             batch = slot.current_batch
@@ -385,6 +396,9 @@ class Engine:
 
     # -- the worker ---------------------------------------------------------------------
     async def _worker(self, slot: _Slot) -> None:
+        """Dispatch loop of one model. The answers of a finished batch are handed out
+        right after the next batch went to the device (or before the worker waits), so
+        the device does not sit idle while a batch's responses are written."""
         batcher = slot.batcher
         clock = self._clock
         while True:
@@ -394,13 +408,17 @@ class Engine:
                 if expired:
                     self._expired(slot, expired, now)
                 if slot.closing and not batcher.depth:
+                    self._answer_finished(slot)
                     return
                 due = batcher.due_at(now)
                 if due is None or due > now:
+                    self._answer_finished(slot)
                     wake_at = batcher.next_wakeup(now)
                     await slot.waker.wait(None if wake_at is None else wake_at - now)
                     continue
-                await self._acquire(slot.name, batcher.has_bypass())
+                if not self._arbiter.request(slot.name, urgent=batcher.has_bypass()):
+                    self._answer_finished(slot)
+                    await self._acquire(slot.name)
                 device_s = 0.0
                 try:
                     now = clock.now()
@@ -410,17 +428,19 @@ class Engine:
                     batch = batcher.next_batch(now)
                     if batch is not None:
                         device_s = await self._execute(slot, batch)
+                    else:
+                        self._answer_finished(slot)
                 finally:
                     self._release(slot.name, device_s)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug in the engine: keep serving, say so loudly
                 log.exception("the worker of model %r hit an unexpected error", slot.name)
+                self._answer_finished(slot)
                 await asyncio.sleep(0.01)
 
-    async def _acquire(self, name: str, urgent: bool) -> None:
-        if self._arbiter.request(name, urgent=urgent):
-            return
+    async def _acquire(self, name: str) -> None:
+        """Wait for the device turn the arbiter did not grant at once."""
         fut = self._loop.create_future()
         self._grants[name] = fut
         try:
@@ -448,12 +468,22 @@ class Engine:
         slot.in_flight = len(batch.requests)
         slot.current_batch = batch
         slot.current_done = done
+        gate = self._handoff
+        gate.acquire(blocking=False)  # closed (it may have been left open by a late start)
         self._executor.submit(self._run_in_thread, slot, batch, done)
+        # Let the device thread take the GIL and start now: a busy event loop would
+        # otherwise keep it waiting for as long as the loop stays busy.
+        gate.acquire(timeout=HANDOFF_WAIT_S)
+        self._answer_finished(slot)
         # shielded: if the worker is cancelled at shutdown, stop() still waits for this
         return await asyncio.shield(done)
 
     # -- in the device thread -----------------------------------------------------------
     def _run_in_thread(self, slot: _Slot, batch: Batch, done: asyncio.Future) -> None:
+        try:
+            self._handoff.release()
+        except RuntimeError:  # already open: the loop gave up waiting
+            pass
         try:
             attempts = self._run_batch(slot, batch)
         except BaseException as exc:  # noqa: BLE001 - every request must still get an answer
@@ -532,34 +562,21 @@ class Engine:
     # -- back on the loop ---------------------------------------------------------------
     def _finish_batch(self, slot: _Slot, batch: Batch, attempts: list[Attempt],
                       done: asyncio.Future) -> None:
+        """Book a finished batch (records, events, OOM governor, batcher) and wake its
+        worker; its requests are answered by ``_answer_finished``."""
         now = self._clock.now()
-        reqs = batch.requests
         device_s = 0.0
         had_oom = False
+        seqs = []
         for a in attempts:
             device_s += a.compute_s
             seq = self._record_batch(slot, batch, a)
+            seqs.append(seq)
             if a.outcome == "oom":
                 had_oom = True
                 self._oom_event(slot, batch, a, seq, now)
             elif a.outcome == "error":
                 self._model_error(slot, a, seq, now)
-            if a.split:
-                continue
-            if a.outcome == "ok":
-                outputs = a.outputs
-                for i in range(a.start, a.stop):
-                    self._settle(slot, reqs[i], now, "ok", result=outputs[i - a.start],
-                                 started_s=a.started_s, batch_seq=seq)
-            elif a.outcome == "oom":
-                for i in range(a.start, a.stop):
-                    self._settle(slot, reqs[i], now, "oom", error=self._oom_error(slot, reqs[i], a),
-                                 started_s=a.started_s, batch_seq=seq)
-            else:
-                for i in range(a.start, a.stop):
-                    self._settle(slot, reqs[i], now, "error", error=ModelError(
-                        f"model {slot.name!r} failed on a batch of {a.size}: {a.error}"),
-                        started_s=a.started_s, batch_seq=seq)
         if not had_oom and all(a.outcome == "ok" for a in attempts):
             probed = slot.governor.on_success(batch.bucket)
             if probed is not None:
@@ -569,11 +586,62 @@ class Engine:
                             f"batches; effective max batch size back up to {probed}",
                             bucket=batch.bucket, effective_max_batch_size=probed)
         slot.batcher.complete(batch, now, device_s)
+        slot.finished.append((batch, attempts, seqs))
         slot.in_flight = 0
         slot.current_batch = None
         slot.current_done = None
         if not done.done():
             done.set_result(device_s)
+
+    def _answer_finished(self, slot: _Slot) -> None:
+        """Give every request of the slot's finished batches its outcome."""
+        finished = slot.finished
+        if not finished:
+            return
+        slot.finished = []
+        now = self._clock.now()
+        for batch, attempts, seqs in finished:
+            reqs = batch.requests
+            for a, seq in zip(attempts, seqs):
+                if a.split:
+                    continue
+                if a.outcome == "ok":
+                    self._answer_ok(slot, reqs, a, seq, now)
+                elif a.outcome == "oom":
+                    for i in range(a.start, a.stop):
+                        self._settle(slot, reqs[i], now, "oom",
+                                     error=self._oom_error(slot, reqs[i], a),
+                                     started_s=a.started_s, batch_seq=seq)
+                else:
+                    for i in range(a.start, a.stop):
+                        self._settle(slot, reqs[i], now, "error", error=ModelError(
+                            f"model {slot.name!r} failed on a batch of {a.size}: {a.error}"),
+                            started_s=a.started_s, batch_seq=seq)
+
+    def _answer_ok(self, slot: _Slot, reqs: list[PendingRequest], a: Attempt, seq: int,
+                   now: float) -> None:
+        """``_settle`` of a successful attempt's requests, unrolled for speed."""
+        outputs = a.outputs
+        start = a.start
+        started = a.started_s
+        to_wall = self._clock.to_wall
+        put = self._recorder.put
+        instance, name, variable = self.instance_id, slot.name, slot.variable
+        now_wall = to_wall(now)
+        answered = 0
+        for i in range(start, a.stop):
+            req = reqs[i]
+            fut = req.future
+            if fut.done():
+                continue
+            fut.set_result(outputs[i - start])
+            answered += 1
+            arrived = req.arrived_s
+            put(RequestRow(instance, name, seq, req.priority, to_wall(arrived), now_wall,
+                           started - arrived, now - arrived, "ok", req.bypass,
+                           req.length if variable else None))
+        slot.requests += answered
+        slot.outcomes["ok"] = slot.outcomes.get("ok", 0) + answered
 
     def _record_batch(self, slot: _Slot, batch: Batch, a: Attempt) -> int:
         self._batch_seq += 1

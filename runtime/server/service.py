@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -190,6 +191,9 @@ class Service:
                         await self.shutdown()
                     raise RuntimeError(f"the server did not start ({type(exc).__name__}: "
                                        f"{exc}); see the log above for the reason") from exc
+                # what startup built (models, torch, libraries) lives as long as the
+                # process: keep it out of the garbage collector's full scans
+                gc.freeze()
                 try:
                     await http.start(sock)
                     await self._exit
