@@ -413,3 +413,11 @@ def test_graceful_shutdown_finishes_in_flight_then_closes(bare):
         assert not done.is_alive()
     with pytest.raises(OSError):
         socket.create_connection(bare.sock.getsockname()[:2], timeout=TIMEOUT_S).recv(1)
+
+
+def test_a_long_pipeline_is_answered_in_order(bare):
+    sock, rd = connect(bare.url)
+    with sock:
+        sock.sendall(b"".join(request("GET", f"/q?i={i}") for i in range(150)))
+        queries = [orjson.loads(rd.response()[2])["query"] for _ in range(150)]
+    assert queries == [f"i={i}" for i in range(150)]

@@ -201,7 +201,8 @@ def _infer_target(path: str) -> tuple[str, str | None] | None:
 class FastInfer:
     """ASGI wrapper that answers ``POST .../infer`` directly and hands everything else
     (and the lifespan) to the Starlette app. Same answers as the Starlette route, with
-    less per-request framework work on the path that carries the load."""
+    less per-request framework work, for ASGI servers and test clients; ``Service``
+    serves the same route through ``runtime.server.fastpath.InferHook`` instead."""
 
     def __init__(self, app: Starlette) -> None:
         self.app = app

@@ -46,6 +46,8 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 KEEP_ALIVE_S = 60.0
 #: how often idle connections are checked and the Date header refreshed
 TICK_S = 1.0
+#: a connection stops being read while this many of its requests wait for answers
+MAX_PIPELINED = 64
 
 Answer = Callable[[int, list[tuple[bytes, bytes]], bytes], None]
 #: (connection, method, path, headers, body, answer) -> True when it took the request
@@ -121,6 +123,9 @@ class _Connection(asyncio.Protocol):
         self.last_active_s = 0.0
         self.client: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
+        self.reading_paused = False
+        #: set while the transport's write buffer is over its high-water mark
+        self.writable: asyncio.Future | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -138,8 +143,18 @@ class _Connection(asyncio.Protocol):
         self.last_active_s = self.loop.time()
         self.server.connections.add(self)
 
+    def pause_writing(self) -> None:
+        if self.writable is None:
+            self.writable = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        writable, self.writable = self.writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.resume_writing()
         self.server.connections.discard(self)
         for ex in self.queue:
             if ex.disconnect is not None and not ex.disconnect.done():
@@ -219,6 +234,9 @@ class _Connection(asyncio.Protocol):
         if not ex.keep_alive:
             # nothing after this request will be answered
             self.closing = True
+        elif len(self.queue) >= MAX_PIPELINED and not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()
         self.server.dispatch(self, ex, body)
 
     # -- answering -----------------------------------------------------------------------
@@ -255,6 +273,9 @@ class _Connection(asyncio.Protocol):
                     nxt.buffered = []
                 if nxt.expect_continue:
                     self._send_continue(nxt)
+        if self.reading_paused and len(queue) < MAX_PIPELINED // 2:
+            self.reading_paused = False
+            self.transport.resume_reading()
         if not queue:
             self.last_active_s = self.loop.time()
             if self.server.stopping:
@@ -409,6 +430,8 @@ class _AsgiCall:
             conn.write(ex, b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
         if not more:
             self._end()
+        elif conn.writable is not None:
+            await conn.writable  # the client reads slower than the app writes
 
     def _write_head(self) -> None:
         ex = self.ex
