@@ -121,6 +121,11 @@ def _tensor(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple
             flat = np.asarray(data, dtype=object).reshape(-1)
             arr = np.empty(flat.size, dtype=object)
             arr[:] = [v.encode() if isinstance(v, str) else v for v in flat]
+        elif type(data) is list and data and type(data[0]) is not list:
+            try:  # a flat list of numbers: the common case, converted without a detour
+                arr = np.fromiter(data, np_dtype, len(data))
+            except (ValueError, TypeError, OverflowError):
+                arr = np.asarray(data, dtype=np_dtype)
         else:
             arr = np.asarray(data, dtype=np_dtype)
     except (ValueError, TypeError, OverflowError):
