@@ -25,12 +25,14 @@ import argparse
 import json
 import os
 import platform
+import queue
 import re
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,20 +64,31 @@ def process(cmd: Sequence[str], *, ready: str, timeout_s: float = 120.0) -> Iter
                             stderr=subprocess.STDOUT, text=True)
     url = None
     deadline = time.monotonic() + timeout_s
-    lines: list[str] = []
-    try:
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:  # read in a thread so a silent, hung process cannot block us
         assert proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen: list[str] = []
+    try:
+        while url is None and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=max(0.05, deadline - time.monotonic()))
+            except queue.Empty:
                 break
-            lines.append(line)
+            if line is None:
+                break
+            seen.append(line)
             match = URL_RE.search(line)
             if ready in line and match:
                 url = match.group(1)
-                break
         if url is None:
-            raise RuntimeError(f"{cmd[2:5]} did not start:\n{''.join(lines[-20:])}")
+            raise RuntimeError(f"{cmd[2:5]} did not start within {timeout_s:.0f} s:\n"
+                               f"{''.join(seen[-20:])}")
         wait_ready(url, deadline)
         yield url
     finally:
@@ -203,8 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "recording" in parts:
             print("recording on vs off (interleaved, mlp)", flush=True)
             on_runs, off_runs = [], []
-            for i in range(2):
-                for record in (True, False):
+            for i in range(3):  # alternate which side goes first, so drift hits both alike
+                for record in ((True, False) if i % 2 == 0 else (False, True)):
                     with process(serve_cmd(db=db if record else None, models=("mlp",)),
                                  ready="serving") as url:
                         r = load(url, "mlp", concurrency=c, duration_s=d)
