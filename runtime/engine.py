@@ -42,6 +42,9 @@ log = logging.getLogger("batchscope.engine")
 
 #: rejection and expiry events are folded into at most one per this many seconds
 EVENT_INTERVAL_S = 1.0
+#: CPU batches expected to take at most this long run on the event loop's thread (0: never).
+#: Off by default: a model slower than its history would then block the loop.
+INLINE_MAX_COMPUTE_MS = 0.0
 #: the longest the event loop waits for the device thread to pick up a batch
 HANDOFF_WAIT_S = 0.002
 #: longest model error text sent to a client
@@ -167,9 +170,13 @@ class Engine:
     def __init__(self, models: dict[str, ModelAPI], configs: dict[str, BatchingConfig] | None = None,
                  *, recorder: RecorderLike | None = None, instance_id: str = "local",
                  clock: MonotonicClock | None = None, device: torch.device | str = "cpu",
-                 event_interval_s: float = EVENT_INTERVAL_S) -> None:
+                 event_interval_s: float = EVENT_INTERVAL_S,
+                 inline_max_compute_ms: float = INLINE_MAX_COMPUTE_MS) -> None:
         """``event_interval_s``: rejection and expiry events of a model are folded into at
-        most one per this many seconds (each carries the count); request rows are not."""
+        most one per this many seconds (each carries the count); request rows are not.
+        ``inline_max_compute_ms``: on a CPU device, a batch expected (from recent batches)
+        to take at most this long runs on the event loop's thread instead of the device
+        thread; 0 turns that off."""
         configs = dict(configs or {})
         unknown = sorted(set(configs) - set(models))
         if unknown:
@@ -193,6 +200,10 @@ class Engine:
         self._grants: dict[str, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor: ThreadPoolExecutor | None = None
+        if not (isinstance(inline_max_compute_ms, (int, float)) and inline_max_compute_ms >= 0):
+            raise ConfigError(f"inline_max_compute_ms={inline_max_compute_ms!r} must be a "
+                              "non-negative number of milliseconds (0 = never inline)")
+        self._inline_max_s = inline_max_compute_ms / 1000.0
         #: released by the device thread when it starts a batch (see ``_execute``)
         self._handoff = threading.Lock()
         self._stopping = False
@@ -468,6 +479,12 @@ class Engine:
         slot.in_flight = len(batch.requests)
         slot.current_batch = batch
         slot.current_done = done
+        if self._runs_inline(slot, batch):
+            # Short CPU batch: run it right here. Handing it to the device thread would
+            # cost more than it saves: the thread needs the GIL the busy loop holds.
+            self._answer_finished(slot)
+            self._run_in_thread(slot, batch, done)
+            return await asyncio.shield(done)
         gate = self._handoff
         gate.acquire(blocking=False)  # closed (it may have been left open by a late start)
         self._executor.submit(self._run_in_thread, slot, batch, done)
@@ -478,8 +495,18 @@ class Engine:
         # shielded: if the worker is cancelled at shutdown, stop() still waits for this
         return await asyncio.shield(done)
 
+    def _runs_inline(self, slot: _Slot, batch: Batch) -> bool:
+        """Whether this batch runs on the event loop's thread: CPU only, and only when the
+        recent device time per request says it takes at most ``inline_max_compute_ms``."""
+        if not self._inline_max_s or self.device.type != "cpu":
+            return False
+        per_request = slot.batcher.mean_compute_per_request_s
+        return per_request is not None and per_request * len(batch.requests) <= self._inline_max_s
+
     # -- in the device thread -----------------------------------------------------------
     def _run_in_thread(self, slot: _Slot, batch: Batch, done: asyncio.Future) -> None:
+        """Run a batch and hand its outcome to the loop (on the device thread, or on the
+        loop itself for a short CPU batch; see ``_runs_inline``)."""
         try:
             self._handoff.release()
         except RuntimeError:  # already open: the loop gave up waiting

@@ -182,3 +182,37 @@ def test_finished_batch_is_answered_after_the_next_batch_is_dispatched():
     order = run(main())
     # when batch 1 was answered, batch 2 had left the queue for the device
     assert order == [(0, 1)]
+
+
+def test_short_cpu_batches_can_run_on_the_loop_thread():
+    async def main():
+        ran_on: list[str] = []
+        model = DoubleModel()
+        predict = model.predict
+
+        def spy(batch):
+            ran_on.append(threading.current_thread().name)
+            return predict(batch)
+
+        model.predict = spy
+        engine = Engine({"double": model}, inline_max_compute_ms=1000.0)
+        await engine.start()
+        for v in (1.0, 2.0, 3.0):
+            done = Outcomes()
+            engine.submit("double", vec(v), None, None, False, done)
+            [(result, error)] = await done.wait(1)
+            assert error is None and float(result["OUTPUT0"][0]) == 2 * v
+        await engine.stop()
+        return ran_on
+
+    ran_on = run(main())
+    # the first batch has no history and goes to the device thread; the next ones are short
+    assert ran_on[0].startswith("batchscope-device")
+    assert ran_on[1:] == [threading.main_thread().name] * 2
+
+
+def test_inline_limit_must_be_a_non_negative_number():
+    from runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="inline_max_compute_ms"):
+        Engine({"double": DoubleModel()}, inline_max_compute_ms=-1)

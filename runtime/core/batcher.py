@@ -326,6 +326,11 @@ class Batcher:
     def mean_compute_s(self) -> float | None:
         return self._compute.mean
 
+    @property
+    def mean_compute_per_request_s(self) -> float | None:
+        """Recent device time per request (batch time / batch size), None before any batch."""
+        return self._per_request.mean
+
     def window_s(self) -> float | None:
         """The current batching window (None = work-conserving)."""
         return policy.window_s(self._config, self._compute.mean)

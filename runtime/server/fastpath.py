@@ -64,7 +64,7 @@ class InferHook:
 
     def __call__(self, conn: Any, method: bytes, path: str, headers: list[tuple[bytes, bytes]],
                  body: bytes, answer: Answer) -> bool:
-        if method != b"POST":
+        if method != b"POST" or not path.endswith(_SUFFIX):
             return False
         target = infer_target(path)
         if target is None:
@@ -79,11 +79,10 @@ class InferHook:
             engine = self.engine
             if not engine.is_ready(name):
                 raise ModelNotReady(f"model {name!r} is not ready yet; retry in a moment")
-            _, config = engine.get_settings(name)
             model = served.model
-            req = parse_infer(body, header_length, name, model.inputs, model.outputs,
-                              config.priority_levels)
             outputs = model.outputs
+            req = parse_infer(body, header_length, name, model.inputs, outputs,
+                              engine.get_settings(name)[1].priority_levels)
 
             def done(result: Any, error: BaseException | None) -> None:
                 if error is None:

@@ -284,6 +284,15 @@ class _Connection(asyncio.Protocol):
     def answer(self, ex: _Exchange, status: int, headers: list[tuple[bytes, bytes]],
                body: bytes) -> None:
         """A whole response at once (``Content-Length`` framing)."""
+        if ex.keep_alive and not ex.is_head and ex.version == "1.1":
+            # the common case: one prepared head per (status, headers) and this second
+            head = self.server.heads.get((status, id(headers)))
+            if head is None or head[0] is not headers:
+                head = self.server.head_for(status, headers)
+            ex.head_sent = True
+            self.write(ex, b"%bcontent-length: %d\r\n\r\n%b" % (head[1], len(body), body))
+            self.finish(ex)
+            return
         parts = [status_line(status), self.server.clock.header]
         for k, v in headers:
             parts += (k, b": ", v, b"\r\n")
@@ -478,6 +487,19 @@ class HttpServer:
         self._tick: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
         self._drained: asyncio.Future | None = None
+        #: (status, id(headers)) -> (headers, status line + date + headers), this second
+        self.heads: dict[tuple[int, int], tuple[list, bytes]] = {}
+
+    def head_for(self, status: int, headers: list[tuple[bytes, bytes]]) -> tuple[list, bytes]:
+        """The response head up to ``content-length`` (kept with ``headers`` itself, so a
+        reused id never picks up another list's head)."""
+        if len(self.heads) > 256:
+            self.heads.clear()
+        block = b"".join([status_line(status), self.clock.header,
+                          *(k + b": " + v + b"\r\n" for k, v in headers)])
+        head = (headers, block)
+        self.heads[(status, id(headers))] = head
+        return head
 
     async def start(self, sock: socket.socket) -> None:
         """Accept connections on ``sock`` (already bound and listening)."""
@@ -488,6 +510,7 @@ class HttpServer:
 
     def _on_tick(self) -> None:
         self.clock.refresh()
+        self.heads.clear()
         limit = self.loop.time() - self.keep_alive_s
         for conn in list(self.connections):
             if conn.idle and conn.last_active_s < limit:

@@ -188,7 +188,13 @@ def _requested_outputs(outputs: Any, specs: Sequence[TensorSpec], req: InferRequ
 
 def _check_against_specs(model: str, specs: Sequence[TensorSpec], tensors: dict[str, np.ndarray],
                          datatypes: dict[str, str], req: InferRequest) -> None:
-    if len(tensors) != len(specs) or any(s.name not in tensors for s in specs):
+    complete = len(tensors) == len(specs)
+    if complete:
+        for spec in specs:
+            if spec.name not in tensors:
+                complete = False
+                break
+    if not complete:
         unknown = sorted(set(tensors) - {s.name for s in specs})
         if unknown:
             raise ClientError(f"model {model!r} has no input(s) {unknown}; its inputs are "
