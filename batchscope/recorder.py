@@ -79,7 +79,7 @@ _CONVERTERS: dict[type, Callable[[list], list[dict]]] = {cls: _to_dicts(cls) for
 def group_by_type(records: list) -> dict[type, list]:
     """``records`` split by exact type, order kept within each type; C-level loops only."""
     types = list(map(type, records))
-    kinds = set(types)
+    kinds = dict.fromkeys(types)  # first-appearance order: deterministic
     if len(kinds) == 1:
         return {types[0]: records}
     return {cls: list(compress(records, map(is_, types, repeat(cls)))) for cls in kinds}
@@ -333,7 +333,17 @@ class Recorder:
         return written
 
     def _write_groups(self, groups: dict[type, list]) -> int:
-        """Each group in its own transaction; a failed group is dropped and counted."""
+        """Each group in its own transaction; a failed group is dropped and counted. The
+        recorder counts as healthy again only after a flush in which every group was written."""
+        failures_before = self.failures
+        written = self._write_each(groups)
+        if written and self._failing and self.failures == failures_before:
+            log.info("recorder writes work again; %d rows dropped so far", self.dropped)
+            self._failing.clear()
+            self._backoff_s = 0.0
+        return written
+
+    def _write_each(self, groups: dict[type, list]) -> int:
         if not self._sqlite:
             return sum(self._write(cls, group, self._insert_core) for cls, group in groups.items())
         try:
@@ -362,10 +372,6 @@ class Recorder:
             return 0
         self.written += len(group)
         self.written_by_kind[kind] = self.written_by_kind.get(kind, 0) + len(group)
-        if self._failing:
-            log.info("recorder writes work again; %d rows dropped so far", self.dropped)
-            self._failing.clear()
-            self._backoff_s = 0.0
         return len(group)
 
     def _insert_core(self, cls: type, rows: list) -> None:
