@@ -72,6 +72,7 @@ class LiveLink:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._step_lock: asyncio.Lock | None = None
         self._retention = _retention_runner()
         #: counters for tests and the log: commands applied / refused
         self.applied = 0
@@ -166,7 +167,14 @@ class LiveLink:
                            now=self._wall(), raw_keep_s=self.server.retention_raw_s)
 
     async def step(self) -> None:
-        """One pass over the duties that are due."""
+        """One pass over the duties that are due. Passes never overlap: a caller that
+        arrives while the background task is mid-pass waits for that pass to finish."""
+        if self._step_lock is None:
+            self._step_lock = asyncio.Lock()
+        async with self._step_lock:
+            await self._step()
+
+    async def _step(self) -> None:
         if not self.registered:
             await self._register()
             if not self.registered:
