@@ -70,6 +70,10 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--no-record", action="store_true", help="do not write to the database")
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--device-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the request models in a child process with its own GIL, so "
+                        "HTTP handling and the forward pass do not wait for each other "
+                        "(default: off)")
     p.add_argument("--instance-id", default=None)
     p.add_argument("--heartbeat-interval-s", type=float, default=2.0)
     p.add_argument("--control-poll-interval-s", type=float, default=0.5)
@@ -177,7 +181,8 @@ def _serve(args: argparse.Namespace) -> int:
                           record=not args.no_record, torch_threads=args.torch_threads,
                           heartbeat_interval_s=args.heartbeat_interval_s,
                           control_poll_interval_s=args.control_poll_interval_s,
-                          retention_raw_s=args.retention_raw_s, models=tuple(specs))
+                          retention_raw_s=args.retention_raw_s, models=tuple(specs),
+                          device_process=args.device_process)
     if args.torch_threads is not None:
         import torch
 

@@ -231,6 +231,8 @@ class ServerConfig:
     device_sample_interval_s: float = 1.0
     recorder_buffer_size: int = 100_000
     models: tuple[str, ...] = field(default_factory=lambda: ("mlp", "encoder"))
+    #: run request models in a child process with its own GIL (loaded from ``models``)
+    device_process: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -243,6 +245,8 @@ class ServerConfig:
             v = getattr(self, name)
             if not (_is_number(v) and v > 0):
                 problems.append(f"{name}={v!r} must be a positive number of seconds")
+        if not isinstance(self.device_process, bool):
+            problems.append(f"device_process={self.device_process!r} must be true or false")
         if not (_is_int(self.recorder_buffer_size) and self.recorder_buffer_size >= 1):
             problems.append(f"recorder_buffer_size={self.recorder_buffer_size!r} must be a positive integer")
         if problems:

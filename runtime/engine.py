@@ -2,8 +2,10 @@
 
 One worker task per model drives that model's ``Batcher`` with the real clock.
 Batches run off the event loop in a single device thread (collate, predict and
-split under ``torch.inference_mode()``); the futures of a batch are resolved in
-one ``loop.call_soon_threadsafe`` callback. Several models share the device
+split under ``torch.inference_mode()``, see ``runtime.executor.run_batch``); the
+futures of a batch are resolved in one ``loop.call_soon_threadsafe`` callback. With
+``device_process=True`` they run instead in a child process with its own GIL
+(``runtime.device_process``), which loads the models from ``model_specs``. Several models share the device
 through ``FairArbiter``. Every accepted request gets exactly one outcome, and one
 ``RequestRow``; every executed batch (and every out-of-memory attempt) one
 ``BatchRow``; notable things an ``EventRow``.
@@ -20,23 +22,24 @@ import math
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from batchscope.records import BatchRow, EventRow, ListRecorder, RecorderLike, RequestRow
-from runtime import devicemem
 from runtime.clock import MonotonicClock
 from runtime.config import BatchingConfig
 from runtime.core.arbiter import FairArbiter
 from runtime.core.batcher import Batch, Batcher, pad_length
+from runtime.device_process import DeviceProcess
 from runtime.core.request import PendingRequest
 from runtime.errors import (BatchScopeError, ClientError, ConfigError, ModelError, ModelNotFound,
                             ModelNotReady, OutOfMemory, QueueFull, RequestExpired, ShuttingDown,
                             ValidationError)
+from runtime.executor import MAX_ERROR_CHARS, graph_runner, run_batch
 from runtime.model_api import ModelAPI, check_model
-from runtime.oom import Attempt, SizeGovernor, check_budget, is_oom, run_splitting
+from runtime.oom import Attempt, SizeGovernor
 
 log = logging.getLogger("batchscope.engine")
 
@@ -47,8 +50,6 @@ EVENT_INTERVAL_S = 1.0
 INLINE_MAX_COMPUTE_MS = 0.0
 #: the longest the event loop waits for the device thread to pick up a batch
 HANDOFF_WAIT_S = 0.002
-#: longest model error text sent to a client
-MAX_ERROR_CHARS = 200
 
 
 class _Waker:
@@ -171,12 +172,17 @@ class Engine:
                  *, recorder: RecorderLike | None = None, instance_id: str = "local",
                  clock: MonotonicClock | None = None, device: torch.device | str = "cpu",
                  event_interval_s: float = EVENT_INTERVAL_S,
-                 inline_max_compute_ms: float = INLINE_MAX_COMPUTE_MS) -> None:
+                 inline_max_compute_ms: float = INLINE_MAX_COMPUTE_MS,
+                 device_process: bool = False, model_specs: Sequence[str] = ()) -> None:
         """``event_interval_s``: rejection and expiry events of a model are folded into at
         most one per this many seconds (each carries the count); request rows are not.
         ``inline_max_compute_ms``: on a CPU device, a batch expected (from recent batches)
         to take at most this long runs on the event loop's thread instead of the device
-        thread; 0 turns that off."""
+        thread; 0 turns that off.
+        ``device_process``: run batches in a child process that loads every served model
+        from ``model_specs`` (``runtime.loader`` specs, e.g. ``mlp`` or
+        ``path/file.py:Class``) and calls ``setup(device)`` there; the models given here
+        then only ``decode`` (and ``length``) requests and are never set up."""
         configs = dict(configs or {})
         unknown = sorted(set(configs) - set(models))
         if unknown:
@@ -204,6 +210,12 @@ class Engine:
             raise ConfigError(f"inline_max_compute_ms={inline_max_compute_ms!r} must be a "
                               "non-negative number of milliseconds (0 = never inline)")
         self._inline_max_s = inline_max_compute_ms / 1000.0
+        if device_process and not model_specs:
+            raise ConfigError("device_process=True needs model_specs: the device process loads "
+                              "each model from its spec (e.g. 'mlp' or 'path/file.py:MyModel')")
+        self._use_process = bool(device_process)
+        self._model_specs = tuple(model_specs)
+        self._process: DeviceProcess | None = None
         #: released by the device thread when it starts a batch (see ``_execute``)
         self._handoff = threading.Lock()
         self._stopping = False
@@ -217,6 +229,17 @@ class Engine:
             raise RuntimeError("the engine is already started")
         loop = asyncio.get_running_loop()
         self._loop = loop
+        if self._use_process:
+            await self._start_process()
+        else:
+            await self._setup_in_thread(loop)
+        for slot in self._slots.values():
+            slot.waker = _Waker(loop)
+            slot.ready = True
+        for slot in self._slots.values():
+            slot.task = loop.create_task(self._worker(slot), name=f"batchscope-worker-{slot.name}")
+
+    async def _setup_in_thread(self, loop: asyncio.AbstractEventLoop) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchscope-device")
         for slot in self._slots.values():
             try:
@@ -225,10 +248,17 @@ class Engine:
                 log.exception("setup of model %r on %s failed", slot.name, self.device)
                 self._executor.shutdown(wait=False)
                 raise
-            slot.waker = _Waker(loop)
-            slot.ready = True
-        for slot in self._slots.values():
-            slot.task = loop.create_task(self._worker(slot), name=f"batchscope-worker-{slot.name}")
+
+    async def _start_process(self) -> None:
+        process = DeviceProcess(self._model_specs, list(self._slots), str(self.device),
+                                torch_threads=torch.get_num_threads(), clock=self._clock,
+                                on_exit=self._device_process_exited)
+        await process.start()
+        self._process = process
+
+    def _device_process_exited(self, message: str) -> None:
+        self._event(None, self._clock.now(), "model_error", message, "error",
+                    device_process_restarts=self._process.restarts if self._process else 0)
 
     async def stop(self, drain_timeout_s: float = 10.0) -> None:
         """Refuse new work, run what is queued for up to ``drain_timeout_s``, then answer
@@ -275,6 +305,8 @@ class Engine:
                         "was lost, send it again to a running instance"))
         if self._executor is not None:
             self._executor.shutdown(wait=False)
+        if self._process is not None:
+            await self._process.stop()
 
     # -- requests -----------------------------------------------------------------------
     def _admit(self, model: str, inputs: dict[str, np.ndarray], priority: int | None,
@@ -479,6 +511,14 @@ class Engine:
         slot.in_flight = len(batch.requests)
         slot.current_batch = batch
         slot.current_done = done
+        if self._process is not None:
+            reqs = batch.requests
+            self._process.submit(
+                slot.name, batch.config, batch.settings_version, [r.item for r in reqs],
+                [r.length for r in reqs] if slot.variable else None, batch.pad_to, batch.bucket,
+                lambda attempts: self._finish_batch(slot, batch, attempts, done))
+            self._answer_finished(slot)
+            return await asyncio.shield(done)
         if self._runs_inline(slot, batch):
             # Short CPU batch: run it right here. Handing it to the device thread would
             # cost more than it saves: the thread needs the GIL the busy loop holds.
@@ -524,67 +564,16 @@ class Engine:
             pass
 
     def _run_batch(self, slot: _Slot, batch: Batch) -> list[Attempt]:
-        model = slot.model
         reqs = batch.requests
-        cfg = batch.config
-        device = self.device
-        clock = self._clock
-        whole = len(reqs)
-        on_cuda = device.type == "cuda"
-        graphs = self._graph_runner(slot, cfg) if on_cuda and cfg.cuda_graphs else None
-
-        def attempt(lo: int, hi: int) -> Attempt:
-            part = reqs if hi - lo == whole else reqs[lo:hi]
-            n = hi - lo
-            pad = batch.pad_to if n == whole else pad_length(
-                [r.length for r in part], batch.bucket, cfg, slot.variable)
-            if on_cuda:
-                devicemem.reset_peak(device)
-            started = clock.now()
-            used_graph = False
-            try:
-                check_budget(model, n, pad, cfg.memory_budget_mb)
-                with torch.inference_mode():
-                    inputs = model.collate([r.item for r in part], pad)
-                    if graphs is None:
-                        output = model.predict(inputs)
-                    else:
-                        output, used_graph = graphs.run(inputs, n)
-                    outputs = model.split(output, n)
-                    del inputs, output
-                if outputs is None or len(outputs) != n:
-                    got = "None" if outputs is None else len(outputs)
-                    raise ModelError(f"split returned {got} outputs for a batch of {n}; it must "
-                                     "return exactly one dict per request")
-            except Exception as exc:  # noqa: BLE001 - the model is user code
-                ended = clock.now()
-                text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                if is_oom(exc):
-                    memory = devicemem.figures(device)
-                    summary = devicemem.allocator_summary(device)
-                    if summary:
-                        memory["allocator_summary"] = summary
-                    return Attempt(lo, hi, "oom", started, ended, ended - started,
-                                   error=text[:MAX_ERROR_CHARS], memory=memory,
-                                   peak_memory_bytes=devicemem.peak_bytes(device))
-                return Attempt(lo, hi, "error", started, ended, ended - started,
-                               error=text[:MAX_ERROR_CHARS], trace=traceback.format_exc())
-            ended = clock.now()
-            return Attempt(lo, hi, "ok", started, ended, ended - started, outputs=outputs,
-                           peak_memory_bytes=devicemem.peak_bytes(device) if on_cuda else None,
-                           cuda_graph=used_graph)
-
-        return run_splitting(whole, attempt, recover=cfg.oom_recovery,
-                             free=lambda: devicemem.free_cached(device))
+        return run_batch(slot.model, [r.item for r in reqs],
+                         [r.length for r in reqs] if slot.variable else None, batch.pad_to,
+                         batch.bucket, batch.config, slot.variable, self.device, self._clock,
+                         lambda cfg: self._graph_runner(slot, cfg))
 
     def _graph_runner(self, slot: _Slot, cfg: BatchingConfig) -> Any:
         """The slot's CUDA-graph runner for the current max batch size (device thread)."""
-        runner = slot.graphs
-        if runner is None or runner.sizes[-1] != cfg.max_batch_size:
-            from runtime.cudagraphs import CudaGraphRunner  # CUDA only: import on use
-            runner = slot.graphs = CudaGraphRunner(slot.model, self.device,
-                                                   max_batch_size=cfg.max_batch_size)
-        return runner
+        slot.graphs = graph_runner(slot.graphs, slot.model, self.device, cfg.max_batch_size)
+        return slot.graphs
 
     # -- back on the loop ---------------------------------------------------------------
     def _finish_batch(self, slot: _Slot, batch: Batch, attempts: list[Attempt],

@@ -109,7 +109,8 @@ class Service:
                                         instance_id=self.instance_id)
             recorder = TeeRecorder(self.db_recorder, self.metrics)
         self.engine = Engine(models, configs, recorder=recorder, instance_id=self.instance_id,
-                             device=device)
+                             device=device, device_process=server.device_process,
+                             model_specs=server.models if server.device_process else ())
         self.metrics.bind(stats=self._all_stats, dropped=self._dropped)
         self.live = None
         self.sampler = None
