@@ -1,0 +1,427 @@
+"""The device process: models run in a child process with its own interpreter lock.
+
+In one process, the event loop (HTTP, codec, batching) and the device thread (torch)
+take turns on the GIL, and each waits for the other. ``DeviceProcess`` starts a child
+(``multiprocessing`` ``spawn`` context: a fresh interpreter, safe with torch's thread
+pools) that loads the same models from their specs (``runtime.loader.load_model``),
+calls ``setup(device)`` and then runs every batch it is sent with
+``runtime.executor.run_batch`` (budget check, collate, predict or CUDA-graph replay,
+split, out-of-memory split-and-retry, peak memory). ``decode``/``length`` stay in the
+serving process.
+
+Messages go over a ``multiprocessing.Pipe`` as pickle protocol 5 bytes; items and
+outputs travel packed (``runtime.executor.pack_items``/``pack_outputs``). The serving
+process reads answers on its event loop (``add_reader``), so a finished batch is
+booked without a thread switch. A batch carries its model's ``BatchingConfig`` the
+first time after each settings change, so ``cuda_graphs``, ``memory_budget_mb``,
+``oom_recovery`` and ``max_batch_size`` changes reach the child at the next batch.
+
+When the child dies, every batch sent to it fails (an ``error`` attempt: the engine
+answers 500 and records a ``model_error`` event), ``on_exit`` is told, and a new child
+is started; batches submitted meanwhile wait for it (or fail, if it cannot start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from runtime.clock import MonotonicClock
+from runtime.config import BatchingConfig
+from runtime.errors import ConfigError
+from runtime.oom import Attempt
+
+log = logging.getLogger("batchscope.device_process")
+
+#: the longest a child may take to import, load and set up its models
+START_TIMEOUT_S = 180.0
+#: at stop, the child gets this long to exit after being asked before it is killed
+STOP_TIMEOUT_S = 5.0
+_PROTOCOL = 5
+
+OnDone = Callable[[list[Attempt]], None]
+
+
+def _dumps(msg: Any) -> bytes:
+    return pickle.dumps(msg, protocol=_PROTOCOL)
+
+
+# -- the child --------------------------------------------------------------------------
+def _load_models(specs: Sequence[str], names: Sequence[str]) -> dict[str, Any]:
+    from runtime.loader import is_generation_model, load_model
+
+    found: dict[str, Any] = {}
+    for spec in specs:
+        model = load_model(spec)
+        if model.name in names and not is_generation_model(model):
+            found[model.name] = model
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ConfigError(f"no model spec among {list(specs)} loads model(s) {missing}; the "
+                          "device process loads models by spec, pass the spec of every model")
+    return found
+
+
+def child_main(conn: Any, specs: Sequence[str], names: Sequence[str], device: str,
+               torch_threads: int, log_level: int) -> None:
+    """Entry point of the device process: set up, then run batches until told to stop
+    or the pipe closes (the serving process is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the serving process' to handle
+    logging.basicConfig(level=log_level,
+                        format="%(asctime)s %(levelname)s %(name)s[device]: %(message)s")
+    import torch
+
+    from runtime.executor import graph_runner, pack_outputs, run_batch, unpack_items
+
+    torch.set_num_threads(torch_threads)
+    dev = torch.device(device)
+    try:
+        models = _load_models(specs, names)
+        for model in models.values():
+            model.setup(dev)
+    except BaseException as exc:  # noqa: BLE001 - reported to the serving process
+        conn.send_bytes(_dumps(("failed", f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        return
+    conn.send_bytes(_dumps(("ready", os.getpid())))
+    gc.freeze()
+    clock = MonotonicClock()
+    configs: dict[str, BatchingConfig] = {}
+    graphs: dict[str, Any] = {}
+
+    def graphs_for(name: str) -> Callable[[BatchingConfig], Any]:
+        def get(cfg: BatchingConfig) -> Any:
+            graphs[name] = graph_runner(graphs.get(name), models[name], dev, cfg.max_batch_size)
+            return graphs[name]
+        return get
+
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        received = clock.now()
+        job_id = None
+        try:
+            msg = pickle.loads(data)
+            if msg[0] == "stop":
+                return
+            _, job_id, name, cfg, packed, lengths, pad_to, bucket = msg
+            if cfg is not None:
+                configs[name] = cfg
+            model = models[name]
+            items = unpack_items(packed)
+            attempts = run_batch(model, items, lengths, pad_to, bucket, configs[name],
+                                 bool(model.variable_length), dev, clock, graphs_for(name))
+            for a in attempts:
+                if a.outputs is not None:
+                    a.outputs = pack_outputs(a.outputs)
+            reply = _dumps(("done", job_id, received, attempts))
+        except Exception as exc:  # noqa: BLE001 - a bad message or unpicklable outputs
+            now = clock.now()
+            # stop=-1: the whole batch (the serving process knows its size)
+            reply = _dumps(("done", job_id, received, [Attempt(
+                0, -1, "error", received, now, now - received,
+                error=f"{type(exc).__name__}: {exc}"[:200], trace=traceback.format_exc())]))
+        try:
+            conn.send_bytes(reply)
+        except (BrokenPipeError, OSError):
+            return
+
+
+# -- the serving side -------------------------------------------------------------------
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start a spawned child without re-running the parent's main script in it: the
+    child needs only ``child_main`` and plain arguments, and a script without an
+    ``if __name__ == "__main__"`` guard would otherwise start a second server there."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    spec = getattr(main, "__spec__", None)
+    saved = getattr(main, "__file__", None)
+    had_file = hasattr(main, "__file__")
+    main.__spec__ = None
+    if had_file:
+        del main.__file__
+    try:
+        yield
+    finally:
+        main.__spec__ = spec
+        if had_file:
+            main.__file__ = saved
+
+
+@dataclass(slots=True)
+class _Job:
+    """A batch on its way to (or in) the child."""
+
+    job_id: int
+    name: str
+    config: BatchingConfig
+    version: int
+    items: list
+    lengths: list[int] | None
+    pad_to: int | None
+    bucket: int | None
+    on_done: OnDone
+    sent_s: float = 0.0
+
+
+class DeviceProcess:
+    """A child process that runs batches for the models named ``names``, loaded from
+    ``specs``. All methods are called on the event loop's thread."""
+
+    def __init__(self, specs: Sequence[str], names: Sequence[str], device: str = "cpu", *,
+                 torch_threads: int = 1, clock: Any = None,
+                 on_exit: Callable[[str], None] | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+        if not specs:
+            raise ConfigError("the device process loads models by spec; none were given "
+                              "(pass model_specs, e.g. ['mlp', 'path/file.py:MyModel'])")
+        self.specs = list(specs)
+        self.names = list(names)
+        self.device = str(device)
+        self.torch_threads = int(torch_threads)
+        self.on_exit = on_exit
+        self.start_timeout_s = start_timeout_s
+        self._clock = clock or MonotonicClock()
+        #: child times are on this process' clock only when both read the monotonic clock
+        self._same_clock = type(self._clock) is MonotonicClock
+        self._ctx = multiprocessing.get_context("spawn")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._proc: Any = None
+        self._conn: Any = None
+        self._ready: asyncio.Future | None = None
+        self._starting: asyncio.Task | None = None
+        self._sent: dict[int, _Job] = {}
+        self._held: deque[_Job] = deque()
+        self._versions: dict[str, int] = {}
+        self._next_id = 0
+        self._stopping = False
+        self.restarts = 0
+        self.pid: int | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the child and wait until its models are set up (ConfigError/RuntimeError
+        with the child's reason when that fails)."""
+        self._loop = asyncio.get_running_loop()
+        await self._spawn()
+
+    async def _spawn(self) -> None:
+        loop = self._loop
+        parent, child = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=child_main, name="batchscope-device",
+            args=(child, self.specs, self.names, self.device, self.torch_threads,
+                  logging.getLogger().getEffectiveLevel()),
+            daemon=True)
+        with _main_module_hidden():
+            proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        self._versions.clear()
+        self._ready = loop.create_future()
+        loop.add_reader(parent.fileno(), self._on_readable)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), self.start_timeout_s)
+        except asyncio.TimeoutError:
+            self._close_child(kill=True)
+            raise RuntimeError(f"the device process did not set up its models within "
+                               f"{self.start_timeout_s:.0f} s") from None
+        except BaseException:
+            if self._conn is parent:
+                self._close_child(kill=True)
+            raise
+        self.pid = proc.pid
+        log.info("device process %d serves %s on %s", proc.pid, self.names, self.device)
+
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Ask the child to exit (killed after ``timeout_s``); batches still held fail."""
+        self._stopping = True
+        if self._starting is not None:
+            self._starting.cancel()
+        proc, conn = self._proc, self._conn
+        if conn is not None:
+            try:
+                conn.send_bytes(_dumps(("stop",)))
+            except OSError:
+                pass
+        if proc is not None:
+            await self._loop.run_in_executor(None, proc.join, timeout_s)
+        self._close_child(kill=True)
+        self._fail_all("the server is shutting down")
+
+    def _close_child(self, kill: bool) -> None:
+        conn, proc = self._conn, self._proc
+        self._conn = self._proc = None
+        if conn is not None:
+            try:
+                self._loop.remove_reader(conn.fileno())
+            except (ValueError, OSError):
+                pass
+            conn.close()
+        if proc is not None and kill and proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+
+    # -- batches ------------------------------------------------------------------------
+    def submit(self, name: str, config: BatchingConfig, version: int, items: list,
+               lengths: list[int] | None, pad_to: int | None, bucket: int | None,
+               on_done: OnDone) -> None:
+        """Run a batch in the child; ``on_done(attempts)`` is called on the loop exactly once."""
+        self._next_id += 1
+        job = _Job(self._next_id, name, config, version, items, lengths, pad_to, bucket, on_done)
+        if self._stopping:
+            self._finish_failed(job, "the server is shutting down")
+            return
+        if self._conn is None or self._ready is None or not self._ready.done():
+            self._held.append(job)
+            self._ensure_restart()
+            return
+        self._send(job)
+
+    def _send(self, job: _Job) -> None:
+        from runtime.executor import pack_items
+
+        cfg = None
+        if self._versions.get(job.name) != job.version:
+            cfg = job.config
+            self._versions[job.name] = job.version
+        job.sent_s = self._clock.now()
+        self._sent[job.job_id] = job
+        try:
+            self._conn.send_bytes(_dumps(("run", job.job_id, job.name, cfg, pack_items(job.items),
+                                          job.lengths, job.pad_to, job.bucket)))
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            # the child is gone: its end-of-file on the pipe fails this job
+            pass
+        except Exception as exc:  # items that cannot be pickled fail this batch only
+            del self._sent[job.job_id]
+            self._versions.pop(job.name, None)
+            self._finish_failed(job, f"its items cannot be sent to the device process "
+                                     f"({type(exc).__name__}: {exc})")
+
+    def _on_readable(self) -> None:
+        conn = self._conn
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            self._on_child_exit()
+            return
+        except Exception:
+            log.exception("unreadable message from the device process")
+            self._on_child_exit()
+            return
+        kind = msg[0]
+        if kind == "done":
+            self._on_done(msg[1], msg[2], msg[3])
+        elif kind == "ready":
+            if not self._ready.done():
+                self._ready.set_result(msg[1])
+        elif kind == "failed":
+            log.error("the device process could not set up its models:\n%s", msg[2])
+            if not self._ready.done():
+                self._ready.set_exception(RuntimeError(
+                    f"the device process could not set up its models: {msg[1]}"))
+
+    def _on_done(self, job_id: int, received_s: float, attempts: list[Attempt]) -> None:
+        from runtime.executor import unpack_outputs
+
+        if job_id is None and self._sent:  # the child could not read it: the oldest one
+            job_id = next(iter(self._sent))
+        job = self._sent.pop(job_id, None)
+        if job is None:
+            return
+        shift = 0.0 if self._same_clock else job.sent_s - received_s
+        for a in attempts:
+            if a.stop < 0:
+                a.stop = len(job.items)
+            if shift:
+                a.started_s += shift
+                a.ended_s += shift
+            if a.outputs is not None:
+                a.outputs = unpack_outputs(a.outputs)
+        job.on_done(attempts)
+
+    # -- failures -----------------------------------------------------------------------
+    def _finish_failed(self, job: _Job, why: str) -> None:
+        now = self._clock.now()
+        start = job.sent_s or now
+        job.on_done([Attempt(0, len(job.items), "error", start, now, now - start, error=why)])
+
+    def _fail_all(self, why: str) -> None:
+        jobs = list(self._sent.values()) + list(self._held)
+        self._sent.clear()
+        self._held.clear()
+        for job in jobs:
+            self._finish_failed(job, why)
+
+    def _on_child_exit(self) -> None:
+        proc = self._proc
+        self._close_child(kill=True)
+        if proc is not None:
+            proc.join(0.5)
+        code = None if proc is None else proc.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exit status {code}"
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(
+                f"the device process exited ({how}) while setting up its models; see the log"))
+            return
+        lost = list(self._sent.values())
+        self._sent.clear()
+        for job in lost:
+            self._finish_failed(job, f"the device process exited ({how}) while running this "
+                                     "batch; it is being restarted, send the request again")
+        if self._stopping:
+            return
+        message = (f"the device process (pid {self.pid}) exited ({how}); {len(lost)} batch(es) "
+                   "failed, starting a new one")
+        log.error(message)
+        if self.on_exit is not None:
+            try:
+                self.on_exit(message)
+            except Exception:
+                log.exception("the device process exit listener failed")
+        self._ensure_restart()
+
+    def _ensure_restart(self) -> None:
+        if self._stopping or self._starting is not None or self._loop is None:
+            return
+        self._starting = self._loop.create_task(self._restart(), name="batchscope-device-restart")
+
+    async def _restart(self) -> None:
+        try:
+            await self._spawn()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - held batches fail, the next one tries again
+            log.error("restarting the device process failed: %s", exc)
+            held = list(self._held)
+            self._held.clear()
+            for job in held:
+                self._finish_failed(job, f"the device process could not be restarted ({exc})")
+            return
+        finally:
+            self._starting = None
+        self.restarts += 1
+        while self._held and self._conn is not None:
+            self._send(self._held.popleft())

@@ -1,0 +1,191 @@
+"""Running one batch on the device, wherever that happens.
+
+``run_batch`` is the whole execution of a batch: memory-budget check, ``collate``,
+``predict`` (through the CUDA-graph runner when ``cuda_graphs`` is on), ``split``,
+out-of-memory detection with split-and-retry (``runtime.oom.run_splitting``) and
+peak memory. The engine's device thread calls it in the serving process; the device
+process (``runtime.device_process``) calls it in its child. Either way the engine
+books the returned ``Attempt`` list the same way.
+
+``pack_items``/``unpack_items`` and ``pack_outputs``/``unpack_outputs`` carry a
+batch's items and results between processes as a few large numpy arrays instead of
+many small objects (one stacked or concatenated array per batch), falling back to
+plain pickling for anything else.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from runtime import devicemem
+from runtime.config import BatchingConfig
+from runtime.core.batcher import pad_length
+from runtime.errors import ModelError
+from runtime.model_api import ModelAPI
+from runtime.oom import Attempt, check_budget, is_oom, run_splitting
+
+#: longest model error text sent to a client
+MAX_ERROR_CHARS = 200
+
+GraphRunnerFor = Callable[[BatchingConfig], Any]
+
+
+def graph_runner(current: Any, model: ModelAPI, device: torch.device, max_batch_size: int) -> Any:
+    """``current`` when it was made for ``max_batch_size``, else a new CUDA-graph runner."""
+    if current is not None and current.sizes[-1] == max_batch_size:
+        return current
+    from runtime.cudagraphs import CudaGraphRunner  # CUDA only: import on use
+
+    return CudaGraphRunner(model, device, max_batch_size=max_batch_size)
+
+
+def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_to: int | None,
+              bucket: int | None, cfg: BatchingConfig, variable: bool, device: torch.device,
+              clock: Any, graphs_for: GraphRunnerFor | None = None) -> list[Attempt]:
+    """Run ``items`` as one batch (split in halves on out-of-memory when
+    ``cfg.oom_recovery``); every attempt in the order it ran. ``lengths`` are the
+    items' lengths (only read for a variable-length model's sub-batches);
+    ``graphs_for(cfg)`` gives the CUDA-graph runner when ``cfg.cuda_graphs`` is on."""
+    whole = len(items)
+    on_cuda = device.type == "cuda"
+    graphs = graphs_for(cfg) if on_cuda and cfg.cuda_graphs and graphs_for is not None else None
+
+    def attempt(lo: int, hi: int) -> Attempt:
+        n = hi - lo
+        part = items if n == whole else items[lo:hi]
+        if n == whole or not variable:
+            pad = pad_to
+        else:
+            pad = pad_length(list(lengths[lo:hi]), bucket, cfg, variable)
+        if on_cuda:
+            devicemem.reset_peak(device)
+        started = clock.now()
+        used_graph = False
+        try:
+            check_budget(model, n, pad, cfg.memory_budget_mb)
+            with torch.inference_mode():
+                inputs = model.collate(part, pad)
+                if graphs is None:
+                    output = model.predict(inputs)
+                else:
+                    output, used_graph = graphs.run(inputs, n)
+                outputs = model.split(output, n)
+                del inputs, output
+            if outputs is None or len(outputs) != n:
+                got = "None" if outputs is None else len(outputs)
+                raise ModelError(f"split returned {got} outputs for a batch of {n}; it must "
+                                 "return exactly one dict per request")
+        except Exception as exc:  # noqa: BLE001 - the model is user code
+            ended = clock.now()
+            text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if is_oom(exc):
+                memory = devicemem.figures(device)
+                summary = devicemem.allocator_summary(device)
+                if summary:
+                    memory["allocator_summary"] = summary
+                return Attempt(lo, hi, "oom", started, ended, ended - started,
+                               error=text[:MAX_ERROR_CHARS], memory=memory,
+                               peak_memory_bytes=devicemem.peak_bytes(device))
+            return Attempt(lo, hi, "error", started, ended, ended - started,
+                           error=text[:MAX_ERROR_CHARS], trace=traceback.format_exc())
+        ended = clock.now()
+        return Attempt(lo, hi, "ok", started, ended, ended - started, outputs=outputs,
+                       peak_memory_bytes=devicemem.peak_bytes(device) if on_cuda else None,
+                       cuda_graph=used_graph)
+
+    return run_splitting(whole, attempt, recover=cfg.oom_recovery,
+                         free=lambda: devicemem.free_cached(device))
+
+
+# -- moving a batch between processes ---------------------------------------------------
+def _as_arrays(items: list) -> tuple[str, list[np.ndarray]] | None:
+    """("np" | "torch", the items as numpy arrays of one dtype), or None if they are not."""
+    first = items[0]
+    if isinstance(first, np.ndarray):
+        kind, arrays = "np", items
+        if not all(type(a) is np.ndarray for a in items):
+            return None
+    elif isinstance(first, torch.Tensor):
+        kind = "torch"
+        if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.requires_grad
+                   for t in items):
+            return None
+        try:
+            arrays = [t.numpy() for t in items]
+        except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16 ...)
+            return None
+    else:
+        return None
+    dtype, ndim = arrays[0].dtype, arrays[0].ndim
+    if dtype == object or ndim == 0 or not all(a.dtype == dtype and a.ndim == ndim for a in arrays):
+        return None
+    return kind, arrays
+
+
+def pack_items(items: list) -> tuple:
+    """Items of one batch in a form that pickles fast: one stacked array when every
+    item is an array (numpy or CPU tensor) of one shape, one concatenated array plus
+    lengths when they differ only in their first dimension, else the list itself."""
+    found = _as_arrays(items) if items else None
+    if found is None:
+        return ("raw", items)
+    kind, arrays = found
+    shape = arrays[0].shape
+    if all(a.shape == shape for a in arrays):
+        return ("stack", kind, np.stack(arrays))
+    tail = shape[1:]
+    if all(a.shape[1:] == tail for a in arrays):
+        return ("cat", kind, np.concatenate(arrays), [a.shape[0] for a in arrays])
+    return ("raw", items)
+
+
+def unpack_items(packed: tuple) -> list:
+    form = packed[0]
+    if form == "raw":
+        return packed[1]
+    kind, data = packed[1], packed[2]
+    if form == "stack":
+        if kind == "torch":
+            return list(torch.from_numpy(data).unbind(0))
+        return list(data)
+    lengths = packed[3]
+    if kind == "torch":
+        return list(torch.from_numpy(data).split(lengths))
+    return np.split(data, np.cumsum(lengths)[:-1])
+
+
+def pack_outputs(outputs: list) -> tuple:
+    """Per-request output dicts as one stacked array per output name when every dict
+    has the same names and each name's arrays share one shape and dtype."""
+    first = outputs[0] if outputs else None
+    if not isinstance(first, dict):
+        return ("raw", outputs)
+    keys = tuple(first)
+    columns = []
+    for key in keys:
+        column = []
+        for out in outputs:
+            value = out.get(key) if isinstance(out, dict) and len(out) == len(keys) else None
+            if type(value) is not np.ndarray:
+                return ("raw", outputs)
+            column.append(value)
+        head = column[0]
+        if head.dtype == object or not all(v.shape == head.shape and v.dtype == head.dtype
+                                           for v in column):
+            return ("raw", outputs)
+        columns.append(np.stack(column))
+    return ("cols", keys, columns)
+
+
+def unpack_outputs(packed: tuple) -> list:
+    if packed[0] == "raw":
+        return packed[1]
+    keys, columns = packed[1], packed[2]
+    if len(keys) == 1:
+        key = keys[0]
+        return [{key: row} for row in columns[0]]
+    return [dict(zip(keys, rows)) for rows in zip(*columns)]
