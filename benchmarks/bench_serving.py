@@ -115,8 +115,13 @@ def wait_ready(url: str, deadline: float) -> None:
     raise RuntimeError(f"{url} never became ready")
 
 
+#: flags every BatchScope server of this run gets (e.g. --device-process)
+SERVE_EXTRA: list[str] = []
+
+
 def serve_cmd(*extra: str, db: str | None = None, models: Sequence[str] = ("mlp", "encoder")) -> list[str]:
-    cmd = [sys.executable, "-m", "runtime.cli", "serve", "--port", "0", "--torch-threads", "1"]
+    cmd = [sys.executable, "-m", "runtime.cli", "serve", "--port", "0", "--torch-threads", "1",
+           *SERVE_EXTRA]
     for m in models:
         cmd += ["--model", m]
     cmd += ["--db", db] if db else ["--no-record"]
@@ -159,13 +164,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", default="mlp,encoder,latency,recording,core",
                     help="comma list of parts: mlp, encoder, latency, recording, core")
     ap.add_argument("--json", default=None, help="write all figures to this file")
+    ap.add_argument("--device-process", action="store_true",
+                    help="serve with batchscope serve --device-process (models in a child process)")
     args = ap.parse_args(argv)
+    if args.device_process:
+        SERVE_EXTRA.append("--device-process")
     parts = set(args.only.split(","))
     d, c = args.duration_s, args.concurrency
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
-        "settings": {"duration_s": d, "concurrency": c, "torch_threads": 1},
+        "settings": {"duration_s": d, "concurrency": c, "torch_threads": 1,
+                     "device_process": args.device_process},
     }
     ratios: dict[str, float] = {}
 
