@@ -219,6 +219,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             with process(serve_cmd("--max-batch-size", "1", models=("encoder",)), ready="serving") as url:
                 results["encoder_batch1"] = load(url, "encoder", concurrency=c, duration_s=d,
                                                  lengths="uniform:8:128")
+        if "mlp" in parts and "--device-process" not in SERVE_EXTRA:
+            print("batchscope server with the model in its own process (--device-process)",
+                  flush=True)
+            with process(serve_cmd("--device-process", db=db, models=("mlp",)),
+                         ready="serving") as url:
+                results["mlp_device_process"] = load(url, "mlp", concurrency=c, duration_s=d)
+                if "latency" in parts:
+                    results["mlp_device_process_1client"] = load(url, "mlp", concurrency=1,
+                                                                 duration_s=d)
         if "mlp" in parts:
             print("plain server, one forward per request (FastAPI/uvicorn)", flush=True)
             with process(baseline_cmd(), ready="baseline server") as url:
@@ -248,6 +257,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "mlp_server" in results and "mlp_baseline" in results:
         ratios["mlp_server_vs_plain_server"] = (results["mlp_server"]["throughput_rps"]
                                                 / results["mlp_baseline"]["throughput_rps"])
+    if "mlp_device_process" in results and "mlp_baseline" in results:
+        ratios["mlp_device_process_vs_plain_server"] = (
+            results["mlp_device_process"]["throughput_rps"] / results["mlp_baseline"]["throughput_rps"])
+    if "mlp_device_process_1client" in results:
+        ratios["mlp_device_process_1client_p50_minus_batch1_ms"] = (
+            results["mlp_device_process_1client"]["latency_p50_ms"] - off("mlp", "fixed", 1)["ms_per_batch"])
     if "mlp_1client" in results:
         b1 = off("mlp", "fixed", 1)["ms_per_batch"]
         ratios["mlp_1client_p50_minus_batch1_ms"] = results["mlp_1client"]["latency_p50_ms"] - b1
@@ -261,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print("\nratios measured in this run", flush=True)
     targets = {"encoder_server_vs_offline_sorted32": ">= 0.85", "mlp_server_vs_plain_server": ">= 6",
+               "mlp_device_process_vs_plain_server": ">= 6",
+               "mlp_device_process_1client_p50_minus_batch1_ms": "<= 1.0",
                "mlp_1client_p50_minus_batch1_ms": "<= 1.0", "recording_throughput_loss_pct": "<= 3"}
     for key, value in ratios.items():
         print(f"  {key:45s} {value:8.3f}   {targets.get(key, '')}", flush=True)
