@@ -105,7 +105,9 @@ def pick_scope(engine, *, live: bool, snap: snapshot.Snapshot | None) -> dict:
     sb = st.sidebar
     inst_rows = queries.instances(engine)
     now = time.time()
-    live_ids = [i.id for i in control.live_instances(engine, now=now)] if live else []
+    live_rows = control.live_instances(engine, now=now) if live else []
+    live_ids = [i.id for i in live_rows]
+    demo_ids = [i.id for i in live_rows if (i.version or "").endswith("-demo")]
     inst_ids = list(inst_rows["id"]) if len(inst_rows) else []
     options = ["all"] + inst_ids
     default = options.index(live_ids[0]) if live_ids and live_ids[0] in options else 0
@@ -123,7 +125,7 @@ def pick_scope(engine, *, live: bool, snap: snapshot.Snapshot | None) -> dict:
         window = queries.Window(w.start_s, w.end_s, model, inst_id)
         sb.caption(f"Snapshot window: {fmt_time(w.start_s)} → {fmt_time(w.end_s)}")
         return {"window": window, "live": False, "model": model, "instance": inst_id,
-                "live_ids": live_ids, "names": names, "minutes": w.duration_s / 60,
+                "live_ids": live_ids, "demo_ids": demo_ids, "names": names, "minutes": w.duration_s / 60,
                 "end_ago_min": 0.0}
     choice = sb.radio("Time window", list(WINDOWS_MIN) + ["custom"], index=2, horizontal=True,
                       key="window_choice")
@@ -135,7 +137,7 @@ def pick_scope(engine, *, live: bool, snap: snapshot.Snapshot | None) -> dict:
     else:
         minutes = WINDOWS_MIN[choice]
     return {"window": None, "live": end_ago == 0.0, "model": model, "instance": inst_id,
-            "live_ids": live_ids, "names": names, "minutes": float(minutes),
+            "live_ids": live_ids, "demo_ids": demo_ids, "names": names, "minutes": float(minutes),
             "end_ago_min": float(end_ago)}
 
 
@@ -483,6 +485,10 @@ def main() -> None:
     st.title("BatchScope")
     if snap is not None:
         st.info(f"Browsing snapshot {opts['source'][10:]} (not live).")
+    elif scope["live_ids"] and scope.get("demo_ids") == scope["live_ids"]:
+        st.info("Live data from the bundled demo runtime (models mlp, encoder and decoder under "
+                "synthetic, varying traffic), started because no other runtime was reporting to "
+                f"{opts['url']}. Turn it off with BATCHSCOPE_NO_DEMO=1 or the sidebar toggle.")
     elif scope["live_ids"]:
         st.caption(f"Attached to live runtime(s): {', '.join(scope['live_ids'])}")
     elif opts["demo"]:

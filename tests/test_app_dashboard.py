@@ -99,3 +99,16 @@ def test_generation_model_gets_its_own_settings_form(app_db):
     at.run()
     cmd = control.recent_commands(app_db, model="decoder")[0]
     assert cmd.changes == {"max_num_seqs": 8}
+
+
+def test_the_demo_runtime_is_named_as_such(app_db):
+    now = time.time()
+    control.register_instance(app_db, instance_id="demo-1", host="localhost", pid=1,
+                              models=["mlp"], url=None, device="cpu", version="0.1.0-demo",
+                              now=now)
+    with app_db.begin() as conn:  # only the demo reports: the synthetic instance went quiet
+        conn.exec_driver_sql("UPDATE runtime_instances SET last_seen_at = ? WHERE id != 'demo-1'",
+                             (now - 3600,))
+    at = run_app()
+    assert any("bundled demo runtime" in i.value for i in at.info)
+    assert not any("Attached to live runtime" in c.value for c in at.caption)
