@@ -5,8 +5,10 @@ Batches run off the event loop in a single device thread (collate, predict and
 split under ``torch.inference_mode()``, see ``runtime.executor.run_batch``); the
 futures of a batch are resolved in one ``loop.call_soon_threadsafe`` callback. With
 ``device_process=True`` they run instead in a child process with its own GIL
-(``runtime.device_process``), which loads the models from ``model_specs``. Several models share the device
-through ``FairArbiter``. Every accepted request gets exactly one outcome, and one
+(``runtime.device_process``), which loads the models from ``model_specs``; a model's
+next batch then goes to the child while one still runs when the queue holds a full
+batch (``Engine._worker_ahead``, at most ``MAX_AHEAD_BATCHES``). Several models share
+the device through ``FairArbiter``. Every accepted request gets exactly one outcome, and one
 ``RequestRow``; every executed batch (and every out-of-memory attempt) one
 ``BatchRow``; notable things an ``EventRow``.
 
@@ -50,6 +52,9 @@ EVENT_INTERVAL_S = 1.0
 INLINE_MAX_COMPUTE_MS = 0.0
 #: the longest the event loop waits for the device thread to pick up a batch
 HANDOFF_WAIT_S = 0.002
+#: with the device process, the most batches of one model sent to it at once (one
+#: running, the next waiting in its pipe; see ``Engine._worker_ahead``)
+MAX_AHEAD_BATCHES = 2
 
 
 class _Waker:
@@ -145,8 +150,14 @@ class _Slot:
         self.ready = False
         self.closing = False
         self.in_flight = 0
-        self.current_done: asyncio.Future | None = None
-        self.current_batch: Batch | None = None
+        #: batches on the device, oldest first, with the futures that settle when each is back
+        self.running: list[tuple[Batch, asyncio.Future]] = []
+        #: whether this model's worker holds the arbiter's device turn (device process only)
+        self.holds_turn = False
+        #: batches back from the device process whose device time the arbiter has not
+        #: been told yet, and that time
+        self.unreported = 0
+        self.unreported_s = 0.0
         #: finished batches whose requests still wait for their answers
         self.finished: list[tuple[Batch, list[Attempt], list[int]]] = []
         #: CUDA-graph runner (device thread only), made when cuda_graphs is on, per max size
@@ -237,7 +248,8 @@ class Engine:
             slot.waker = _Waker(loop)
             slot.ready = True
         for slot in self._slots.values():
-            slot.task = loop.create_task(self._worker(slot), name=f"batchscope-worker-{slot.name}")
+            work = self._worker_ahead(slot) if self._process is not None else self._worker(slot)
+            slot.task = loop.create_task(work, name=f"batchscope-worker-{slot.name}")
 
     async def _setup_in_thread(self, loop: asyncio.AbstractEventLoop) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchscope-device")
@@ -290,15 +302,14 @@ class Engine:
                 self._settle(slot, req, now, "cancelled", error=ShuttingDown(
                     "the server shut down before this request could run; send it again "
                     "to a running instance"))
-        running = [s.current_done for s in self._slots.values() if s.current_done is not None]
+        running = [done for s in self._slots.values() for _, done in s.running]
         if running:
             await asyncio.wait(running, timeout=max(1.0, deadline - loop.time()))
         for slot in self._slots.values():
             self._answer_finished(slot)
         now = self._clock.now()
         for slot in self._slots.values():
-            batch = slot.current_batch
-            if batch is not None:
+            for batch, _ in slot.running:
                 for req in batch.requests:
                     self._settle(slot, req, now, "cancelled", error=ShuttingDown(
                         "the server shut down while this request was running; its result "
@@ -443,13 +454,9 @@ class Engine:
         right after the next batch went to the device (or before the worker waits), so
         the device does not sit idle while a batch's responses are written."""
         batcher = slot.batcher
-        clock = self._clock
         while True:
             try:
-                now = clock.now()
-                expired = batcher.expire(now)
-                if expired:
-                    self._expired(slot, expired, now)
+                now = self._expire_now(slot)
                 if slot.closing and not batcher.depth:
                     self._answer_finished(slot)
                     return
@@ -464,10 +471,7 @@ class Engine:
                     await self._acquire(slot.name)
                 device_s = 0.0
                 try:
-                    now = clock.now()
-                    expired = batcher.expire(now)
-                    if expired:
-                        self._expired(slot, expired, now)
+                    now = self._expire_now(slot)
                     batch = batcher.next_batch(now)
                     if batch is not None:
                         device_s = await self._execute(slot, batch)
@@ -481,6 +485,14 @@ class Engine:
                 log.exception("the worker of model %r hit an unexpected error", slot.name)
                 self._answer_finished(slot)
                 await asyncio.sleep(0.01)
+
+    def _expire_now(self, slot: _Slot) -> float:
+        """Settle the slot's queued requests that are past their deadline; the time now."""
+        now = self._clock.now()
+        expired = slot.batcher.expire(now)
+        if expired:
+            self._expired(slot, expired, now)
+        return now
 
     async def _acquire(self, name: str) -> None:
         """Wait for the device turn the arbiter did not grant at once."""
@@ -506,19 +518,120 @@ class Engine:
             # that worker was cancelled while waiting: pass its turn on
             nxt = self._arbiter.release(nxt, 0.0)
 
+    # -- the worker with the device process ---------------------------------------------
+    async def _worker_ahead(self, slot: _Slot) -> None:
+        """Dispatch loop of one model whose batches run in the device process.
+
+        Like ``_worker``, but it need not wait for a batch to come back before it sends
+        the next: when the queue already holds a full batch (every bucket with requests
+        holds the bucket's effective max batch size, no bypass request waits), that
+        batch goes to the child while the running one is still there, and the child
+        starts it the moment it finishes the first (it runs its pipe in order) instead
+        of idling while this loop answers one batch and forms the next. Partial batches
+        wait until nothing of the model runs, so batches do not shrink; at most
+        ``MAX_AHEAD_BATCHES`` batches are in flight.
+
+        Device turns: a batch is sent under the arbiter's grant; a second one rides on
+        the grant of the running one only while no other model waits for the device.
+        The grant is given back when a batch comes back, with that batch's device time
+        (a batch that comes back while the model does not hold the device is counted
+        at its next turn, or at once if the device is free)."""
+        batcher = slot.batcher
+        arbiter = self._arbiter
+        name = slot.name
+        try:
+            while True:
+                try:
+                    now = self._expire_now(slot)
+                    if slot.unreported:
+                        if slot.holds_turn:
+                            self._give_back_turn(slot)
+                        elif arbiter.holder is None and not arbiter.waiting:
+                            arbiter.request(name)
+                            slot.holds_turn = True
+                            self._give_back_turn(slot)
+                    if slot.closing and not batcher.depth:
+                        self._answer_finished(slot)
+                        return
+                    running = len(slot.running)
+                    if running >= MAX_AHEAD_BATCHES:
+                        due = False
+                    elif running:
+                        due = (self._full_batch_waiting(slot)
+                               and not (slot.holds_turn and arbiter.waiting))
+                    else:
+                        due_at = batcher.due_at(now)
+                        due = due_at is not None and due_at <= now
+                    if not due:
+                        self._answer_finished(slot)
+                        if running:  # a batch coming back wakes the worker
+                            await slot.waker.wait(None)
+                        else:
+                            wake_at = batcher.next_wakeup(now)
+                            await slot.waker.wait(None if wake_at is None else wake_at - now)
+                        continue
+                    if not slot.holds_turn:
+                        if not arbiter.request(name, urgent=batcher.has_bypass()):
+                            self._answer_finished(slot)
+                            await self._acquire(name)
+                        slot.holds_turn = True
+                    now = self._expire_now(slot)
+                    batch = batcher.next_batch(now, model_busy=bool(slot.running))
+                    if batch is not None:
+                        self._send_to_process(slot, batch)
+                    elif not slot.running:
+                        self._give_back_turn(slot)
+                    self._answer_finished(slot)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug in the engine: keep serving, say so loudly
+                    log.exception("the worker of model %r hit an unexpected error", name)
+                    self._answer_finished(slot)
+                    await asyncio.sleep(0.01)
+        finally:
+            if slot.holds_turn:
+                self._give_back_turn(slot)
+
+    def _full_batch_waiting(self, slot: _Slot) -> bool:
+        """Whether the next batch the batcher forms is sure to be full: no bypass request
+        waits, and every bucket with requests holds at least its effective max."""
+        batcher = slot.batcher
+        if not batcher.depth or batcher.has_bypass():
+            return False
+        cap = batcher.cap
+        return all(n >= cap(key) for key, n in batcher.depth_by_bucket().items() if n)
+
+    def _give_back_turn(self, slot: _Slot) -> None:
+        """Release the device turn the slot holds, with the device time not yet told."""
+        device_s = slot.unreported_s
+        slot.unreported = 0
+        slot.unreported_s = 0.0
+        slot.holds_turn = False
+        self._release(slot.name, device_s)
+
+    def _send_to_process(self, slot: _Slot, batch: Batch) -> None:
+        done = self._loop.create_future()
+        slot.running.append((batch, done))
+        slot.in_flight += len(batch.requests)
+        reqs = batch.requests
+
+        def back(attempts: list[Attempt]) -> None:
+            slot.unreported += 1
+            slot.unreported_s += sum(a.compute_s for a in attempts)
+            self._finish_batch(slot, batch, attempts, done)
+            if slot.name in self._grants:  # the worker waits for a turn: answer now
+                self._answer_finished(slot)
+            slot.waker.wake()
+
+        self._process.submit(
+            slot.name, batch.config, batch.settings_version, [r.item for r in reqs],
+            [r.length for r in reqs] if slot.variable else None, batch.pad_to, batch.bucket,
+            back)
+
     async def _execute(self, slot: _Slot, batch: Batch) -> float:
         done = self._loop.create_future()
         slot.in_flight = len(batch.requests)
-        slot.current_batch = batch
-        slot.current_done = done
-        if self._process is not None:
-            reqs = batch.requests
-            self._process.submit(
-                slot.name, batch.config, batch.settings_version, [r.item for r in reqs],
-                [r.length for r in reqs] if slot.variable else None, batch.pad_to, batch.bucket,
-                lambda attempts: self._finish_batch(slot, batch, attempts, done))
-            self._answer_finished(slot)
-            return await asyncio.shield(done)
+        slot.running.append((batch, done))
         if self._runs_inline(slot, batch):
             # Short CPU batch: run it right here. Handing it to the device thread would
             # cost more than it saves: the thread needs the GIL the busy loop holds.
@@ -603,9 +716,13 @@ class Engine:
                             bucket=batch.bucket, effective_max_batch_size=probed)
         slot.batcher.complete(batch, now, device_s)
         slot.finished.append((batch, attempts, seqs))
-        slot.in_flight = 0
-        slot.current_batch = None
-        slot.current_done = None
+        running = slot.running
+        if len(running) == 1 and running[0][1] is done:
+            running.clear()
+            slot.in_flight = 0
+        else:
+            running[:] = [entry for entry in running if entry[1] is not done]
+            slot.in_flight = sum(len(b.requests) for b, _ in running)
         if not done.done():
             done.set_result(device_s)
 
