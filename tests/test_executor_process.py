@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from batchscope.records import BatchRow, EventRow, ListRecorder, RequestRow
-from runtime.cli import build_parser
+from runtime.cli import build_parser, device_process_default
 from runtime.config import BatchingConfig, ServerConfig
 from runtime.engine import Engine
 from runtime.errors import ConfigError, ModelError
@@ -219,7 +219,7 @@ def test_a_killed_child_fails_its_batch_and_a_new_one_serves_the_next(tmp_path):
     asyncio.run(run())
 
 
-def test_device_process_needs_specs_and_is_off_by_default():
+def test_device_process_needs_specs_and_defaults_to_on_for_the_cpu_only():
     models = {"double": load_model(f"double={TOYS['double']}")}
     with pytest.raises(ConfigError, match="model_specs"):
         Engine(models, device_process=True)
@@ -227,7 +227,11 @@ def test_device_process_needs_specs_and_is_off_by_default():
     with pytest.raises(ConfigError, match="device_process"):
         ServerConfig(device_process="yes")
     parser = build_parser()
-    assert parser.parse_args(["serve"]).device_process is False
+    assert parser.parse_args(["serve"]).device_process is None   # decided by the device:
+    assert device_process_default(None, "cpu") is True
+    assert device_process_default(None, "cuda:0") is False
+    assert device_process_default(False, "cpu") is False
+    assert device_process_default(True, "cuda") is True
     assert parser.parse_args(["serve", "--device-process"]).device_process is True
     assert parser.parse_args(["serve", "--no-device-process"]).device_process is False
 
