@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from sqlalchemy import Boolean, Engine, Table, insert
 
-from batchscope.records import BatchRow, DeviceRow, EventRow, GenStepRow, RequestRow
+from batchscope.records import BatchRow, DeviceRow, EventRow, GenStepRow, RequestRow, put_many_of
 from batchscope.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord
 
 log = logging.getLogger(__name__)
@@ -214,6 +214,18 @@ class Recorder:
         kind = KIND_OF.get(type(record)) or type(record).__name__
         counts = self._dropped_full_by_kind
         counts[kind] = counts.get(kind, 0) + 1
+
+    def put_many(self, records: list) -> None:
+        """``put`` of each record, in order, with one buffer operation when they fit."""
+        buffer = self._buffer
+        room = self._limit - len(buffer)
+        if len(records) <= room:
+            buffer.extend(records)
+            return
+        if room > 0:
+            buffer.extend(records[:room])
+        for record in records[max(room, 0):]:
+            self.put(record)  # counted as dropped (or kept, if the writer made room)
 
     @property
     def dropped(self) -> int:
@@ -452,12 +464,20 @@ class TeeRecorder:
     def __init__(self, *targets: Any) -> None:
         self.targets = tuple(targets)
         self._puts = tuple((target, target.put) for target in self.targets)
+        self._put_manys = tuple((target, put_many_of(target)) for target in self.targets)
 
     def put(self, record: Any) -> None:
         for target, put in self._puts:
             try:
                 put(record)
             except Exception:  # one broken target must not break the request path
+                log.exception("recorder target %r failed", target)
+
+    def put_many(self, records: list) -> None:
+        for target, put_many in self._put_manys:
+            try:
+                put_many(records)
+            except Exception:
                 log.exception("recorder target %r failed", target)
 
     @property

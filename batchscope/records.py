@@ -8,7 +8,7 @@ few attribute stores; nothing here touches the database.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 
 @dataclass(slots=True)
@@ -102,12 +102,28 @@ Record = BatchRow | RequestRow | EventRow | DeviceRow | GenStepRow
 
 
 class RecorderLike(Protocol):
-    """What the runtime needs from a recorder: non-blocking ``put``."""
+    """What the runtime needs from a recorder: non-blocking ``put``. A recorder may also
+    offer ``put_many(records)`` (a list, kept in order) for the rows of one batch;
+    ``put_many_of`` falls back to ``put`` for those that do not."""
 
     def put(self, record: Record) -> None: ...
 
     @property
     def dropped(self) -> int: ...
+
+
+def put_many_of(recorder: Any) -> Callable[[list], None]:
+    """``recorder.put_many``, or a loop over ``recorder.put`` where it has none."""
+    many = getattr(recorder, "put_many", None)
+    if many is not None:
+        return many
+    put = recorder.put
+
+    def put_each(records: list) -> None:
+        for record in records:
+            put(record)
+
+    return put_each
 
 
 @dataclass
@@ -120,6 +136,10 @@ class ListRecorder:
     def put(self, record: Record) -> None:
         if self.keep:
             self.records.append(record)
+
+    def put_many(self, records: list) -> None:
+        if self.keep:
+            self.records.extend(records)
 
     @property
     def dropped(self) -> int:

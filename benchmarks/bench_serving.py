@@ -10,7 +10,7 @@ printed as a ratio of two of them:
   to show what bucketing buys.
 * mlp, 64 clients: server req/s / the plain no-batching server's req/s (target >= 6).
 * 1 client, default settings: p50 latency - the model's batch-1 time (target <= 1 ms).
-* recording on vs off: throughput loss (target <= 3 %), runs interleaved on/off.
+* recording on vs off: throughput loss (target <= 3 %), 5 interleaved on/off pairs, medians.
 * the batching core alone: microseconds per request with a no-op model.
 
 Server and load generator share this machine; torch runs on one thread in the server.
@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "recording" in parts:
             print("recording on vs off (interleaved, mlp)", flush=True)
             on_runs, off_runs = [], []
-            for i in range(3):  # alternate which side goes first, so drift hits both alike
+            for i in range(5):  # alternate which side goes first, so drift hits both alike
                 for record in ((True, False) if i % 2 == 0 else (False, True)):
                     with process(serve_cmd(db=db if record else None, models=("mlp",)),
                                  ready="serving") as url:

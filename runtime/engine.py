@@ -29,7 +29,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from batchscope.records import BatchRow, EventRow, ListRecorder, RecorderLike, RequestRow
+from batchscope.records import (BatchRow, EventRow, ListRecorder, RecorderLike, RequestRow,
+                                put_many_of)
 from runtime.clock import MonotonicClock
 from runtime.config import BatchingConfig
 from runtime.core.arbiter import FairArbiter
@@ -213,6 +214,7 @@ class Engine:
         self.device = torch.device(device)
         self._clock = clock or MonotonicClock()
         self._recorder: RecorderLike = recorder if recorder is not None else ListRecorder(keep=False)
+        self._put_many = put_many_of(self._recorder)
         self._arbiter = FairArbiter()
         self._grants: dict[str, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -758,21 +760,23 @@ class Engine:
         start = a.start
         started = a.started_s
         to_wall = self._clock.to_wall
-        put = self._recorder.put
         instance, name, variable = self.instance_id, slot.name, slot.variable
         now_wall = to_wall(now)
-        answered = 0
+        rows = []
+        row = rows.append
         for i in range(start, a.stop):
             req = reqs[i]
             fut = req.future
             if fut.done():
                 continue
             fut.set_result(outputs[i - start])
-            answered += 1
             arrived = req.arrived_s
-            put(RequestRow(instance, name, seq, req.priority, to_wall(arrived), now_wall,
+            row(RequestRow(instance, name, seq, req.priority, to_wall(arrived), now_wall,
                            started - arrived, now - arrived, "ok", req.bypass,
                            req.length if variable else None))
+        answered = len(rows)
+        if rows:
+            self._put_many(rows)
         slot.requests += answered
         slot.outcomes["ok"] = slot.outcomes.get("ok", 0) + answered
 

@@ -313,3 +313,38 @@ def test_tee_keeps_feeding_after_a_broken_target(engine):
     for i in range(4):
         tee.put(request(i))
     assert len(memory.records) == 4
+
+
+def test_put_many_keeps_order_and_counts_what_does_not_fit(engine):
+    rec = Recorder(engine, buffer_size=100)  # writer not started
+    rec.put_many([request(i) for i in range(60)])
+    rec.put_many([request(i) for i in range(60, 130)])   # 40 fit, 30 are dropped
+    assert rec.buffered == 100 and rec.dropped == 30
+    assert rec.dropped_by_kind == {"requests": 30}
+    rec.close()
+    assert stored(engine, RequestRecord, RequestRow) == [request(i) for i in range(100)]
+    rec.put_many([request(0), request(1)])  # closed: refused and counted, never raised
+    assert rec.dropped == 32
+
+
+def test_tee_put_many_reaches_targets_with_and_without_put_many(engine):
+    class Broken:
+        def put_many(self, records):
+            raise RuntimeError("broken")
+
+        def put(self, record):
+            raise RuntimeError("broken")
+
+    class OnlyPut:
+        def __init__(self):
+            self.seen = []
+
+        def put(self, record):
+            self.seen.append(record)
+
+    memory, plain = ListRecorder(), OnlyPut()
+    tee = TeeRecorder(Broken(), memory, plain)
+    rows = [request(i) for i in range(5)]
+    tee.put_many(rows)
+    tee.put(request(5))
+    assert memory.records == rows + [request(5)] and plain.seen == rows + [request(5)]

@@ -138,6 +138,12 @@ class MetricsRecorder:
         if len(pending) >= FOLD_EVERY:
             self.fold()
 
+    def put_many(self, records: list) -> None:
+        pending = self._pending
+        pending.extend(records)
+        if len(pending) >= FOLD_EVERY:
+            self.fold()
+
     def fold(self) -> None:
         """Fold the pending records into the Prometheus series, grouped per series."""
         pending, self._pending = self._pending, []
