@@ -124,9 +124,10 @@ class SqliteInserts:
                                      + ", ".join(repeat(one, rows)))
         return text
 
-    def params(self, records: list) -> tuple[tuple[str, ...], list]:
-        """The columns to write and all rows' values for them in one flat list."""
-        flat = list(chain.from_iterable(map(self._flatten, records)))
+    def params(self, records: list, tuples: bool = False) -> tuple[tuple[str, ...], list]:
+        """The columns to write and all rows' values for them in one flat list
+        (``tuples``: the rows are already tuples in field order)."""
+        flat = list(chain.from_iterable(records if tuples else map(self._flatten, records)))
         n, width = len(records), len(self.names)
         for c in self._booleans:
             try:
@@ -141,8 +142,8 @@ class SqliteInserts:
             width -= 1
         return tuple(name for i, name in enumerate(self.names) if i not in omitted), flat
 
-    def run(self, cursor: Any, records: list) -> None:
-        names, flat = self.params(records)
+    def run(self, cursor: Any, records: list, *, tuples: bool = False) -> None:
+        names, flat = self.params(records, tuples)
         width = len(names)
         chunk = self.rows_per_statement(width)
         full, rest = divmod(len(records), chunk)
@@ -168,7 +169,7 @@ class Recorder:
 
     def __init__(self, engine: Engine, *, buffer_size: int = 100_000, flush_interval_s: float = 0.5,
                  max_rows_per_flush: int = 50_000, instance_id: str = "local",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, writer_process: bool = False) -> None:
         if buffer_size < 1 or max_rows_per_flush < 1 or flush_interval_s <= 0:
             raise ValueError("buffer_size and max_rows_per_flush must be >= 1 and flush_interval_s > 0")
         self.engine = engine
@@ -202,6 +203,13 @@ class Recorder:
         self._retry_at = 0.0
         self._sqlite = is_pysqlite(engine)
         self._inserts: dict[type, SqliteInserts] = {}
+        #: with ``writer_process``, the inserts run in a child process (see
+        #: ``batchscope.writer_process``); buffering, drops and back-off stay here
+        self.process = None
+        if writer_process:
+            from batchscope.writer_process import WriterProcess
+
+            self.process = WriterProcess(engine.url.render_as_string(hide_password=False))
 
     # ------------------------------------------------------------------ hot path
     def put(self, record: Any) -> None:
@@ -274,6 +282,9 @@ class Recorder:
             while self._buffer and time.monotonic() < deadline:
                 self.flush()
         self._discard_rest()
+        if self.process is not None:
+            with self._write_lock:
+                self.process.stop()
 
     def __enter__(self) -> "Recorder":
         self.start()
@@ -356,6 +367,8 @@ class Recorder:
         return written
 
     def _write_each(self, groups: dict[type, list]) -> int:
+        if self.process is not None:
+            return sum(self._write(cls, group, self.process.insert) for cls, group in groups.items())
         if not self._sqlite:
             return sum(self._write(cls, group, self._insert_core) for cls, group in groups.items())
         try:

@@ -74,6 +74,9 @@ def _add_serve(sub: Any) -> None:
                    help="run the request models in a child process with its own GIL, so "
                         "HTTP handling and the forward pass do not wait for each other "
                         "(default: on with --device cpu, off on a GPU)")
+    p.add_argument("--recorder-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="write recorded rows to the database from a child process, so the "
+                        "database work costs the serving process almost nothing (default: on)")
     p.add_argument("--instance-id", default=None)
     p.add_argument("--heartbeat-interval-s", type=float, default=2.0)
     p.add_argument("--control-poll-interval-s", type=float, default=0.5)
@@ -192,7 +195,8 @@ def _serve(args: argparse.Namespace) -> int:
                           control_poll_interval_s=args.control_poll_interval_s,
                           retention_raw_s=args.retention_raw_s, models=tuple(specs),
                           device_process=device_process_default(args.device_process,
-                                                                args.device))
+                                                                args.device),
+                          recorder_process=args.recorder_process)
     if args.torch_threads is not None:
         import torch
 

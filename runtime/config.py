@@ -233,6 +233,8 @@ class ServerConfig:
     models: tuple[str, ...] = field(default_factory=lambda: ("mlp", "encoder"))
     #: run request models in a child process with its own GIL (loaded from ``models``)
     device_process: bool = False
+    #: run the recorder's database inserts in a child process (``batchscope.writer_process``)
+    recorder_process: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -245,8 +247,9 @@ class ServerConfig:
             v = getattr(self, name)
             if not (_is_number(v) and v > 0):
                 problems.append(f"{name}={v!r} must be a positive number of seconds")
-        if not isinstance(self.device_process, bool):
-            problems.append(f"device_process={self.device_process!r} must be true or false")
+        for name in ("device_process", "recorder_process"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         if not (_is_int(self.recorder_buffer_size) and self.recorder_buffer_size >= 1):
             problems.append(f"recorder_buffer_size={self.recorder_buffer_size!r} must be a positive integer")
         if problems:

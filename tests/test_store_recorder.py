@@ -348,3 +348,4 @@ def test_tee_put_many_reaches_targets_with_and_without_put_many(engine):
     tee.put_many(rows)
     tee.put(request(5))
     assert memory.records == rows + [request(5)] and plain.seen == rows + [request(5)]
+

@@ -106,7 +106,8 @@ class Service:
 
             self.db = make_engine(server.database_url)
             self.db_recorder = Recorder(self.db, buffer_size=server.recorder_buffer_size,
-                                        instance_id=self.instance_id)
+                                        instance_id=self.instance_id,
+                                        writer_process=server.recorder_process)
             recorder = TeeRecorder(self.db_recorder, self.metrics)
         self.engine = Engine(models, configs, recorder=recorder, instance_id=self.instance_id,
                              device=device, device_process=server.device_process,

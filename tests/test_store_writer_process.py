@@ -1,0 +1,154 @@
+"""The recorder with its database inserts in a child process: rows arrive exactly, a
+locked database and a dead child cost counted drops and nothing else, and the child
+goes away with the recorder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import time
+
+import pytest
+from sqlalchemy import func, select
+
+from batchscope.db import make_engine
+from batchscope.records import BatchRow, EventRow, RequestRow
+from batchscope.recorder import Recorder
+from batchscope.schema import BatchRecord, EventRecord, RequestRecord
+from batchscope.writer_process import WriterProcess
+from runtime.cli import build_parser
+from runtime.config import ServerConfig
+from runtime.errors import ConfigError
+
+
+def request(i: int) -> RequestRow:
+    return RequestRow(instance_id="rt", model="mlp", batch_seq=i // 8, priority=i % 3,
+                      arrived_at=1000.0 + i, finished_at=1000.5 + i, queue_wait_s=0.001 * (i % 7),
+                      latency_s=0.01, outcome="ok", bypass=i % 5 == 0,
+                      length=None if i % 2 else i % 50)
+
+
+def batch(i: int) -> BatchRow:
+    return BatchRow(instance_id="rt", model="mlp", seq=i, policy="dynamic", settings_version=1,
+                    max_batch_size=8, bucket=None, batch_size=8, real_elements=8, padded_elements=8,
+                    queue_wait_min_s=0.0, queue_wait_mean_s=0.001, queue_wait_max_s=0.002,
+                    compute_s=0.004, started_at=1000.0 + i, ended_at=1000.01 + i,
+                    peak_memory_bytes=None if i % 2 else 2**33, cuda_graph=i % 3 == 0)
+
+
+def stored(engine, model, cls) -> list:
+    names = cls.__slots__
+    with engine.connect() as conn:
+        rows = conn.execute(select(*[getattr(model, n) for n in names]).order_by(model.id)).all()
+    return [cls(**dict(zip(names, row))) for row in rows]
+
+
+def count(engine, model) -> int:
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(model)).scalar_one()
+
+
+@pytest.fixture
+def url(tmp_path):
+    return f"sqlite:///{tmp_path / 'rec.db'}"
+
+
+@pytest.fixture
+def engine(url):
+    eng = make_engine(url)
+    yield eng
+    eng.dispose()
+
+
+def test_rows_arrive_exactly_through_the_child(engine):
+    rec = Recorder(engine, max_rows_per_flush=10_000, writer_process=True)
+    requests = [request(i) for i in range(700)]
+    batches = [batch(i) for i in range(90)]
+    rec.put_many(requests)
+    for b in batches:
+        rec.put(b)
+    assert rec.flush() == 790
+    pid = rec.process.pid
+    assert pid is not None and pid != os.getpid()
+    assert stored(engine, RequestRecord, RequestRow) == requests
+    assert stored(engine, BatchRecord, BatchRow) == batches
+    rec.close()
+    assert rec.process.pid is None   # the child is gone with the recorder
+    assert rec.dropped == 0 and rec.written == 790
+
+
+def test_writer_thread_and_child_together(engine):
+    rec = Recorder(engine, flush_interval_s=0.01, max_rows_per_flush=500, writer_process=True)
+    rec.start()
+    for i in range(3000):
+        rec.put(request(i))
+    rec.close()
+    assert rec.dropped == 0 and count(engine, RequestRecord) == 3000
+
+
+def test_locked_database_drops_then_recovers(url, engine):
+    rec = Recorder(engine, max_rows_per_flush=1000, writer_process=True)
+    rec.process = WriterProcess(url, busy_timeout_ms=20)
+    blocker = sqlite3.connect(url.split("///", 1)[1], isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    for i in range(40):
+        rec.put(request(i))
+        rec.put(batch(i))
+    assert rec.flush() == 0
+    assert rec.dropped == 80 and rec.dropped_by_kind == {"requests": 40, "batches": 40}
+    assert not rec.healthy
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    rec.put_many([request(i) for i in range(10)])
+    assert rec.flush() == 10 and rec.healthy
+    assert count(engine, RequestRecord) == 10
+    assert rec.process.starts == 1  # a database failure does not cost the child
+    with engine.connect() as conn:
+        events = conn.execute(select(EventRecord).where(EventRecord.kind == "recorder_drops")).all()
+    assert len(events) == 1
+    rec.close()
+
+
+def test_a_killed_child_costs_its_rows_and_is_replaced(engine):
+    rec = Recorder(engine, max_rows_per_flush=1000, writer_process=True)
+    rec.put(request(0))
+    assert rec.flush() == 1
+    os.kill(rec.process.pid, signal.SIGKILL)
+    rec.process._proc.join(10)
+    rec.put_many([request(i) for i in range(1, 6)])
+    # the dead child is noticed before the send: a new one takes the rows
+    assert rec.flush() == 5 and rec.process.starts == 2
+    # a child that dies while writing: those rows are dropped and counted, then a new one
+    rec.process.reply_timeout_s = 0.5
+    os.kill(rec.process.pid, signal.SIGSTOP)
+    try:
+        rec.put_many([request(i) for i in range(6, 9)])
+        assert rec.flush() == 0
+        assert rec.dropped == 3 and not rec.healthy
+    finally:
+        assert rec.process.pid is None   # the unanswering child was killed
+    rec.put(request(9))
+    assert rec.flush() == 1 and rec.healthy and rec.process.starts == 3
+    rec.close()
+    assert count(engine, RequestRecord) == 7
+
+
+def test_a_child_that_cannot_open_the_database_is_a_counted_failure(tmp_path):
+    engine = make_engine(f"sqlite:///{tmp_path / 'ok.db'}")
+    rec = Recorder(engine, writer_process=True)
+    (tmp_path / "plain-file").write_text("not a folder")
+    rec.process = WriterProcess(f"sqlite:///{tmp_path / 'plain-file' / 'x.db'}")
+    rec.put(EventRow(instance_id="rt", model=None, at=1.0, kind="note", message="m"))
+    assert rec.flush() == 0
+    assert rec.dropped == 1 and rec.dropped_by_kind == {"events": 1} and not rec.healthy
+    rec.close()
+
+
+def test_server_settings_and_command_line():
+    assert ServerConfig().recorder_process is False
+    with pytest.raises(ConfigError, match="recorder_process"):
+        ServerConfig(recorder_process="yes")
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).recorder_process is True
+    assert parser.parse_args(["serve", "--no-recorder-process"]).recorder_process is False
