@@ -20,6 +20,7 @@ import io
 import json
 import math
 import os
+import weakref
 import platform
 import sys
 import tempfile
@@ -82,14 +83,21 @@ class Snapshot:
         w = self.manifest["window"]
         self.window = Window(float(w["start_s"]), float(w["end_s"]), w.get("model"),
                              w.get("instance_id"))
+        # the temporary database goes away with the object (or at exit), even when
+        # nobody calls close(): a dashboard session that ends just drops its snapshots
+        self._finalizer = weakref.finalize(self, _discard, self.engine, str(self.path))
 
     def close(self) -> None:
-        self.engine.dispose()
-        for suffix in ("", "-wal", "-shm"):
-            try:
-                os.remove(str(self.path) + suffix)
-            except OSError:
-                pass
+        self._finalizer()
+
+
+def _discard(engine: Engine, path: str) -> None:
+    engine.dispose()
+    for suffix in ("", "-wal", "-shm"):
+        try:
+            os.remove(path + suffix)
+        except OSError:
+            pass
 
 
 # -- export ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import zipfile
@@ -161,3 +162,20 @@ def test_duplicate_entries_are_rejected(source):
         zf.writestr("manifest.json", "{}")
     with pytest.raises(SnapshotError, match="appears twice"):
         snapshot.load_snapshot(buf.getvalue())
+
+
+def test_an_opened_snapshot_leaves_no_temporary_files_behind(source, tmp_path):
+    _, _, data = source
+    snap = snapshot.load_snapshot(data, workdir=tmp_path)
+    path = snap.path
+    assert path.exists() and path.parent == tmp_path
+    snap.close()
+    snap.close()  # twice is harmless
+    assert not path.exists()
+    dropped = snapshot.load_snapshot(data, workdir=tmp_path)
+    path = dropped.path
+    with dropped.engine.connect() as conn:  # used, so the WAL files exist too
+        conn.exec_driver_sql("SELECT COUNT(*) FROM batches").scalar()
+    del dropped   # never closed: a dashboard session that just ended
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
