@@ -35,7 +35,8 @@ from typing import Any, Callable
 
 from sqlalchemy import Boolean, Engine, Table, insert
 
-from batchscope.records import BatchRow, DeviceRow, EventRow, GenStepRow, RequestRow, put_many_of
+from batchscope.records import (BatchRow, DeviceRow, EventRow, GenStepRow, RequestBatch, RequestRow,
+                                expand, put_many_of)
 from batchscope.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,12 @@ _ROW_TABLES: dict[type, Table] = {
 
 #: Table name used as the key of ``dropped_by_kind`` for a record type.
 KIND_OF: dict[type, str] = {cls: table.name for cls, table in _ROW_TABLES.items()}
+KIND_OF[RequestBatch] = RequestRecord.__table__.name
+
+
+def rows_in(cls: type, group: list) -> int:
+    """How many table rows ``group`` (records of type ``cls``) stands for."""
+    return sum(map(len, group)) if cls is RequestBatch else len(group)
 
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 5.0
@@ -212,16 +219,20 @@ class Recorder:
             self.process = WriterProcess(engine.url.render_as_string(hide_password=False))
 
     # ------------------------------------------------------------------ hot path
+    #: ``RequestBatch`` records are welcome: expanded to rows by the writer, not by ``put``
+    accepts_request_batches = True
+
     def put(self, record: Any) -> None:
         """Queue ``record`` for writing; drop and count it when the buffer is full."""
         buffer = self._buffer
         if len(buffer) < self._limit:
             buffer.append(record)
             return
-        self._dropped_full += 1
+        n = len(record) if type(record) is RequestBatch else 1
+        self._dropped_full += n
         kind = KIND_OF.get(type(record)) or type(record).__name__
         counts = self._dropped_full_by_kind
-        counts[kind] = counts.get(kind, 0) + 1
+        counts[kind] = counts.get(kind, 0) + n
 
     def put_many(self, records: list) -> None:
         """``put`` of each record, in order, with one buffer operation when they fit."""
@@ -339,9 +350,11 @@ class Recorder:
         records = self._take()
         if not records:
             return 0
+        if self.process is None:  # rows are built here; the child process builds its own
+            records = expand(records)
         groups: dict[type, list] = {}
         for cls, group in group_by_type(records).items():
-            if cls in _ROW_TABLES:
+            if cls in _ROW_TABLES or cls is RequestBatch:
                 groups[cls] = group
                 continue
             if cls not in self._unknown_types:
@@ -375,7 +388,7 @@ class Recorder:
             raw = self.engine.raw_connection()
         except Exception as exc:  # cannot even connect: everything in hand is lost
             for cls, group in groups.items():
-                self._count_write_drops(cls, len(group))
+                self._count_write_drops(cls, rows_in(cls, group))
             self._note_failure(type(exc).__name__, f"connecting to write {sum(map(len, groups.values()))} "
                                                    f"rows failed: {exc}")
             return 0
@@ -389,15 +402,16 @@ class Recorder:
 
     def _write(self, cls: type, group: list, insert_rows: Callable[[type, list], None]) -> int:
         kind = KIND_OF[cls]
+        n = rows_in(cls, group)
         try:
             insert_rows(cls, group)
         except Exception as exc:  # the database is down, locked, full...: drop, count, back off
-            self._count_write_drops(cls, len(group))
-            self._note_failure(type(exc).__name__, f"writing {len(group)} {kind} rows failed: {exc}")
+            self._count_write_drops(cls, n)
+            self._note_failure(type(exc).__name__, f"writing {n} {kind} rows failed: {exc}")
             return 0
-        self.written += len(group)
-        self.written_by_kind[kind] = self.written_by_kind.get(kind, 0) + len(group)
-        return len(group)
+        self.written += n
+        self.written_by_kind[kind] = self.written_by_kind.get(kind, 0) + n
+        return n
 
     def _insert_core(self, cls: type, rows: list) -> None:
         with self.engine.begin() as conn:
@@ -438,7 +452,7 @@ class Recorder:
         with self._write_lock:
             while self._buffer:
                 for cls, group in group_by_type(self._take()).items():
-                    self._count_write_drops(cls, len(group))
+                    self._count_write_drops(cls, rows_in(cls, group))
 
     def _maybe_report_drops(self) -> None:
         dropped = self.dropped
@@ -476,6 +490,9 @@ class TeeRecorder:
 
     def __init__(self, *targets: Any) -> None:
         self.targets = tuple(targets)
+        #: ``RequestBatch`` records only when every target takes them
+        self.accepts_request_batches = all(getattr(t, "accepts_request_batches", False)
+                                           for t in self.targets)
         self._puts = tuple((target, target.put) for target in self.targets)
         self._put_manys = tuple((target, put_many_of(target)) for target in self.targets)
 

@@ -8,9 +8,11 @@ recorded request, 5-7 % of the mlp server's throughput. ``WriterProcess`` moves 
 work into a child with its own interpreter, started lazily and run at a lower
 scheduling priority (``nice``): the parent turns each table's rows into plain tuples
 (C-level ``attrgetter``), pickles them (about 0.5 us per row) and waits for the
-child's answer on a pipe, with the interpreter lock released.
+child's answer on a pipe, with the interpreter lock released. ``RequestBatch`` records
+(one per batch, the requests as column lists) travel as they are and become rows in
+the child, so a recorded request costs the serving process a few list appends.
 
-One message per table and flush: ``(kind, tuples)`` -> ``b"ok"`` or a pickled
+One message per record type and flush: ``(type name, tuples)`` -> ``b"ok"`` or a pickled
 ``(exception name, message)``. A failure raises ``RemoteWriteError`` in the parent,
 which the recorder treats like any database failure (rows dropped and counted, back
 off). A child that dies or does not answer within ``reply_timeout_s`` is stopped and
@@ -51,10 +53,12 @@ def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = No
     from sqlalchemy import insert
 
     from batchscope.db import make_engine
-    from batchscope.recorder import (_ROW_TABLES, KIND_OF, SqliteInserts, _max_params,
-                                     is_pysqlite)
+    from itertools import chain
 
-    classes = {kind: cls for cls, kind in KIND_OF.items()}
+    from batchscope.records import RequestBatch, RequestRow
+    from batchscope.recorder import _ROW_TABLES, SqliteInserts, _max_params, is_pysqlite
+
+    classes = {cls.__name__: cls for cls in _ROW_TABLES}
     engine = make_engine(url, create=False)
     sqlite = is_pysqlite(engine)
     if sqlite and busy_timeout_ms is not None:
@@ -74,8 +78,12 @@ def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = No
         if msg == _STOP:
             break
         try:
-            kind, rows = pickle.loads(msg)
-            cls = classes[kind]
+            name, rows = pickle.loads(msg)
+            if name == RequestBatch.__name__:  # one record per batch: its rows, built here
+                cls = RequestRow
+                rows = list(chain.from_iterable(b.tuples() for b in rows))
+            else:
+                cls = classes[name]
             table = _ROW_TABLES[cls]
             if sqlite:
                 if raw is None:
@@ -163,12 +171,14 @@ class WriterProcess:
             if self._proc is not None:
                 self.stop()
             self._start()
-        getter = self._getters.get(cls)
-        if getter is None:
-            getter = self._getters[cls] = attrgetter(*cls.__slots__)
-        from batchscope.recorder import KIND_OF
-
-        payload = pickle.dumps((KIND_OF[cls], list(map(getter, rows))), protocol=5)
+        if cls.__name__ == "RequestBatch":  # column lists pickle cheaply; rows built there
+            items: list = rows
+        else:
+            getter = self._getters.get(cls)
+            if getter is None:
+                getter = self._getters[cls] = attrgetter(*cls.__slots__)
+            items = list(map(getter, rows))
+        payload = pickle.dumps((cls.__name__, items), protocol=5)
         conn = self._conn
         try:
             conn.send_bytes(payload)

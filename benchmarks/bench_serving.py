@@ -10,7 +10,8 @@ printed as a ratio of two of them:
   to show what bucketing buys.
 * mlp, 64 clients: server req/s / the plain no-batching server's req/s (target >= 6).
 * 1 client, default settings: p50 latency - the model's batch-1 time (target <= 1 ms).
-* recording on vs off: throughput loss (target <= 3 %), 5 interleaved on/off pairs, medians.
+* recording on vs off: throughput loss (target <= 3 %), both servers up, alternating short
+  load slices, medians.
 * the batching core alone: microseconds per request with a no-op model.
 
 Server and load generator share this machine; torch runs on one thread in the server.
@@ -48,6 +49,8 @@ from benchmarks.bench_offline import run_offline  # noqa: E402
 from runtime.loadgen import run_load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+#: on/off slices of the recording comparison (each side gets this many)
+RECORDING_SLICES = 8
 #: length buckets every 16 tokens: batches of near-equal lengths, little padding
 FINE_EDGES = "16,32,48,64,80,96,112,128"
 URL_RE = re.compile(r"(http://127\.0\.0\.1:\d+)")
@@ -237,13 +240,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             with process(baseline_cmd(), ready="baseline server") as url:
                 results["mlp_baseline"] = load(url, "mlp", concurrency=c, duration_s=d)
         if "recording" in parts:
-            print("recording on vs off (interleaved, mlp)", flush=True)
+            print(f"recording on vs off (mlp; both servers up, {RECORDING_SLICES} alternating "
+                  f"slices of {d / 2:.0f} s each)", flush=True)
             on_runs, off_runs = [], []
-            for i in range(5):  # alternate which side goes first, so drift hits both alike
-                for record in ((True, False) if i % 2 == 0 else (False, True)):
-                    with process(serve_cmd(db=db if record else None, models=("mlp",)),
-                                 ready="serving") as url:
-                        r = load(url, "mlp", concurrency=c, duration_s=d)
+            with process(serve_cmd(db=db, models=("mlp",)), ready="serving") as url_on, \
+                    process(serve_cmd(models=("mlp",)), ready="serving") as url_off:
+                # short alternating slices, each side first in turn: the slow drift of a
+                # shared machine hits both sides alike instead of whichever ran later
+                for i in range(RECORDING_SLICES):
+                    for record in ((True, False) if i % 2 == 0 else (False, True)):
+                        r = load(url_on if record else url_off, "mlp", concurrency=c,
+                                 duration_s=d / 2, warmup_s=0.5)
                         (on_runs if record else off_runs).append(r["throughput_rps"])
             results["recording"] = {"on_rps": on_runs, "off_rps": off_runs}
 

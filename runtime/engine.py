@@ -29,8 +29,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from batchscope.records import (BatchRow, EventRow, ListRecorder, RecorderLike, RequestRow,
-                                put_many_of)
+from batchscope.records import (BatchRow, EventRow, ListRecorder, RecorderLike, RequestBatch,
+                                RequestRow, put_many_of)
 from runtime.clock import MonotonicClock
 from runtime.config import BatchingConfig
 from runtime.core.arbiter import FairArbiter
@@ -215,6 +215,7 @@ class Engine:
         self._clock = clock or MonotonicClock()
         self._recorder: RecorderLike = recorder if recorder is not None else ListRecorder(keep=False)
         self._put_many = put_many_of(self._recorder)
+        self._request_batches = bool(getattr(self._recorder, "accepts_request_batches", False))
         self._arbiter = FairArbiter()
         self._grants: dict[str, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -759,24 +760,29 @@ class Engine:
         outputs = a.outputs
         start = a.start
         started = a.started_s
-        to_wall = self._clock.to_wall
-        instance, name, variable = self.instance_id, slot.name, slot.variable
-        now_wall = to_wall(now)
-        rows = []
-        row = rows.append
+        priorities: list[int] = []
+        arrived: list[float] = []
+        bypass: list[bool] = []
+        lengths: list[int] | None = [] if slot.variable else None
         for i in range(start, a.stop):
             req = reqs[i]
             fut = req.future
             if fut.done():
                 continue
             fut.set_result(outputs[i - start])
-            arrived = req.arrived_s
-            row(RequestRow(instance, name, seq, req.priority, to_wall(arrived), now_wall,
-                           started - arrived, now - arrived, "ok", req.bypass,
-                           req.length if variable else None))
-        answered = len(rows)
-        if rows:
-            self._put_many(rows)
+            priorities.append(req.priority)
+            arrived.append(req.arrived_s)
+            bypass.append(req.bypass)
+            if lengths is not None:
+                lengths.append(req.length)
+        answered = len(arrived)
+        if answered:
+            block = RequestBatch(self.instance_id, slot.name, seq, "ok", started, now,
+                                 self._clock.to_wall(0.0), priorities, arrived, bypass, lengths)
+            if self._request_batches:
+                self._recorder.put(block)
+            else:
+                self._put_many(block.rows())
         slot.requests += answered
         slot.outcomes["ok"] = slot.outcomes.get("ok", 0) + answered
 

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from batchscope.records import BatchRow, RequestRow
+from batchscope.records import BatchRow, RequestBatch, RequestRow
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -132,6 +132,8 @@ class MetricsRecorder:
     def dropped(self) -> int:
         return 0
 
+    accepts_request_batches = True
+
     def put(self, record: Any) -> None:
         pending = self._pending
         pending.append(record)
@@ -154,11 +156,13 @@ class MetricsRecorder:
         for record in pending:
             kind = type(record)
             if kind is RequestRow:
-                ch = self._request_child(record)
+                ch = self._request_child(record.model, record.outcome, record.priority)
                 if record.outcome == "ok":
                     _append(observations, ch[0], record.queue_wait_s)
                 _append(observations, ch[1], record.latency_s)
                 counts[ch[2]] = counts.get(ch[2], 0) + 1
+            elif kind is RequestBatch:
+                self._fold_request_batch(record, observations, counts)
             elif kind is BatchRow:
                 ch = self._batch_child(record)
                 _append(observations, ch[0], record.batch_size)
@@ -178,13 +182,30 @@ class MetricsRecorder:
             self._batch_children[key] = ch
         return ch
 
-    def _request_child(self, q: RequestRow) -> tuple:
-        key = (q.model, q.outcome, q.priority)
+    def _fold_request_batch(self, b: RequestBatch, observations: dict, counts: dict) -> None:
+        started, finished, ok = b.started_s, b.finished_s, b.outcome == "ok"
+        levels = set(b.priorities)
+        if len(levels) == 1:  # the common case: one child for the whole batch
+            ch = self._request_child(b.model, b.outcome, b.priorities[0])
+            if ok:
+                observations.setdefault(ch[0], []).extend([started - a for a in b.arrived_s])
+            observations.setdefault(ch[1], []).extend([finished - a for a in b.arrived_s])
+            counts[ch[2]] = counts.get(ch[2], 0) + len(b.arrived_s)
+            return
+        for p, a in zip(b.priorities, b.arrived_s):
+            ch = self._request_child(b.model, b.outcome, p)
+            if ok:
+                _append(observations, ch[0], started - a)
+            _append(observations, ch[1], finished - a)
+            counts[ch[2]] = counts.get(ch[2], 0) + 1
+
+    def _request_child(self, model: str, outcome: str, priority: int) -> tuple:
+        key = (model, outcome, priority)
         ch = self._request_children.get(key)
         if ch is None:
-            ch = (self.queue_wait_seconds.labels(q.model),
-                  self.latency_seconds.labels(q.model, q.outcome, str(q.priority)),
-                  self.requests.labels(q.model, q.outcome))
+            ch = (self.queue_wait_seconds.labels(model),
+                  self.latency_seconds.labels(model, outcome, str(priority)),
+                  self.requests.labels(model, outcome))
             self._request_children[key] = ch
         return ch
 
