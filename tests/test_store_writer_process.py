@@ -73,6 +73,12 @@ def test_rows_arrive_exactly_through_the_child(engine):
     assert pid is not None and pid != os.getpid()
     assert stored(engine, RequestRecord, RequestRow) == requests
     assert stored(engine, BatchRecord, BatchRow) == batches
+    if hasattr(os, "SCHED_IDLE"):   # Linux: the child only gets CPU time nothing else wants
+        assert rec.process.priority == "idle"
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        assert os.sched_getscheduler(0) != os.SCHED_IDLE   # the serving process is untouched
+    else:
+        assert rec.process.priority in ("nice", "normal")
     rec.close()
     assert rec.process.pid is None   # the child is gone with the recorder
     assert rec.dropped == 0 and rec.written == 790
@@ -142,6 +148,16 @@ def test_a_child_that_cannot_open_the_database_is_a_counted_failure(tmp_path):
     rec.put(EventRow(instance_id="rt", model=None, at=1.0, kind="note", message="m"))
     assert rec.flush() == 0
     assert rec.dropped == 1 and rec.dropped_by_kind == {"events": 1} and not rec.healthy
+    rec.close()
+
+
+def test_without_idle_scheduling_the_child_is_niced(engine, url):
+    rec = Recorder(engine, writer_process=True)
+    rec.process = WriterProcess(url, idle=False, nice=5)
+    rec.put(request(1))
+    assert rec.flush() == 1
+    assert rec.process.priority == "nice"
+    assert os.getpriority(os.PRIO_PROCESS, rec.process.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 5
     rec.close()
 
 
