@@ -381,6 +381,7 @@ class Recorder:
 
     def _write_each(self, groups: dict[type, list]) -> int:
         if self.process is not None:
+            self.process.backlog = len(self._buffer) / self.buffer_size
             return sum(self._write(cls, group, self.process.insert) for cls, group in groups.items())
         if not self._sqlite:
             return sum(self._write(cls, group, self._insert_core) for cls, group in groups.items())

@@ -17,7 +17,12 @@ child's answer on a pipe, with the interpreter lock released. ``RequestBatch`` r
 (one per batch, the requests as column lists) travel as they are and become rows in
 the child, so a recorded request costs the serving process a few list appends.
 
-One message per record type and flush: ``(type name, tuples)`` -> ``b"ok"`` or a pickled
+While the recorder's buffer fills up (``URGENT_BACKLOG``) the child leaves
+``SCHED_IDLE`` for a normal policy at ``nice`` 10 and returns once it has caught up, so
+a machine whose CPUs are never idle still gets its rows written.
+
+One message per record type and flush: ``(type name, tuples, backlog)`` -> ``b"ok"`` + the
+child's priority, or a pickled
 ``(exception name, message)``. A failure raises ``RemoteWriteError`` in the parent,
 which the recorder treats like any database failure (rows dropped and counted, back
 off). A child that dies or does not answer within ``reply_timeout_s`` is stopped and
@@ -37,6 +42,10 @@ log = logging.getLogger(__name__)
 
 #: how long the parent waits for one write's answer (SQLite's busy timeout is 5 s)
 REPLY_TIMEOUT_S = 60.0
+#: recorder buffer fill (0..1) at which an idle-scheduled child asks for a fair CPU share,
+#: and at which it goes back to idle
+URGENT_BACKLOG = 0.25
+CALM_BACKLOG = 0.05
 #: how long a new child may take to import and connect
 START_TIMEOUT_S = 60.0
 _STOP = b"stop"
@@ -67,10 +76,37 @@ def lower_priority(idle: bool, nice: int) -> str:
     return "normal"
 
 
+class _Priority:
+    """The child's CPU priority: idle while the recorder keeps up, ``nice`` (a fair share
+    of a CPU) while the recorder's backlog grows, so that a machine whose CPUs are never
+    idle still gets its rows written instead of dropped."""
+
+    def __init__(self, idle: bool, nice: int) -> None:
+        self.nice = nice
+        self.start = self.state = lower_priority(idle, nice)
+
+    def follow(self, backlog: float) -> None:
+        if self.start != "idle":
+            return
+        try:
+            if self.state == "idle" and backlog >= URGENT_BACKLOG:
+                os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0),
+                                                       self.nice))
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+                self.state = "nice"
+            elif self.state == "nice" and backlog <= CALM_BACKLOG:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                self.state = "idle"
+        except OSError:  # not allowed here (an unprivileged user's limits): stay as it is
+            pass
+
+
 def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = None,
                 idle: bool = True) -> None:
-    """Receive ``(kind, tuples)``, insert, answer; until told to stop or orphaned."""
-    priority = lower_priority(idle, nice)
+    """Receive ``(type name, rows, backlog)``, insert, answer; until told to stop or
+    orphaned."""
+    prio = _Priority(idle, nice)
+    priority = prio.state
     from sqlalchemy import insert
 
     from batchscope.db import make_engine
@@ -99,7 +135,8 @@ def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = No
         if msg == _STOP:
             break
         try:
-            name, rows = pickle.loads(msg)
+            name, rows, backlog = pickle.loads(msg)
+            prio.follow(backlog)
             if name == RequestBatch.__name__:  # one record per batch: its rows, built here
                 cls = RequestRow
                 rows = list(chain.from_iterable(b.tuples() for b in rows))
@@ -128,7 +165,7 @@ def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = No
                 names = tuple(cls.__slots__)
                 with engine.begin() as c:
                     c.execute(insert(table), [dict(zip(names, r)) for r in rows])
-            conn.send_bytes(_OK)
+            conn.send_bytes(_OK + prio.state.encode())
         except Exception as exc:  # database failure: tell the parent, start clean
             if raw is not None:
                 try:
@@ -157,6 +194,8 @@ class WriterProcess:
         self.idle = idle
         #: the CPU priority the running child got ("idle", "nice" or "normal")
         self.priority: str | None = None
+        #: the recorder's buffer fill (0..1), sent along with each write
+        self.backlog = 0.0
         self.busy_timeout_ms = busy_timeout_ms
         self.nice = nice
         self.reply_timeout_s = reply_timeout_s
@@ -202,7 +241,7 @@ class WriterProcess:
             if getter is None:
                 getter = self._getters[cls] = attrgetter(*cls.__slots__)
             items = list(map(getter, rows))
-        payload = pickle.dumps((cls.__name__, items), protocol=5)
+        payload = pickle.dumps((cls.__name__, items, self.backlog), protocol=5)
         conn = self._conn
         try:
             conn.send_bytes(payload)
@@ -215,9 +254,10 @@ class WriterProcess:
             self.stop()
             raise RemoteWriteError("the database writer process exited; a new one starts "
                                    "with the next write") from None
-        if reply != _OK:
+        if not reply.startswith(_OK):
             name, message = pickle.loads(reply)
             raise RemoteWriteError(f"{name}: {message}")
+        self.priority = reply[len(_OK):].decode() or self.priority
 
     def stop(self, timeout_s: float = 5.0) -> None:
         proc, conn = self._proc, self._conn

@@ -151,6 +151,25 @@ def test_a_child_that_cannot_open_the_database_is_a_counted_failure(tmp_path):
     rec.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or os.geteuid() != 0,
+                    reason="leaving SCHED_IDLE needs Linux and, for most users, privileges")
+def test_a_growing_backlog_gets_the_child_a_fair_cpu_share(engine):
+    rec = Recorder(engine, buffer_size=100, max_rows_per_flush=10, writer_process=True)
+    rec.put_many([request(i) for i in range(60)])   # 50 left behind the first flush: 0.5 full
+    assert rec.flush() == 10
+    pid = rec.process.pid
+    assert rec.process.priority == "nice"
+    assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+    assert os.getpriority(os.PRIO_PROCESS, pid) >= 10
+    assert rec.flush() == 10 and rec.flush() == 10   # 20 of 100 left: between the marks
+    assert rec.process.priority == "nice"
+    while rec.buffered:
+        rec.flush()                           # the last flush leaves nothing: back to idle
+    assert rec.process.priority == "idle" and os.sched_getscheduler(pid) == os.SCHED_IDLE
+    rec.close()
+    assert count(engine, RequestRecord) == 60
+
+
 def test_without_idle_scheduling_the_child_is_niced(engine, url):
     rec = Recorder(engine, writer_process=True)
     rec.process = WriterProcess(url, idle=False, nice=5)
