@@ -184,10 +184,33 @@ def device_process_default(flag: bool | None, device: str) -> bool:
     return device.strip().lower() == "cpu"
 
 
+def check_device(spec: str) -> str:
+    """``--device`` as torch names it, or a ``UsageError`` saying what is available."""
+    import torch
+
+    try:
+        device = torch.device(spec.strip())
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {spec!r} is not a device name; write cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = torch.version.cuda or "none (a CPU-only build)"
+            raise UsageError(f"--device {spec!r}: no CUDA device is available here (torch "
+                             f"{torch.__version__}, CUDA {build}); serve with --device cpu")
+        if device.index is not None and device.index >= count:
+            raise UsageError(f"--device {spec!r}: this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+    elif device.type != "cpu":
+        raise UsageError(f"--device {spec!r}: only cpu and cuda devices are supported")
+    return str(device)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from runtime.config import ServerConfig
     from batchscope.db import default_url
 
+    args.device = check_device(args.device)
     specs = args.models or ["mlp", "encoder"]
     server = ServerConfig(host=args.host, port=args.port, database_url=args.db or default_url(),
                           record=not args.no_record, torch_threads=args.torch_threads,

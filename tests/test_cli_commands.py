@@ -82,7 +82,12 @@ def test_serve_then_load_then_sigterm(tmp_path):
     assert n == report["ok"]
 
 
-@pytest.mark.parametrize("args, fragment", [
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("args, fragment", ([
     (["serve", "--model", "no_such_model", "--no-record"], "unknown model 'no_such_model'"),
     (["serve", "--max-batch-size", "lots"], "invalid int value: 'lots'"),
     (["serve", "--no-record", "--max-batch-size", "0"], "max_batch_size=0"),
@@ -92,7 +97,11 @@ def test_serve_then_load_then_sigterm(tmp_path):
     (["load", "--url", "http://127.0.0.1:9", "--duration-s", "1"], "cannot reach"),
     (["load", "--duration-s", "-1"], "--duration-s -1.0 must be a positive"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
-])
+    (["serve", "--no-record", "--device", "gpu0"], "--device 'gpu0' is not a device name"),
+    (["serve", "--no-record", "--device", "mps"], "only cpu and cuda devices"),
+] + ([] if _has_cuda() else [
+    (["serve", "--no-record", "--device", "cuda"], "no CUDA device is available here"),
+])))
 def test_input_mistakes_exit_2_with_one_line(args, fragment):
     r = subprocess.run(CLI + args, capture_output=True, text=True, timeout=120, env=ENV)
     assert r.returncode == 2, (r.stdout, r.stderr)
