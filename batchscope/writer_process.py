@@ -212,7 +212,8 @@ class WriterProcess:
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_child_main, args=(child, self.url, self.nice, self.busy_timeout_ms, self.idle),
+        proc = ctx.Process(target=_child_main,
+                           args=(child, self.url, self.nice, self.busy_timeout_ms, self.idle),
                            name="batchscope-db-writer", daemon=True)
         proc.start()
         child.close()
@@ -230,6 +231,8 @@ class WriterProcess:
                                    "(is the database URL reachable?)") from None
 
     def insert(self, cls: type, rows: list) -> None:
+        """Write ``rows`` (records of type ``cls``) in one transaction in the child,
+        starting it if needed; ``RemoteWriteError`` when that did not happen."""
         if self._proc is None or not self._proc.is_alive():
             if self._proc is not None:
                 self.stop()
