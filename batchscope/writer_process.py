@@ -38,6 +38,8 @@ import pickle
 from operator import attrgetter
 from typing import Any
 
+from batchscope.records import RequestBatch
+
 log = logging.getLogger(__name__)
 
 #: how long the parent waits for one write's answer (SQLite's busy timeout is 5 s)
@@ -112,7 +114,7 @@ def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = No
     from batchscope.db import make_engine
     from itertools import chain
 
-    from batchscope.records import RequestBatch, RequestRow
+    from batchscope.records import RequestRow
     from batchscope.recorder import _ROW_TABLES, SqliteInserts, _max_params, is_pysqlite
 
     classes = {cls.__name__: cls for cls in _ROW_TABLES}
@@ -237,7 +239,7 @@ class WriterProcess:
             if self._proc is not None:
                 self.stop()
             self._start()
-        if cls.__name__ == "RequestBatch":  # column lists pickle cheaply; rows built there
+        if cls is RequestBatch:  # column lists pickle cheaply; the rows are built there
             items: list = rows
         else:
             getter = self._getters.get(cls)

@@ -10,7 +10,6 @@ import random
 import numpy as np
 
 import pytest
-from sqlalchemy import select
 
 from batchscope.db import make_engine
 from batchscope.records import ListRecorder, RequestBatch, RequestRow, expand
@@ -21,6 +20,7 @@ from runtime.engine import Engine
 from runtime.models.toys import DoubleModel
 from runtime.server.metrics import MetricsRecorder
 from tests.test_server_metrics import samples
+from tests.test_store_recorder import stored
 
 OFFSET = 1_700_000_000.0
 
@@ -40,14 +40,6 @@ def one_by_one(b: RequestBatch) -> list[RequestRow]:
                        b.finished_s + b.wall_offset_s, b.started_s - a, b.finished_s - a,
                        b.outcome, by, None if b.lengths is None else b.lengths[i])
             for i, (p, a, by) in enumerate(zip(b.priorities, b.arrived_s, b.bypass))]
-
-
-def stored(engine) -> list[RequestRow]:
-    names = RequestRow.__slots__
-    with engine.connect() as conn:
-        rows = conn.execute(select(*[getattr(RequestRecord, n) for n in names])
-                            .order_by(RequestRecord.id)).all()
-    return [RequestRow(**dict(zip(names, row))) for row in rows]
 
 
 @pytest.fixture
@@ -78,7 +70,7 @@ def test_database_rows_match_and_drops_count_requests(url, writer_process):
     assert rec.flush() == 16
     assert rec.written_by_kind == {"requests": 16}
     want = [*blocks[0].rows(), single, *blocks[1].rows(), *blocks[2].rows()]
-    got = stored(engine)
+    got = stored(engine, RequestRecord, RequestRow)
     key = lambda r: (r.batch_seq or 0, r.arrived_at)  # noqa: E731 - the child writes per type
     assert sorted(got, key=key) == sorted(want, key=key)
     if not writer_process:

@@ -10,7 +10,7 @@ import sqlite3
 import time
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from batchscope.db import make_engine
 from batchscope.records import BatchRow, EventRow, RequestRow
@@ -20,6 +20,7 @@ from batchscope.writer_process import WriterProcess
 from runtime.cli import build_parser
 from runtime.config import ServerConfig
 from runtime.errors import ConfigError
+from tests.test_store_recorder import count, engine, stored, url  # noqa: F401 - fixtures
 
 
 def request(i: int) -> RequestRow:
@@ -35,30 +36,6 @@ def batch(i: int) -> BatchRow:
                     queue_wait_min_s=0.0, queue_wait_mean_s=0.001, queue_wait_max_s=0.002,
                     compute_s=0.004, started_at=1000.0 + i, ended_at=1000.01 + i,
                     peak_memory_bytes=None if i % 2 else 2**33, cuda_graph=i % 3 == 0)
-
-
-def stored(engine, model, cls) -> list:
-    names = cls.__slots__
-    with engine.connect() as conn:
-        rows = conn.execute(select(*[getattr(model, n) for n in names]).order_by(model.id)).all()
-    return [cls(**dict(zip(names, row))) for row in rows]
-
-
-def count(engine, model) -> int:
-    with engine.connect() as conn:
-        return conn.execute(select(func.count()).select_from(model)).scalar_one()
-
-
-@pytest.fixture
-def url(tmp_path):
-    return f"sqlite:///{tmp_path / 'rec.db'}"
-
-
-@pytest.fixture
-def engine(url):
-    eng = make_engine(url)
-    yield eng
-    eng.dispose()
 
 
 def test_rows_arrive_exactly_through_the_child(engine):
