@@ -21,7 +21,9 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from batchscope import charts, control, db, diagnosis, queries, report, snapshot
+from batchscope.presentation import charts, report, snapshot
+from batchscope.storage import control, db
+from batchscope.analysis import diagnosis, queries
 
 ROOT = Path(__file__).resolve().parent
 WINDOWS_MIN = {"1 min": 1.0, "5 min": 5.0, "15 min": 15.0, "60 min": 60.0}
@@ -49,12 +51,12 @@ class DemoRuntime:
         self.error: str | None = None
         self.proc: subprocess.Popen | None = None
         if not (ROOT / "runtime" / "demo.py").exists():
-            self.error = "the demo runtime (runtime/demo.py) is not part of this checkout"
+            self.error = "the demo runtime (runtime/tools/demo.py) is not part of this checkout"
             return
         self.log_path = Path(tempfile.gettempdir()) / "batchscope-demo-runtime.log"
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.demo", "--db", url, "--port", "0"],
+            [sys.executable, "-m", "runtime.tools.demo", "--db", url, "--port", "0"],
             cwd=str(ROOT), stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, "BATCHSCOPE_DB_URL": url})
         atexit.register(self.stop)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import psutil
 
-from batchscope.records import DeviceRow, RecorderLike
+from batchscope.storage.records import DeviceRow, RecorderLike
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from fastapi.responses import Response
 if __package__ in (None, ""):
     import common  # noqa: F401  (puts the repository root on sys.path)
 from benchmarks.common import decode_infer_request, encode_infer_response, set_torch_threads
-from runtime.errors import BatchScopeError, ModelNotFound
-from runtime.loader import load_model
-from runtime.model_api import ModelAPI
+from runtime.api.errors import BatchScopeError, ModelNotFound
+from runtime.models.loader import load_model
+from runtime.api.model import ModelAPI
 
 log = logging.getLogger("batchscope.baseline")
 

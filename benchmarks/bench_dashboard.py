@@ -2,7 +2,7 @@
 
 Generates ``--batches`` batch rows (default one million) spread over ``--hours``
 of history, with their requests (mean batch size ``--mean-batch``), device
-samples and events, into a SQLite file with ``batchscope.synthetic``; then
+samples and events, into a SQLite file with ``batchscope.testing.synthetic``; then
 times one live refresh = every query of the live fragment
 (``queries.live_bundle``), plus the diagnosis rules and building the charts,
 for several window lengths ending at the newest data.
@@ -22,8 +22,10 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     import common  # noqa: F401  (puts the repository root on sys.path)
-from batchscope import charts, diagnosis, queries, synthetic
-from batchscope.db import make_engine
+from batchscope.presentation import charts
+from batchscope.analysis import diagnosis, queries
+from batchscope.testing import synthetic
+from batchscope.storage.db import make_engine
 
 
 def build(db_path: Path, batches: int, hours: float, mean_batch: float) -> dict:

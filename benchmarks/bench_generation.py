@@ -32,9 +32,9 @@ from typing import Any, Sequence
 
 if __package__ in (None, ""):
     import common  # noqa: F401  (puts the repository root on sys.path)
-from batchscope.records import GenStepRow, ListRecorder, RequestRow
+from batchscope.storage.records import GenStepRow, ListRecorder, RequestRow
 from benchmarks.common import format_table, set_torch_threads
-from runtime.clock import MonotonicClock
+from runtime.core.clock import MonotonicClock
 from runtime.generation.config import GenerationConfig
 from runtime.generation.runner import StepRunner
 from runtime.models.decoder import TinyDecoder

@@ -21,8 +21,8 @@ from typing import Any, Sequence
 if __package__ in (None, ""):
     import common  # noqa: F401  (puts the repository root on sys.path)
 from benchmarks.common import format_table, make_inputs, set_torch_threads
-from runtime.loader import load_model
-from runtime.model_api import ModelAPI
+from runtime.models.loader import load_model
+from runtime.api.model import ModelAPI
 
 #: requests per model; a run always covers whole passes over its pool, so every length
 #: is sampled alike (variable-length pools are smaller: a pass at batch 1 takes seconds)

@@ -38,9 +38,9 @@ from typing import Any, Callable
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from batchscope.db import make_engine  # noqa: E402
-from batchscope.records import BatchRow, RequestRow  # noqa: E402
-from batchscope.recorder import Recorder, TeeRecorder  # noqa: E402
+from batchscope.storage.db import make_engine  # noqa: E402
+from batchscope.storage.records import BatchRow, RequestRow  # noqa: E402
+from batchscope.storage.recorder import Recorder, TeeRecorder  # noqa: E402
 
 REQUESTS_PER_BATCH = 32
 #: requests handled between two zero-timeout polls of the stand-in event loop

@@ -46,7 +46,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_offline import run_offline  # noqa: E402
-from runtime.loadgen import run_load  # noqa: E402
+from runtime.tools.loadgen import run_load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 #: on/off slices of the recording comparison (each side gets this many)
@@ -126,7 +126,7 @@ SERVE_EXTRA: list[str] = []
 
 
 def serve_cmd(*extra: str, db: str | None = None, models: Sequence[str] = ("mlp", "encoder")) -> list[str]:
-    cmd = [sys.executable, "-m", "runtime.cli", "serve", "--port", "0", "--torch-threads", "1",
+    cmd = [sys.executable, "-m", "runtime.tools.cli", "serve", "--port", "0", "--torch-threads", "1",
            *SERVE_EXTRA]
     for m in models:
         cmd += ["--model", m]
@@ -153,8 +153,8 @@ def load(url: str, model: str, *, concurrency: int, duration_s: float,
 
 
 def core_overhead_us() -> dict[str, float]:
-    from runtime.config import BatchingConfig
-    from runtime.core.bench import measure
+    from runtime.api.config import BatchingConfig
+    from benchmarks.bench_core import measure
 
     return {
         "fixed_size_us": measure(BatchingConfig(), n=200_000),

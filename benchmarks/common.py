@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # allow `python benchmarks/<script>.py` as well as `-m`
     sys.path.insert(0, str(ROOT))
 
-from runtime.errors import ClientError  # noqa: E402
-from runtime.model_api import DATATYPES, ModelAPI  # noqa: E402
+from runtime.api.errors import ClientError  # noqa: E402
+from runtime.api.model import DATATYPES, ModelAPI  # noqa: E402
 
 SENTENCE_WORDS = ("batch", "queue", "latency", "token", "model", "device", "request", "graph",
                   "memory", "throughput", "deadline", "priority", "bucket", "padding", "kernel")

@@ -29,11 +29,11 @@ import torch
 if __package__ in (None, ""):
     import common  # noqa: F401  (puts the repository root on sys.path)
 from benchmarks.common import make_inputs
-from batchscope.records import ListRecorder
+from batchscope.storage.records import ListRecorder
 from batchscope.telemetry import DeviceSampler
-from runtime import devicemem
-from runtime.cudagraphs import CudaGraphRunner
-from runtime.loader import load_model
+from runtime.device import memory as devicemem
+from runtime.device.cudagraphs import CudaGraphRunner
+from runtime.models.loader import load_model
 from runtime.models.mlp import MLPModel
 
 BATCH_SIZES = (1, 2, 4, 8)

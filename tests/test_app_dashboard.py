@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from batchscope import control, synthetic
-from batchscope.db import make_engine
+from batchscope.storage import control
+from batchscope.testing import synthetic
+from batchscope.storage.db import make_engine
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 

@@ -1,6 +1,6 @@
 """The real app in Debian chromium, attached to the real demo runtime.
 
-Starts ``python -m runtime.demo`` recording into a temporary database and
+Starts ``python -m runtime.tools.demo`` recording into a temporary database and
 ``streamlit run app.py`` on a free port, then drives the page: charts render,
 the live region refreshes on its own, a max batch size set in the UI reaches the
 runtime and the next batches follow it, and a snapshot downloads and re-opens.
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from batchscope import control, snapshot
-from batchscope.db import make_engine
+from batchscope.storage import control
+from batchscope.presentation import snapshot
+from batchscope.storage.db import make_engine
 from sqlalchemy import text
 
 CHROMIUM = "/usr/bin/chromium"
@@ -62,7 +63,7 @@ def stack(tmp_path_factory):
     url = f"sqlite:///{base / 'live.db'}"
     engine = make_engine(url)
     env = {**os.environ, "BATCHSCOPE_DB_URL": url, "BATCHSCOPE_NO_DEMO": "1"}
-    runtime = subprocess.Popen([sys.executable, "-m", "runtime.demo", "--db", url, "--port", "0",
+    runtime = subprocess.Popen([sys.executable, "-m", "runtime.tools.demo", "--db", url, "--port", "0",
                                 "--intensity", "0.5"], cwd=ROOT, env=env,
                                stdout=open(base / "runtime.log", "wb"), stderr=subprocess.STDOUT)
     port = free_port()

@@ -15,12 +15,12 @@ import time
 import pytest
 from sqlalchemy import text
 
-from batchscope import control
-from batchscope.db import make_engine
+from batchscope.storage import control
+from batchscope.storage.db import make_engine
 
 pytestmark = pytest.mark.slow
 
-CLI = [sys.executable, "-m", "runtime.cli"]
+CLI = [sys.executable, "-m", "runtime.tools.cli"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
@@ -112,7 +112,7 @@ def test_input_mistakes_exit_2_with_one_line(args, fragment):
 
 def test_incomplete_user_model_shows_the_code_to_write(tmp_path):
     (tmp_path / "half.py").write_text(
-        "from runtime.model_api import ModelAPI, TensorSpec\n"
+        "from runtime.api.model import ModelAPI, TensorSpec\n"
         "class Half(ModelAPI):\n"
         "    name = 'half'\n"
         "    inputs = (TensorSpec('X', 'FP32', (4,)),)\n"
@@ -129,7 +129,7 @@ def test_incomplete_user_model_shows_the_code_to_write(tmp_path):
 
 def test_demo_records_batches_and_stops_on_sigterm(tmp_path):
     url_db = f"sqlite:///{tmp_path / 'demo.db'}"
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.demo", "--db", url_db, "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.tools.demo", "--db", url_db, "--port", "0",
                              "--intensity", "0.5"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:

@@ -8,8 +8,8 @@ import argparse
 import httpx
 import pytest
 
-from runtime.cli import UsageError, model_settings
-from runtime.config import BatchingConfig, ServerConfig
+from runtime.tools.cli import UsageError, model_settings
+from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.generation.config import GenerationConfig
 from runtime.models.decoder import TinyDecoder
 from runtime.models.toys import DoubleModel

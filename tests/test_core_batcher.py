@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.clock import FakeClock
-from runtime.config import BatchingConfig
+from runtime.core.clock import FakeClock
+from runtime.api.config import BatchingConfig
 from runtime.core.batcher import Batcher
 from runtime.core.request import PendingRequest
-from runtime.errors import QueueFull, ValidationError
+from runtime.api.errors import QueueFull, ValidationError
 
 
 def make(variable_length: bool = False, **changes) -> tuple[Batcher, FakeClock]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.cudagraphs import (CAPTURE, EAGER, REPLAY, CudaGraphRunner, GraphBook,
+from runtime.device.cudagraphs import (CAPTURE, EAGER, REPLAY, CudaGraphRunner, GraphBook,
                                 default_capture_sizes, flatten, pad_rows, select_size, shape_key)
 from runtime.models.encoder import EncoderModel
 from runtime.models.mlp import MLPModel

@@ -7,8 +7,10 @@ import json
 import pandas as pd
 import pytest
 
-from batchscope import charts, queries, synthetic
-from batchscope.db import make_engine
+from batchscope.presentation import charts
+from batchscope.analysis import queries
+from batchscope.testing import synthetic
+from batchscope.storage.db import make_engine
 
 END = 2_000_000_000.0
 

@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from batchscope import queries, synthetic
-from batchscope.db import make_engine
-from batchscope.queries import Window, nearest_rank
+from batchscope.analysis import queries
+from batchscope.testing import synthetic
+from batchscope.storage.db import make_engine
+from batchscope.analysis.queries import Window, nearest_rank
 
 END = 2_000_000_000.0
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from batchscope import diagnosis, queries, synthetic
-from batchscope.db import make_engine
+from batchscope.analysis import diagnosis, queries
+from batchscope.testing import synthetic
+from batchscope.storage.db import make_engine
 
 END = 2_000_000_000.0
 

@@ -6,8 +6,8 @@ import asyncio
 
 import numpy as np
 
-from runtime.config import BatchingConfig
-from runtime.engine import Engine
+from runtime.api.config import BatchingConfig
+from runtime.engine.engine import Engine
 from runtime.models.toys import DoubleModel
 
 

@@ -8,10 +8,10 @@ from collections import Counter
 
 import numpy as np
 
-from batchscope.records import ListRecorder, RequestRow
-from runtime.config import BatchingConfig
-from runtime.engine import Engine
-from runtime.errors import BatchScopeError, QueueFull
+from batchscope.storage.records import ListRecorder, RequestRow
+from runtime.api.config import BatchingConfig
+from runtime.engine.engine import Engine
+from runtime.api.errors import BatchScopeError, QueueFull
 from runtime.models.toys import DoubleModel, FailingModel, OOMModel
 
 

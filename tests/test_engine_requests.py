@@ -13,12 +13,12 @@ import threading
 import numpy as np
 import pytest
 
-from batchscope.records import BatchRow, EventRow, ListRecorder, RequestRow
-from runtime.config import BatchingConfig
-from runtime.engine import Engine
-from runtime.errors import (ClientError, ConfigError, ModelError, ModelNotFound, ModelNotReady,
+from batchscope.storage.records import BatchRow, EventRow, ListRecorder, RequestRow
+from runtime.api.config import BatchingConfig
+from runtime.engine.engine import Engine
+from runtime.api.errors import (ClientError, ConfigError, ModelError, ModelNotFound, ModelNotReady,
                             QueueFull, RequestExpired, ShuttingDown, ValidationError)
-from runtime.model_api import ModelAPI
+from runtime.api.model import ModelAPI
 from runtime.models.toys import DoubleModel, FailingModel, VarLenModel
 
 

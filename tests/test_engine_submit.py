@@ -13,10 +13,10 @@ import threading
 import numpy as np
 import pytest
 
-from batchscope.records import ListRecorder, RequestRow
-from runtime.config import BatchingConfig
-from runtime.engine import Engine
-from runtime.errors import ClientError, ModelError, ModelNotFound, QueueFull, ShuttingDown
+from batchscope.storage.records import ListRecorder, RequestRow
+from runtime.api.config import BatchingConfig
+from runtime.engine.engine import Engine
+from runtime.api.errors import ClientError, ModelError, ModelNotFound, QueueFull, ShuttingDown
 from runtime.models.toys import DoubleModel, FailingModel
 
 
@@ -212,7 +212,7 @@ def test_short_cpu_batches_can_run_on_the_loop_thread():
 
 
 def test_inline_limit_must_be_a_non_negative_number():
-    from runtime.errors import ConfigError
+    from runtime.api.errors import ConfigError
 
     with pytest.raises(ConfigError, match="inline_max_compute_ms"):
         Engine({"double": DoubleModel()}, inline_max_compute_ms=-1)

@@ -15,11 +15,11 @@ import textwrap
 
 import numpy as np
 
-from batchscope.records import BatchRow, EventRow, ListRecorder, RequestRow
-from runtime.config import BatchingConfig
-from runtime.engine import MAX_AHEAD_BATCHES, Engine
-from runtime.errors import ModelError
-from runtime.loader import load_model
+from batchscope.storage.records import BatchRow, EventRow, ListRecorder, RequestRow
+from runtime.api.config import BatchingConfig
+from runtime.engine.engine import MAX_AHEAD_BATCHES, Engine
+from runtime.api.errors import ModelError
+from runtime.models.loader import load_model
 from tests.test_executor_process import SLOW_MODEL, WAIT_S, _wait_for
 
 GATED_MODEL = SLOW_MODEL + '''

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from batchscope.records import BatchRow, EventRow, ListRecorder, RequestRow
-from runtime.cli import build_parser, device_process_default
-from runtime.config import BatchingConfig, ServerConfig
-from runtime.engine import Engine
-from runtime.errors import ConfigError, ModelError
-from runtime.executor import pack_items, pack_outputs, unpack_items, unpack_outputs
-from runtime.loader import load_model
+from batchscope.storage.records import BatchRow, EventRow, ListRecorder, RequestRow
+from runtime.tools.cli import build_parser, device_process_default
+from runtime.api.config import BatchingConfig, ServerConfig
+from runtime.engine.engine import Engine
+from runtime.api.errors import ConfigError, ModelError
+from runtime.device.executor import pack_items, pack_outputs, unpack_items, unpack_outputs
+from runtime.models.loader import load_model
 
 WAIT_S = 60.0
 TOYS = {"double": "runtime.models.toys:DoubleModel", "varlen": "runtime.models.toys:VarLenModel",
@@ -33,7 +33,7 @@ SLOW_MODEL = '''
 import time
 import numpy as np
 import torch
-from runtime.model_api import ModelAPI, TensorSpec
+from runtime.api.model import ModelAPI, TensorSpec
 
 
 class SlowModel(ModelAPI):

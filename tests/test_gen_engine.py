@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from batchscope.records import GenStepRow, ListRecorder, RequestRow
-from runtime.errors import ModelError, ModelNotReady, RequestExpired, ShuttingDown, ValidationError
+from batchscope.storage.records import GenStepRow, ListRecorder, RequestRow
+from runtime.api.errors import ModelError, ModelNotReady, RequestExpired, ShuttingDown, ValidationError
 from runtime.generation.config import GenerationConfig
 from runtime.generation.engine import GenerationEngine
 from runtime.generation.toys import SteppedModel

@@ -12,7 +12,7 @@ import orjson
 import pytest
 import uvicorn
 
-from batchscope.records import GenStepRow, ListRecorder, RequestRow
+from batchscope.storage.records import GenStepRow, ListRecorder, RequestRow
 from runtime.generation.config import GenerationConfig
 from runtime.generation.engine import GenerationEngine
 from runtime.generation.http import create_app

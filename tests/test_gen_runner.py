@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from batchscope.records import EventRow, GenStepRow, ListRecorder, RequestRow
-from runtime.clock import FakeClock
-from runtime.errors import ConfigError, QueueFull, ValidationError
+from batchscope.storage.records import EventRow, GenStepRow, ListRecorder, RequestRow
+from runtime.core.clock import FakeClock
+from runtime.api.errors import ConfigError, QueueFull, ValidationError
 from runtime.generation.config import GenerationConfig
 from runtime.generation.model import ByteTokenizer
 from runtime.generation.runner import StepRunner

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from runtime.errors import ClientError, ValidationError
+from runtime.api.errors import ClientError, ValidationError
 from runtime.generation.config import GenerationConfig
 from runtime.generation.kv_cache import BlockManager
 from runtime.generation.scheduler import FINISHED, RUNNING, WAITING, Scheduler, Sequence

@@ -16,7 +16,7 @@ import time
 import orjson
 import pytest
 
-from runtime.config import BatchingConfig, ServerConfig
+from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.models.toys import DoubleModel
 from runtime.server.http1 import HttpServer
 from runtime.server.service import Service, ServiceThread, bind_socket, new_event_loop

@@ -9,12 +9,12 @@ import logging
 import pytest
 from sqlalchemy import create_engine
 
-from batchscope import control
-from batchscope.db import make_engine
-from batchscope.records import ListRecorder
-from runtime.config import ServerConfig
-from runtime.engine import Engine
-from runtime.live import LiveLink
+from batchscope.storage import control
+from batchscope.storage.db import make_engine
+from batchscope.storage.records import ListRecorder
+from runtime.api.config import ServerConfig
+from runtime.engine.engine import Engine
+from runtime.server.live import LiveLink
 from runtime.models.toys import DoubleModel
 
 

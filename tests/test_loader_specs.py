@@ -6,14 +6,14 @@ import textwrap
 
 import pytest
 
-from runtime.errors import ConfigError
-from runtime.loader import load_model, parse_spec
+from runtime.api.errors import ConfigError
+from runtime.models.loader import load_model, parse_spec
 from runtime.models.encoder import EncoderModel
 from runtime.models.mlp import MLPModel
 
 GOOD = """
     import numpy as np, torch
-    from runtime.model_api import ModelAPI, TensorSpec
+    from runtime.api.model import ModelAPI, TensorSpec
 
     class Doubler(ModelAPI):
         name = "doubler"
@@ -93,7 +93,7 @@ def test_bad_classes_in_a_file(user_file):
     with pytest.raises(ConfigError, match="must implement `decode`") as err:
         load_model(f"{user_file}:Incomplete")
     assert "def decode(self, inputs)" in err.value.message
-    with pytest.raises(ConfigError, match="does not subclass runtime.model_api.ModelAPI") as err:
+    with pytest.raises(ConfigError, match="does not subclass runtime.api.model.ModelAPI") as err:
         load_model(f"{user_file}:NotAModel")
     assert "class NotAModel(ModelAPI)" in err.value.message
     with pytest.raises(ConfigError, match="created without arguments"):

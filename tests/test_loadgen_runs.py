@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from runtime.config import BatchingConfig, ServerConfig
-from runtime.loadgen import LoadError, build_payloads, parse_lengths, parse_priority, run_load
+from runtime.api.config import BatchingConfig, ServerConfig
+from runtime.tools.loadgen import LoadError, build_payloads, parse_lengths, parse_priority, run_load
 from runtime.models.toys import DoubleModel, VarLenModel
 from runtime.server.service import Service, ServiceThread
 

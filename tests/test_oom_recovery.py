@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from batchscope.records import BatchRow, EventRow, ListRecorder, RequestRow
-from runtime.config import BatchingConfig
-from runtime.engine import Engine
-from runtime.errors import OutOfMemory
+from batchscope.storage.records import BatchRow, EventRow, ListRecorder, RequestRow
+from runtime.api.config import BatchingConfig
+from runtime.engine.engine import Engine
+from runtime.api.errors import OutOfMemory
 from runtime.models.toys import OOMModel
-from runtime.oom import (Attempt, MemoryBudgetExceeded, SizeGovernor, check_budget, is_oom,
+from runtime.device.oom import (Attempt, MemoryBudgetExceeded, SizeGovernor, check_budget, is_oom,
                          run_splitting)
 
 

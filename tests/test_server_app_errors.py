@@ -8,8 +8,8 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from runtime.errors import QueueFull, RequestExpired
-from runtime.server.app import error_response, guarded
+from runtime.api.errors import QueueFull, RequestExpired
+from runtime.server.routes import error_response, guarded
 
 
 async def explode(request):
@@ -36,9 +36,9 @@ def test_queue_full_carries_retry_after_rounded_up():
 def test_fast_path_and_starlette_route_answer_alike():
     import contextlib
 
-    from runtime.engine import Engine
+    from runtime.engine.engine import Engine
     from runtime.models.toys import DoubleModel
-    from runtime.server.app import FastInfer, build_app
+    from runtime.server.routes import FastInfer, build_app
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

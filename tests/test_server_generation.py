@@ -7,9 +7,9 @@ import time
 import httpx
 import pytest
 
-from batchscope import control
-from batchscope.db import make_engine
-from runtime.config import ServerConfig
+from batchscope.storage import control
+from batchscope.storage.db import make_engine
+from runtime.api.config import ServerConfig
 from runtime.models.decoder import TinyDecoder
 from runtime.models.toys import DoubleModel
 from runtime.server.service import Service, ServiceThread

@@ -18,9 +18,9 @@ import tritonclient.http as triton
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from batchscope import control
-from batchscope.db import make_engine
-from runtime.config import BatchingConfig, ServerConfig
+from batchscope.storage import control
+from batchscope.storage.db import make_engine
+from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.models.toys import DoubleModel, FailingModel, VarLenModel
 from runtime.server.service import Service, ServiceThread
 

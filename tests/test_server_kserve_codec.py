@@ -6,8 +6,8 @@ import numpy as np
 import orjson
 import pytest
 
-from runtime.errors import ClientError, ValidationError
-from runtime.model_api import TensorSpec
+from runtime.api.errors import ClientError, ValidationError
+from runtime.api.model import TensorSpec
 from runtime.server.kserve import encode_infer, parse_infer
 
 INPUTS = (TensorSpec("INPUT0", "FP32", (4,)),)

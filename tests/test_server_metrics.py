@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchscope.records import BatchRow, EventRow, RequestRow
+from batchscope.storage.records import BatchRow, EventRow, RequestRow
 from runtime.server.metrics import MetricsRecorder
 
 

@@ -9,9 +9,11 @@ import zipfile
 
 import pytest
 
-from batchscope import queries, snapshot, synthetic
-from batchscope.db import make_engine
-from batchscope.snapshot import Limits, SnapshotError
+from batchscope.analysis import queries
+from batchscope.presentation import snapshot
+from batchscope.testing import synthetic
+from batchscope.storage.db import make_engine
+from batchscope.presentation.snapshot import Limits, SnapshotError
 
 END = 2_000_000_000.0
 

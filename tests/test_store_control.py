@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from batchscope import control
-from batchscope.db import make_engine
-from batchscope.records import EventRow
-from batchscope.schema import EventRecord
+from batchscope.storage import control
+from batchscope.storage.db import make_engine
+from batchscope.storage.records import EventRow
+from batchscope.storage.schema import EventRecord
 
 
 @pytest.fixture
@@ -137,7 +137,7 @@ def test_broadcast_single_runtime_ack_without_instance(engine):
 
 
 def test_settings_history_from_events(engine):
-    from batchscope.recorder import Recorder
+    from batchscope.storage.recorder import Recorder
 
     rec = Recorder(engine)
     for version, (old, new) in enumerate([(8, 16), (16, 32)], start=2):

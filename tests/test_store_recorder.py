@@ -9,10 +9,10 @@ import time
 import pytest
 from sqlalchemy import create_engine, event, func, select
 
-from batchscope.db import make_engine
-from batchscope.records import BatchRow, DeviceRow, EventRow, GenStepRow, ListRecorder, RequestRow
-from batchscope.recorder import Recorder, TeeRecorder
-from batchscope.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord
+from batchscope.storage.db import make_engine
+from batchscope.storage.records import BatchRow, DeviceRow, EventRow, GenStepRow, ListRecorder, RequestRow
+from batchscope.storage.recorder import Recorder, TeeRecorder
+from batchscope.storage.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord
 
 
 def request(i: int, model: str = "mlp") -> RequestRow:
@@ -232,7 +232,7 @@ def test_rows_read_back_exactly_as_put(engine):
 
 def test_core_path_writes_the_same_rows(engine, url, tmp_path, monkeypatch):
     """Databases other than SQLite go through SQLAlchemy Core; the rows are identical."""
-    import batchscope.recorder as recorder_module
+    import batchscope.storage.recorder as recorder_module
 
     records = [request(i) for i in range(50)] + [generation_request(i) for i in range(9)] + [batch(1)]
     fast = Recorder(engine)
@@ -270,7 +270,7 @@ def test_a_flush_uses_few_statements(engine):
 
 
 def test_small_parameter_limit_splits_statements(engine):
-    from batchscope.recorder import SqliteInserts
+    from batchscope.storage.recorder import SqliteInserts
 
     table = RequestRecord.__table__
     inserts = SqliteInserts(RequestRow, table, max_params=40)

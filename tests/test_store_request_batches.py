@@ -11,12 +11,12 @@ import numpy as np
 
 import pytest
 
-from batchscope.db import make_engine
-from batchscope.records import ListRecorder, RequestBatch, RequestRow, expand
-from batchscope.recorder import Recorder, TeeRecorder
-from batchscope.schema import RequestRecord
-from runtime.config import BatchingConfig
-from runtime.engine import Engine
+from batchscope.storage.db import make_engine
+from batchscope.storage.records import ListRecorder, RequestBatch, RequestRow, expand
+from batchscope.storage.recorder import Recorder, TeeRecorder
+from batchscope.storage.schema import RequestRecord
+from runtime.api.config import BatchingConfig
+from runtime.engine.engine import Engine
 from runtime.models.toys import DoubleModel
 from runtime.server.metrics import MetricsRecorder
 from tests.test_server_metrics import samples

@@ -9,12 +9,12 @@ import threading
 import pytest
 from sqlalchemy import event, func, select
 
-from batchscope.db import make_engine
-from batchscope.records import BatchRow, DeviceRow, EventRow, GenStepRow, RequestRow
-from batchscope.recorder import Recorder
-from batchscope.retention import (LATENCY_BOUNDS_S, RetentionPolicy, enforce, hist_quantile, latency_bucket,
+from batchscope.storage.db import make_engine
+from batchscope.storage.records import BatchRow, DeviceRow, EventRow, GenStepRow, RequestRow
+from batchscope.storage.recorder import Recorder
+from batchscope.storage.retention import (LATENCY_BOUNDS_S, RetentionPolicy, enforce, hist_quantile, latency_bucket,
                                   merge_hists, roll_up, run_retention)
-from batchscope.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord, Rollup
+from batchscope.storage.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord, Rollup
 
 T0 = 28_333_333 * 60.0  # a whole minute, near 2023-11
 OUTCOMES = ("ok", "ok", "ok", "rejected", "ok", "expired", "ok", "error")

@@ -12,14 +12,14 @@ import time
 import pytest
 from sqlalchemy import select
 
-from batchscope.db import make_engine
-from batchscope.records import BatchRow, EventRow, RequestRow
-from batchscope.recorder import Recorder
-from batchscope.schema import BatchRecord, EventRecord, RequestRecord
-from batchscope.writer_process import WriterProcess
-from runtime.cli import build_parser
-from runtime.config import ServerConfig
-from runtime.errors import ConfigError
+from batchscope.storage.db import make_engine
+from batchscope.storage.records import BatchRow, EventRow, RequestRow
+from batchscope.storage.recorder import Recorder
+from batchscope.storage.schema import BatchRecord, EventRecord, RequestRecord
+from batchscope.storage.writer_process import WriterProcess
+from runtime.tools.cli import build_parser
+from runtime.api.config import ServerConfig
+from runtime.api.errors import ConfigError
 from tests.test_store_recorder import count, engine, stored, url  # noqa: F401 - fixtures
 
 

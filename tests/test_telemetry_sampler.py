@@ -8,7 +8,7 @@ import time
 import pynvml
 import pytest
 
-from batchscope.records import DeviceRow, ListRecorder
+from batchscope.storage.records import DeviceRow, ListRecorder
 from batchscope.telemetry import DeviceSampler
 
 

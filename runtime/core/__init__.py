@@ -1,7 +1,7 @@
 """The batching core: synchronous state machines with time passed in.
 
 ``Batcher`` (queues, priorities, deadlines, buckets, dispatch policy) and
-``FairArbiter`` (device sharing between models); ``runtime.engine`` is the asyncio
+``FairArbiter`` (device sharing between models); ``runtime.engine.engine`` is the asyncio
 shell that drives them with the real clock.
 """
 

@@ -1,7 +1,7 @@
 """``Batcher``: the synchronous batching state machine of one model.
 
 Time is always passed in; nothing here sleeps, reads a clock or touches asyncio,
-so every rule is tested with a fake clock. A shell (``runtime.engine``) calls:
+so every rule is tested with a fake clock. A shell (``runtime.engine.engine``) calls:
 
 * ``submit(req, now)`` when a request arrives (raises ``QueueFull``/``ValidationError``);
 * ``expire(now)`` for requests whose deadline passed while queued (never executed);
@@ -25,11 +25,11 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from runtime.config import BatchingConfig
+from runtime.api.config import BatchingConfig
 from runtime.core import policy
 from runtime.core.queues import OVERFLOW, BucketMap, PriorityFifo
 from runtime.core.request import CANCELLED, DISPATCHED, EXPIRED, QUEUED, PendingRequest
-from runtime.errors import QueueFull, ValidationError
+from runtime.api.errors import QueueFull, ValidationError
 
 #: the shortest Retry-After suggested to a refused client
 MIN_RETRY_AFTER_S = 0.05

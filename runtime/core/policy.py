@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from runtime.config import BatchingConfig
+from runtime.api.config import BatchingConfig
 
 
 def window_s(config: BatchingConfig, mean_compute_s: float | None) -> float | None:

@@ -13,8 +13,8 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from runtime.config import _is_int, _is_number, apply_changes, check_queueing, collector
-from runtime.errors import ConfigError
+from runtime.api.config import _is_int, _is_number, apply_changes, check_queueing, collector
+from runtime.api.errors import ConfigError
 
 GenMode = Literal["continuous", "static"]
 GEN_MODES: tuple[str, ...] = ("continuous", "static")

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from batchscope.records import RecorderLike
-from runtime.clock import MonotonicClock
-from runtime.errors import (BatchScopeError, ClientError, ModelError, ModelNotReady,
+from batchscope.storage.records import RecorderLike
+from runtime.core.clock import MonotonicClock
+from runtime.api.errors import (BatchScopeError, ClientError, ModelError, ModelNotReady,
                             RequestExpired, ShuttingDown)
 from runtime.generation.config import GenerationConfig
 from runtime.generation.model import GenerationModel

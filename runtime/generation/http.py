@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from runtime.errors import BatchScopeError, ClientError, ModelNotFound, ValidationError
+from runtime.api.errors import BatchScopeError, ClientError, ModelNotFound, ValidationError
 from runtime.generation.engine import GenerationEngine, GenerationStream
 
 #: request fields accepted only at their neutral value, with what to do instead

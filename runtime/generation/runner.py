@@ -19,9 +19,9 @@ import itertools
 import json
 from typing import Any
 
-from batchscope.records import EventRow, GenStepRow, RecorderLike, RequestRow
-from runtime.clock import MonotonicClock
-from runtime.errors import ConfigError, QueueFull, ValidationError
+from batchscope.storage.records import EventRow, GenStepRow, RecorderLike, RequestRow
+from runtime.core.clock import MonotonicClock
+from runtime.api.errors import ConfigError, QueueFull, ValidationError
 from runtime.generation.config import GenerationConfig
 from runtime.generation.model import GenerationModel, make_sampler_state, sample
 from runtime.generation.scheduler import Scheduler, SchedulerOutput, Sequence, StepResult

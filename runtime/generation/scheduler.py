@@ -34,7 +34,7 @@ from bisect import insort
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.errors import ClientError, ValidationError
+from runtime.api.errors import ClientError, ValidationError
 from runtime.generation.config import GenerationConfig
 from runtime.generation.kv_cache import BlockManager
 

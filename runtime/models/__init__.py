@@ -1,7 +1,7 @@
 """Bundled models, resolved lazily by name.
 
 ``BUILTIN_MODELS`` maps a builtin name to the ``module:Class`` that implements it;
-nothing heavy is imported until ``runtime.loader.load_model`` asks for one.
+nothing heavy is imported until ``runtime.models.loader.load_model`` asks for one.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def take_input(inputs: dict, name: str, ndim: int, expected: str):
     Raises ``ClientError`` naming the input and the ``expected`` shape/datatype when it is
     missing or has the wrong number of dimensions.
     """
-    from runtime.errors import ClientError
+    from runtime.api.errors import ClientError
 
     try:
         arr = inputs[name]

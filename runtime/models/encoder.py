@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from runtime.errors import ClientError, ValidationError
-from runtime.model_api import ModelAPI, TensorSpec
+from runtime.api.errors import ClientError, ValidationError
+from runtime.api.model import ModelAPI, TensorSpec
 from runtime.models import seeded_init, take_input
 
 VOCAB_SIZE = 30522

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.errors import ClientError, ConfigError
-from runtime.model_api import ModelAPI, TensorSpec
+from runtime.api.errors import ClientError, ConfigError
+from runtime.api.model import ModelAPI, TensorSpec
 from runtime.models import take_input
 
 EMBEDDING_DIM = 384

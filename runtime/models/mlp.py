@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from runtime.errors import ClientError
-from runtime.model_api import ModelAPI, TensorSpec
+from runtime.api.errors import ClientError
+from runtime.api.model import ModelAPI, TensorSpec
 from runtime.models import seeded_init, take_input
 
 IN_FEATURES = 256

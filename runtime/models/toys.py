@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.errors import ClientError
-from runtime.model_api import ModelAPI, TensorSpec
+from runtime.api.errors import ClientError
+from runtime.api.model import ModelAPI, TensorSpec
 
 
 def _vector(inputs: dict[str, np.ndarray], width: int | None) -> np.ndarray:

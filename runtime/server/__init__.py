@@ -1,0 +1,12 @@
+"""HTTP in front of the engines.
+
+- ``http1``: the HTTP/1.1 server (asyncio + httptools), with an ASGI bridge for the
+  Starlette routes and a hook for the native inference path.
+- ``fastpath``: ``InferHook``, KServe v2 ``/infer`` answered straight from the parser.
+- ``routes``: the Starlette application (KServe v2 REST, ``/metrics``, control API).
+- ``kserve``: the Open Inference Protocol codec (JSON and binary tensors).
+- ``control_api``: ``/v2/models/{name}/batching`` and ``/stats``.
+- ``metrics``: Prometheus metrics folded from the records.
+- ``live``: heartbeat, settings publication and database control polling.
+- ``service``: wires engines, recorder, live link and server into one process.
+"""

@@ -24,8 +24,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from runtime.directory import ModelDirectory
-from runtime.errors import ClientError
+from runtime.engine.directory import ModelDirectory
+from runtime.api.errors import ClientError
 
 REQUESTED_BY_HEADER = "x-requested-by"
 

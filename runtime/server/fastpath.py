@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import orjson
 
-from runtime.errors import BatchScopeError, ModelNotReady
-from runtime.server.app import MODEL_VERSION, find_model
+from runtime.api.errors import BatchScopeError, ModelNotReady
+from runtime.server.routes import MODEL_VERSION, find_model
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer
 
 log = logging.getLogger("batchscope.server")

@@ -22,8 +22,8 @@ from typing import Any, Sequence
 import numpy as np
 import orjson
 
-from runtime.errors import ClientError, ValidationError
-from runtime.model_api import DATATYPES, TensorSpec
+from runtime.api.errors import ClientError, ValidationError
+from runtime.api.model import DATATYPES, TensorSpec
 
 HEADER_LENGTH = "inference-header-content-length"
 _NP_TO_V2: dict[Any, str] = {np.dtype(v): k for k, v in DATATYPES.items()}

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from batchscope.records import BatchRow, RequestBatch, RequestRow
+from batchscope.storage.records import BatchRow, RequestBatch, RequestRow
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

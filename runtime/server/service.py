@@ -24,9 +24,9 @@ import threading
 import uuid
 from typing import Any, Callable, Iterator
 
-from runtime.config import BatchingConfig, ServerConfig
-from runtime.model_api import ModelAPI
-from runtime.server.app import build_app
+from runtime.api.config import BatchingConfig, ServerConfig
+from runtime.api.model import ModelAPI
+from runtime.server.routes import build_app
 from runtime.server.fastpath import InferHook
 from runtime.server.http1 import HttpServer
 from runtime.server.metrics import MetricsRecorder
@@ -89,7 +89,7 @@ class Service:
                  server: ServerConfig, *, instance_id: str | None = None, device: str = "cpu",
                  generation: dict[str, Any] | None = None, version: str = VERSION,
                  on_started: Callable[["Service"], None] | None = None) -> None:
-        from runtime.engine import Engine  # the engine pulls in torch; import on use
+        from runtime.engine.engine import Engine  # the engine pulls in torch; import on use
 
         self.server_config = server
         self.instance_id = instance_id or new_instance_id()
@@ -101,8 +101,8 @@ class Service:
         self.db_recorder = None
         recorder: Any = self.metrics
         if server.record:
-            from batchscope.db import make_engine
-            from batchscope.recorder import Recorder, TeeRecorder
+            from batchscope.storage.db import make_engine
+            from batchscope.storage.recorder import Recorder, TeeRecorder
 
             self.db = make_engine(server.database_url)
             self.db_recorder = Recorder(self.db, buffer_size=server.recorder_buffer_size,
@@ -142,7 +142,7 @@ class Service:
         if self.generation is not None:
             await self.generation.start()
         if self.db is not None:
-            from runtime.live import LiveLink
+            from runtime.server.live import LiveLink
 
             self.live = LiveLink(self.engine, self.db, instance_id=self.instance_id,
                                  url=self.url, device=str(self.device), version=self.version,

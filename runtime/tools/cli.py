@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from runtime.errors import BatchScopeError, ConfigError
+from runtime.api.errors import BatchScopeError, ConfigError
 
 EXIT_USAGE = 2
 
@@ -137,7 +137,7 @@ def model_settings(args: argparse.Namespace, models: dict, generation: dict) -> 
     """Per-model settings from the command line: a ``BatchingConfig`` for each request
     model and a ``GenerationConfig`` for each generation model (the latter is also put
     on the model as ``generation_config``, which its engine starts with)."""
-    from runtime.config import BatchingConfig
+    from runtime.api.config import BatchingConfig
     from runtime.generation.config import GenerationConfig
 
     names = list(models) + list(generation)
@@ -159,7 +159,7 @@ def model_settings(args: argparse.Namespace, models: dict, generation: dict) -> 
 
 def load_models(specs: Sequence[str]) -> tuple[dict, dict]:
     """(request models, generation models) by served name, from ``--model`` specs."""
-    from runtime.loader import is_generation_model, load_model
+    from runtime.models.loader import is_generation_model, load_model
 
     models: dict[str, Any] = {}
     generation: dict[str, Any] = {}
@@ -207,8 +207,8 @@ def check_device(spec: str) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from runtime.config import ServerConfig
-    from batchscope.db import default_url
+    from runtime.api.config import ServerConfig
+    from batchscope.storage.db import default_url
 
     args.device = check_device(args.device)
     specs = args.models or ["mlp", "encoder"]
@@ -281,7 +281,7 @@ def _add_load(sub: Any) -> None:
 
 
 def _load(args: argparse.Namespace) -> int:
-    from runtime.loadgen import measure_ceiling, run_load
+    from runtime.tools.loadgen import measure_ceiling, run_load
 
     if args.ceiling:
         report = measure_ceiling(duration_s=args.duration_s, concurrency=args.concurrency)
@@ -297,14 +297,14 @@ def _load(args: argparse.Namespace) -> int:
 # -- snapshot -------------------------------------------------------------------------------
 def _snapshot(argv: list[str]) -> int:
     try:
-        from batchscope import snapshot
+        from batchscope.presentation import snapshot
     except ImportError:
         raise UsageError("snapshot export is not available in this build "
-                         "(batchscope.snapshot is missing)") from None
+                         "(batchscope.presentation.snapshot is missing)") from None
     export = getattr(snapshot, "cli_export", None)
     if export is None:
         raise UsageError("snapshot export is not available in this build "
-                         "(batchscope.snapshot.cli_export is missing)")
+                         "(batchscope.presentation.snapshot.cli_export is missing)")
     if argv[:1] != ["export"]:
         raise UsageError("usage: batchscope snapshot export [options]; see "
                          "batchscope snapshot export --help")

@@ -1,7 +1,7 @@
 """The Starlette application: KServe v2 REST, ``/metrics`` and the control API.
 
 ``build_app(engine, ...)`` only wires routes to an engine that follows the
-``runtime.engine.Engine`` contract; starting and stopping the engine belongs to
+``runtime.engine.engine.Engine`` contract; starting and stopping the engine belongs to
 the caller (see ``runtime.server.service``). Every failure is answered as
 ``{"error": message}`` with the error's HTTP status; 429 carries ``Retry-After``;
 anything unexpected becomes a 500 ``{"error": "internal error"}`` and is logged.
@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from runtime.errors import BatchScopeError, ModelNotFound, ModelNotReady
-from runtime.model_api import ModelAPI
+from runtime.api.errors import BatchScopeError, ModelNotFound, ModelNotReady
+from runtime.api.model import ModelAPI
 from runtime.server.control_api import control_routes, json_response
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer
 from runtime.server.metrics import CONTENT_TYPE, MetricsRecorder

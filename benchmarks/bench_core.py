@@ -1,6 +1,6 @@
 """Per-request cost of the batching core with a no-op workload.
 
-``python -m runtime.core.bench [n_requests]`` prints, for a few configurations,
+``python -m benchmarks.bench_core [n_requests]`` prints, for a few configurations,
 the microseconds one request costs in ``submit`` plus its share of ``next_batch``
 (the request object included, no model, no asyncio). Times vary with the machine;
 this is a measurement tool, not a test.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from runtime.config import BatchingConfig
+from runtime.api.config import BatchingConfig
 from runtime.core.batcher import Batcher
 from runtime.core.request import PendingRequest
 

@@ -9,7 +9,7 @@ A request flows through small hooks, each with one job::
     split(output, n)      the batch output -> n per-request dicts of numpy arrays
 
 ``setup(device)`` runs once before the first request. Errors raised from
-``decode`` as ``runtime.errors.ClientError``/``ValidationError`` reach the caller
+``decode`` as ``runtime.api.errors.ClientError``/``ValidationError`` reach the caller
 as 400/422 with their message; anything raised from ``predict`` fails only the
 batch it ran in.
 """
@@ -124,8 +124,8 @@ def check_model(model: ModelAPI) -> None:
     """Fail early, with the code to write, when a user's model is incomplete."""
     cls = type(model)
     if not isinstance(model, ModelAPI):
-        raise TypeError(f"{cls.__name__} must subclass runtime.model_api.ModelAPI:\n\n"
-                        "    from runtime.model_api import ModelAPI, TensorSpec\n"
+        raise TypeError(f"{cls.__name__} must subclass runtime.api.model.ModelAPI:\n\n"
+                        "    from runtime.api.model import ModelAPI, TensorSpec\n"
                         f"    class {cls.__name__}(ModelAPI):\n        name = 'my-model'\n        ...")
     if not model.name:
         raise TypeError(f"{cls.__name__} needs a class attribute `name = \"my-model\"`: "

@@ -1,6 +1,6 @@
 """``ModelDirectory``: one view over every served model.
 
-A serving process runs one request engine (``runtime.engine.Engine``) for the
+A serving process runs one request engine (``runtime.engine.engine.Engine``) for the
 KServe models and one ``GenerationEngine`` per generation model. The live link and
 the HTTP control API both read and change settings and stats by model name without
 caring which engine serves it; this class answers for both. The settings of a
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.errors import ModelNotFound
+from runtime.api.errors import ModelNotFound
 
 
 class ModelDirectory:

@@ -2,9 +2,9 @@
 
 ``run_batch`` is the whole execution of a batch: memory-budget check, ``collate``,
 ``predict`` (through the CUDA-graph runner when ``cuda_graphs`` is on), ``split``,
-out-of-memory detection with split-and-retry (``runtime.oom.run_splitting``) and
+out-of-memory detection with split-and-retry (``runtime.device.oom.run_splitting``) and
 peak memory. The engine's device thread calls it in the serving process; the device
-process (``runtime.device_process``) calls it in its child. Either way the engine
+process (``runtime.device.process``) calls it in its child. Either way the engine
 books the returned ``Attempt`` list the same way.
 
 ``pack_items``/``unpack_items`` and ``pack_outputs``/``unpack_outputs`` carry a
@@ -21,12 +21,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from runtime import devicemem
-from runtime.config import BatchingConfig
+from runtime.device import memory as devicemem
+from runtime.api.config import BatchingConfig
 from runtime.core.batcher import pad_length
-from runtime.errors import ModelError
-from runtime.model_api import ModelAPI
-from runtime.oom import Attempt, check_budget, is_oom, run_splitting
+from runtime.api.errors import ModelError
+from runtime.api.model import ModelAPI
+from runtime.device.oom import Attempt, check_budget, is_oom, run_splitting
 
 #: longest model error text sent to a client
 MAX_ERROR_CHARS = 200
@@ -38,7 +38,7 @@ def graph_runner(current: Any, model: ModelAPI, device: torch.device, max_batch_
     """``current`` when it was made for ``max_batch_size``, else a new CUDA-graph runner."""
     if current is not None and current.sizes[-1] == max_batch_size:
         return current
-    from runtime.cudagraphs import CudaGraphRunner  # CUDA only: import on use
+    from runtime.device.cudagraphs import CudaGraphRunner  # CUDA only: import on use
 
     return CudaGraphRunner(model, device, max_batch_size=max_batch_size)
 

@@ -7,7 +7,7 @@ A spec is one of:
 * ``path/to/file.py:ClassName`` — imported from that file;
 
 optionally prefixed with ``served_name=`` to serve it under another name (``fast=mlp``).
-The class must subclass ``runtime.model_api.ModelAPI`` (request/response models) or
+The class must subclass ``runtime.api.model.ModelAPI`` (request/response models) or
 ``runtime.generation.model.GenerationModel`` (token generation with continuous batching)
 and take no constructor arguments (a module-level instance is accepted too). Every mistake raises
 ``ConfigError`` saying what was wrong and what to write instead.
@@ -23,14 +23,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import ConfigError
-from runtime.model_api import ModelAPI, check_model
+from runtime.api.errors import ConfigError
+from runtime.api.model import ModelAPI, check_model
 from runtime.models import BUILTIN_MODELS
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 _EXAMPLE = """\
-    from runtime.model_api import ModelAPI, TensorSpec
+    from runtime.api.model import ModelAPI, TensorSpec
 
     class {cls}(ModelAPI):
         name = "my-model"
@@ -152,10 +152,10 @@ def _instantiate(obj: Any, target: str) -> Any:
                               "are created without arguments") from None
     if not isinstance(obj, type):
         raise ConfigError(f"{target!r} is a {type(obj).__name__}, not a model class; it must be a "
-                          "subclass of runtime.model_api.ModelAPI:\n\n" + _EXAMPLE.format(cls="MyModel"))
+                          "subclass of runtime.api.model.ModelAPI:\n\n" + _EXAMPLE.format(cls="MyModel"))
     if not issubclass(obj, ModelAPI):
         raise ConfigError(f"class {obj.__name__} in {target!r} does not subclass "
-                          "runtime.model_api.ModelAPI; write it as:\n\n" + _EXAMPLE.format(cls=obj.__name__))
+                          "runtime.api.model.ModelAPI; write it as:\n\n" + _EXAMPLE.format(cls=obj.__name__))
     try:
         return obj()
     except ConfigError:

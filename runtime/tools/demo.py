@@ -1,6 +1,6 @@
 """Demo runtime: the server plus synthetic traffic whose load keeps changing.
 
-``python -m runtime.demo --db URL --port 0`` serves ``mlp``, ``encoder`` and the
+``python -m runtime.tools.demo --db URL --port 0`` serves ``mlp``, ``encoder`` and the
 generation model ``decoder`` (``/v1/completions``) in-process, prints
 ``batchscope demo on <url> ...`` and then cycles through traffic phases (quiet,
 busy, bursts with rejections, tight deadlines, urgent priorities, variable encoder
@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from runtime.config import BatchingConfig, ServerConfig
+from runtime.api.config import BatchingConfig, ServerConfig
 
 log = logging.getLogger("batchscope.demo")
 
@@ -113,7 +113,7 @@ async def completions(url: str, flow: Flow, rate_rps: float, duration_s: float,
 async def run_phase(url: str, phase: Phase, *, intensity: float = 1.0, seed: int = 0,
                     models: Sequence[str] = ("mlp", "encoder", "decoder")) -> list[Any]:
     """Run every flow of ``phase`` on ``models`` at once; returns their reports."""
-    from runtime.loadgen import run_load_async
+    from runtime.tools.loadgen import run_load_async
 
     runs = []
     for k, f in enumerate(phase.flows):
@@ -149,7 +149,7 @@ async def drive(url: str, phases: Sequence[Phase] = PHASES, *, intensity: float 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runtime.demo",
+    parser = argparse.ArgumentParser(prog="python -m runtime.tools.demo",
                                      description="BatchScope demo runtime with synthetic traffic")
     parser.add_argument("--db", default=None, help="SQLAlchemy URL to record into")
     parser.add_argument("--host", default="127.0.0.1")
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     if not args.intensity > 0:
-        print("python -m runtime.demo: --intensity must be above 0", file=sys.stderr)
+        print("python -m runtime.tools.demo: --intensity must be above 0", file=sys.stderr)
         return 2
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -169,9 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from batchscope.db import default_url
-    from runtime.cli import load_models
-    from runtime.loadgen import run_async
+    from batchscope.storage.db import default_url
+    from runtime.tools.cli import load_models
+    from runtime.tools.loadgen import run_async
     from runtime.server.service import Service, ServiceThread
 
     torch.set_num_threads(max(1, args.torch_threads))

@@ -9,7 +9,7 @@
 * polls ``control_commands`` every ``control_poll_interval_s``, applies each one
   through ``engine.update_settings`` and acknowledges it with the applied version,
   or refuses it with the ``ConfigError`` message;
-* rolls raw rows up periodically (``batchscope.retention``, when available);
+* rolls raw rows up periodically (``batchscope.storage.retention``, when available);
 * marks the instance stopped at shutdown.
 
 Database calls run in a worker thread; settings are applied on the event loop, the
@@ -26,18 +26,18 @@ import socket
 import time
 from typing import Any, Callable
 
-from batchscope import control
-from runtime.config import ServerConfig
-from runtime.directory import ModelDirectory
-from runtime.errors import BatchScopeError
+from batchscope.storage import control
+from runtime.api.config import ServerConfig
+from runtime.engine.directory import ModelDirectory
+from runtime.api.errors import BatchScopeError
 
 log = logging.getLogger("batchscope.live")
 
 
 def _retention_runner() -> Callable[..., Any] | None:
-    """``batchscope.retention.run_retention`` when that module exists, else None."""
+    """``batchscope.storage.retention.run_retention`` when that module exists, else None."""
     try:
-        from batchscope import retention
+        from batchscope.storage import retention
     except ImportError:
         return None
     return getattr(retention, "run_retention", None)

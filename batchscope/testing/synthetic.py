@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from sqlalchemy import Engine
 
-from batchscope.schema import (BatchRecord, DeviceSample, EventRecord, GenerationStep,
+from batchscope.storage.schema import (BatchRecord, DeviceSample, EventRecord, GenerationStep,
                                ModelSettings, RequestRecord, RuntimeInstance)
 
 GIB = 1024 ** 3

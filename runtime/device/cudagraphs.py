@@ -29,7 +29,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from runtime.model_api import ModelAPI
+from runtime.api.model import ModelAPI
 
 log = logging.getLogger(__name__)
 

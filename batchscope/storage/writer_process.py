@@ -38,7 +38,7 @@ import pickle
 from operator import attrgetter
 from typing import Any
 
-from batchscope.records import RequestBatch
+from batchscope.storage.records import RequestBatch
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +111,11 @@ def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = No
     priority = prio.state
     from sqlalchemy import insert
 
-    from batchscope.db import make_engine
+    from batchscope.storage.db import make_engine
     from itertools import chain
 
-    from batchscope.records import RequestRow
-    from batchscope.recorder import _ROW_TABLES, SqliteInserts, _max_params, is_pysqlite
+    from batchscope.storage.records import RequestRow
+    from batchscope.storage.recorder import _ROW_TABLES, SqliteInserts, _max_params, is_pysqlite
 
     classes = {cls.__name__: cls for cls in _ROW_TABLES}
     engine = make_engine(url, create=False)

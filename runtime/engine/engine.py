@@ -2,10 +2,10 @@
 
 One worker task per model drives that model's ``Batcher`` with the real clock.
 Batches run off the event loop in a single device thread (collate, predict and
-split under ``torch.inference_mode()``, see ``runtime.executor.run_batch``); the
+split under ``torch.inference_mode()``, see ``runtime.device.executor.run_batch``); the
 futures of a batch are resolved in one ``loop.call_soon_threadsafe`` callback. With
 ``device_process=True`` they run instead in a child process with its own GIL
-(``runtime.device_process``), which loads the models from ``model_specs``; a model's
+(``runtime.device.process``), which loads the models from ``model_specs``; a model's
 next batch then goes to the child while one still runs when the queue holds a full
 batch (``Engine._worker_ahead``, at most ``MAX_AHEAD_BATCHES``). Several models share
 the device through ``FairArbiter``. Every accepted request gets exactly one outcome, and one
@@ -29,20 +29,20 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from batchscope.records import (BatchRow, EventRow, ListRecorder, RecorderLike, RequestBatch,
+from batchscope.storage.records import (BatchRow, EventRow, ListRecorder, RecorderLike, RequestBatch,
                                 RequestRow, put_many_of)
-from runtime.clock import MonotonicClock
-from runtime.config import BatchingConfig
+from runtime.core.clock import MonotonicClock
+from runtime.api.config import BatchingConfig
 from runtime.core.arbiter import FairArbiter
 from runtime.core.batcher import Batch, Batcher, pad_length
-from runtime.device_process import DeviceProcess
+from runtime.device.process import DeviceProcess
 from runtime.core.request import PendingRequest
-from runtime.errors import (BatchScopeError, ClientError, ConfigError, ModelError, ModelNotFound,
+from runtime.api.errors import (BatchScopeError, ClientError, ConfigError, ModelError, ModelNotFound,
                             ModelNotReady, OutOfMemory, QueueFull, RequestExpired, ShuttingDown,
                             ValidationError)
-from runtime.executor import MAX_ERROR_CHARS, graph_runner, run_batch
-from runtime.model_api import ModelAPI, check_model
-from runtime.oom import Attempt, SizeGovernor
+from runtime.device.executor import MAX_ERROR_CHARS, graph_runner, run_batch
+from runtime.api.model import ModelAPI, check_model
+from runtime.device.oom import Attempt, SizeGovernor
 
 log = logging.getLogger("batchscope.engine")
 
@@ -192,7 +192,7 @@ class Engine:
         to take at most this long runs on the event loop's thread instead of the device
         thread; 0 turns that off.
         ``device_process``: run batches in a child process that loads every served model
-        from ``model_specs`` (``runtime.loader`` specs, e.g. ``mlp`` or
+        from ``model_specs`` (``runtime.models.loader`` specs, e.g. ``mlp`` or
         ``path/file.py:Class``) and calls ``setup(device)`` there; the models given here
         then only ``decode`` (and ``length``) requests and are never set up."""
         configs = dict(configs or {})

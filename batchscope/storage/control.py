@@ -29,7 +29,7 @@ from typing import Optional
 from sqlalchemy import Engine, and_, exists, or_, select, update
 from sqlalchemy.orm import Session
 
-from batchscope.schema import CommandAck, ControlCommand, EventRecord, ModelSettings, RuntimeInstance
+from batchscope.storage.schema import CommandAck, ControlCommand, EventRecord, ModelSettings, RuntimeInstance
 
 PENDING = "pending"
 APPLIED = "applied"

@@ -35,9 +35,9 @@ from typing import Any, Callable
 
 from sqlalchemy import Boolean, Engine, Table, insert
 
-from batchscope.records import (BatchRow, DeviceRow, EventRow, GenStepRow, RequestBatch, RequestRow,
+from batchscope.storage.records import (BatchRow, DeviceRow, EventRow, GenStepRow, RequestBatch, RequestRow,
                                 expand, put_many_of)
-from batchscope.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord
+from batchscope.storage.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +211,10 @@ class Recorder:
         self._sqlite = is_pysqlite(engine)
         self._inserts: dict[type, SqliteInserts] = {}
         #: with ``writer_process``, the inserts run in a child process (see
-        #: ``batchscope.writer_process``); buffering, drops and back-off stay here
+        #: ``batchscope.storage.writer_process``); buffering, drops and back-off stay here
         self.process = None
         if writer_process:
-            from batchscope.writer_process import WriterProcess
+            from batchscope.storage.writer_process import WriterProcess
 
             self.process = WriterProcess(engine.url.render_as_string(hide_password=False))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.orm import Session
 
-from batchscope.schema import SCHEMA_VERSION, Base, SchemaMeta
+from batchscope.storage.schema import SCHEMA_VERSION, Base, SchemaMeta
 
 DEFAULT_DB_PATH = Path("data") / "batchscope.db"
 ENV_URL = "BATCHSCOPE_DB_URL"

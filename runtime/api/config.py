@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal
 
-from runtime.errors import ConfigError
+from runtime.api.errors import ConfigError
 
 Policy = Literal["static", "dynamic", "adaptive"]
 POLICIES: tuple[str, ...] = ("static", "dynamic", "adaptive")
@@ -233,7 +233,7 @@ class ServerConfig:
     models: tuple[str, ...] = field(default_factory=lambda: ("mlp", "encoder"))
     #: run request models in a child process with its own GIL (loaded from ``models``)
     device_process: bool = False
-    #: run the recorder's database inserts in a child process (``batchscope.writer_process``)
+    #: run the recorder's database inserts in a child process (``batchscope.storage.writer_process``)
     recorder_process: bool = False
 
     def __post_init__(self) -> None:

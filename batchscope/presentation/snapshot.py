@@ -33,10 +33,11 @@ from typing import BinaryIO
 
 from sqlalchemy import Boolean, Engine, Float, Integer, String, Text, text
 
-from batchscope import diagnosis, queries, report
-from batchscope.db import make_engine
-from batchscope.queries import Window
-from batchscope.schema import SCHEMA_VERSION, Base
+from batchscope.analysis import diagnosis, queries
+from batchscope.presentation import report
+from batchscope.storage.db import make_engine
+from batchscope.analysis.queries import Window
+from batchscope.storage.schema import SCHEMA_VERSION, Base
 
 FORMAT = "batchscope-snapshot"
 FORMAT_VERSION = 1

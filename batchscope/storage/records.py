@@ -1,6 +1,6 @@
 """Plain record types handed to the recorder from the hot path.
 
-They mirror the tables in ``batchscope.schema`` (column name = field name) so the
+They mirror the tables in ``batchscope.storage.schema`` (column name = field name) so the
 background writer can insert them in bulk without translation. Building one is a
 few attribute stores; nothing here touches the database.
 """
@@ -62,7 +62,7 @@ class RequestBatch:
     request instead of an object each). ``rows()`` gives the ``RequestRow``s, exactly
     as if they had been built one by one; a recorder that stores rows expands it off
     the hot path. Times are monotonic seconds; ``wall_offset_s`` turns them into wall
-    time (``runtime.clock``'s fixed offset)."""
+    time (``runtime.core.clock``'s fixed offset)."""
 
     instance_id: str
     model: str

@@ -3,14 +3,14 @@
 In one process, the event loop (HTTP, codec, batching) and the device thread (torch)
 take turns on the GIL, and each waits for the other. ``DeviceProcess`` starts a child
 (``multiprocessing`` ``spawn`` context: a fresh interpreter, safe with torch's thread
-pools) that loads the same models from their specs (``runtime.loader.load_model``),
+pools) that loads the same models from their specs (``runtime.models.loader.load_model``),
 calls ``setup(device)`` and then runs every batch it is sent with
-``runtime.executor.run_batch`` (budget check, collate, predict or CUDA-graph replay,
+``runtime.device.executor.run_batch`` (budget check, collate, predict or CUDA-graph replay,
 split, out-of-memory split-and-retry, peak memory). ``decode``/``length`` stay in the
 serving process.
 
 Messages go over a ``multiprocessing.Pipe`` as pickle protocol 5 bytes; items and
-outputs travel packed (``runtime.executor.pack_items``/``pack_outputs``). The serving
+outputs travel packed (``runtime.device.executor.pack_items``/``pack_outputs``). The serving
 process reads answers on its event loop (``add_reader``), so a finished batch is
 booked without a thread switch. A batch carries its model's ``BatchingConfig`` the
 first time after each settings change, so ``cuda_graphs``, ``memory_budget_mb``,
@@ -37,10 +37,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from runtime.clock import MonotonicClock
-from runtime.config import BatchingConfig
-from runtime.errors import ConfigError
-from runtime.oom import Attempt
+from runtime.core.clock import MonotonicClock
+from runtime.api.config import BatchingConfig
+from runtime.api.errors import ConfigError
+from runtime.device.oom import Attempt
 
 log = logging.getLogger("batchscope.device_process")
 
@@ -59,7 +59,7 @@ def _dumps(msg: Any) -> bytes:
 
 # -- the child --------------------------------------------------------------------------
 def _load_models(specs: Sequence[str], names: Sequence[str]) -> dict[str, Any]:
-    from runtime.loader import is_generation_model, load_model
+    from runtime.models.loader import is_generation_model, load_model
 
     found: dict[str, Any] = {}
     for spec in specs:
@@ -82,7 +82,7 @@ def child_main(conn: Any, specs: Sequence[str], names: Sequence[str], device: st
                         format="%(asctime)s %(levelname)s %(name)s[device]: %(message)s")
     import torch
 
-    from runtime.executor import graph_runner, pack_outputs, run_batch, unpack_items
+    from runtime.device.executor import graph_runner, pack_outputs, run_batch, unpack_items
 
     torch.set_num_threads(torch_threads)
     dev = torch.device(device)
@@ -294,7 +294,7 @@ class DeviceProcess:
         self._send(job)
 
     def _send(self, job: _Job) -> None:
-        from runtime.executor import pack_items
+        from runtime.device.executor import pack_items
 
         cfg = None
         if self._versions.get(job.name) != job.version:
@@ -338,7 +338,7 @@ class DeviceProcess:
                     f"the device process could not set up its models: {msg[1]}"))
 
     def _on_done(self, job_id: int, received_s: float, attempts: list[Attempt]) -> None:
-        from runtime.executor import unpack_outputs
+        from runtime.device.executor import unpack_outputs
 
         if job_id is None and self._sent:  # the child could not read it: the oldest one
             job_id = next(iter(self._sent))

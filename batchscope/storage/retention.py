@@ -38,7 +38,7 @@ from typing import Iterator, Mapping
 
 from sqlalchemy import Connection, Engine, Integer, case, cast, delete, func, insert, select, update
 
-from batchscope.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord, Rollup
+from batchscope.storage.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord, Rollup
 
 #: Upper bounds (seconds) of the latency histogram: 8 per decade from 0.1 ms to 100 s.
 LATENCY_BOUNDS_S: tuple[float, ...] = tuple(float(f"{1e-4 * 10 ** (i / 8):.4g}") for i in range(49))

@@ -12,8 +12,8 @@ import json
 
 import pandas as pd
 
-from batchscope import charts
-from batchscope.diagnosis import Flag
+from batchscope.presentation import charts
+from batchscope.analysis.diagnosis import Flag
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1200px}

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import orjson
 
-from runtime.errors import ClientError
+from runtime.api.errors import ClientError
 
 PAYLOAD_POOL = 256
 DRAIN_GRACE_S = 10.0

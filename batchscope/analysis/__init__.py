@@ -1,0 +1,2 @@
+"""Reading recorded data: ``queries`` (aggregated in SQL, one DataFrame each) and
+``diagnosis`` (rules with evidence and guidance)."""
