@@ -3,6 +3,8 @@
 - ``storage``: records, schema, recorder and writer process, retention, control table.
 - ``analysis``: queries over recorded data, diagnosis rules.
 - ``presentation``: Plotly charts, the offline HTML report, snapshots.
+- ``settings``: the settings schema (validation, CLI flags, dashboard forms, README tables).
 - ``telemetry``: device sampler (NVML, or CPU figures without a GPU).
+- ``dashboard``: the Streamlit pages that ``app.py`` puts together.
 - ``testing``: synthetic data for tests and benchmarks only.
 """

@@ -19,7 +19,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q "torch==2.13.0" -e ".[test,minilm]"
+.venv/bin/python -m pip install -q "torch==2.13.0" -e ".[dashboard,test,minilm]"
 
 export PYTHONUNBUFFERED=1
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

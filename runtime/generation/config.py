@@ -13,75 +13,54 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from runtime.api.config import _is_int, _is_number, apply_changes, check_queueing, collector
+from batchscope.settings import GENERATION
+from runtime.api.config import apply_changes, field_problems
 from runtime.api.errors import ConfigError
 
 GenMode = Literal["continuous", "static"]
-GEN_MODES: tuple[str, ...] = ("continuous", "static")
+GEN_MODES: tuple[str, ...] = next(s.choices for s in GENERATION if s.name == "mode")
 
 #: settings that size the KV cache; they cannot change while it is allocated
-FIXED_AT_START: tuple[str, ...] = ("block_size", "num_cache_blocks", "max_model_len")
+FIXED_AT_START: tuple[str, ...] = tuple(s.name for s in GENERATION if s.fixed_at_start)
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """How a generation model's sequences share the steps and the KV cache."""
+    """How a generation model's sequences share the steps and the KV cache.
 
-    #: continuous: sequences join at the next step and leave as soon as they finish;
-    #: static: a batch is admitted together and no one joins until all of it finished.
+    What each field means, its unit and its valid values are in
+    ``batchscope.settings.GENERATION`` (also the README table); the defaults here must
+    equal the schema's, which a test checks.
+    """
+
     mode: GenMode = "continuous"
-    #: tokens per KV-cache block
     block_size: int = 16
-    #: blocks in the shared pool; the cache holds ``block_size * num_cache_blocks`` tokens
     num_cache_blocks: int = 512
-    #: the longest sequence (prompt + generated tokens) a request may reach
     max_model_len: int = 1024
-    #: the most sequences running in one step
     max_num_seqs: int = 32
-    #: the most tokens (prefill chunks + decode tokens) computed in one step
     max_num_batched_tokens: int = 512
-    #: backpressure: requests beyond this many waiting are refused with 429
     max_queue_size: int = 1024
-    #: priorities run from 0 (most urgent) to ``priority_levels - 1``
     priority_levels: int = 3
     default_priority: int = 1
-    #: how long a request may wait for its first step when it gives no timeout; None = forever
-    default_timeout_ms: float | None = None
-    #: ``max_tokens`` when a request gives none
+    default_timeout_ms: float | None = None  # None: no timeout
     default_max_new_tokens: int = 16
-    #: preemptions are reported at most once per this many seconds (aggregated)
     preemption_event_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        problems: list[str] = []
-        need = collector(problems)
-
-        def int_in(name: str, low: int, high: int) -> bool:
-            value = getattr(self, name)
-            ok = _is_int(value) and low <= value <= high
-            need(ok, f"{name}={value!r} must be an integer from {low} to {high}")
-            return ok
-
-        need(self.mode in GEN_MODES, f"mode={self.mode!r} is not one of {', '.join(GEN_MODES)}")
-        int_in("block_size", 1, 1024)
-        int_in("num_cache_blocks", 1, 10_000_000)
-        int_in("max_model_len", 2, 1_000_000)
-        seqs_ok = int_in("max_num_seqs", 1, 4096)
-        tokens_ok = int_in("max_num_batched_tokens", 1, 1_000_000)
-        if seqs_ok and tokens_ok:
-            need(self.max_num_batched_tokens >= self.max_num_seqs,
-                 f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs="
-                 f"{self.max_num_seqs}: every running sequence needs at least one token per step; "
-                 "raise max_num_batched_tokens or lower max_num_seqs")
-        check_queueing(self, need)
-        int_in("default_max_new_tokens", 1, 1_000_000)
-        need(_is_number(self.preemption_event_interval_s)
-             and 0 <= self.preemption_event_interval_s <= 3600,
-             f"preemption_event_interval_s={self.preemption_event_interval_s!r} must be a number "
-             "of seconds from 0 to 3600")
+        """Raises ``ConfigError`` listing every problem. Each field's own type, bounds and
+        message come from ``batchscope.settings.GENERATION``; the rules between fields are
+        here."""
+        bad = field_problems(self, GENERATION)
+        problems = list(bad.values())
+        if not {"max_num_seqs", "max_num_batched_tokens"} & bad.keys() \
+                and self.max_num_batched_tokens < self.max_num_seqs:
+            problems.append(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs="
+                f"{self.max_num_seqs}: every running sequence needs at least one token per step; "
+                "raise max_num_batched_tokens or lower max_num_seqs")
         if problems:
             raise ConfigError("invalid generation settings: " + "; ".join(problems)
                               + ". Nothing was changed.")
@@ -100,8 +79,7 @@ class GenerationConfig:
 
     def with_changes(self, changes: dict[str, Any]) -> "GenerationConfig":
         """A new validated config with ``changes`` applied; raises ConfigError."""
-        return apply_changes(self, changes,
-                             float_fields=("default_timeout_ms", "preemption_event_interval_s"))
+        return apply_changes(self, changes, GENERATION)
 
     def with_runtime_changes(self, changes: dict[str, Any]) -> "GenerationConfig":
         """Like ``with_changes`` but refuses the settings that size the allocated cache."""

@@ -11,8 +11,9 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
+from batchscope import settings as schema
 from runtime.api.errors import BatchScopeError, ConfigError
 
 EXIT_USAGE = 2
@@ -28,33 +29,45 @@ class _Parser(argparse.ArgumentParser):
 
 
 # -- serve --------------------------------------------------------------------------------
-#: batching flags: (flag, field, parse) -- each applies to every served model
-def _optional_ms(text: str) -> float | None:
-    if text.lower() in ("none", "null", "off"):
-        return None
-    return float(text)
+# Every request-model setting of ``batchscope.settings.BATCHING`` is a flag of its own
+# (``max_batch_size`` -> ``--max-batch-size``; a true/false one -> ``--bucketing`` /
+# ``--no-bucketing``) that applies to every served request model; ``--set`` reaches any
+# setting of one model, generation models included. Adding a setting to the schema adds
+# its flag and its help text here.
+def _flag_type(setting: schema.Setting) -> Callable[[str], Any]:
+    """The argparse ``type`` of a setting's flag: ``Setting.parse_text``, with argparse's
+    usual wording for a value that is not a number (``invalid int value: 'lots'``)."""
+
+    def parse(text: str) -> Any:
+        try:
+            return setting.parse_text(text)
+        except ValueError as exc:
+            if setting.kind in ("int", "float"):
+                raise argparse.ArgumentTypeError(
+                    f"invalid {setting.kind} value: {text!r}; write {setting.describe()}") from None
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = setting.kind
+    return parse
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+def _flag_help(setting: schema.Setting) -> str:
+    text = f"{setting.doc} Valid: {setting.describe()}; default {setting.default_text()}."
+    return text.replace("%", "%%")
 
 
-_BATCHING_FLAGS: list[tuple[str, str, Any, str]] = [
-    ("--policy", "policy", str, "static, dynamic or adaptive"),
-    ("--max-batch-size", "max_batch_size", int, "largest batch"),
-    ("--max-queue-delay-ms", "max_queue_delay_ms", _optional_ms,
-     "longest wait for companions; 'none' = work-conserving"),
-    ("--max-queue-size", "max_queue_size", int, "waiting requests beyond this get 429"),
-    ("--preferred-batch-sizes", "preferred_batch_sizes", _int_list, "e.g. 8,16,32"),
-    ("--bucket-edges", "bucket_edges", _int_list, "length buckets, e.g. 32,64,128"),
-    ("--priority-levels", "priority_levels", int, "number of priority levels"),
-    ("--default-timeout-ms", "default_timeout_ms", _optional_ms, "timeout when a request gives none"),
-    ("--static-max-wait-ms", "static_max_wait_ms", float, "static policy: longest wait"),
-    ("--memory-budget-mb", "memory_budget_mb", _optional_ms, "CPU memory budget per batch"),
-]
+def _add_setting_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("batching settings (every request model; see also --set)")
+    for setting in schema.BATCHING:
+        if setting.kind == "bool":
+            group.add_argument(setting.flag, dest=setting.name, default=argparse.SUPPRESS,
+                               action=argparse.BooleanOptionalAction, help=_flag_help(setting))
+        else:
+            metavar = {"int_list": "N,N,...", "choice": "{" + ",".join(setting.choices) + "}"
+                       }.get(setting.kind, setting.name.upper())
+            group.add_argument(setting.flag, dest=setting.name, default=argparse.SUPPRESS,
+                               type=_flag_type(setting), metavar=metavar,
+                               help=_flag_help(setting))
 
 
 def _add_serve(sub: Any) -> None:
@@ -81,34 +94,36 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--heartbeat-interval-s", type=float, default=2.0)
     p.add_argument("--control-poll-interval-s", type=float, default=0.5)
     p.add_argument("--retention-raw-s", type=float, default=24 * 3600.0)
-    for flag, _, parse, text in _BATCHING_FLAGS:
-        p.add_argument(flag, type=parse, default=argparse.SUPPRESS, help=text)
-    p.add_argument("--no-bucketing", action="store_true", help="one queue regardless of length")
+    _add_setting_flags(p)
     p.add_argument("--model-config", action="append", default=[], metavar="NAME=PATH.json",
                    help="per-model settings from a JSON object (BatchingConfig fields; "
                         "GenerationConfig fields for a generation model such as decoder)")
     p.add_argument("--set", action="append", default=[], dest="sets", metavar="NAME.FIELD=VALUE",
-                   help="one per-model setting, value as JSON (e.g. mlp.max_batch_size=8, "
-                        "decoder.max_num_seqs=16)")
+                   help="one setting of one model; VALUE as JSON or as its flag takes it (e.g. "
+                        "mlp.max_batch_size=8, mlp.bucket_edges=16,32,64, "
+                        "decoder.max_num_seqs=16). Request models take the batching settings "
+                        "above; generation models take "
+                        + ", ".join(s.name for s in schema.GENERATION))
 
 
-def _json_value(text: str) -> Any:
+def _set_value(setting: schema.Setting | None, text: str) -> Any:
+    """A ``--set`` value: JSON when it reads as JSON, else the setting's own text form
+    (``16,32``, ``none``, ``static``); the config class then checks it."""
     try:
         return json.loads(text)
     except ValueError:
+        pass
+    if setting is None:  # an unknown field: the config class names the known ones
         return text
+    return setting.parse_text(text)
 
 
 def _per_model_changes(args: argparse.Namespace, names: Sequence[str],
                        request_names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Each model's settings changes: the shared batching flags (request models only),
     then ``--model-config`` files, then ``--set``, later ones winning."""
-    shared: dict[str, Any] = {}
-    for _, field_name, _, _ in _BATCHING_FLAGS:
-        if hasattr(args, field_name):  # given on the command line ('none' included)
-            shared[field_name] = getattr(args, field_name)
-    if args.no_bucketing:
-        shared["bucketing"] = False
+    shared = {s.name: getattr(args, s.name) for s in schema.BATCHING
+              if hasattr(args, s.name)}  # only the flags given ('none' included)
     per_model: dict[str, dict[str, Any]] = {
         name: dict(shared) if name in request_names else {} for name in names}
     for item in args.model_config:
@@ -129,7 +144,11 @@ def _per_model_changes(args: argparse.Namespace, names: Sequence[str],
         name, dot, field_name = key.rpartition(".")
         if not sep or not dot or name not in per_model:
             raise UsageError(f"--set {item!r}: write NAME.FIELD=VALUE with NAME one of {list(names)}")
-        per_model[name][field_name] = _json_value(value)
+        kind = "request" if name in request_names else "generate"
+        try:
+            per_model[name][field_name] = _set_value(schema.setting(kind, field_name), value)
+        except ValueError as exc:
+            raise UsageError(f"--set {item!r}: {exc}") from None
     return per_model
 
 
