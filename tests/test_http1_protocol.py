@@ -354,7 +354,9 @@ def test_app_error_is_a_500_and_the_connection_lives_on(bare):
     with sock:
         sock.sendall(request("GET", "/boom"))
         status, _, body = rd.response()
-        assert status == 500 and orjson.loads(body) == {"error": "internal error"}
+        message = orjson.loads(body)["error"]
+        assert status == 500 and message.startswith("internal error")
+        assert "a bug in the app" not in message
         sock.sendall(request("GET", "/after"))
         assert rd.response()[0] == 200
 

@@ -4,5 +4,6 @@
   whose errors say which code to write.
 - ``config``: ``BatchingConfig`` and ``ServerConfig``, typed and validated settings
   with units in their names.
-- ``errors``: the error hierarchy; each error carries its HTTP status.
+- ``errors``: the error hierarchy (each error carries its HTTP status) and
+  ``error_answer``, the one function that turns any exception into an HTTP answer.
 """

@@ -1,12 +1,41 @@
-"""Error hierarchy of the runtime.
+"""Error hierarchy of the runtime, and the one function that turns an error into an
+HTTP answer.
 
-Every error knows the HTTP status it maps to and carries a message that says
-what was wrong and what the caller can do about it. The HTTP layer turns any
-``BatchScopeError`` into ``{"error": message}`` with that status; anything else
-becomes a generic 500 that leaks no internals.
+Every error knows the HTTP status it maps to and carries a message that says what
+was wrong and what the caller can do about it. ``error_answer(exc, where)`` is the
+only place an error answer is built, for every server in the runtime (the HTTP/1
+server and its inference fast path, the Starlette routes and control API, the
+OpenAI-style generation routes):
+
+* a ``BatchScopeError`` becomes its status and ``{"error": message}`` (its
+  ``to_dict()``, or the caller's ``document``), with ``Retry-After`` on 429 and on a
+  503 that knows when to retry, and ``Allow`` on 405;
+* anything else is a bug: it is logged once, with its traceback and a short
+  reference, and answered 500 with a message that names the reference and leaks
+  nothing about the code.
+
+It lives beside the hierarchy because the wire form of an error is part of what an
+error is, and because both HTTP layers (``runtime.server`` and
+``runtime.generation.http``) already depend on this module and not on each other.
+It depends on no web framework: it returns ``(status, headers, body)`` in the raw
+form the HTTP/1 server writes, and each framework adapter wraps that in one line.
 """
 
 from __future__ import annotations
+
+import logging
+import math
+import uuid
+from typing import Any, Callable, Sequence
+
+import orjson
+
+log = logging.getLogger("batchscope.server")
+
+#: response headers in the raw form the HTTP/1 server and ASGI use
+Headers = list[tuple[bytes, bytes]]
+#: (status, headers, body) of an answer
+Answer = tuple[int, Headers, bytes]
 
 
 class BatchScopeError(Exception):
@@ -50,6 +79,39 @@ class ModelNotFound(BatchScopeError):
     reason = "not_found"
 
 
+class RouteNotFound(BatchScopeError):
+    """No route of this server matches the request's path."""
+
+    http_status = 404
+    reason = "no_route"
+
+
+class MethodNotAllowed(BatchScopeError):
+    """The path exists (or the server runs) but not with this method; ``allow`` lists
+    the methods that are accepted, sent back as the ``Allow`` header."""
+
+    http_status = 405
+    reason = "method_not_allowed"
+
+    def __init__(self, message: str, *, allow: Sequence[str]) -> None:
+        super().__init__(message)
+        self.allow = tuple(allow)
+
+
+class RequestTooLarge(BatchScopeError):
+    """The request body is over the server's limit."""
+
+    http_status = 413
+    reason = "too_large"
+
+
+class UrlTooLong(BatchScopeError):
+    """The request target is over the server's limit."""
+
+    http_status = 414
+    reason = "url_too_long"
+
+
 class QueueFull(BatchScopeError):
     """Backpressure: the model's queue is at ``max_queue_size``."""
 
@@ -81,8 +143,91 @@ class ModelError(BatchScopeError):
     reason = "model_error"
 
 
+class HttpVersionNotSupported(BatchScopeError):
+    http_status = 505
+    reason = "http_version"
+
+
 class OutOfMemory(BatchScopeError):
     """A single request does not fit in memory even alone."""
 
     http_status = 507
     reason = "oom"
+
+
+#: where the routes of the server are listed, for a request that matched none
+ROUTES_DOC = '"HTTP API" in README.md'
+
+
+def routing_error(status: int, method: str, path: str, allow: Sequence[str] = (),
+                  detail: str = "") -> BatchScopeError:
+    """The error for a request no route took (a web framework's 404 or 405)."""
+    if status == 404:
+        return RouteNotFound(f"no route for {method} {path}; see {ROUTES_DOC} for the routes "
+                             "served")
+    if status == 405:
+        return MethodNotAllowed(f"{method} is not accepted on {path}; use {' or '.join(allow)}",
+                                allow=allow)
+    error = ClientError(f"{detail or 'refused'} ({method} {path})")
+    error.http_status = status  # frameworks refuse nothing else today; keep what they say
+    return error
+
+
+# -- the wire form ----------------------------------------------------------------------
+_JSON = (b"content-type", b"application/json")
+#: shared by every answer without extra headers; never mutated
+_JSON_ONLY: Headers = [_JSON]
+#: the longest request description quoted back in an internal-error message
+_WHERE_CHARS = 200
+
+
+def retry_after_seconds(exc: BatchScopeError) -> int | None:
+    """Whole seconds for ``Retry-After``, or None when the answer carries none.
+
+    A 429 always carries one (1 s when the error does not say); a 503 carries one
+    when the error knows when to retry. Fractions round up and the least is 1 s, so
+    a client that waits as told never comes back early.
+    """
+    status = exc.http_status
+    retry = exc.retry_after_s
+    if status == 429 or (status == 503 and retry is not None):
+        if retry is None or not math.isfinite(retry):
+            return 1
+        return max(1, math.ceil(retry))
+    return None
+
+
+def internal_error(exc: BaseException, where: str) -> BatchScopeError:
+    """Log ``exc`` (a bug: anything that is not a ``BatchScopeError``) once, with its
+    traceback, and give the error a client sees instead: a 500 naming a reference
+    that finds the log line, and nothing of the exception itself."""
+    ref = uuid.uuid4().hex[:8]
+    where = where[:_WHERE_CHARS]
+    log.error("unexpected error answering %s (reference %s)", where, ref,
+              exc_info=(type(exc), exc, exc.__traceback__))
+    return BatchScopeError(f"internal error: the server failed answering {where} (logged on "
+                           f"the server as {ref}); retry, and report {ref} if it keeps failing")
+
+
+def error_answer(exc: BaseException, where: str,
+                 document: Callable[[BatchScopeError], dict[str, Any]] | None = None
+                 ) -> Answer:
+    """``(status, headers, body)`` answering a request that failed with ``exc``.
+
+    ``where`` names the request, e.g. ``"POST /v2/models/m/infer"``; it is used only
+    when ``exc`` is unexpected (logged, then answered 500). ``document`` builds the
+    JSON body from the error (default ``exc.to_dict()``, i.e. ``{"error": message}``);
+    the OpenAI-style routes pass their own shape.
+    """
+    error = exc if isinstance(exc, BatchScopeError) else internal_error(exc, where)
+    headers = _JSON_ONLY
+    retry = retry_after_seconds(error)
+    allow = getattr(error, "allow", None)
+    if retry is not None or allow:
+        headers = [_JSON]
+        if retry is not None:
+            headers.append((b"retry-after", b"%d" % retry))
+        if allow:
+            headers.append((b"allow", ", ".join(allow).encode("latin-1")))
+    doc = error.to_dict() if document is None else document(error)
+    return error.http_status, headers, orjson.dumps(doc)

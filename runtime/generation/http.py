@@ -11,7 +11,10 @@ small standalone app that starts and stops the engines with the app.
 (one choice per prompt). Temperature 0 (the default here) is greedy; a higher one
 samples with ``seed`` (drawn by the server when absent). A stream is Server-Sent
 Events: ``data: {chunk}`` per token with ``choices[i].text`` deltas, then
-``data: [DONE]``. Errors use OpenAI's shape ``{"error": {message, type, param, code}}``.
+``data: [DONE]``. Errors use OpenAI's shape ``{"error": {message, type, param, code}}``
+(``error_body``), built by ``runtime.api.errors.error_answer`` like every other error
+answer of the runtime: same statuses, same ``Retry-After``, and a bug is logged once
+and answered 500 without internals, also in the middle of a stream.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from typing import Any, AsyncIterator
 
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from runtime.api.errors import BatchScopeError, ClientError, ModelNotFound, ValidationError
+from runtime.api.errors import (BatchScopeError, ClientError, ModelNotFound, ValidationError,
+                                error_answer, routing_error)
 from runtime.generation.engine import GenerationEngine, GenerationStream
 
 #: request fields accepted only at their neutral value, with what to do instead
@@ -56,6 +61,7 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 def error_body(error: BatchScopeError) -> dict[str, Any]:
+    """The OpenAI-shaped document of ``error`` (the ``document`` given to ``error_answer``)."""
     code = "model_not_found" if isinstance(error, ModelNotFound) else (
         "rate_limit_exceeded" if error.http_status == 429 else error.reason)
     return {"error": {"message": error.message,
@@ -63,11 +69,10 @@ def error_body(error: BatchScopeError) -> dict[str, Any]:
                       "param": None, "code": code}}
 
 
-def error_response(error: BatchScopeError) -> Response:
-    headers = None
-    if error.retry_after_s is not None:
-        headers = {"Retry-After": str(max(1, round(error.retry_after_s)))}
-    return _json(error_body(error), error.http_status, headers)
+def error_response(error: BaseException, where: str = "the request") -> Response:
+    """The Starlette form of ``error_answer`` with the OpenAI error shape."""
+    status, headers, body = error_answer(error, where, error_body)
+    return Response(body, status, {k.decode("latin-1"): v.decode("latin-1") for k, v in headers})
 
 
 def _is_int(value: Any) -> bool:
@@ -221,8 +226,8 @@ def routes(engines: dict[str, GenerationEngine]) -> list[Route]:
             if engine is None:
                 raise _not_found(req["model"], engines)
             streams = _submit_all(engine, req)
-        except BatchScopeError as exc:
-            return error_response(exc)
+        except Exception as exc:
+            return error_response(exc, _COMPLETIONS)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": req["model"]}
         if req["stream"]:
@@ -235,8 +240,8 @@ def routes(engines: dict[str, GenerationEngine]) -> list[Route]:
             async for index, event in _merged(streams):
                 texts[index].append(event.text)
                 reasons[index] = event.finish_reason or reasons[index]
-        except BatchScopeError as exc:
-            return error_response(exc)
+        except Exception as exc:
+            return error_response(exc, _COMPLETIONS)
         finally:
             for stream in streams:
                 stream.close()
@@ -258,6 +263,10 @@ def _not_found(name: str, engines: dict[str, GenerationEngine]) -> ModelNotFound
                          f"{sorted(engines)}")
 
 
+#: how error messages and the log name a completions request
+_COMPLETIONS = "POST /v1/completions"
+
+
 def _sse_line(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
@@ -273,8 +282,8 @@ async def _sse(head: dict[str, Any], streams: list[GenerationStream],
             yield _sse_line(chunk)
         if include_usage:
             yield _sse_line({**head, "choices": [], "usage": _usage(streams)})
-    except BatchScopeError as exc:
-        yield _sse_line(error_body(exc))
+    except Exception as exc:  # the status line is gone: the error goes in the stream
+        yield b"data: " + error_answer(exc, _COMPLETIONS + " (stream)", error_body)[2] + b"\n\n"
     finally:
         for stream in streams:
             stream.close()
@@ -294,4 +303,13 @@ def create_app(engines: dict[str, GenerationEngine]) -> Starlette:
             for engine in engines.values():
                 await engine.stop()
 
-    return Starlette(routes=routes(engines), lifespan=lifespan)
+    return Starlette(routes=routes(engines), lifespan=lifespan,
+                     exception_handlers={HTTPException: _routing_refusal})
+
+
+async def _routing_refusal(request: Request, exc: HTTPException) -> Response:
+    """No route, or a method the route does not accept, in the OpenAI error shape."""
+    allow = [m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip()]
+    where = f"{request.method} {request.url.path}"
+    return error_response(routing_error(exc.status_code, request.method, request.url.path,
+                                        allow, exc.detail), where)

@@ -4,31 +4,26 @@
 an inference request straight from the parser, decodes it, hands it to the
 engine's callback entry (``Engine.submit``) and answers from the batch-settle
 callback, with no Task or coroutine per request. Every answer is the one the
-Starlette route gives (same codec, same error bodies and statuses, Retry-After on
-429). Anything else (and a request to a path that is not an inference route) is
-left to the ASGI app.
+Starlette route gives: same codec, and every refusal is built by
+``runtime.api.errors.error_answer``, as the routes' are. Anything else (and a
+request to a path that is not an inference route) is left to the ASGI app.
+
+The success path allocates only what the answer needs: the parsed request, the
+settle callback and the encoded body.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 from typing import Any, Callable
 
-import orjson
-
-from runtime.api.errors import BatchScopeError, ModelNotReady
-from runtime.server.routes import MODEL_VERSION, find_model
+from runtime.api.errors import ModelNotReady, error_answer
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer
+from runtime.server.routes import MODEL_VERSION, find_model
 
-log = logging.getLogger("batchscope.server")
-
-_JSON = (b"content-type", b"application/json")
-_JSON_HEADERS = [_JSON]
+_JSON_HEADERS = [(b"content-type", b"application/json")]
 _HEADER_LENGTH_B = HEADER_LENGTH.encode()
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
-_INTERNAL = b'{"error":"internal error"}'
 
 Answer = Callable[[int, list[tuple[bytes, bytes]], bytes], None]
 
@@ -43,15 +38,6 @@ def infer_target(path: str) -> tuple[str, str | None] | None:
     if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
         return parts[0], parts[2]
     return None
-
-
-def error_answer(exc: BatchScopeError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """(status, headers, body) of a refused request, as the Starlette route answers it."""
-    headers = _JSON_HEADERS
-    if exc.http_status == 429:
-        retry = exc.retry_after_s if exc.retry_after_s is not None else 1.0
-        headers = [_JSON, (b"retry-after", str(max(1, math.ceil(retry))).encode())]
-    return exc.http_status, headers, orjson.dumps(exc.to_dict())
 
 
 class InferHook:
@@ -88,22 +74,19 @@ class InferHook:
                 if error is None:
                     try:
                         payload, extra = encode_infer(name, MODEL_VERSION, req, result, outputs)
-                    except Exception:
-                        log.exception("could not encode the answer of model %r", name)
-                        answer(500, _JSON_HEADERS, _INTERNAL)
+                    except Exception as exc:
+                        answer(*error_answer(exc, f"POST /v2/models/{name}/infer (encoding "
+                                                  "the answer)"))
                         return
                     if extra:
                         answer(200, [(b"content-type", b"application/octet-stream")] + [
                             (k.lower().encode(), v.encode()) for k, v in extra.items()], payload)
                     else:
                         answer(200, _JSON_HEADERS, payload)
-                elif isinstance(error, BatchScopeError):
-                    answer(*error_answer(error))
                 else:
-                    log.error("unexpected error from model %r: %r", name, error)
-                    answer(500, _JSON_HEADERS, _INTERNAL)
+                    answer(*error_answer(error, f"POST /v2/models/{name}/infer"))
 
             engine.submit(name, req.inputs, req.priority, req.timeout_ms, req.bypass, done)
-        except BatchScopeError as exc:
-            answer(*error_answer(exc))
+        except Exception as exc:  # a refusal (BatchScopeError) or a bug: answered alike
+            answer(*error_answer(exc, f"POST {path}"))
         return True

@@ -18,10 +18,17 @@ HTTP/1.1 behaviour: keep-alive by default (HTTP/1.0 only when asked), ``Connecti
 close`` honoured, pipelined requests run at once and are answered in order,
 ``Expect: 100-continue`` answered when the request is at the head of the line,
 ``Content-Length`` and chunked request bodies, HEAD answered without a body,
-malformed requests answered 400 and closed, idle connections closed after
-``keep_alive_s``. A client that goes away mid-request changes nothing for the work
-already started: its answer is dropped. ``shutdown()`` stops accepting, closes idle
-connections, lets in-flight requests finish (bounded), then closes the rest.
+idle connections closed after ``keep_alive_s``. A request the server will not pass
+on is answered with a JSON error and the connection closed: malformed (400), a
+method outside ``SERVED_METHODS`` such as ``CONNECT`` or ``TRACE`` (405 with
+``Allow``), a body over ``max_body_bytes`` (413), a URL over ``MAX_URL_BYTES``
+(414), an HTTP version other than 1.0/1.1 (505); the rest of what the client sends
+is read and dropped for ``LINGER_S`` so that it reads the answer rather than a
+reset. Every error answer, these and a 500 for a bug in a hook or the app, is built
+by ``runtime.api.errors.error_answer``. A client that goes away mid-request changes
+nothing for the work already started: its answer is dropped. ``shutdown()`` stops
+accepting, closes idle connections, lets in-flight requests finish (bounded), then
+closes the rest.
 """
 
 from __future__ import annotations
@@ -38,16 +45,28 @@ from urllib.parse import unquote
 
 import httptools
 
+from runtime.api.errors import (BatchScopeError, ClientError, HttpVersionNotSupported,
+                                MethodNotAllowed, RequestTooLarge, UrlTooLong, error_answer)
+
 log = logging.getLogger("batchscope.server")
 
 #: request bodies larger than this are refused with 413
 MAX_BODY_BYTES = 64 * 1024 * 1024
+#: request targets (path and query) longer than this are refused with 414
+MAX_URL_BYTES = 64 * 1024
+#: methods handed to the app; any other the fast hook does not take is refused with 405
+SERVED_METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS"})
+_ALLOW = sorted(m.decode() for m in SERVED_METHODS)
 #: idle keep-alive connections are closed after this long
 KEEP_ALIVE_S = 60.0
 #: how often idle connections are checked and the Date header refreshed
 TICK_S = 1.0
 #: a connection stops being read while this many of its requests wait for answers
 MAX_PIPELINED = 64
+#: after a refusal, how long the rest of what the client sends is read and dropped,
+#: so that closing with unread data does not reset the connection before the client
+#: has read the answer
+LINGER_S = 2.0
 
 Answer = Callable[[int, list[tuple[bytes, bytes]], bytes], None]
 #: (connection, method, path, headers, body, answer) -> True when it took the request
@@ -120,6 +139,8 @@ class _Connection(asyncio.Protocol):
         self.body_bytes = 0
         self.closing = False
         self.closed = False
+        #: set by a refusal: close by sending FIN first, then drain (see ``close``)
+        self.linger = False
         self.last_active_s = 0.0
         self.client: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
@@ -176,8 +197,8 @@ class _Connection(asyncio.Protocol):
             if isinstance(exc.__context__, _Refused) or self.closing:
                 return  # a callback already answered and stopped the parse
             try:
-                self.refuse(400, f"malformed HTTP request ({exc}); send a valid HTTP/1.1 "
-                                 "request")
+                self.refuse(ClientError(f"malformed HTTP request ({exc}); send a valid "
+                                        "HTTP/1.1 request"))
             except _Refused:
                 pass
 
@@ -187,7 +208,12 @@ class _Connection(asyncio.Protocol):
         self.body_bytes = 0
 
     def on_url(self, url: bytes) -> None:
-        self.current.url += url
+        ex = self.current
+        ex.url += url
+        if len(ex.url) > MAX_URL_BYTES:
+            self.refuse(UrlTooLong(f"the request URL is longer than this server accepts "
+                                   f"({MAX_URL_BYTES} bytes); send large inputs in the "
+                                   "request body"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
@@ -199,9 +225,9 @@ class _Connection(asyncio.Protocol):
             except ValueError:
                 declared = -1
             if declared > self.server.max_body_bytes:
-                self.refuse(413, f"the request body of {declared} bytes is larger than this "
-                                 f"server accepts ({self.server.max_body_bytes} bytes); "
-                                 "send a smaller request")
+                self.refuse(RequestTooLarge(
+                    f"the request body of {declared} bytes is larger than this server "
+                    f"accepts ({self.server.max_body_bytes} bytes); send a smaller request"))
         elif name == b"expect" and value.lower() == b"100-continue":
             ex.expect_continue = True
 
@@ -213,7 +239,8 @@ class _Connection(asyncio.Protocol):
         ex.keep_alive = parser.should_keep_alive() and not self.server.stopping
         ex.is_head = ex.method == b"HEAD"
         if ex.version not in ("1.1", "1.0"):
-            self.refuse(505, f"HTTP/{ex.version} is not supported; use HTTP/1.1")
+            self.refuse(HttpVersionNotSupported(f"HTTP/{ex.version} is not supported; use "
+                                                "HTTP/1.1"))
         self.queue.append(ex)
         if ex.expect_continue and self.queue[0] is ex:
             self._send_continue(ex)
@@ -221,8 +248,9 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.body_bytes += len(body)
         if self.body_bytes > self.server.max_body_bytes:
-            self.refuse(413, f"the request body is larger than this server accepts "
-                             f"({self.server.max_body_bytes} bytes); send a smaller request")
+            self.refuse(RequestTooLarge(f"the request body is larger than this server accepts "
+                                        f"({self.server.max_body_bytes} bytes); send a smaller "
+                                        "request"))
         self.current.body.append(body)
 
     def on_message_complete(self) -> None:
@@ -308,19 +336,18 @@ class _Connection(asyncio.Protocol):
         self.write(ex, b"".join(parts))
         self.finish(ex)
 
-    def refuse(self, status: int, message: str) -> None:
-        """Answer an unusable request and close the connection; stops parsing."""
-        ex = self.current or _Exchange()
+    def refuse(self, error: BatchScopeError, ex: _Exchange | None = None) -> None:
+        """Answer an unusable request (``ex``, else the one being parsed) with ``error``
+        and close the connection; stops parsing (raises out of the parser callback)."""
+        ex = ex or self.current or _Exchange()
         self.current = None
         ex.keep_alive = False
         ex.complete = True
         if ex not in self.queue:
             self.queue.append(ex)
         self.closing = True
-        import orjson  # local: only on this rare path
-
-        self.answer(ex, status, [(b"content-type", b"application/json")],
-                    orjson.dumps({"error": message}))
+        self.linger = True
+        self.answer(ex, *error_answer(error, "a refused request"))
         raise _Refused()
 
     def closing_after_answers(self) -> None:
@@ -331,9 +358,21 @@ class _Connection(asyncio.Protocol):
             self.queue[-1].keep_alive = False
 
     def close(self) -> None:
-        if not self.closed and self.transport is not None:
-            self.closing = True
-            self.transport.close()
+        transport = self.transport
+        if self.closed or transport is None:
+            return
+        self.closing = True
+        if self.linger and transport.can_write_eof():
+            # the client may still be sending the refused request: end our side, keep
+            # reading (and dropping) until it closes or LINGER_S has passed
+            self.linger = False
+            transport.write_eof()
+            if self.reading_paused:
+                self.reading_paused = False
+                transport.resume_reading()
+            self.loop.call_later(LINGER_S, transport.close)
+            return
+        transport.close()
 
     @property
     def idle(self) -> bool:
@@ -342,6 +381,13 @@ class _Connection(asyncio.Protocol):
 
 class _Refused(Exception):
     """Raised out of a parser callback to stop parsing after a refusal was answered."""
+
+
+def _unsupported_method(method: bytes) -> MethodNotAllowed:
+    name = method.decode("latin-1")
+    why = "this server is not a proxy" if method == b"CONNECT" else "this server does not serve it"
+    return MethodNotAllowed(f"{name} is not supported: {why}; it serves {', '.join(_ALLOW)}",
+                            allow=_ALLOW)
 
 
 class _AsgiCall:
@@ -362,8 +408,13 @@ class _AsgiCall:
         self.head: list[tuple[bytes, bytes]] = []
 
     def scope(self) -> dict:
+        """The ASGI scope; raises ``ClientError`` for a target that is not a URL path."""
         ex = self.ex
-        url = httptools.parse_url(ex.url)
+        try:
+            url = httptools.parse_url(ex.url)
+        except httptools.HttpParserInvalidURLError:
+            raise ClientError(f"the request target {ex.url[:200].decode('latin-1')!r} is not "
+                              "a URL path; send a path such as /v2/health/live") from None
         raw_path = url.path or b"/"
         path = raw_path.decode("latin-1")
         if "%" in path:
@@ -376,24 +427,26 @@ class _AsgiCall:
             "headers": ex.headers, "state": {},
         }
 
+    def where(self) -> str:
+        """The request, as error messages and the log name it."""
+        return f"{self.ex.method.decode('latin-1')} {self.ex.url[:200].decode('latin-1')}"
+
     async def run(self, app: Any) -> None:
         try:
             await app(self.scope(), self.receive, self.send)
-        except Exception:
-            log.exception("unexpected error answering %s %s", self.ex.method.decode("ascii"),
-                          self.ex.url.decode("latin-1"))
+        except Exception as exc:
             if not self.started:
-                self.conn.answer(self.ex, 500, [(b"content-type", b"application/json")],
-                                 b'{"error":"internal error"}')
+                self.conn.answer(self.ex, *error_answer(exc, self.where()))
                 return
+            # the answer is under way: all that is left is to log and cut it short
+            log.exception("unexpected error answering %s", self.where())
             self.ex.keep_alive = False
             self._end()
             return
         if not self.started:
-            log.error("the application sent no response to %s %s",
-                      self.ex.method.decode("ascii"), self.ex.url.decode("latin-1"))
-            self.conn.answer(self.ex, 500, [(b"content-type", b"application/json")],
-                             b'{"error":"internal error"}')
+            self.conn.answer(self.ex, *error_answer(
+                RuntimeError("the application returned without sending a response"),
+                self.where()))
         elif not self.body_done:
             self.ex.keep_alive = False
             self._end()
@@ -527,14 +580,16 @@ class HttpServer:
                     taken = fast(conn, ex.method, url.decode("latin-1"), ex.headers, body,
                                  lambda status, headers, payload: conn.answer(ex, status, headers,
                                                                               payload))
-                except Exception:
-                    log.exception("unexpected error answering %s %s",
-                                  ex.method.decode("ascii"), url.decode("latin-1"))
-                    conn.answer(ex, 500, [(b"content-type", b"application/json")],
-                                b'{"error":"internal error"}')
+                except Exception as exc:
+                    where = f"{ex.method.decode('latin-1')} {url[:200].decode('latin-1')}"
+                    conn.answer(ex, *error_answer(exc, where))
                     return
                 if taken:
                     return
+        if ex.method not in SERVED_METHODS:
+            # checked here, off the fast path: CONNECT, TRACE, WebDAV... never reach the
+            # app (raises out of the parser callback that dispatched, like every refusal)
+            conn.refuse(_unsupported_method(ex.method), ex)
         task = self.loop.create_task(_AsgiCall(conn, ex, body).run(self.app))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

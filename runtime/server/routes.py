@@ -2,30 +2,31 @@
 
 ``build_app(engine, ...)`` only wires routes to an engine that follows the
 ``runtime.engine.engine.Engine`` contract; starting and stopping the engine belongs to
-the caller (see ``runtime.server.service``). Every failure is answered as
-``{"error": message}`` with the error's HTTP status; 429 carries ``Retry-After``;
-anything unexpected becomes a 500 ``{"error": "internal error"}`` and is logged.
+the caller (see ``runtime.server.service``). Every failure, including a path no
+route serves (404) and a method a route does not accept (405, with ``Allow``), is
+answered by ``runtime.api.errors.error_answer``: ``{"error": message}`` with the
+error's HTTP status, ``Retry-After`` on 429; anything unexpected is logged once and
+becomes a 500 that leaks nothing. ``POST .../infer`` is served here for ASGI servers
+and test clients; ``Service`` answers it first through
+``runtime.server.fastpath.InferHook``, with the same answers.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from runtime.api.errors import BatchScopeError, ModelNotFound, ModelNotReady
+from runtime.api.errors import ModelNotFound, ModelNotReady, error_answer, routing_error
 from runtime.api.model import ModelAPI
 from runtime.server.control_api import control_routes, json_response
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer
 from runtime.server.metrics import CONTENT_TYPE, MetricsRecorder
-
-log = logging.getLogger("batchscope.server")
 
 SERVER_NAME = "batchscope"
 EXTENSIONS = ["binary_tensor_data", "schedule_policy", "batching_control", "metrics"]
@@ -43,12 +44,10 @@ class ServedModel:
     metadata: dict[str, Any]
 
 
-def error_response(exc: BatchScopeError) -> Response:
-    headers = None
-    if exc.http_status == 429:
-        retry = exc.retry_after_s if exc.retry_after_s is not None else 1.0
-        headers = {"Retry-After": str(max(1, math.ceil(retry)))}
-    return json_response(exc.to_dict(), exc.http_status, headers)
+def error_response(exc: BaseException, where: str = "the request") -> Response:
+    """The Starlette form of ``error_answer(exc, where)``."""
+    status, headers, body = error_answer(exc, where)
+    return Response(body, status, {k.decode("latin-1"): v.decode("latin-1") for k, v in headers})
 
 
 def guarded(handler: Handler) -> Handler:
@@ -57,14 +56,30 @@ def guarded(handler: Handler) -> Handler:
     async def run(request: Request) -> Response:
         try:
             return await handler(request)
-        except BatchScopeError as exc:
-            return error_response(exc)
-        except Exception:
-            log.exception("unexpected error answering %s %s", request.method, request.url.path)
-            return json_response({"error": "internal error"}, 500)
+        except Exception as exc:
+            return error_response(exc, f"{request.method} {request.url.path}")
 
     run.__name__ = handler.__name__
     return run
+
+
+def _allowed_methods(app: Any, path: str) -> list[str]:
+    """Every method some route of ``app`` accepts on ``path``."""
+    allowed: set[str] = set()
+    for route in app.routes:
+        if isinstance(route, Route) and route.methods and route.path_regex.match(path):
+            allowed |= route.methods
+    return sorted(allowed)
+
+
+async def routing_refusal(request: Request, exc: HTTPException) -> Response:
+    """Starlette's routing refusals (no route, wrong method) as JSON error answers."""
+    method, path = request.method, request.url.path
+    allow = _allowed_methods(request.app, path) if exc.status_code == 405 else []
+    if exc.status_code == 405 and not allow:
+        allow = [m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip()]
+    return error_response(routing_error(exc.status_code, method, path, allow, exc.detail),
+                          f"{method} {path}")
 
 
 def find_model(models: dict[str, ServedModel], name: str, version: str | None) -> ServedModel:
@@ -166,7 +181,8 @@ def build_app(engine: Any, *, metrics: MetricsRecorder | None = None,
     for route in _kserve_routes() + control_routes():
         routes.append(Route(route.path, guarded(route.endpoint), methods=route.methods))
     routes.extend(extra_routes)
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: routing_refusal})
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.version = version
@@ -177,68 +193,3 @@ def build_app(engine: Any, *, metrics: MetricsRecorder | None = None,
         meta["name"] = name
         app.state.models[name] = ServedModel(name=name, model=model, metadata=meta)
     return app
-
-
-# -- the hot path without the framework ---------------------------------------------------
-_JSON_HEADERS = [(b"content-type", b"application/json")]
-_HEADER_LENGTH_B = HEADER_LENGTH.encode()
-_INFER_PREFIX = "/v2/models/"
-_INFER_SUFFIX = "/infer"
-
-
-def _infer_target(path: str) -> tuple[str, str | None] | None:
-    """(model, version) for ``/v2/models/{m}[/versions/{v}]/infer``, else None."""
-    if not (path.startswith(_INFER_PREFIX) and path.endswith(_INFER_SUFFIX)):
-        return None
-    parts = path[len(_INFER_PREFIX):-len(_INFER_SUFFIX)].split("/")
-    if len(parts) == 1 and parts[0]:
-        return parts[0], None
-    if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
-        return parts[0], parts[2]
-    return None
-
-
-class FastInfer:
-    """ASGI wrapper that answers ``POST .../infer`` directly and hands everything else
-    (and the lifespan) to the Starlette app. Same answers as the Starlette route, with
-    less per-request framework work, for ASGI servers and test clients; ``Service``
-    serves the same route through ``runtime.server.fastpath.InferHook`` instead."""
-
-    def __init__(self, app: Starlette) -> None:
-        self.app = app
-        self.state = app.state
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        target = None
-        if scope["type"] == "http" and scope["method"] == "POST":
-            target = _infer_target(scope["path"])
-        if target is None:
-            await self.app(scope, receive, send)
-            return
-        chunks = []
-        more = True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        header_length = None
-        for key, value in scope["headers"]:
-            if key == _HEADER_LENGTH_B:
-                header_length = value.decode("latin-1")
-        status, headers = 200, _JSON_HEADERS
-        try:
-            payload, extra = await answer_infer(self.state, target[0], target[1],
-                                                b"".join(chunks), header_length)
-            if extra:
-                headers = [(b"content-type", b"application/octet-stream")] + [
-                    (k.lower().encode(), v.encode()) for k, v in extra.items()]
-        except BatchScopeError as exc:
-            response = error_response(exc)
-            await response(scope, receive, send)
-            return
-        except Exception:
-            log.exception("unexpected error answering POST %s", scope["path"])
-            status, payload = 500, b'{"error":"internal error"}'
-        await send({"type": "http.response.start", "status": status,
-                    "headers": headers + [(b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})

@@ -317,13 +317,11 @@ def _load(args: argparse.Namespace) -> int:
 def _snapshot(argv: list[str]) -> int:
     try:
         from batchscope.presentation import snapshot
-    except ImportError:
-        raise UsageError("snapshot export is not available in this build "
-                         "(batchscope.presentation.snapshot is missing)") from None
-    export = getattr(snapshot, "cli_export", None)
-    if export is None:
-        raise UsageError("snapshot export is not available in this build "
-                         "(batchscope.presentation.snapshot.cli_export is missing)")
+    except ImportError as exc:
+        raise UsageError(f"snapshot export needs the dashboard packages ({exc.name} is not "
+                         "installed); install them with: pip install 'batchscope[dashboard]'"
+                         ) from None
+    export = snapshot.cli_export
     if argv[:1] != ["export"]:
         raise UsageError("usage: batchscope snapshot export [options]; see "
                          "batchscope snapshot export --help")
