@@ -1,7 +1,7 @@
 """``Batcher``: the synchronous batching state machine of one model.
 
 Time is always passed in; nothing here sleeps, reads a clock or touches asyncio,
-so every rule is tested with a fake clock. A shell (``runtime.engine.engine``) calls:
+so every rule is tested with a fake clock. A shell (``runtime.engine.dispatch``) calls:
 
 * ``submit(req, now)`` when a request arrives (raises ``QueueFull``/``ValidationError``);
 * ``expire(now)`` for requests whose deadline passed while queued (never executed);

@@ -22,6 +22,7 @@ from typing import Any
 from batchscope.storage.records import EventRow, GenStepRow, RecorderLike, RequestRow
 from runtime.core.clock import MonotonicClock
 from runtime.api.errors import ConfigError, QueueFull, ValidationError
+from runtime.engine.admission import deadline_of, priority_of
 from runtime.generation.config import GenerationConfig
 from runtime.generation.model import GenerationModel, make_sampler_state, sample
 from runtime.generation.scheduler import Scheduler, SchedulerOutput, Sequence, StepResult
@@ -73,15 +74,8 @@ class StepRunner:
         """Validate and queue a request; raises ClientError/ValidationError/QueueFull."""
         cfg = self.config
         now = self.clock.now()
-        priority = cfg.default_priority if priority is None else priority
-        if not (isinstance(priority, int) and not isinstance(priority, bool)
-                and 0 <= priority < cfg.priority_levels):
-            raise ValidationError(f"priority={priority!r} must be an integer from 0 (most urgent) "
-                                  f"to {cfg.priority_levels - 1}")
-        timeout_ms = cfg.default_timeout_ms if timeout_ms is None else timeout_ms
-        if timeout_ms is not None and not (isinstance(timeout_ms, (int, float))
-                                           and not isinstance(timeout_ms, bool) and timeout_ms > 0):
-            raise ValidationError(f"timeout_ms={timeout_ms!r} must be a positive number of milliseconds")
+        priority = priority_of(priority, cfg)
+        deadline_s = deadline_of(timeout_ms, cfg, now)
         if not (isinstance(temperature, (int, float)) and 0 <= temperature <= 100):
             raise ValidationError(f"temperature={temperature!r} must be a number from 0 to 100")
         max_new = cfg.default_max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -99,7 +93,7 @@ class StepRunner:
                             "retry later", retry_after_s=1.0)
         seq = Sequence(seq_id=next(self._ids), prompt_ids=list(prompt_ids),
                        max_new_tokens=max_new, priority=priority, arrival_s=now,
-                       deadline_s=None if timeout_ms is None else now + timeout_ms / 1000.0,
+                       deadline_s=deadline_s,
                        ignore_eos=bool(ignore_eos), temperature=float(temperature), seed=seed,
                        sampler_state=make_sampler_state(float(temperature), seed))
         self.scheduler.add_request(seq)

@@ -1,0 +1,270 @@
+"""``Dispatcher``: the dispatch loop of one model.
+
+One asyncio task per model drives that model's ``Batcher`` with the real clock and
+sends each batch it forms to the model's ``Executor`` (``runtime.engine.executors``),
+under a device turn from ``DeviceTurns``. A batch coming back is booked at once
+(``runtime.engine.booking``); its requests are answered right after the next batch
+is on its way (or before the loop sleeps), so the device does not sit idle while a
+batch's responses are written.
+
+How many batches may be out at once is the executor's ``max_in_flight``: 1 on the
+device thread, ``MAX_AHEAD_BATCHES`` in the device process. With more than one, the
+loop need not wait for a batch to come back before sending the next:
+
+* a further batch is sent only when the queue holds a full one (every bucket with
+  requests holds the bucket's effective max batch size, and no bypass request
+  waits), and only while no other model waits for the device; the child starts it
+  the moment the running one ends, instead of idling while this loop answers one
+  batch and forms the next;
+* a partial batch waits until nothing of the model runs, so batches do not shrink.
+
+Device turns: the first batch goes out under the arbiter's grant; further ones
+ride on that grant. The turn is given back when a batch comes back, with the
+device time of the batches back since the last report (a batch that comes back
+while the model does not hold the turn is counted at its next turn, or at once if
+the device is free).
+
+Everything here runs on the event loop's thread; ``on_done`` of the executor too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from runtime.api.errors import ShuttingDown
+from runtime.core.batcher import Batch
+from runtime.device.oom import Attempt
+from runtime.engine.booking import BookedBatch, Booking
+from runtime.engine.executors import Executor
+from runtime.engine.served import ServedModel
+from runtime.engine.turns import DeviceTurns
+
+log = logging.getLogger("batchscope.engine")
+
+
+class Waker:
+    """Lets a loop sleep until woken or until a timeout, without ``wait_for``."""
+
+    __slots__ = ("_fut",)
+
+    def __init__(self) -> None:
+        self._fut: asyncio.Future | None = None
+
+    async def wait(self, timeout_s: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._fut = fut
+        timer = None if timeout_s is None else loop.call_later(max(0.0, timeout_s), self.wake)
+        try:
+            await fut
+        finally:
+            self._fut = None
+            if timer is not None:
+                timer.cancel()
+
+    def wake(self) -> None:
+        fut = self._fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+
+class Dispatcher:
+    """Forms, sends and books the batches of one model (its attributes are its own)."""
+
+    def __init__(self, model: ServedModel, executor: Executor, turns: DeviceTurns,
+                 booking: Booking, clock: Any) -> None:
+        self.model = model
+        self.executor = executor
+        self.turns = turns
+        self.booking = booking
+        self.clock = clock
+        self.max_in_flight = executor.max_in_flight
+        #: batches out on the executor, oldest first
+        self.running: list[Batch] = []
+        #: requests in those batches
+        self.in_flight = 0
+        #: batches back and booked whose requests still wait for their answers
+        self._finished: list[BookedBatch] = []
+        #: whether this loop holds the device turn
+        self._holds_turn = False
+        #: batches back whose device time the arbiter has not been told yet, and that time
+        self._unreported = 0
+        self._unreported_s = 0.0
+        #: set by ``close``: run what is queued, then end
+        self._closing = False
+        #: resolved when the last running batch is back (made by ``all_back``)
+        self._all_back: asyncio.Future | None = None
+        self._waker = Waker()
+        self.task: asyncio.Task | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.task = loop.create_task(self.run(), name=f"batchscope-worker-{self.model.name}")
+
+    def wake(self) -> None:
+        """Something changed (a request, new settings): decide again now."""
+        self._waker.wake()
+
+    def close(self) -> None:
+        """Take no new work from now on; the loop ends once the queue is empty and
+        every batch it sent is back."""
+        self._closing = True
+        self.model.batcher.start_draining()
+        self._waker.wake()
+
+    def all_back(self) -> asyncio.Future | None:
+        """A future resolved when no batch of the model is out any more (None: none is)."""
+        if not self.running:
+            return None
+        if self._all_back is None or self._all_back.done():
+            self._all_back = asyncio.get_running_loop().create_future()
+        return self._all_back
+
+    def cancel_queued(self, now: float) -> None:
+        """Answer every request still queued with ``ShuttingDown``."""
+        for req in self.model.batcher.drain_all():
+            self.booking.settle(self.model, req, now, "cancelled", error=ShuttingDown(
+                "the server shut down before this request could run; send it again "
+                "to a running instance"))
+
+    def cancel_running(self, now: float) -> None:
+        """Answer the requests of batches that never came back with ``ShuttingDown``."""
+        for batch in self.running:
+            for req in batch.requests:
+                self.booking.settle(self.model, req, now, "cancelled", error=ShuttingDown(
+                    "the server shut down while this request was running; its result "
+                    "was lost, send it again to a running instance"))
+
+    # -- the loop -----------------------------------------------------------------------
+    async def run(self) -> None:
+        batcher = self.model.batcher
+        turns = self.turns
+        name = self.model.name
+        try:
+            while True:
+                try:
+                    now = self._expire()
+                    if self._unreported:
+                        self._report_device_time()
+                    if self._closing and not batcher.depth and not self.running:
+                        self.answer()
+                        return
+                    if not self._due(now):
+                        self.answer()
+                        if self.running:  # a batch coming back wakes the loop
+                            await self._waker.wait(None)
+                        else:
+                            wake_at = batcher.next_wakeup(now)
+                            await self._waker.wait(None if wake_at is None else wake_at - now)
+                        continue
+                    if not self._holds_turn:
+                        if not turns.ask(name, urgent=batcher.has_bypass()):
+                            self.answer()
+                            await turns.wait(name)
+                        self._holds_turn = True
+                    now = self._expire()
+                    batch = batcher.next_batch(now, model_busy=bool(self.running))
+                    if batch is not None:
+                        self._send(batch)
+                    elif not self.running:
+                        self._give_back_turn()
+                    self.answer()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug in the engine: keep serving, say so loudly
+                    log.exception("the worker of model %r hit an unexpected error", name)
+                    if self._holds_turn and not self.running:
+                        self._give_back_turn()
+                    self.answer()
+                    await asyncio.sleep(0.01)
+        finally:
+            if self._holds_turn:
+                self._give_back_turn()
+
+    def _due(self, now: float) -> bool:
+        """Whether a batch is to be sent now."""
+        running = len(self.running)
+        if running >= self.max_in_flight:
+            return False
+        if running:
+            return (self._full_batch_waiting()
+                    and not (self._holds_turn and self.turns.others_waiting()))
+        due_at = self.model.batcher.due_at(now)
+        return due_at is not None and due_at <= now
+
+    def _full_batch_waiting(self) -> bool:
+        """Whether the next batch the batcher forms is sure to be full: no bypass request
+        waits, and every bucket with requests holds at least its effective max."""
+        batcher = self.model.batcher
+        if not batcher.depth or batcher.has_bypass():
+            return False
+        cap = batcher.cap
+        return all(n >= cap(key) for key, n in batcher.depth_by_bucket().items() if n)
+
+    def _expire(self) -> float:
+        """Settle the queued requests that are past their deadline; the time now."""
+        now = self.clock.now()
+        expired = self.model.batcher.expire(now)
+        if expired:
+            self.booking.expired(self.model, expired, now)
+        return now
+
+    # -- device turns -------------------------------------------------------------------
+    def _report_device_time(self) -> None:
+        """Tell the arbiter the device time of the batches back since the last report."""
+        if self._holds_turn:
+            self._give_back_turn()
+        elif self.turns.is_free():
+            self.turns.ask(self.model.name)
+            self._holds_turn = True
+            self._give_back_turn()
+
+    def _give_back_turn(self) -> None:
+        """Release the device turn, with the device time not yet told."""
+        device_s = self._unreported_s
+        self._unreported = 0
+        self._unreported_s = 0.0
+        self._holds_turn = False
+        self.turns.release(self.model.name, device_s)
+
+    # -- batches out and back -----------------------------------------------------------
+    def _send(self, batch: Batch) -> None:
+        self.running.append(batch)
+        self.in_flight += len(batch.requests)
+        self.executor.submit(batch, lambda attempts: self._back(batch, attempts))
+
+    def _back(self, batch: Batch, attempts: list[Attempt]) -> None:
+        """A batch is back from the executor: book it and wake the loop."""
+        model = self.model
+        now = self.clock.now()
+        booked = self.booking.batch_back(model, batch, attempts, now)
+        self._unreported += 1
+        self._unreported_s += booked.device_s
+        model.batcher.complete(batch, now, booked.device_s)
+        self._finished.append(booked)
+        running = self.running
+        if len(running) == 1 and running[0] is batch:
+            running.clear()
+            self.in_flight = 0
+        else:
+            running[:] = [b for b in running if b is not batch]
+            self.in_flight = sum(len(b.requests) for b in running)
+        if not running and self._all_back is not None and not self._all_back.done():
+            self._all_back.set_result(None)
+        if self.turns.is_waiting(model.name):  # the loop waits for a turn: answer now
+            self.answer()
+        self._waker.wake()
+
+    def answer(self) -> None:
+        """Give every request of the batches back so far its outcome."""
+        finished = self._finished
+        if not finished:
+            return
+        self._finished = []
+        now = self.clock.now()
+        answer = self.booking.answer
+        model = self.model
+        for booked in finished:
+            answer(model, booked, now)

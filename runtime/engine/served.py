@@ -1,0 +1,123 @@
+"""``ServedModel``: what the request engine keeps about one model, and who changes it.
+
+The parts of a served model are split by owner, so that a reader can tell from
+the attribute alone which code moves it:
+
+* ``name``, ``api``, ``variable``, ``batcher``: fixed at construction. The
+  batcher's queue is changed by admission (``Engine``) and dispatch
+  (``runtime.engine.dispatch``); its settings only by ``apply_settings`` here.
+* ``governor``: the effective max batch size after out-of-memory errors; replaced
+  only by ``apply_settings``, moved by booking (``runtime.engine.booking``), which
+  then calls ``apply_caps``.
+* ``counts``: the figures ``Engine.stats`` reports; changed only by booking.
+
+What belongs to one model's dispatch loop (batches on the device, answers not yet
+handed out, its device turn) lives in its ``Dispatcher``; the CUDA-graph runner
+lives in its thread executor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from runtime.api.config import BatchingConfig
+from runtime.api.model import ModelAPI
+from runtime.core.batcher import Batcher
+from runtime.device.oom import SizeGovernor
+
+
+class Throttle:
+    """Counts occurrences and says when to report them (at most once per interval)."""
+
+    __slots__ = ("interval_s", "_last", "_pending")
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last = -math.inf
+        self._pending = 0
+
+    def hit(self, now: float, n: int = 1) -> int:
+        """Returns how many occurrences to report now (0: stay quiet)."""
+        self._pending += n
+        if now - self._last < self.interval_s:
+            return 0
+        self._last = now
+        out, self._pending = self._pending, 0
+        return out
+
+
+@dataclass(slots=True)
+class Counts:
+    """One model's running totals (changed only by ``runtime.engine.booking``)."""
+
+    #: rejection and expiry events are folded into one per this many seconds
+    event_interval_s: float
+    #: batch rows recorded (one per attempt, out-of-memory attempts included)
+    batches: int = 0
+    #: requests that got their outcome, and how many of each outcome
+    requests: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+    oom_events: int = 0
+    rejections: Throttle = field(init=False)
+    expiries: Throttle = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rejections = Throttle(self.event_interval_s)
+        self.expiries = Throttle(self.event_interval_s)
+
+
+class ServedModel:
+    """One request/response model the engine serves."""
+
+    __slots__ = ("name", "api", "variable", "batcher", "governor", "counts")
+
+    def __init__(self, name: str, api: ModelAPI, config: BatchingConfig,
+                 event_interval_s: float) -> None:
+        self.name = name
+        self.api = api
+        self.variable = bool(api.variable_length)
+        self.batcher = Batcher(name, config, variable_length=self.variable)
+        self.governor = SizeGovernor(config.max_batch_size, config.oom_probe_after_batches)
+        self.counts = Counts(event_interval_s)
+
+    @property
+    def config(self) -> BatchingConfig:
+        return self.batcher.config
+
+    @property
+    def settings_version(self) -> int:
+        return self.batcher.version
+
+    def bucket_keys(self) -> list[int | None]:
+        """The keys the governor and the batcher's size caps are kept under."""
+        cfg = self.batcher.config
+        if not (self.variable and cfg.bucketing):
+            return [None]
+        return [*cfg.bucket_edges, -1]
+
+    def apply_caps(self) -> None:
+        """Give the batcher the governor's effective max batch size of every bucket."""
+        gov = self.governor
+        batcher = self.batcher
+        for key in self.bucket_keys():
+            cap = gov.limit(key)
+            batcher.set_size_cap(key, cap if cap < gov.configured_max else None)
+
+    def apply_settings(self, changes: dict) -> tuple[int, BatchingConfig, BatchingConfig]:
+        """Validate and apply ``changes`` (``ConfigError``: nothing changes); the
+        batcher decides with them from its next batch. Returns (new version, old
+        settings, new settings). A change of the buckets starts the governor afresh;
+        otherwise it keeps the caps that still lie below the new maximum."""
+        old = self.batcher.config
+        new = old.with_changes(changes)
+        version = self.batcher.version + 1
+        self.batcher.set_config(new, version)
+        if (old.bucketing, old.bucket_edges) != (new.bucketing, new.bucket_edges):
+            self.governor = SizeGovernor(new.max_batch_size, new.oom_probe_after_batches)
+        else:
+            self.governor.reconfigure(new.max_batch_size, new.oom_probe_after_batches)
+        for key in set(self.bucket_keys()) | {None, *old.bucket_edges, -1}:
+            self.batcher.set_size_cap(key, None)
+        self.apply_caps()
+        return version, old, new
