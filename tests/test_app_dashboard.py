@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from batchscope.analysis.queries import Window
+from batchscope.presentation import snapshot
 from batchscope.storage import control
 from batchscope.testing import synthetic
 from batchscope.storage.db import make_engine
@@ -30,9 +32,24 @@ def app_db(tmp_path, monkeypatch):
     engine.dispose()
 
 
-def run_app() -> AppTest:
+PAGES = "batchscope/dashboard/pages"
+
+
+def publish_as_a_runtime_does(engine, model: str, kind: str) -> None:
+    """Publish ``model``'s synthetic settings again under the kind a runtime names it
+    (the synthetic data names generation models "generation"; runtimes say "generate")."""
+    version, cur = control.current_settings(engine, "synthetic-1", model)
+    control.publish_settings(engine, instance_id="synthetic-1", model=model, version=version,
+                             settings=cur, kind=kind, now=time.time())
+
+
+def run_app(page: str | None = None) -> AppTest:
+    """The app after its first run, on the Live page or on ``page`` ("tuning", ...)."""
     at = AppTest.from_file(APP, default_timeout=60).run()
     assert not at.exception, [e.value for e in at.exception]
+    if page is not None:
+        at.switch_page(f"{PAGES}/{page}.py").run()
+        assert not at.exception, [e.value for e in at.exception]
     return at
 
 
@@ -49,7 +66,7 @@ def test_headline_metrics_and_flags_render(app_db):
 
 
 def test_apply_writes_a_control_command(app_db):
-    at = run_app()
+    at = run_app("tuning")
     box = next(n for n in at.number_input if n.label == "Max batch size")
     assert box.value == 16  # the published current settings
     box.set_value(24)
@@ -66,7 +83,7 @@ def test_apply_writes_a_control_command(app_db):
 
 
 def test_refusal_reason_is_shown(app_db):
-    at = run_app()
+    at = run_app("tuning")
     next(n for n in at.number_input if n.label == "Max batch size").set_value(8)
     next(b for b in at.button if b.label == "Apply").click()
     at.run()
@@ -77,7 +94,7 @@ def test_refusal_reason_is_shown(app_db):
 
 
 def test_revert_requests_the_old_settings(app_db):
-    at = run_app()
+    at = run_app("tuning")
     assert any("max_batch_size" in str(d.value) for d in at.dataframe)
     next(b for b in at.button if b.label.startswith("Revert")).click()
     at.run()
@@ -89,17 +106,83 @@ def test_revert_requests_the_old_settings(app_db):
 def test_generation_model_gets_its_own_settings_form(app_db):
     synthetic.generate(app_db, synthetic.SCENARIOS["generation"].with_(
         duration_s=120, batches_per_s=2, gen_steps_per_s=5), end_s=time.time(), seed=5)
+    publish_as_a_runtime_does(app_db, "decoder", "generate")
     at = run_app()
     at.selectbox(key="model").set_value("decoder").run()
     assert not at.exception
     assert "Generation: sequences, tokens, cache, preemptions" in json.dumps(
         [c.proto.spec for c in at.get("plotly_chart")])
-    box = next(n for n in at.number_input if n.label == "max_num_seqs")
+    at.switch_page(f"{PAGES}/tuning.py").run()
+    assert not at.exception
+    box = next(n for n in at.number_input if n.label == "Max num seqs")
     box.set_value(8)
     next(b for b in at.button if b.label == "Apply").click()
     at.run()
     cmd = control.recent_commands(app_db, model="decoder")[0]
     assert cmd.changes == {"max_num_seqs": 8}
+
+
+def test_the_settings_form_follows_the_schema(app_db):
+    at = run_app("tuning")
+    policy = next(s for s in at.selectbox if s.label == "Policy")
+    assert policy.options == ["static", "dynamic", "adaptive"] and policy.value == "dynamic"
+    assert [c.value for c in at.checkbox if c.label == "Bucketing"] == [False]
+    delay = next(t for t in at.text_input if t.label == "Max queue delay (ms)")
+    assert delay.value == "5" and "work-conserving" in delay.help
+    box = next(n for n in at.number_input if n.label == "Max batch size")
+    assert (box.min, box.max) == (1, 4096) and "integer 1-4096 requests" in box.help
+    # a nullable number set to empty becomes null; an unchanged field is not sent
+    delay.set_value("")
+    next(t for t in at.text_input if t.label == "Preferred batch sizes").set_value("8, 16")
+    next(b for b in at.button if b.label == "Apply").click()
+    at.run()
+    assert not at.exception
+    cmd = control.recent_commands(app_db, model="mlp")[0]
+    assert cmd.changes == {"max_queue_delay_ms": None, "preferred_batch_sizes": [8, 16]}
+
+
+def test_invalid_values_are_explained_and_nothing_is_sent(app_db):
+    at = run_app("tuning")
+    next(t for t in at.text_input if t.label == "Preferred batch sizes").set_value("8, x")
+    next(t for t in at.text_input if t.label == "Bucket edges").set_value("")
+    next(n for n in at.number_input if n.label == "Max batch size").set_value(24)
+    next(b for b in at.button if b.label == "Apply").click()
+    at.run()
+    errors = [e.value for e in at.error]
+    assert any("preferred_batch_sizes" in e and "comma-separated list of integers" in e
+               for e in errors), errors
+    assert any("bucket_edges=()" in e and "non-empty list" in e for e in errors), errors
+    assert control.recent_commands(app_db, model="mlp") == []
+
+
+def test_a_setting_unknown_to_the_schema_is_a_text_field(app_db):
+    version, cur = control.current_settings(app_db, "synthetic-1", "mlp")
+    control.publish_settings(app_db, instance_id="synthetic-1", model="mlp", version=version + 1,
+                             settings={**cur, "warmup_batches": 3}, kind="request", now=time.time())
+    at = run_app("tuning")
+    field = next(t for t in at.text_input if t.label == "warmup_batches")
+    assert field.value == "3"
+    field.set_value("5")
+    next(b for b in at.button if b.label == "Apply").click()
+    at.run()
+    assert control.recent_commands(app_db, model="mlp")[0].changes == {"warmup_batches": 5}
+
+
+def test_every_page_browses_an_opened_snapshot(app_db):
+    now = time.time()
+    data = snapshot.export_bytes(app_db, Window(now - 600, now), slo_ms=50.0)
+    at = run_app("snapshots")
+    assert any(b.label == "Prepare snapshot of the current window" for b in at.button)
+    at.session_state["snapshots"] = {"s.zip": snapshot.load_snapshot(data)}
+    at.session_state["switch_source"] = "Snapshot: s.zip"  # what opening one does
+    at.run()
+    assert any("Browsing snapshot s.zip" in i.value for i in at.info)
+    at.switch_page(f"{PAGES}/tuning.py").run()
+    assert any("Tuning acts on the live database" in c.value for c in at.caption)
+    assert not any(b.label == "Apply" for b in at.button)
+    at.switch_page(f"{PAGES}/live.py").run()
+    assert not at.exception and len(at.get("plotly_chart")) >= 10
+    assert any("Out of memory 2 time(s)" in e.label for e in at.expander)
 
 
 def test_the_demo_runtime_is_named_as_such(app_db):
@@ -126,5 +209,5 @@ def test_a_spawned_child_importing_the_app_does_not_run_it(tmp_path, monkeypatch
     started = []
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
     namespace = runpy.run_path(APP, run_name="__mp_main__")
-    assert "main" in namespace and "DemoRuntime" in namespace
+    assert "main" in namespace
     assert started == [] and not (tmp_path / "empty.db").exists()

@@ -4,11 +4,17 @@ Starts ``python -m runtime.tools.demo`` recording into a temporary database and
 ``streamlit run app.py`` on a free port, then drives the page: charts render,
 the live region refreshes on its own, a max batch size set in the UI reaches the
 runtime and the next batches follow it, and a snapshot downloads and re-opens.
+
+Streamlit redraws the page on every run (and the live region every refresh), keeping
+the previous run's elements on show, marked stale, until the new ones arrive. Each step
+therefore waits for a settled page (no run in progress, nothing stale) before it reads or
+clicks, and every locator names exactly one element.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -98,6 +104,7 @@ def page(stack):
         pg = browser.new_page(viewport={"width": 1500, "height": 1800}, accept_downloads=True)
         pg.set_default_timeout(30_000)
         wait_for(lambda: _try_goto(pg, stack["url"]), 60, "the Streamlit server")
+        settle(pg)
         yield pg
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         pg.screenshot(path=str(ARTIFACTS / "dashboard-end.png"))
@@ -112,25 +119,58 @@ def _try_goto(pg, url: str) -> bool:
         return False
 
 
+#: true when no script or fragment run is in progress and no element of an older run is left
+SETTLED = """() => {
+    const app = document.querySelector('[data-testid="stApp"]');
+    return app !== null && app.getAttribute("data-test-script-state") === "notRunning"
+        && document.querySelector('[data-stale="true"]') === null;
+}"""
+
+
+def settle(page, timeout_s: float = 60) -> None:
+    """Wait until Streamlit finished its current run and nothing stale is shown."""
+    page.wait_for_function(SETTLED, timeout=timeout_s * 1000, polling=100)
+
+
+def go_to(page, title: str, shows) -> None:
+    """Open the page ``title`` from the top navigation; wait until it shows ``shows``."""
+    from playwright.sync_api import expect
+    link = page.get_by_test_id("stTopNav").get_by_role("link", name=title, exact=True)
+    link.click()
+    expect(link).to_have_attribute("aria-current", "page")
+    shows.wait_for(timeout=60_000)
+    settle(page)
+
+
+def plots(page) -> int:
+    return page.locator(".js-plotly-plot").count()
+
+
 def test_charts_render_and_live_region_updates(page):
-    wait_for(lambda: page.locator(".js-plotly-plot").count() >= 8, 90, "the charts")
-    caption = page.get_by_text("refreshed", exact=False).first
-    first = caption.inner_text()
-    wait_for(lambda: caption.inner_text() != first, 20, "a live refresh without input")
+    wait_for(lambda: plots(page) >= 8, 90, "the charts")
+    caption = page.get_by_test_id("stCaptionContainer").filter(
+        has_text=re.compile(r"· refreshed "))
+
+    def refreshed() -> str:
+        settle(page)
+        return caption.inner_text()
+    first = refreshed()
+    wait_for(lambda: refreshed() != first, 20, "a live refresh without input")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"), full_page=True)
 
 
 def test_max_batch_size_from_the_ui_reaches_the_runtime(page, stack):
     engine = stack["engine"]
-    page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').nth(1).click()
-    page.get_by_role("option", name="encoder").click()
-    page.get_by_text("model encoder", exact=False).first.wait_for()
-    page.get_by_role("tab", name="Tuning").click()
-    box = page.get_by_label("Max batch size")
-    box.wait_for()
+    settle(page)
+    page.get_by_test_id("stSidebar").get_by_role("combobox", name="Model", exact=True).click()
+    page.get_by_role("option", name="encoder", exact=True).click()
+    page.get_by_test_id("stCaptionContainer").filter(has_text="model encoder").wait_for()
+    settle(page)
+    box = page.get_by_label("Max batch size", exact=True)
+    go_to(page, "Tuning", box)
     box.fill("3")
-    page.get_by_role("button", name="Apply").click()
+    page.get_by_role("button", name="Apply", exact=True).click()
     try:
         page.get_by_text("applied as settings version", exact=False).wait_for(timeout=45_000)
     except Exception:
@@ -151,10 +191,12 @@ def test_max_batch_size_from_the_ui_reaches_the_runtime(page, stack):
 
 
 def test_snapshot_downloads_and_reopens(page, stack):
-    page.get_by_role("tab", name="Snapshots").click()
-    page.get_by_role("button", name="Prepare snapshot of the current window").click()
-    button = page.get_by_role("button", name="Download snapshot")
+    prepare = page.get_by_role("button", name="Prepare snapshot of the current window", exact=True)
+    go_to(page, "Snapshots", prepare)
+    prepare.click()
+    button = page.get_by_role("button", name="Download snapshot", exact=True)
     button.wait_for(timeout=60_000)
+    settle(page)
     with page.expect_download(timeout=30_000) as dl:
         button.click()
     path = stack["base"] / "downloaded.zip"
@@ -164,8 +206,9 @@ def test_snapshot_downloads_and_reopens(page, stack):
         assert snap.manifest["tables"]["batches"]["rows"] > 0
     finally:
         snap.close()
-    page.locator("input[type=file]").set_input_files(str(path))
+    page.get_by_test_id("stFileUploaderDropzoneInput").set_input_files(str(path))
     # opening a snapshot switches the page to browse it
     page.get_by_text("Browsing snapshot downloaded.zip", exact=False).wait_for(timeout=60_000)
-    page.get_by_role("tab", name="Live").click()
-    wait_for(lambda: page.locator(".js-plotly-plot").count() >= 8, 60, "snapshot charts")
+    settle(page)
+    go_to(page, "Live", page.get_by_text("Browsing snapshot downloaded.zip", exact=False))
+    wait_for(lambda: plots(page) >= 8, 60, "snapshot charts")

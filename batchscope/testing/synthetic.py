@@ -163,7 +163,7 @@ def _write_instance(cur, sc: Scenario, start_s: float, end_s: float) -> None:
                                  "updated_at"),
             [(sc.instance_id, sc.model, 1 + len(sc.settings_changes),
               json.dumps(_settings_dict(sc, final)),
-              "generation" if sc.generation else "request", end_s)])
+              "generate" if sc.generation else "request", end_s)])
 
 
 def _max_size_over_time(sc: Scenario, frac: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

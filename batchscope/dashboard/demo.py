@@ -1,0 +1,96 @@
+"""The bundled demo runtime, started when nothing reports to the dashboard's database.
+
+``python -m runtime.tools.demo`` runs as a child process of the Streamlit server (one per
+server process and database URL), recording synthetic, varying traffic into the database
+the dashboard reads; it stops when the server exits. The dashboard only starts it by
+command line, so ``batchscope`` still never imports ``runtime``. ``BATCHSCOPE_NO_DEMO=1``
+or the sidebar toggle turns it off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import streamlit as st
+
+from batchscope.dashboard.scope import Scope
+
+#: the checkout's root: the demo is run from there so ``runtime`` is importable
+ROOT = Path(__file__).resolve().parents[2]
+MODULE = "runtime.tools.demo"
+LOG_PATH = Path(tempfile.gettempdir()) / "batchscope-demo-runtime.log"
+
+
+class DemoRuntime:
+    """The demo runtime as a child process, stopped when the app exits."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.error: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self.log_path = LOG_PATH
+        source = ROOT / Path(*MODULE.split(".")).with_suffix(".py")
+        if not source.exists():
+            where = source.relative_to(ROOT)
+            self.error = f"the demo runtime ({where}) is not part of this checkout"
+            return
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", MODULE, "--db", url, "--port", "0"],
+            cwd=str(ROOT), stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, "BATCHSCOPE_DB_URL": url})
+        atexit.register(self.stop)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@st.cache_resource(show_spinner=False)
+def demo_runtime(url: str) -> DemoRuntime:
+    """The demo runtime recording into ``url``, started on the first call."""
+    return DemoRuntime(url)
+
+
+def allowed_from_sidebar() -> bool:
+    """The sidebar toggle; it starts on unless ``BATCHSCOPE_NO_DEMO`` is set."""
+    default = os.environ.get("BATCHSCOPE_NO_DEMO", "") not in ("1", "true", "yes")
+    return st.sidebar.toggle("Start the demo runtime when nothing reports", value=default,
+                             key="demo_on")
+
+
+def show_source(scope: Scope, *, demo_allowed: bool) -> None:
+    """Say where the data comes from, starting the demo runtime when nothing reports."""
+    url = scope.db_url
+    if scope.snapshot is not None:
+        st.info(f"Browsing snapshot {scope.snapshot} (not live).")
+    elif scope.live_ids and scope.demo_ids == scope.live_ids:
+        st.info("Live data from the bundled demo runtime (models mlp, encoder and decoder under "
+                "synthetic, varying traffic), started because no other runtime was reporting to "
+                f"{url}. Turn it off with BATCHSCOPE_NO_DEMO=1 or the sidebar toggle.")
+    elif scope.live_ids:
+        st.caption(f"Attached to live runtime(s): {', '.join(scope.live_ids)}")
+    elif demo_allowed:
+        demo = demo_runtime(url)
+        if demo.error:
+            st.warning(f"No runtime reports to {url} and {demo.error}.")
+        elif demo.running():
+            st.info(f"No runtime was reporting to {url}, so the bundled demo runtime was "
+                    f"started (pid {demo.proc.pid}) with synthetic traffic. Turn this off with "
+                    "BATCHSCOPE_NO_DEMO=1 or the sidebar toggle.")
+        else:
+            st.error(f"The demo runtime exited; see {demo.log_path}.")
+    else:
+        st.warning(f"No runtime is reporting to {url}; showing recorded data only.")

@@ -1,0 +1,97 @@
+"""The Live page: headline numbers, charts and diagnosis of the scope's window.
+
+Everything below the page header is one ``st.fragment`` that reruns every
+``Scope.refresh_s`` seconds while the window is live, so only this region is
+re-queried and redrawn; the sidebar and the other pages stay as they are.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import streamlit as st
+from sqlalchemy import Engine
+
+from batchscope.analysis import diagnosis, queries
+from batchscope.dashboard.scope import Scope, data_engine, fmt_time
+from batchscope.presentation import charts, report
+
+SEVERITY_ICON = {"critical": "🔴", "warning": "🟠", "info": "🔵"}
+#: the order charts are drawn in, two to a row (those a bundle has no data for are left out)
+CHART_ORDER = ("latency", "throughput", "wait_compute", "queue_depth", "batch_sizes",
+               "batch_efficiency", "device", "padding", "priority", "model_share",
+               "generation", "generation_latency")
+
+
+def render(scope: Scope) -> None:
+    st.fragment(run_every=scope.refresh_s)(live_region)(data_engine(scope), scope)
+
+
+def live_region(engine: Engine, scope: Scope) -> None:
+    """One refresh: query the window, then draw the headline, charts and flags."""
+    now = time.time()
+    w = scope.window(now)
+    bundle = cached_bundle(engine, w) if scope.live else queries.live_bundle(engine, w)
+    head = bundle["headline"].iloc[0]
+    st.caption(f"Window {fmt_time(w.start_s)} → {fmt_time(w.end_s)} · model "
+               f"{w.model or 'all'} · {int(head['requests'])} requests, "
+               f"{int(head['batches'])} batches · refreshed {fmt_time(now)}")
+    render_headline(bundle)
+    flags = diagnosis.diagnose(bundle)
+    chart_tab, flag_tab = st.tabs(["Charts", f"Diagnosis ({len(flags)})"])
+    with chart_tab:
+        figs = render_charts(bundle, scope.slo_ms, "live")
+    with flag_tab:
+        render_flags(flags, figs, "live")
+
+
+def cached_bundle(engine: Engine, w: queries.Window) -> dict:
+    """The live bundle, re-queried only when the last query is older than twice its cost.
+
+    Short windows are re-queried on every refresh; long windows over large databases
+    (a second or more per query) refresh less often so the server stays responsive.
+    """
+    key = (str(engine.url), w.duration_s, w.model, w.instance_id)
+    last = st.session_state.get("bundle_cache")
+    now = time.monotonic()
+    if last and last["key"] == key and now - last["at"] < 2.0 * last["cost_s"]:
+        return last["bundle"]
+    bundle = queries.live_bundle(engine, w)
+    st.session_state["bundle_cache"] = {"key": key, "bundle": bundle, "at": now,
+                                        "cost_s": time.monotonic() - now}
+    return bundle
+
+
+def render_headline(bundle: dict) -> None:
+    items = report.headline_items(bundle["headline"].iloc[0])
+    cols = st.columns(6)
+    for i, (label, value) in enumerate(items):
+        cols[i % 6].metric(label, value, border=True)
+
+
+def render_charts(bundle: dict, slo_ms: float, prefix: str) -> dict:
+    figs = charts.build_all(bundle, slo_ms=slo_ms)
+    keys = [k for k in CHART_ORDER if k in figs]
+    for i in range(0, len(keys), 2):
+        cols = st.columns(2)
+        for col, key in zip(cols, keys[i:i + 2]):
+            col.plotly_chart(figs[key], key=f"{prefix}-{key}", config={"displaylogo": False})
+    return figs
+
+
+def render_flags(flags: list[diagnosis.Flag], figs: dict | None, prefix: str) -> None:
+    """Each flag as an expander: its evidence, the steps to take, and the chart it is about."""
+    if not flags:
+        st.success("No problems found in this window.")
+        return
+    for i, f in enumerate(flags):
+        with st.expander(f"{SEVERITY_ICON.get(f.severity, '')} {f.title}", expanded=i < 2):
+            st.caption(f"rule `{f.rule}` · severity {f.severity} · chart: "
+                       f"{charts.CHARTS.get(f.chart, f.chart)}")
+            left, right = st.columns([2, 3])
+            left.dataframe(pd.DataFrame({"evidence": [str(v) for v in f.evidence.values()]},
+                                        index=list(f.evidence)), width="stretch")
+            right.markdown("\n".join(f"{n}. {s}" for n, s in enumerate(f.steps, 1)))
+            if figs and f.chart in figs:
+                st.plotly_chart(figs[f.chart], key=f"{prefix}-flag-{i}-{f.chart}")

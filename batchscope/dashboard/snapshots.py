@@ -1,0 +1,85 @@
+"""The Snapshots page: export the scope's window as a .zip, open snapshots, compare two.
+
+An opened snapshot becomes a data source of its own (``Snapshot: <file name>`` under
+Data in the sidebar); opening one switches the sidebar to it, so every page then browses
+it instead of the live database.
+"""
+
+from __future__ import annotations
+
+import time
+
+import streamlit as st
+from sqlalchemy import Engine
+
+from batchscope.analysis import queries
+from batchscope.dashboard.scope import Scope, browse_snapshot, data_engine, opened_snapshots
+from batchscope.presentation import charts, report, snapshot
+
+_ERRORS = "snap_errors"
+
+
+def render(scope: Scope) -> None:
+    export(data_engine(scope), scope)
+    open_files()
+    snaps = opened_snapshots()
+    if len(snaps) >= 2:
+        compare(snaps, scope.slo_ms)
+
+
+def export(engine: Engine, scope: Scope) -> None:
+    st.subheader("Export")
+    st.caption("One .zip with the window's batches, requests, events, device samples, generation "
+               "steps, settings, the flags found, the environment and an offline HTML report.")
+    if st.button("Prepare snapshot of the current window", key="prep_snap"):
+        with st.spinner("Exporting…"):
+            st.session_state["snap_bytes"] = snapshot.export_bytes(
+                engine, scope.window(time.time()), slo_ms=scope.slo_ms)
+    data = st.session_state.get("snap_bytes")
+    if data:
+        st.download_button("Download snapshot", data, file_name="batchscope-snapshot.zip",
+                           mime="application/zip", key="dl_snap")
+
+
+def open_files() -> None:
+    """Open uploaded snapshots once each; a file that fails keeps its error on show."""
+    st.subheader("Open")
+    files = st.file_uploader("Open snapshot(s) — two to compare", type=["zip"],
+                             accept_multiple_files=True, key="upload")
+    snaps = opened_snapshots()
+    errors = st.session_state.setdefault(_ERRORS, {})
+    opened = None
+    for f in files or []:
+        if f.name in snaps or f.name in errors:
+            continue
+        try:
+            snaps[f.name] = snapshot.load_snapshot(f.getvalue())
+            opened = f.name
+        except snapshot.SnapshotError as exc:
+            errors[f.name] = str(exc)
+    for name, err in errors.items():
+        st.error(f"{name} was not opened: {err}")
+    if opened is not None:
+        browse_snapshot(opened)
+        st.rerun()
+    if snaps:
+        st.caption("Opened: " + ", ".join(snaps) + " — pick one under Data in the sidebar.")
+
+
+def compare(snaps: dict[str, snapshot.Snapshot], slo_ms: float) -> None:
+    st.subheader("Compare")
+    names = list(snaps)
+    c1, c2 = st.columns(2)
+    a = c1.selectbox("Left", names, index=0, key="cmp_a")
+    b = c2.selectbox("Right", names, index=1, key="cmp_b")
+    bundles = {}
+    for side, (col, name) in enumerate(((c1, a), (c2, b))):
+        s = snaps[name]
+        bundles[name] = queries.live_bundle(s.engine, s.window)
+        with col:
+            for label, value in report.headline_items(bundles[name]["headline"].iloc[0])[:6]:
+                st.metric(label, value)
+            st.plotly_chart(charts.latency(bundles[name]["requests_t"], bundles[name]["events"],
+                                           slo_ms), key=f"cmp-lat-{side}")
+    st.plotly_chart(charts.compare(bundles[a]["headline"], bundles[b]["headline"], labels=(a, b)),
+                    key="cmp-bars")
