@@ -4,6 +4,8 @@
 - ``analysis``: queries over recorded data, diagnosis rules.
 - ``presentation``: Plotly charts, the offline HTML report, snapshots.
 - ``settings``: the settings schema (validation, CLI flags, dashboard forms, README tables).
+- ``spawn``: starting child processes (the parent's main script hidden, a socket channel,
+  CPU priority) and the channel's frame reader and writer.
 - ``telemetry``: device sampler (NVML, or CPU figures without a GPU).
 - ``dashboard``: the Streamlit pages that ``app.py`` puts together.
 - ``testing``: synthetic data for tests and benchmarks only.

@@ -232,14 +232,14 @@ def test_rows_read_back_exactly_as_put(engine):
 
 def test_core_path_writes_the_same_rows(engine, url, tmp_path, monkeypatch):
     """Databases other than SQLite go through SQLAlchemy Core; the rows are identical."""
-    import batchscope.storage.recorder as recorder_module
+    import batchscope.storage.inserts as inserts_module
 
     records = [request(i) for i in range(50)] + [generation_request(i) for i in range(9)] + [batch(1)]
     fast = Recorder(engine)
     for r in records:
         fast.put(r)
     assert fast.flush() == 60
-    monkeypatch.setattr(recorder_module, "is_pysqlite", lambda _engine: False)
+    monkeypatch.setattr(inserts_module, "is_pysqlite", lambda _engine: False)
     other = make_engine(f"sqlite:///{tmp_path / 'core.db'}")
     core = Recorder(other)
     for r in records:
@@ -270,7 +270,7 @@ def test_a_flush_uses_few_statements(engine):
 
 
 def test_small_parameter_limit_splits_statements(engine):
-    from batchscope.storage.recorder import SqliteInserts
+    from batchscope.storage.inserts import SqliteInserts
 
     table = RequestRecord.__table__
     inserts = SqliteInserts(RequestRow, table, max_params=40)

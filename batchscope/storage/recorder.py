@@ -8,13 +8,12 @@ table's rows in one transaction per flush.
 
 The serving process is bound by its event-loop thread, and the writer competes with
 it for the GIL, so the writer keeps its own Python work per row near zero: rows
-leave the buffer, are grouped by type and turned into one flat parameter list by
-C-level iterators (``starmap``, ``compress``, ``attrgetter``, ``chain``). On SQLite
-they go straight to the ``sqlite3`` connection as multi-row ``INSERT ... VALUES
-(...), (...)`` statements of up to a few hundred rows each, so a flush of thousands
-of rows binds its parameters in C and lets go of the GIL only a few times (inside
-each statement, while SQLite does the work). Other databases get one SQLAlchemy Core
-``insert`` per table per flush.
+leave the buffer and are grouped by type with C-level iterators (``starmap``,
+``compress``), then written by ``batchscope.storage.inserts`` (multi-row SQLite
+statements bound in C, or SQLAlchemy Core for other databases). With
+``writer_process=True`` those inserts run in a child process instead
+(``batchscope.storage.writer_process``); buffering, drop counting and back-off stay
+here either way.
 
 When the database fails (locked, disk full, unreachable) the rows in hand are dropped
 and counted, the failure is logged once per kind, and the writer backs off
@@ -29,28 +28,21 @@ import logging
 import threading
 import time
 from collections import deque
-from itertools import chain, compress, repeat, starmap
-from operator import attrgetter, is_
+from itertools import compress, repeat, starmap
+from operator import is_
 from typing import Any, Callable
 
-from sqlalchemy import Boolean, Engine, Table, insert
+from sqlalchemy import Engine
 
-from batchscope.storage.records import (BatchRow, DeviceRow, EventRow, GenStepRow, RequestBatch, RequestRow,
-                                expand, put_many_of)
-from batchscope.storage.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord
+from batchscope.storage.inserts import ROW_TABLES, BulkInserts
+from batchscope.storage.records import EventRow, RequestBatch, expand, put_many_of
+from batchscope.storage.schema import RequestRecord
+from batchscope.storage.writer_process import WriterProcess
 
 log = logging.getLogger(__name__)
 
-_ROW_TABLES: dict[type, Table] = {
-    BatchRow: BatchRecord.__table__,
-    RequestRow: RequestRecord.__table__,
-    EventRow: EventRecord.__table__,
-    DeviceRow: DeviceSample.__table__,
-    GenStepRow: GenerationStep.__table__,
-}
-
 #: Table name used as the key of ``dropped_by_kind`` for a record type.
-KIND_OF: dict[type, str] = {cls: table.name for cls, table in _ROW_TABLES.items()}
+KIND_OF: dict[type, str] = {cls: table.name for cls, table in ROW_TABLES.items()}
 KIND_OF[RequestBatch] = RequestRecord.__table__.name
 
 
@@ -58,29 +50,11 @@ def rows_in(cls: type, group: list) -> int:
     """How many table rows ``group`` (records of type ``cls``) stands for."""
     return sum(map(len, group)) if cls is RequestBatch else len(group)
 
+
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 5.0
 #: least time between two ``recorder_drops`` events
 DROP_REPORT_INTERVAL_S = 10.0
-#: most rows in one multi-row SQLite INSERT (a power of two); fewer when the
-#: connection's limit on bound parameters calls for it
-SQLITE_ROWS_PER_STATEMENT = 256
-#: SQLite's limit on bound parameters before 3.32, used when the limit cannot be read
-SQLITE_SAFE_PARAMS = 999
-
-
-def _to_dicts(cls: type) -> Callable[[list], list[dict]]:
-    """A fast converter from slotted dataclass instances to insert parameter dicts."""
-    names = tuple(cls.__slots__)
-    getter = attrgetter(*names)
-
-    def convert(records: list) -> list[dict]:
-        return [dict(zip(names, getter(r))) for r in records]
-
-    return convert
-
-
-_CONVERTERS: dict[type, Callable[[list], list[dict]]] = {cls: _to_dicts(cls) for cls in _ROW_TABLES}
 
 
 def group_by_type(records: list) -> dict[type, list]:
@@ -90,85 +64,6 @@ def group_by_type(records: list) -> dict[type, list]:
     if len(kinds) == 1:
         return {types[0]: records}
     return {cls: list(compress(records, map(is_, types, repeat(cls)))) for cls in kinds}
-
-
-class SqliteInserts:
-    """Multi-row INSERT statements for one record type, run on a ``sqlite3`` connection.
-
-    ``n`` rows are written as ``n // chunk`` full statements (one ``executemany``) plus
-    at most one statement per set bit of the remainder, so every statement text is
-    one of a handful, each prepared once and kept in the connection's cache.
-
-    ``sqlite3`` binds ``None`` and ``bool`` through its slow adaptation path (several
-    times the cost of a number), so before binding, boolean columns become ints and
-    nullable columns that are ``None`` in every row of the flush are left out of the
-    statement (they are NULL either way). All of it runs on whole columns at once
-    (extended slices of the flat list), never row by row in Python."""
-
-    def __init__(self, cls: type, table: Table, max_params: int) -> None:
-        self.table = table.name
-        self.names = tuple(cls.__slots__)
-        self.max_params = max_params
-        self._flatten = attrgetter(*self.names)
-        columns = [table.c[name] for name in self.names]
-        self._booleans = tuple(i for i, col in enumerate(columns) if isinstance(col.type, Boolean))
-        self._nullable = tuple(i for i, col in enumerate(columns)
-                               if col.nullable and col.server_default is None)
-        self._sql: dict[tuple[tuple[str, ...], int], str] = {}
-
-    def rows_per_statement(self, width: int) -> int:
-        rows = SQLITE_ROWS_PER_STATEMENT
-        while rows > 1 and rows * width > self.max_params:
-            rows //= 2
-        return rows
-
-    def sql(self, names: tuple[str, ...], rows: int) -> str:
-        key = (names, rows)
-        text = self._sql.get(key)
-        if text is None:
-            one = "(" + ", ".join(repeat("?", len(names))) + ")"
-            text = self._sql[key] = (f'INSERT INTO "{self.table}" ({", ".join(names)}) VALUES '
-                                     + ", ".join(repeat(one, rows)))
-        return text
-
-    def params(self, records: list, tuples: bool = False) -> tuple[tuple[str, ...], list]:
-        """The columns to write and all rows' values for them in one flat list
-        (``tuples``: the rows are already tuples in field order)."""
-        flat = list(chain.from_iterable(records if tuples else map(self._flatten, records)))
-        n, width = len(records), len(self.names)
-        for c in self._booleans:
-            try:
-                flat[c::width] = list(map(int, flat[c::width]))
-            except TypeError:  # a None among them: leave the column as it is
-                pass
-        omitted = [c for c in self._nullable if flat[c] is None and flat[c::width].count(None) == n]
-        if not omitted:
-            return self.names, flat
-        for c in reversed(omitted):  # highest first, so lower columns keep their offsets
-            del flat[c::width]
-            width -= 1
-        return tuple(name for i, name in enumerate(self.names) if i not in omitted), flat
-
-    def run(self, cursor: Any, records: list, *, tuples: bool = False) -> None:
-        names, flat = self.params(records, tuples)
-        width = len(names)
-        chunk = self.rows_per_statement(width)
-        full, rest = divmod(len(records), chunk)
-        step = chunk * width
-        if full:
-            cursor.executemany(self.sql(names, chunk), [flat[i:i + step] for i in range(0, full * step, step)])
-        done = full * step
-        size = chunk // 2
-        while rest:
-            if rest >= size:
-                cursor.execute(self.sql(names, size), flat[done:done + size * width])
-                done += size * width
-                rest -= size
-            size //= 2
-
-
-def is_pysqlite(engine: Engine) -> bool:
-    return engine.dialect.name == "sqlite" and engine.dialect.driver == "pysqlite"
 
 
 class Recorder:
@@ -208,14 +103,11 @@ class Recorder:
         self._last_report_at = float("-inf")
         self._backoff_s = 0.0
         self._retry_at = 0.0
-        self._sqlite = is_pysqlite(engine)
-        self._inserts: dict[type, SqliteInserts] = {}
+        self._inserts = BulkInserts(engine)
         #: with ``writer_process``, the inserts run in a child process (see
         #: ``batchscope.storage.writer_process``); buffering, drops and back-off stay here
-        self.process = None
+        self.process: WriterProcess | None = None
         if writer_process:
-            from batchscope.storage.writer_process import WriterProcess
-
             self.process = WriterProcess(engine.url.render_as_string(hide_password=False))
 
     # ------------------------------------------------------------------ hot path
@@ -354,7 +246,7 @@ class Recorder:
             records = expand(records)
         groups: dict[type, list] = {}
         for cls, group in group_by_type(records).items():
-            if cls in _ROW_TABLES or cls is RequestBatch:
+            if cls in ROW_TABLES or cls is RequestBatch:
                 groups[cls] = group
                 continue
             if cls not in self._unknown_types:
@@ -383,8 +275,9 @@ class Recorder:
         if self.process is not None:
             self.process.backlog = len(self._buffer) / self.buffer_size
             return sum(self._write(cls, group, self.process.insert) for cls, group in groups.items())
-        if not self._sqlite:
-            return sum(self._write(cls, group, self._insert_core) for cls, group in groups.items())
+        inserts = self._inserts
+        if not inserts.sqlite:
+            return sum(self._write(cls, group, inserts.insert_core) for cls, group in groups.items())
         try:
             raw = self.engine.raw_connection()
         except Exception as exc:  # cannot even connect: everything in hand is lost
@@ -396,7 +289,7 @@ class Recorder:
         written = 0
         try:
             for cls, group in groups.items():
-                written += self._write(cls, group, lambda c, rows: self._insert_sqlite(raw, c, rows))
+                written += self._write(cls, group, lambda c, rows: inserts.insert_sqlite(raw, c, rows))
         finally:
             raw.close()  # back to the pool
         return written
@@ -413,28 +306,6 @@ class Recorder:
         self.written += n
         self.written_by_kind[kind] = self.written_by_kind.get(kind, 0) + n
         return n
-
-    def _insert_core(self, cls: type, rows: list) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(insert(_ROW_TABLES[cls]), _CONVERTERS[cls](rows))
-
-    def _insert_sqlite(self, raw: Any, cls: type, rows: list) -> None:
-        """One transaction on the pooled DBAPI connection ``raw``; rolled back on failure."""
-        inserts = self._inserts.get(cls)
-        if inserts is None:
-            inserts = self._inserts[cls] = SqliteInserts(cls, _ROW_TABLES[cls], _max_params(raw))
-        cursor = raw.cursor()
-        try:
-            inserts.run(cursor, rows)
-            raw.commit()
-        except BaseException:
-            try:
-                raw.rollback()
-            except Exception:  # the connection is gone; the pool replaces it
-                raw.invalidate()
-            raise
-        finally:
-            cursor.close()
 
     def _count_write_drops(self, cls: type, n: int) -> None:
         kind = KIND_OF.get(cls) or cls.__name__
@@ -468,22 +339,12 @@ class Recorder:
                          details_json=json.dumps({"dropped": new, "dropped_total": dropped,
                                                   "by_kind": self.dropped_by_kind}))
         try:
-            self._insert_core(EventRow, [event])
+            self._inserts.insert_core(EventRow, [event])
         except Exception as exc:
             self._note_failure(type(exc).__name__, f"writing the recorder_drops event failed: {exc}")
             return
         self._reported_dropped = dropped
         self._last_report_at = now
-
-
-def _max_params(raw: Any) -> int:
-    """The most parameters one statement on this ``sqlite3`` connection may bind."""
-    import sqlite3
-
-    try:
-        return int(raw.driver_connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
-    except Exception:  # Python < 3.11 or an unexpected wrapper: the oldest limit is safe
-        return SQLITE_SAFE_PARAMS
 
 
 class TeeRecorder:

@@ -5,11 +5,12 @@ writer thread keeps the buffer off that thread, but the SQLite work itself (bind
 parameters, B-tree and index inserts, WAL writes) still costs the serving process
 CPU and interpreter-lock hand-offs: on the 2-core benchmark box about 4-5 us per
 recorded request, 5-7 % of the mlp server's throughput. ``WriterProcess`` moves that
-work into a child with its own interpreter, started lazily and run at the lowest
-CPU priority (``SCHED_IDLE`` on Linux, else ``nice``): it writes in the CPU time that
-serving leaves over, and if serving leaves none for long, the recorder's buffer fills
-and rows are dropped and counted, as with a slow disk, instead of requests slowing
-down. (Measured on the 2-core box at 15-16k requests/s with 30 % of the CPU idle: no
+work into a child with its own interpreter (``batchscope.spawn.spawn_child``), started
+lazily and run at the lowest CPU priority (``SCHED_IDLE`` on Linux, else ``nice``); it
+runs the same inserts as the recorder's thread would (``batchscope.storage.inserts``).
+It writes in the CPU time that serving leaves over, and if serving leaves none for
+long, the recorder's buffer fills and rows are dropped and counted, as with a slow
+disk, instead of requests slowing down. (Measured on the 2-core box at 15-16k requests/s with 30 % of the CPU idle: no
 row dropped; throughput with recording within 1 % of without, against 4-5 % with a
 normal-priority or niced writer.) The parent turns each table's rows into plain tuples
 (C-level ``attrgetter``), pickles them (about 0.5 us per row) and waits for the
@@ -21,9 +22,8 @@ While the recorder's buffer fills up (``URGENT_BACKLOG``) the child leaves
 ``SCHED_IDLE`` for a normal policy at ``nice`` 10 and returns once it has caught up, so
 a machine whose CPUs are never idle still gets its rows written.
 
-One message per record type and flush: ``(type name, tuples, backlog)`` -> ``b"ok"`` + the
-child's priority, or a pickled
-``(exception name, message)``. A failure raises ``RemoteWriteError`` in the parent,
+One message per record type and flush: ``(type name, tuples, backlog)`` -> ``b"ok"`` +
+the child's priority, or a pickled ``(exception name, message)``. A failure raises ``RemoteWriteError`` in the parent,
 which the recorder treats like any database failure (rows dropped and counted, back
 off). A child that dies or does not answer within ``reply_timeout_s`` is stopped and
 its rows counted as dropped; the next write starts a new one.
@@ -32,12 +32,13 @@ its rows counted as dropped; the next write starts a new one.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import pickle
+from itertools import chain
 from operator import attrgetter
 from typing import Any
 
+from batchscope.spawn import child_priority, spawn_child
 from batchscope.storage.records import RequestBatch
 
 log = logging.getLogger(__name__)
@@ -59,33 +60,15 @@ class RemoteWriteError(Exception):
     """A write the child could not do; the message names the child's exception."""
 
 
-def lower_priority(idle: bool, nice: int) -> str:
-    """Lower this process' CPU priority: ``SCHED_IDLE`` where the system has it (Linux:
-    the process runs only when a CPU has nothing else to do), else ``nice``. Returns
-    what was applied: ``"idle"``, ``"nice"`` or ``"normal"``."""
-    if idle and hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            return "idle"
-        except OSError:
-            pass
-    if nice:
-        try:
-            os.nice(nice)
-            return "nice"
-        except OSError:
-            pass
-    return "normal"
-
-
 class _Priority:
     """The child's CPU priority: idle while the recorder keeps up, ``nice`` (a fair share
     of a CPU) while the recorder's backlog grows, so that a machine whose CPUs are never
-    idle still gets its rows written instead of dropped."""
+    idle still gets its rows written instead of dropped. ``start`` is what the child got
+    at start (``batchscope.spawn.child_priority``)."""
 
-    def __init__(self, idle: bool, nice: int) -> None:
+    def __init__(self, start: str, nice: int) -> None:
         self.nice = nice
-        self.start = self.state = lower_priority(idle, nice)
+        self.start = self.state = start
 
     def follow(self, backlog: float) -> None:
         if self.start != "idle":
@@ -103,32 +86,25 @@ class _Priority:
             pass
 
 
-def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = None,
-                idle: bool = True) -> None:
+def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = None) -> None:
     """Receive ``(type name, rows, backlog)``, insert, answer; until told to stop or
-    orphaned."""
-    prio = _Priority(idle, nice)
-    priority = prio.state
-    from sqlalchemy import insert
-
+    orphaned. Started by ``spawn_child``, which has set the CPU priority already."""
+    prio = _Priority(child_priority(), nice)
     from batchscope.storage.db import make_engine
-    from itertools import chain
-
+    from batchscope.storage.inserts import ROW_TABLES, BulkInserts
     from batchscope.storage.records import RequestRow
-    from batchscope.storage.recorder import _ROW_TABLES, SqliteInserts, _max_params, is_pysqlite
 
-    classes = {cls.__name__: cls for cls in _ROW_TABLES}
+    classes = {cls.__name__: cls for cls in ROW_TABLES}
     engine = make_engine(url, create=False)
-    sqlite = is_pysqlite(engine)
-    if sqlite and busy_timeout_ms is not None:
+    inserts = BulkInserts(engine)
+    if inserts.sqlite and busy_timeout_ms is not None:
         from sqlalchemy import event
 
         @event.listens_for(engine, "connect")
         def _busy(dbapi_conn: Any, _record: Any) -> None:
             dbapi_conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
-    inserts: dict[type, SqliteInserts] = {}
     raw = None
-    conn.send_bytes(_READY + priority.encode())
+    conn.send_bytes(_READY + prio.state.encode())
     while True:
         try:
             msg = conn.recv_bytes()
@@ -144,34 +120,18 @@ def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = No
                 rows = list(chain.from_iterable(b.tuples() for b in rows))
             else:
                 cls = classes[name]
-            table = _ROW_TABLES[cls]
-            if sqlite:
+            if inserts.sqlite:
                 if raw is None:
                     raw = engine.raw_connection()
-                ins = inserts.get(cls)
-                if ins is None:
-                    ins = inserts[cls] = SqliteInserts(cls, table, _max_params(raw))
-                cursor = raw.cursor()
-                try:
-                    ins.run(cursor, rows, tuples=True)
-                    raw.commit()
-                except BaseException:
-                    try:
-                        raw.rollback()
-                    except Exception:
-                        pass
-                    raise
-                finally:
-                    cursor.close()
+                inserts.insert_sqlite(raw, cls, rows, tuples=True)
             else:
-                names = tuple(cls.__slots__)
-                with engine.begin() as c:
-                    c.execute(insert(table), [dict(zip(names, r)) for r in rows])
+                inserts.insert_core(cls, rows, tuples=True)
             conn.send_bytes(_OK + prio.state.encode())
         except Exception as exc:  # database failure: tell the parent, start clean
             if raw is not None:
                 try:
-                    raw.invalidate()
+                    if raw.is_valid:
+                        raw.invalidate()
                 except Exception:
                     pass
                 raw = None
@@ -212,14 +172,10 @@ class WriterProcess:
         return self._proc.pid if self._proc is not None else None
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_child_main,
-                           args=(child, self.url, self.nice, self.busy_timeout_ms, self.idle),
-                           name="batchscope-db-writer", daemon=True)
-        proc.start()
-        child.close()
-        self._proc, self._conn = proc, parent
+        child = spawn_child(_child_main, (self.url, self.nice, self.busy_timeout_ms),
+                            name="batchscope-db-writer", idle=self.idle, nice=self.nice)
+        self._proc, self._conn = child.process, child.conn
+        parent = child.conn
         self.starts += 1
         if not parent.poll(self.start_timeout_s):
             self.stop()

@@ -2,19 +2,25 @@
 
 In one process, the event loop (HTTP, codec, batching) and the device thread (torch)
 take turns on the GIL, and each waits for the other. ``DeviceProcess`` starts a child
-(``multiprocessing`` ``spawn`` context: a fresh interpreter, safe with torch's thread
-pools) that loads the same models from their specs (``runtime.models.loader.load_model``),
-calls ``setup(device)`` and then runs every batch it is sent with
-``runtime.device.executor.run_batch`` (budget check, collate, predict or CUDA-graph replay,
-split, out-of-memory split-and-retry, peak memory). ``decode``/``length`` stay in the
-serving process.
+(``batchscope.spawn.spawn_child``: a fresh interpreter, safe with torch's thread pools,
+that never re-imports the serving process' main script) that loads the same models
+from their specs (``runtime.models.loader.load_model``), calls ``setup(device)`` and
+then runs every batch it is sent with ``runtime.device.executor.run_batch`` (budget
+check, collate, predict or CUDA-graph replay, split, out-of-memory split-and-retry,
+peak memory). ``decode``/``length`` stay in the serving process.
 
-Messages go over a ``multiprocessing.Pipe`` as pickle protocol 5 bytes; items and
-outputs travel packed (``runtime.device.executor.pack_items``/``pack_outputs``). The serving
-process reads answers on its event loop (``add_reader``), so a finished batch is
-booked without a thread switch. A batch carries its model's ``BatchingConfig`` the
-first time after each settings change, so ``cuda_graphs``, ``memory_budget_mb``,
-``oom_recovery`` and ``max_batch_size`` changes reach the child at the next batch.
+Messages are pickle protocol 5 bytes in length-prefixed frames over a socket pair;
+items and outputs travel packed (``runtime.device.executor.pack_items``/``pack_outputs``).
+The child reads and writes its end blocking (``Connection.recv_bytes``/``send_bytes``).
+The serving process never blocks on its end: answers are read on the event loop
+(``add_reader``) by a ``FrameReader``, which keeps the bytes of a message that arrives
+in pieces until it is whole (a large answer usually does), and batches are written by a
+``FrameWriter``, which queues what the socket does not take at once and finishes it
+from ``add_writer``, in order. So a finished batch is booked without a thread switch,
+and only end of file (or a reset) on the socket means the child is gone. A batch
+carries its model's ``BatchingConfig`` the first time after each settings change, so
+``cuda_graphs``, ``memory_budget_mb``, ``oom_recovery`` and ``max_batch_size`` changes
+reach the child at the next batch.
 
 When the child dies, every batch sent to it fails (an ``error`` attempt: the engine
 answers 500 and records a ``model_error`` event), ``on_exit`` is told, and a new child
@@ -24,19 +30,18 @@ is started; batches submitted meanwhile wait for it (or fail, if it cannot start
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
-import multiprocessing
 import os
 import pickle
 import signal
-import sys
+import socket
 import traceback
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
+from batchscope.spawn import FrameReader, FrameWriter, spawn_child
 from runtime.core.clock import MonotonicClock
 from runtime.api.config import BatchingConfig
 from runtime.api.errors import ConfigError
@@ -49,6 +54,8 @@ START_TIMEOUT_S = 180.0
 #: at stop, the child gets this long to exit after being asked before it is killed
 STOP_TIMEOUT_S = 5.0
 _PROTOCOL = 5
+#: most socket reads in one readable callback before other callbacks get their turn
+_READS_PER_WAKE = 64
 
 OnDone = Callable[[list[Attempt]], None]
 
@@ -140,29 +147,6 @@ def child_main(conn: Any, specs: Sequence[str], names: Sequence[str], device: st
 
 
 # -- the serving side -------------------------------------------------------------------
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Start a spawned child without re-running the parent's main script in it: the
-    child needs only ``child_main`` and plain arguments, and a script without an
-    ``if __name__ == "__main__"`` guard would otherwise start a second server there."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    spec = getattr(main, "__spec__", None)
-    saved = getattr(main, "__file__", None)
-    had_file = hasattr(main, "__file__")
-    main.__spec__ = None
-    if had_file:
-        del main.__file__
-    try:
-        yield
-    finally:
-        main.__spec__ = spec
-        if had_file:
-            main.__file__ = saved
-
-
 @dataclass(slots=True)
 class _Job:
     """A batch on its way to (or in) the child."""
@@ -199,10 +183,14 @@ class DeviceProcess:
         self._clock = clock or MonotonicClock()
         #: child times are on this process' clock only when both read the monotonic clock
         self._same_clock = type(self._clock) is MonotonicClock
-        self._ctx = multiprocessing.get_context("spawn")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: Any = None
-        self._conn: Any = None
+        #: the serving process' end of the pipe (non-blocking) and its frame reader/writer
+        self._sock: socket.socket | None = None
+        self._reader = FrameReader()
+        self._writer = FrameWriter()
+        #: whether ``_on_writable`` is registered (the writer holds unsent bytes)
+        self._writing = False
         self._ready: asyncio.Future | None = None
         self._starting: asyncio.Task | None = None
         self._sent: dict[int, _Job] = {}
@@ -222,19 +210,15 @@ class DeviceProcess:
 
     async def _spawn(self) -> None:
         loop = self._loop
-        parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=child_main, name="batchscope-device",
-            args=(child, self.specs, self.names, self.device, self.torch_threads,
-                  logging.getLogger().getEffectiveLevel()),
-            daemon=True)
-        with _main_module_hidden():
-            proc.start()
-        child.close()
-        self._proc, self._conn = proc, parent
+        child = spawn_child(child_main, (self.specs, self.names, self.device, self.torch_threads,
+                                         logging.getLogger().getEffectiveLevel()),
+                            name="batchscope-device")
+        proc, sock = child.process, child.socket()
+        self._proc, self._sock = proc, sock
+        self._reader, self._writer = FrameReader(), FrameWriter()
         self._versions.clear()
         self._ready = loop.create_future()
-        loop.add_reader(parent.fileno(), self._on_readable)
+        loop.add_reader(sock.fileno(), self._on_readable)
         try:
             await asyncio.wait_for(asyncio.shield(self._ready), self.start_timeout_s)
         except asyncio.TimeoutError:
@@ -242,7 +226,7 @@ class DeviceProcess:
             raise RuntimeError(f"the device process did not set up its models within "
                                f"{self.start_timeout_s:.0f} s") from None
         except BaseException:
-            if self._conn is parent:
+            if self._sock is sock:
                 self._close_child(kill=True)
             raise
         self.pid = proc.pid
@@ -253,26 +237,27 @@ class DeviceProcess:
         self._stopping = True
         if self._starting is not None:
             self._starting.cancel()
-        proc, conn = self._proc, self._conn
-        if conn is not None:
-            try:
-                conn.send_bytes(_dumps(("stop",)))
-            except OSError:
-                pass
+        proc = self._proc
+        if self._sock is not None:
+            self._write(_dumps(("stop",)))  # behind any batch still being written
         if proc is not None:
             await self._loop.run_in_executor(None, proc.join, timeout_s)
         self._close_child(kill=True)
         self._fail_all("the server is shutting down")
 
     def _close_child(self, kill: bool) -> None:
-        conn, proc = self._conn, self._proc
-        self._conn = self._proc = None
-        if conn is not None:
+        sock, proc = self._sock, self._proc
+        self._sock = self._proc = None
+        if sock is not None:
             try:
-                self._loop.remove_reader(conn.fileno())
+                self._loop.remove_reader(sock.fileno())
+                if self._writing:
+                    self._loop.remove_writer(sock.fileno())
             except (ValueError, OSError):
                 pass
-            conn.close()
+            self._writing = False
+            self._writer.clear()
+            sock.close()
         if proc is not None and kill and proc.is_alive():
             proc.kill()
             proc.join(1.0)
@@ -287,7 +272,7 @@ class DeviceProcess:
         if self._stopping:
             self._finish_failed(job, "the server is shutting down")
             return
-        if self._conn is None or self._ready is None or not self._ready.done():
+        if self._sock is None or self._ready is None or not self._ready.done():
             self._held.append(job)
             self._ensure_restart()
             return
@@ -301,26 +286,67 @@ class DeviceProcess:
             cfg = job.config
             self._versions[job.name] = job.version
         job.sent_s = self._clock.now()
-        self._sent[job.job_id] = job
         try:
-            self._conn.send_bytes(_dumps(("run", job.job_id, job.name, cfg, pack_items(job.items),
-                                          job.lengths, job.pad_to, job.bucket)))
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            # the child is gone: its end-of-file on the pipe fails this job
-            pass
+            payload = _dumps(("run", job.job_id, job.name, cfg, pack_items(job.items),
+                              job.lengths, job.pad_to, job.bucket))
         except Exception as exc:  # items that cannot be pickled fail this batch only
-            del self._sent[job.job_id]
             self._versions.pop(job.name, None)
             self._finish_failed(job, f"its items cannot be sent to the device process "
                                      f"({type(exc).__name__}: {exc})")
+            return
+        self._sent[job.job_id] = job
+        self._write(payload)
+
+    # -- the pipe -----------------------------------------------------------------------
+    def _write(self, payload: bytes) -> None:
+        """Send one message without blocking; what the socket does not take now is
+        finished by ``_on_writable``, before any later message."""
+        sock = self._sock
+        try:
+            if not self._writer.send(sock, payload) and not self._writing:
+                self._loop.add_writer(sock.fileno(), self._on_writable)
+                self._writing = True
+        except OSError:  # the child is gone: end of file on the pipe fails its batches
+            pass
+
+    def _on_writable(self) -> None:
+        sock = self._sock
+        try:
+            done = self._writer.flush(sock)
+        except OSError:  # the child is gone; the reader sees it and fails its batches
+            self._writer.clear()
+            done = True
+        if done:
+            self._loop.remove_writer(sock.fileno())
+            self._writing = False
 
     def _on_readable(self) -> None:
-        conn = self._conn
+        """Read what has arrived; act on each whole message. A message in pieces waits
+        in the reader for the rest; only end of file or an error on the socket (the
+        child is gone) ends the child."""
+        sock, reader = self._sock, self._reader
+        for _ in range(_READS_PER_WAKE):
+            try:
+                frames = reader.receive(sock)
+            except (BlockingIOError, InterruptedError):  # all read for now
+                return
+            except Exception as exc:  # a reset connection, or a corrupt stream
+                if not isinstance(exc, OSError):
+                    log.exception("unreadable bytes from the device process")
+                frames = None
+            if frames is None:
+                self._on_child_exit()
+                return
+            for frame in frames:
+                self._on_message(frame)
+                if self._sock is not sock:  # the child was closed meanwhile
+                    return
+            if not reader.more:  # the socket is drained: wait for the next wake
+                return
+
+    def _on_message(self, frame: bytearray) -> None:
         try:
-            msg = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            self._on_child_exit()
-            return
+            msg = pickle.loads(frame)
         except Exception:
             log.exception("unreadable message from the device process")
             self._on_child_exit()
@@ -423,5 +449,5 @@ class DeviceProcess:
         finally:
             self._starting = None
         self.restarts += 1
-        while self._held and self._conn is not None:
+        while self._held and self._sock is not None:
             self._send(self._held.popleft())
