@@ -41,9 +41,4 @@ def main() -> None:
     pages.run()
 
 
-# Streamlit runs this file as ``__main__``. A multiprocessing "spawn" child started
-# later from the same process (the device or database-writer process) imports the
-# parent's ``__main__`` again, as ``__mp_main__``: it must not render the app or
-# start a demo runtime.
-if __name__ != "__mp_main__":
-    main()
+main()

@@ -197,17 +197,3 @@ def test_the_demo_runtime_is_named_as_such(app_db):
     assert any("bundled demo runtime" in i.value for i in at.info)
     assert not any("Attached to live runtime" in c.value for c in at.caption)
 
-
-def test_a_spawned_child_importing_the_app_does_not_run_it(tmp_path, monkeypatch):
-    """Streamlit leaves app.py as ``__main__``; a multiprocessing spawn child (device or
-    database-writer process) re-imports it as ``__mp_main__`` and must not start a demo."""
-    import runpy
-    import subprocess
-
-    monkeypatch.delenv("BATCHSCOPE_NO_DEMO", raising=False)
-    monkeypatch.setenv("BATCHSCOPE_DB_URL", f"sqlite:///{tmp_path / 'empty.db'}")
-    started = []
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
-    namespace = runpy.run_path(APP, run_name="__mp_main__")
-    assert "main" in namespace
-    assert started == [] and not (tmp_path / "empty.db").exists()
