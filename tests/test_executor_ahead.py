@@ -20,7 +20,7 @@ from runtime.api.config import BatchingConfig
 from runtime.engine.engine import MAX_AHEAD_BATCHES, Engine
 from runtime.api.errors import ModelError
 from runtime.models.loader import load_model
-from tests.test_executor_process import SLOW_MODEL, WAIT_S, _wait_for
+from tests.factories import SLOW_MODEL, WAIT_S, wait_for
 
 GATED_MODEL = SLOW_MODEL + '''
 
@@ -85,13 +85,13 @@ def test_a_full_batch_is_sent_while_one_runs_but_a_partial_one_waits(tmp_path):
         await engine.start()
         try:
             everything = _submit(engine, "gated", [99, 1, 2, 3])
-            await _wait_for(lambda: engine.stats("gated")["in_flight"] == 4, "the first batch")
+            await wait_for(lambda: engine.stats("gated")["in_flight"] == 4, "the first batch")
             _submit(engine, "gated", [4, 5], everything)
             await _let_worker_run()
             st = engine.stats("gated")
             assert (st["in_flight"], st["queue_depth"]) == (4, 2)  # a partial batch waits
             _submit(engine, "gated", [6, 7], everything)
-            await _wait_for(lambda: engine.stats("gated")["in_flight"] == 8,
+            await wait_for(lambda: engine.stats("gated")["in_flight"] == 8,
                             "the full second batch to go ahead")
             assert len(engine._process._sent) == 2 and all(r is None for r in everything)
             # never more than two batches of a model in flight
@@ -101,7 +101,7 @@ def test_a_full_batch_is_sent_while_one_runs_but_a_partial_one_waits(tmp_path):
             assert MAX_AHEAD_BATCHES == 2
             assert (st["in_flight"], st["queue_depth"]) == (8, 8)
             open(gate, "w").close()
-            await _wait_for(lambda: all(r is not None for r in everything), "every answer")
+            await wait_for(lambda: all(r is not None for r in everything), "every answer")
             assert [r[1] for r in everything] == [None] * 16
             assert [float(r[0]["OUTPUT0"][0]) for r in everything] == [
                 100.0, *[float(v + 1) for v in range(1, 16)]]
@@ -129,17 +129,17 @@ def test_a_crash_with_two_batches_in_flight_fails_each_request_once(tmp_path):
         try:
             first_pid = engine._process.pid
             lost = _submit(engine, "gated", [99, 1, 2, 3])
-            await _wait_for(lambda: engine.stats("gated")["in_flight"] == 4, "the first batch")
+            await wait_for(lambda: engine.stats("gated")["in_flight"] == 4, "the first batch")
             _submit(engine, "gated", [4, 5, 6, 7], lost)
-            await _wait_for(lambda: engine.stats("gated")["in_flight"] == 8, "the second batch")
+            await wait_for(lambda: engine.stats("gated")["in_flight"] == 8, "the second batch")
             os.kill(first_pid, signal.SIGKILL)
-            await _wait_for(lambda: all(r is not None for r in lost), "the lost answers")
+            await wait_for(lambda: all(r is not None for r in lost), "the lost answers")
             for result, error in lost:
                 assert result is None and isinstance(error, ModelError)
                 assert "SIGKILL" in str(error) and "send the request again" in str(error)
             open(gate, "w").close()
             later = _submit(engine, "gated", [20, 21, 22, 23, 24])
-            await _wait_for(lambda: all(r is not None for r in later), "answers after restart")
+            await wait_for(lambda: all(r is not None for r in later), "answers after restart")
             assert [r[1] for r in later] == [None] * 5
             assert [float(r[0]["OUTPUT0"][0]) for r in later] == [21.0, 22.0, 23.0, 24.0, 25.0]
             assert engine._process.restarts == 1 and engine._process.pid != first_pid
@@ -163,9 +163,9 @@ def test_stop_answers_both_batches_in_flight(tmp_path):
     async def run() -> None:
         await engine.start()
         everything = _submit(engine, "gated", [99, 1, 2, 3])
-        await _wait_for(lambda: engine.stats("gated")["in_flight"] == 4, "the first batch")
+        await wait_for(lambda: engine.stats("gated")["in_flight"] == 4, "the first batch")
         _submit(engine, "gated", [4, 5, 6, 7, 8], everything)
-        await _wait_for(lambda: engine.stats("gated")["in_flight"] == 8, "the second batch")
+        await wait_for(lambda: engine.stats("gated")["in_flight"] == 8, "the second batch")
         open(gate, "w").close()
         await engine.stop(drain_timeout_s=WAIT_S)
         assert all(r is not None for r in everything)
@@ -190,14 +190,14 @@ def test_two_models_in_the_device_process_share_it_and_both_are_charged(tmp_path
         await engine.start()
         try:
             left = _submit(engine, "left", [99, 1, 2, 3])
-            await _wait_for(lambda: engine.stats("left")["in_flight"] == 4, "left's batch")
+            await wait_for(lambda: engine.stats("left")["in_flight"] == 4, "left's batch")
             right = _submit(engine, "right", [1, 2, 3, 4])
             _submit(engine, "left", [5, 6, 7, 8], left)
             await _let_worker_run()
             # right waits for the device turn: left's full batch does not jump ahead of it
             assert engine.stats("left")["in_flight"] == 4
             open(gate_a, "w").close()
-            await _wait_for(lambda: all(r is not None for r in left + right), "every answer")
+            await wait_for(lambda: all(r is not None for r in left + right), "every answer")
             assert [r[1] for r in left + right] == [None] * 12
         finally:
             await engine.stop()

@@ -24,39 +24,11 @@ from runtime.engine.engine import Engine
 from runtime.api.errors import ConfigError, ModelError
 from runtime.device.executor import pack_items, pack_outputs, unpack_items, unpack_outputs
 from runtime.models.loader import load_model
+from tests.factories import SLOW_MODEL, wait_for
 
-WAIT_S = 60.0
 TOYS = {"double": "runtime.models.toys:DoubleModel", "varlen": "runtime.models.toys:VarLenModel",
         "failing": "runtime.models.toys:FailingModel", "oomtoy": "runtime.models.toys:OOMModel"}
 
-SLOW_MODEL = '''
-import time
-import numpy as np
-import torch
-from runtime.api.model import ModelAPI, TensorSpec
-
-
-class SlowModel(ModelAPI):
-    """x + 1; an item whose first value is 99 makes predict sleep (up to 30 s)."""
-    name = "slow"
-    inputs = (TensorSpec("INPUT0", "FP32", (2,)),)
-    outputs = (TensorSpec("OUTPUT0", "FP32", (2,)),)
-
-    def decode(self, inputs):
-        return np.asarray(inputs["INPUT0"], dtype=np.float32).reshape(2)
-
-    def collate(self, items, pad_to):
-        return torch.from_numpy(np.stack(items))
-
-    def predict(self, batch):
-        if bool((batch[:, 0] == 99).any()):
-            time.sleep(30)
-        return batch + 1
-
-    def split(self, output, n):
-        out = output.numpy()
-        return [{"OUTPUT0": out[i]} for i in range(n)]
-'''
 
 
 # -- packing (no process) -------------------------------------------------------------
@@ -106,15 +78,6 @@ def _submit_all(engine: Engine, model: str, bodies: list[dict]) -> list:
     return results
 
 
-async def _wait_for(check, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_S
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 def _vec(first: float) -> dict:
     return {"INPUT0": np.array([first, 1, 2, 3], dtype=np.float32)}
 
@@ -140,7 +103,7 @@ def test_batches_run_in_the_child_with_correct_outputs_errors_and_oom_splits():
             failing = _submit_all(engine, "failing", [_vec(v) for v in (1, 2, -1, 3, 4, 5, 6, 7)])
             oom = _submit_all(engine, "oomtoy", [_vec(i) for i in range(20)])
             lists = (double, varlen, failing, oom)
-            await _wait_for(lambda: all(r is not None for rs in lists for r in rs), "every answer")
+            await wait_for(lambda: all(r is not None for rs in lists for r in rs), "every answer")
 
             assert [r[1] for r in double] == [None] * 20
             assert [float(r[0]["OUTPUT0"][0]) for r in double] == [2.0 * i for i in range(20)]
@@ -169,7 +132,7 @@ def test_batches_run_in_the_child_with_correct_outputs_errors_and_oom_splits():
             before = len(rec.of(BatchRow))
             engine.update_settings("oomtoy", {"memory_budget_mb": 4.0}, requested_by="test")
             budget = _submit_all(engine, "oomtoy", [_vec(1) for _ in range(8)])
-            await _wait_for(lambda: all(r is not None for r in again)
+            await wait_for(lambda: all(r is not None for r in again)
                             and all(r is not None for r in budget), "budget answers")
             assert [r[1] for r in again + budget] == [None] * 16
             tail = [(b.batch_size, b.outcome) for b in rec.of(BatchRow)[before:]
@@ -198,15 +161,15 @@ def test_a_killed_child_fails_its_batch_and_a_new_one_serves_the_next(tmp_path):
             first_pid = engine._process.pid
             stuck = _submit_all(engine, "slow", [{"INPUT0": np.array([99, 0], np.float32)},
                                                  {"INPUT0": np.array([5, 0], np.float32)}])
-            await _wait_for(lambda: engine.stats("slow")["in_flight"] == 2, "the batch to run")
+            await wait_for(lambda: engine.stats("slow")["in_flight"] == 2, "the batch to run")
             os.kill(first_pid, signal.SIGKILL)
-            await _wait_for(lambda: all(r is not None for r in stuck), "the lost batch's answers")
+            await wait_for(lambda: all(r is not None for r in stuck), "the lost batch's answers")
             for result, error in stuck:
                 assert result is None and isinstance(error, ModelError)
                 assert "SIGKILL" in str(error) and "send the request again" in str(error)
             later = _submit_all(engine, "slow", [{"INPUT0": np.array([i, 0], np.float32)}
                                                  for i in range(3)])
-            await _wait_for(lambda: all(r is not None for r in later), "answers after restart")
+            await wait_for(lambda: all(r is not None for r in later), "answers after restart")
             assert [r[1] for r in later] == [None] * 3
             assert [float(r[0]["OUTPUT0"][0]) for r in later] == [1.0, 2.0, 3.0]
             assert engine._process.restarts == 1 and engine._process.pid != first_pid

@@ -2,31 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from batchscope.storage.records import BatchRow, EventRow, RequestRow
+from batchscope.storage.records import EventRow
 from runtime.server.metrics import MetricsRecorder
-
-
-def batch(model: str, size: int, compute_s: float) -> BatchRow:
-    return BatchRow(instance_id="i", model=model, seq=1, policy="dynamic", settings_version=1,
-                    max_batch_size=32, bucket=None, batch_size=size, real_elements=size,
-                    padded_elements=size, queue_wait_min_s=0.0, queue_wait_mean_s=0.0,
-                    queue_wait_max_s=0.0, compute_s=compute_s, started_at=0.0, ended_at=1.0)
-
-
-def request(model: str, outcome: str, priority: int = 1, latency_s: float = 0.01) -> RequestRow:
-    return RequestRow(instance_id="i", model=model, batch_seq=1, priority=priority, arrived_at=0.0,
-                      finished_at=latency_s, queue_wait_s=0.002, latency_s=latency_s,
-                      outcome=outcome)
-
-
-def samples(metrics: MetricsRecorder) -> dict:
-    out = {}
-    for family in text_string_to_metric_families(metrics.render().decode()):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+from tests.factories import metric_batch as batch, metric_request as request, samples
 
 
 def test_records_become_series_and_scrape_time_gauges_are_read():

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from runtime.server import metrics as metrics_mod
 from runtime.server.metrics import MetricsRecorder
-from tests.test_server_metrics import batch, request, samples
+from tests.factories import metric_batch as batch, metric_request as request, samples
 
 
 def test_grouped_fold_matches_observing_each_record():

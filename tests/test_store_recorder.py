@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 
 import pytest
-from sqlalchemy import create_engine, event, func, select
+from sqlalchemy import create_engine, event, select
 
 from batchscope.storage.db import make_engine
 from batchscope.storage.records import BatchRow, DeviceRow, EventRow, GenStepRow, ListRecorder, RequestRow
 from batchscope.storage.recorder import Recorder, TeeRecorder
 from batchscope.storage.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord
+from tests.factories import count, stored, wait_until
 
 
 def request(i: int, model: str = "mlp") -> RequestRow:
@@ -36,41 +36,16 @@ def others(i: int) -> list:
                        step_s=0.01)]
 
 
-def count(engine, model) -> int:
-    with engine.connect() as conn:
-        return conn.execute(select(func.count()).select_from(model)).scalar_one()
-
-
-@pytest.fixture
-def url(tmp_path):
-    return f"sqlite:///{tmp_path / 'rec.db'}"
-
-
-@pytest.fixture
-def engine(url):
-    eng = make_engine(url)
-    yield eng
-    eng.dispose()
-
-
-def short_busy_timeout(engine, ms: int = 20):
+def short_busy_timeout(db, ms: int = 20):
     """Make lock waits fail fast so the tests do not wait out the default 5 s."""
-    @event.listens_for(engine, "connect")
+    @event.listens_for(db, "connect")
     def _short(dbapi_conn, _record):
         dbapi_conn.execute(f"PRAGMA busy_timeout={ms}")
-    engine.dispose()
+    db.dispose()
 
 
-def wait_until(predicate, limit: int = 2000) -> bool:
-    for _ in range(limit):
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
-
-
-def test_everything_put_is_written(engine):
-    rec = Recorder(engine, flush_interval_s=0.01, max_rows_per_flush=500)
+def test_everything_put_is_written(db):
+    rec = Recorder(db, flush_interval_s=0.01, max_rows_per_flush=500)
     rec.start()
     for i in range(3000):
         rec.put(request(i))
@@ -81,18 +56,18 @@ def test_everything_put_is_written(engine):
                 rec.put(r)
     rec.close()
     assert rec.dropped == 0
-    assert count(engine, RequestRecord) == 3000
-    assert count(engine, BatchRecord) == 300
-    assert count(engine, EventRecord) == count(engine, DeviceSample) == count(engine, GenerationStep) == 30
+    assert count(db, RequestRecord) == 3000
+    assert count(db, BatchRecord) == 300
+    assert count(db, EventRecord) == count(db, DeviceSample) == count(db, GenerationStep) == 30
     assert rec.written == 3000 + 300 + 90
     assert rec.written_by_kind["requests"] == 3000
-    with engine.connect() as conn:
+    with db.connect() as conn:
         row = conn.execute(select(BatchRecord).where(BatchRecord.seq == 10)).one()
     assert row.cuda_graph is True and row.peak_memory_bytes == 2**33 and row.bucket is None
 
 
-def test_full_buffer_drops_are_counted_exactly(engine):
-    rec = Recorder(engine, buffer_size=100)  # writer not started: nothing drains the buffer
+def test_full_buffer_drops_are_counted_exactly(db):
+    rec = Recorder(db, buffer_size=100)  # writer not started: nothing drains the buffer
     for i in range(130):
         rec.put(request(i))
     for i in range(20):
@@ -101,29 +76,29 @@ def test_full_buffer_drops_are_counted_exactly(engine):
     assert rec.dropped == 50
     assert rec.dropped_by_kind == {"requests": 30, "batches": 20}
     rec.close()
-    assert count(engine, RequestRecord) == 100 and rec.written == 100
+    assert count(db, RequestRecord) == 100 and rec.written == 100
     # after close, put still never raises and counts what it refuses
     rec.put(request(0))
     assert rec.dropped == 51
 
 
-def test_close_flushes_what_is_left(engine):
-    rec = Recorder(engine, flush_interval_s=60.0, max_rows_per_flush=64)
+def test_close_flushes_what_is_left(db):
+    rec = Recorder(db, flush_interval_s=60.0, max_rows_per_flush=64)
     rec.start()
     for i in range(1000):
         rec.put(request(i))
     rec.close(timeout_s=30.0)
-    assert count(engine, RequestRecord) == 1000 and rec.dropped == 0 and rec.buffered == 0
+    assert count(db, RequestRecord) == 1000 and rec.dropped == 0 and rec.buffered == 0
 
 
-def test_locked_database_drops_then_recovers(url, engine):
-    short_busy_timeout(engine)
-    rec = Recorder(engine, flush_interval_s=0.01, instance_id="rt-9")
+def test_locked_database_drops_then_recovers(db_url, db):
+    short_busy_timeout(db)
+    rec = Recorder(db, flush_interval_s=0.01, instance_id="rt-9")
     rec.start()
     rec.put(request(0))
     assert wait_until(lambda: rec.written == 1)
 
-    blocker = sqlite3.connect(url.split("///", 1)[1], isolation_level=None)
+    blocker = sqlite3.connect(db_url.split("///", 1)[1], isolation_level=None)
     blocker.execute("BEGIN EXCLUSIVE")
     try:
         for i in range(1, 201):
@@ -140,9 +115,9 @@ def test_locked_database_drops_then_recovers(url, engine):
     assert wait_until(lambda: rec.healthy and rec.written + rec.dropped >= 401 and rec.buffered == 0)
     rec.close()
     assert rec.written + rec.dropped == 401
-    assert count(engine, RequestRecord) == rec.written
+    assert count(db, RequestRecord) == rec.written
     assert rec.dropped_by_kind == {"requests": rec.dropped}
-    with engine.connect() as conn:
+    with db.connect() as conn:
         events = conn.execute(select(EventRecord).where(EventRecord.kind == "recorder_drops")).all()
     assert len(events) == 1
     details = json.loads(events[0].details_json)
@@ -150,11 +125,11 @@ def test_locked_database_drops_then_recovers(url, engine):
     assert details["by_kind"] == {"requests": rec.dropped}
 
 
-def test_locked_database_with_synchronous_flush(url, engine):
+def test_locked_database_with_synchronous_flush(db_url, db):
     """Deterministic variant: no writer thread, flushes driven by the test."""
-    short_busy_timeout(engine)
-    rec = Recorder(engine, max_rows_per_flush=1000)
-    blocker = sqlite3.connect(url.split("///", 1)[1], isolation_level=None)
+    short_busy_timeout(db)
+    rec = Recorder(db, max_rows_per_flush=1000)
+    blocker = sqlite3.connect(db_url.split("///", 1)[1], isolation_level=None)
     blocker.execute("BEGIN EXCLUSIVE")
     for i in range(40):
         rec.put(request(i))
@@ -166,8 +141,8 @@ def test_locked_database_with_synchronous_flush(url, engine):
     for i in range(10):
         rec.put(request(i))
     assert rec.flush() == 10 and rec.healthy
-    assert count(engine, RequestRecord) == 10
-    assert count(engine, EventRecord) == 1  # the drops report
+    assert count(db, RequestRecord) == 10
+    assert count(db, EventRecord) == 1  # the drops report
 
 
 def test_unwritable_database_never_raises(tmp_path):
@@ -182,20 +157,20 @@ def test_unwritable_database_never_raises(tmp_path):
     assert rec.written == 0 and rec.dropped == 51 and rec.dropped_by_kind["object"] == 1
 
 
-def test_tee_fans_out(engine):
+def test_tee_fans_out(db):
     memory = ListRecorder()
-    rec = Recorder(engine, buffer_size=5)
+    rec = Recorder(db, buffer_size=5)
     tee = TeeRecorder(memory, rec)
     for i in range(8):
         tee.put(request(i))
     assert len(memory.records) == 8 and tee.dropped == 3
     tee.close()
-    assert count(engine, RequestRecord) == 5
+    assert count(db, RequestRecord) == 5
 
 
-def test_rejects_nonsense_sizes(engine):
+def test_rejects_nonsense_sizes(db):
     with pytest.raises(ValueError, match="buffer_size"):
-        Recorder(engine, buffer_size=0)
+        Recorder(db, buffer_size=0)
 
 
 # ---------------------------------------------------------------------------- SQLite fast path
@@ -206,36 +181,29 @@ def generation_request(i: int) -> RequestRow:
                       output_tokens=2 * i)
 
 
-def stored(engine, model, cls) -> list:
-    names = cls.__slots__
-    with engine.connect() as conn:
-        rows = conn.execute(select(*[getattr(model, n) for n in names]).order_by(model.id)).all()
-    return [cls(**dict(zip(names, row))) for row in rows]
-
-
-def test_rows_read_back_exactly_as_put(engine):
+def test_rows_read_back_exactly_as_put(db):
     """Mixed groups: None and bool values, all-None columns, partial statements."""
     plain = [request(i) for i in range(1000)]  # ttft/tpot/tokens None in every row
     gen = [generation_request(i) for i in range(37)]  # some None, some values, bools both ways
     batches = [batch(i) for i in range(300)]
     batches[7].bucket, batches[8].cuda_graph, batches[9].queue_depth = 64, False, 3
-    rec = Recorder(engine, max_rows_per_flush=10_000)
+    rec = Recorder(db, max_rows_per_flush=10_000)
     for r in plain + batches + gen:
         rec.put(r)
     assert rec.flush() == 1337 and rec.dropped == 0
-    assert stored(engine, RequestRecord, RequestRow) == plain + gen
-    assert stored(engine, BatchRecord, BatchRow) == batches
-    with engine.connect() as conn:
+    assert stored(db, RequestRecord, RequestRow) == plain + gen
+    assert stored(db, BatchRecord, BatchRow) == batches
+    with db.connect() as conn:
         kinds = conn.execute(select(RequestRecord.bypass).where(RequestRecord.model == "dec")).scalars().all()
     assert kinds == [i % 2 == 0 for i in range(37)] and all(type(k) is bool for k in kinds)
 
 
-def test_core_path_writes_the_same_rows(engine, url, tmp_path, monkeypatch):
+def test_core_path_writes_the_same_rows(db, db_url, tmp_path, monkeypatch):
     """Databases other than SQLite go through SQLAlchemy Core; the rows are identical."""
     import batchscope.storage.inserts as inserts_module
 
     records = [request(i) for i in range(50)] + [generation_request(i) for i in range(9)] + [batch(1)]
-    fast = Recorder(engine)
+    fast = Recorder(db)
     for r in records:
         fast.put(r)
     assert fast.flush() == 60
@@ -245,50 +213,50 @@ def test_core_path_writes_the_same_rows(engine, url, tmp_path, monkeypatch):
     for r in records:
         core.put(r)
     assert core.flush() == 60
-    assert stored(other, RequestRecord, RequestRow) == stored(engine, RequestRecord, RequestRow)
-    assert stored(other, BatchRecord, BatchRow) == stored(engine, BatchRecord, BatchRow) == [batch(1)]
+    assert stored(other, RequestRecord, RequestRow) == stored(db, RequestRecord, RequestRow)
+    assert stored(other, BatchRecord, BatchRow) == stored(db, BatchRecord, BatchRow) == [batch(1)]
     other.dispose()
 
 
-def test_a_flush_uses_few_statements(engine):
+def test_a_flush_uses_few_statements(db):
     """1000 rows are a handful of multi-row INSERTs, not one statement per row."""
     statements: list[str] = []
 
-    @event.listens_for(engine, "connect")
+    @event.listens_for(db, "connect")
     def _trace(dbapi_conn, _record):
         dbapi_conn.set_trace_callback(statements.append)
 
-    engine.dispose()
-    rec = Recorder(engine, max_rows_per_flush=5000)
+    db.dispose()
+    rec = Recorder(db, max_rows_per_flush=5000)
     for i in range(1000):
         rec.put(request(i))
     assert rec.flush() == 1000
     inserts = [s for s in statements if s.startswith("INSERT")]
     # 3 statements of 256 rows, then 128 + 64 + 32 + 8 for the remaining 232
     assert len(inserts) == 7
-    assert count(engine, RequestRecord) == 1000
+    assert count(db, RequestRecord) == 1000
 
 
-def test_small_parameter_limit_splits_statements(engine):
+def test_small_parameter_limit_splits_statements(db):
     from batchscope.storage.inserts import SqliteInserts
 
     table = RequestRecord.__table__
     inserts = SqliteInserts(RequestRow, table, max_params=40)
     assert inserts.rows_per_statement(len(RequestRow.__slots__)) == 2
     rows = [generation_request(i) for i in range(5)]
-    raw = engine.raw_connection()
+    raw = db.raw_connection()
     try:
         cursor = raw.cursor()
         inserts.run(cursor, rows)
         raw.commit()
     finally:
         raw.close()
-    assert stored(engine, RequestRecord, RequestRow) == rows
+    assert stored(db, RequestRecord, RequestRow) == rows
 
 
-def test_a_refused_group_is_dropped_alone(engine):
+def test_a_refused_group_is_dropped_alone(db):
     """One table's rows failing (an unbindable value) loses only that table's rows."""
-    rec = Recorder(engine)
+    rec = Recorder(db)
     bad = batch(1)
     bad.bucket = [1, 2]  # sqlite3 cannot bind a list
     for i in range(20):
@@ -297,13 +265,13 @@ def test_a_refused_group_is_dropped_alone(engine):
     rec.put(batch(2))
     assert rec.flush() == 20
     assert rec.dropped == 2 and rec.dropped_by_kind == {"batches": 2} and not rec.healthy
-    assert count(engine, RequestRecord) == 20 and count(engine, BatchRecord) == 0
+    assert count(db, RequestRecord) == 20 and count(db, BatchRecord) == 0
     rec.put(batch(3))
     assert rec.flush() == 1 and rec.healthy
-    assert stored(engine, BatchRecord, BatchRow) == [batch(3)]
+    assert stored(db, BatchRecord, BatchRow) == [batch(3)]
 
 
-def test_tee_keeps_feeding_after_a_broken_target(engine):
+def test_tee_keeps_feeding_after_a_broken_target(db):
     class Broken:
         def put(self, record):
             raise RuntimeError("broken")
@@ -315,19 +283,19 @@ def test_tee_keeps_feeding_after_a_broken_target(engine):
     assert len(memory.records) == 4
 
 
-def test_put_many_keeps_order_and_counts_what_does_not_fit(engine):
-    rec = Recorder(engine, buffer_size=100)  # writer not started
+def test_put_many_keeps_order_and_counts_what_does_not_fit(db):
+    rec = Recorder(db, buffer_size=100)  # writer not started
     rec.put_many([request(i) for i in range(60)])
     rec.put_many([request(i) for i in range(60, 130)])   # 40 fit, 30 are dropped
     assert rec.buffered == 100 and rec.dropped == 30
     assert rec.dropped_by_kind == {"requests": 30}
     rec.close()
-    assert stored(engine, RequestRecord, RequestRow) == [request(i) for i in range(100)]
+    assert stored(db, RequestRecord, RequestRow) == [request(i) for i in range(100)]
     rec.put_many([request(0), request(1)])  # closed: refused and counted, never raised
     assert rec.dropped == 32
 
 
-def test_tee_put_many_reaches_targets_with_and_without_put_many(engine):
+def test_tee_put_many_reaches_targets_with_and_without_put_many(db):
     class Broken:
         def put_many(self, records):
             raise RuntimeError("broken")

@@ -19,8 +19,7 @@ from runtime.api.config import BatchingConfig
 from runtime.engine.engine import Engine
 from runtime.models.toys import DoubleModel
 from runtime.server.metrics import MetricsRecorder
-from tests.test_server_metrics import samples
-from tests.test_store_recorder import stored
+from tests.factories import samples, stored
 
 OFFSET = 1_700_000_000.0
 
@@ -42,11 +41,6 @@ def one_by_one(b: RequestBatch) -> list[RequestRow]:
             for i, (p, a, by) in enumerate(zip(b.priorities, b.arrived_s, b.bypass))]
 
 
-@pytest.fixture
-def url(tmp_path):
-    return f"sqlite:///{tmp_path / 'rb.db'}"
-
-
 def test_rows_are_exactly_the_per_request_rows():
     for b in (block(1), block(2, mixed=True), block(3, lengths=False), block(4, n=1)):
         assert b.rows() == one_by_one(b) and len(b) == len(b.arrived_s)
@@ -59,8 +53,8 @@ def test_rows_are_exactly_the_per_request_rows():
 
 
 @pytest.mark.parametrize("writer_process", [False, True])
-def test_database_rows_match_and_drops_count_requests(url, writer_process):
-    engine = make_engine(url)
+def test_database_rows_match_and_drops_count_requests(db_url, writer_process):
+    engine = make_engine(db_url)
     rec = Recorder(engine, buffer_size=4, writer_process=writer_process)
     blocks = [block(1), block(2, mixed=True), block(3, lengths=False)]
     single = RequestRow("rt", "mlp", None, 2, OFFSET + 5, OFFSET + 6, 0.0, 1.0, "expired")

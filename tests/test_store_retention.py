@@ -20,13 +20,6 @@ T0 = 28_333_333 * 60.0  # a whole minute, near 2023-11
 OUTCOMES = ("ok", "ok", "ok", "rejected", "ok", "expired", "ok", "error")
 
 
-@pytest.fixture
-def engine(tmp_path):
-    eng = make_engine(f"sqlite:///{tmp_path / 'ret.db'}")
-    yield eng
-    eng.dispose()
-
-
 def traffic(start: float, seconds: int, instance_id: str = "rt", models=("mlp", "enc")):
     """One request per model per second and a batch every 4 s, with known values."""
     rows = []
@@ -53,38 +46,38 @@ def traffic(start: float, seconds: int, instance_id: str = "rt", models=("mlp", 
     return rows
 
 
-def store(engine, rows) -> None:
-    rec = Recorder(engine, buffer_size=len(rows) + 1, max_rows_per_flush=50_000)
+def store(db, rows) -> None:
+    rec = Recorder(db, buffer_size=len(rows) + 1, max_rows_per_flush=50_000)
     for row in rows:
         rec.put(row)
     rec.close()
     assert rec.written == len(rows)
 
 
-def count(engine, model, *where) -> int:
-    with engine.connect() as conn:
+def count(db, model, *where) -> int:
+    with db.connect() as conn:
         return conn.execute(select(func.count()).select_from(model).where(*where)).scalar_one()
 
 
-def rollup_rows(engine):
-    with engine.connect() as conn:
+def rollup_rows(db):
+    with db.connect() as conn:
         return conn.execute(select(Rollup.__table__).order_by(Rollup.model, Rollup.interval_start)).all()
 
 
-def test_rollup_totals_equal_what_was_deleted(engine):
+def test_rollup_totals_equal_what_was_deleted(db):
     rows = traffic(T0, 3600)
-    store(engine, rows)
+    store(db, rows)
     cutoff = T0 + 3000
     old_requests = [r for r in rows if isinstance(r, RequestRow) and r.finished_at < cutoff]
     old_batches = [r for r in rows if isinstance(r, BatchRow) and r.ended_at < cutoff]
 
-    stats = roll_up(engine, older_than=cutoff + 30, interval_s=60.0, chunk_intervals=7)  # rounds down to cutoff
+    stats = roll_up(db, older_than=cutoff + 30, interval_s=60.0, chunk_intervals=7)  # rounds down to cutoff
     assert stats.cutoff == cutoff
     assert stats.requests_rolled == len(old_requests) and stats.batches_rolled == len(old_batches)
-    assert count(engine, RequestRecord) == 2 * 600 and count(engine, BatchRecord) == 2 * 150
-    assert count(engine, RequestRecord, RequestRecord.finished_at < cutoff) == 0
+    assert count(db, RequestRecord) == 2 * 600 and count(db, BatchRecord) == 2 * 150
+    assert count(db, RequestRecord, RequestRecord.finished_at < cutoff) == 0
 
-    rolled = rollup_rows(engine)
+    rolled = rollup_rows(db)
     assert len(rolled) == 2 * 50 and stats.rollups_inserted == 100  # 50 minutes x 2 models
     assert {r.interval_start for r in rolled} == {T0 + 60 * i for i in range(50)}
     ok = [r for r in old_requests if r.outcome == "ok"]
@@ -113,74 +106,74 @@ def test_rollup_totals_equal_what_was_deleted(engine):
     assert first.batches == 15
 
     # other tables: only settings changes survive the window
-    assert count(engine, DeviceSample, DeviceSample.at < cutoff) == 0
-    assert count(engine, GenerationStep, GenerationStep.at < cutoff) == 0
-    assert count(engine, EventRecord, EventRecord.at < cutoff) == 0
+    assert count(db, DeviceSample, DeviceSample.at < cutoff) == 0
+    assert count(db, GenerationStep, GenerationStep.at < cutoff) == 0
+    assert count(db, EventRecord, EventRecord.at < cutoff) == 0
     assert stats.device_samples_deleted == stats.generation_steps_deleted == stats.events_deleted == 300
-    assert count(engine, DeviceSample) == 60
+    assert count(db, DeviceSample) == 60
 
 
-def test_raw_window_is_untouched_and_rerun_changes_nothing(engine):
-    store(engine, traffic(T0, 600))
-    with engine.connect() as conn:
+def test_raw_window_is_untouched_and_rerun_changes_nothing(db):
+    store(db, traffic(T0, 600))
+    with db.connect() as conn:
         recent_before = conn.execute(select(RequestRecord.__table__).where(
             RequestRecord.finished_at >= T0 + 300).order_by(RequestRecord.id)).all()
-    roll_up(engine, older_than=T0 + 300)
-    first = rollup_rows(engine)
-    again = roll_up(engine, older_than=T0 + 300)
+    roll_up(db, older_than=T0 + 300)
+    first = rollup_rows(db)
+    again = roll_up(db, older_than=T0 + 300)
     assert (again.requests_rolled, again.batches_rolled, again.rollups_inserted, again.rollups_merged) == (0, 0, 0, 0)
-    assert rollup_rows(engine) == first
-    with engine.connect() as conn:
+    assert rollup_rows(db) == first
+    with db.connect() as conn:
         recent_after = conn.execute(select(RequestRecord.__table__).order_by(RequestRecord.id)).all()
     assert recent_after == recent_before
 
 
-def test_late_rows_merge_into_existing_rollup(engine):
-    store(engine, traffic(T0, 120, models=("mlp",)))
-    roll_up(engine, older_than=T0 + 120)
-    (before,) = [r for r in rollup_rows(engine) if r.interval_start == T0]
+def test_late_rows_merge_into_existing_rollup(db):
+    store(db, traffic(T0, 120, models=("mlp",)))
+    roll_up(db, older_than=T0 + 120)
+    (before,) = [r for r in rollup_rows(db) if r.interval_start == T0]
     late = traffic(T0, 4, models=("mlp",))  # 4 more requests and 1 batch in the first minute
-    store(engine, late)
-    stats = roll_up(engine, older_than=T0 + 120)
+    store(db, late)
+    stats = roll_up(db, older_than=T0 + 120)
     assert stats.rollups_merged == 1 and stats.rollups_inserted == 0 and stats.requests_rolled == 4
-    (after,) = [r for r in rollup_rows(engine) if r.interval_start == T0]
+    (after,) = [r for r in rollup_rows(db) if r.interval_start == T0]
     assert after.id == before.id
     assert after.requests == before.requests + 4 and after.batches == before.batches + 1
     assert sum(json.loads(after.outcomes_json).values()) == after.requests
     assert sum(json.loads(after.latency_hist_json).values()) == after.requests_ok
 
 
-def test_database_stays_bounded_over_a_long_run(engine):
+def test_database_stays_bounded_over_a_long_run(db):
     policy = RetentionPolicy(raw_max_age_s=300.0, interval_s=60.0, rollup_max_age_s=1800.0)
     total_requests = 0
     raw_counts = []
     for hour_part in range(12):  # 12 x 10 minutes of traffic, retention after each
         start = T0 + 600 * hour_part
         rows = traffic(start, 600, models=("mlp",))
-        store(engine, rows)
+        store(db, rows)
         total_requests += sum(1 for r in rows if isinstance(r, RequestRow))
-        stats = enforce(engine, policy, now=start + 600)
-        raw_counts.append(count(engine, RequestRecord))
-        with engine.connect() as conn:
+        stats = enforce(db, policy, now=start + 600)
+        raw_counts.append(count(db, RequestRecord))
+        with db.connect() as conn:
             rolled = conn.execute(select(func.coalesce(func.sum(Rollup.requests), 0))).scalar_one()
         if stats.rollups_deleted == 0:
             assert rolled + raw_counts[-1] == total_requests
     assert max(raw_counts) == 300  # never more than the raw window
-    assert count(engine, Rollup) <= 31  # 30 minutes of roll-ups, plus the one at the edge
-    assert count(engine, DeviceSample) <= 30
+    assert count(db, Rollup) <= 31  # 30 minutes of roll-ups, plus the one at the edge
+    assert count(db, DeviceSample) <= 30
 
 
-def test_retention_while_the_recorder_writes(engine):
+def test_retention_while_the_recorder_writes(db):
     """Rows with old timestamps keep arriving while roll-ups run: none lost, none doubled."""
     rows = [r for r in traffic(T0, 1500, models=("mlp",)) if isinstance(r, RequestRow)]
-    rec = Recorder(engine, flush_interval_s=0.005, max_rows_per_flush=50)
+    rec = Recorder(db, flush_interval_s=0.005, max_rows_per_flush=50)
     rec.start()
     stop = threading.Event()
     runs = []
 
     def roller():
         while True:  # at least once, however the threads are scheduled
-            runs.append(roll_up(engine, older_than=T0 + 1200, interval_s=60.0, chunk_intervals=3))
+            runs.append(roll_up(db, older_than=T0 + 1200, interval_s=60.0, chunk_intervals=3))
             if stop.is_set():
                 return
 
@@ -191,21 +184,21 @@ def test_retention_while_the_recorder_writes(engine):
     rec.close(timeout_s=60.0)
     stop.set()
     thread.join(timeout=60)
-    runs.append(roll_up(engine, older_than=T0 + 1200))
+    runs.append(roll_up(db, older_than=T0 + 1200))
     assert rec.dropped == 0 and len(runs) >= 2
-    with engine.connect() as conn:
+    with db.connect() as conn:
         rolled = conn.execute(select(func.sum(Rollup.requests))).scalar_one()
-    assert rolled + count(engine, RequestRecord) == len(rows)
+    assert rolled + count(db, RequestRecord) == len(rows)
     assert rolled == sum(r.requests_rolled for r in runs) == 1200
-    assert count(engine, Rollup) == 20
+    assert count(db, Rollup) == 20
 
 
-def test_settings_history_survives_retention(engine):
-    store(engine, [EventRow(instance_id="rt", model="mlp", at=T0, kind="settings_change", message="m"),
+def test_settings_history_survives_retention(db):
+    store(db, [EventRow(instance_id="rt", model="mlp", at=T0, kind="settings_change", message="m"),
                    EventRow(instance_id="rt", model="mlp", at=T0, kind="oom", message="m")])
-    stats = run_retention(engine, now=T0 + 10_000, raw_keep_s=3600)
+    stats = run_retention(db, now=T0 + 10_000, raw_keep_s=3600)
     assert stats.events_deleted == 1
-    assert count(engine, EventRecord, EventRecord.kind == "settings_change") == 1
+    assert count(db, EventRecord, EventRecord.kind == "settings_change") == 1
 
 
 def test_hist_quantile():
@@ -226,24 +219,24 @@ def test_hist_quantile():
         hist_quantile(hist, 1.5)
 
 
-def test_policy_validation(engine):
+def test_policy_validation(db):
     with pytest.raises(ValueError, match="raw_max_age_s"):
         RetentionPolicy(raw_max_age_s=0)
     with pytest.raises(ValueError, match="interval_s"):
         RetentionPolicy(raw_max_age_s=10, interval_s=-1)
     with pytest.raises(ValueError, match="interval_s"):
-        roll_up(engine, older_than=T0, interval_s=0.0)
+        roll_up(db, older_than=T0, interval_s=0.0)
 
 
 def test_rows_changed_between_summary_and_delete_are_summarised_again(tmp_path):
     """Another process deletes a summarised row just before the write transaction: the
     chunk is rolled back and summarised again, so the roll-up matches what was deleted."""
     path = tmp_path / "race.db"
-    engine = make_engine(f"sqlite:///{path}")
-    store(engine, traffic(T0, 120, models=("mlp",)))
+    db = make_engine(f"sqlite:///{path}")
+    store(db, traffic(T0, 120, models=("mlp",)))
     raced = []
 
-    @event.listens_for(engine, "before_cursor_execute")
+    @event.listens_for(db, "before_cursor_execute")
     def _race(conn, cursor, statement, *args):
         if statement == "BEGIN IMMEDIATE" and not raced:
             other = sqlite3.connect(path)
@@ -251,8 +244,8 @@ def test_rows_changed_between_summary_and_delete_are_summarised_again(tmp_path):
             other.commit()
             other.close()
 
-    stats = roll_up(engine, older_than=T0 + 120)
+    stats = roll_up(db, older_than=T0 + 120)
     assert raced == [1] and stats.chunks_retried == 1
-    assert stats.requests_rolled == 119 and count(engine, RequestRecord) == 0
-    assert sum(r.requests for r in rollup_rows(engine)) == 119
-    engine.dispose()
+    assert stats.requests_rolled == 119 and count(db, RequestRecord) == 0
+    assert sum(r.requests for r in rollup_rows(db)) == 119
+    db.dispose()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
-import time
 
 import pytest
 from sqlalchemy import select
@@ -20,7 +19,7 @@ from batchscope.storage.writer_process import WriterProcess
 from runtime.tools.cli import build_parser
 from runtime.api.config import ServerConfig
 from runtime.api.errors import ConfigError
-from tests.test_store_recorder import count, engine, stored, url  # noqa: F401 - fixtures
+from tests.factories import count, stored
 
 
 def request(i: int) -> RequestRow:
@@ -38,8 +37,8 @@ def batch(i: int) -> BatchRow:
                     peak_memory_bytes=None if i % 2 else 2**33, cuda_graph=i % 3 == 0)
 
 
-def test_rows_arrive_exactly_through_the_child(engine):
-    rec = Recorder(engine, max_rows_per_flush=10_000, writer_process=True)
+def test_rows_arrive_exactly_through_the_child(db):
+    rec = Recorder(db, max_rows_per_flush=10_000, writer_process=True)
     requests = [request(i) for i in range(700)]
     batches = [batch(i) for i in range(90)]
     rec.put_many(requests)
@@ -48,8 +47,8 @@ def test_rows_arrive_exactly_through_the_child(engine):
     assert rec.flush() == 790
     pid = rec.process.pid
     assert pid is not None and pid != os.getpid()
-    assert stored(engine, RequestRecord, RequestRow) == requests
-    assert stored(engine, BatchRecord, BatchRow) == batches
+    assert stored(db, RequestRecord, RequestRow) == requests
+    assert stored(db, BatchRecord, BatchRow) == batches
     if hasattr(os, "SCHED_IDLE"):   # Linux: the child only gets CPU time nothing else wants
         assert rec.process.priority == "idle"
         assert os.sched_getscheduler(pid) == os.SCHED_IDLE
@@ -61,19 +60,19 @@ def test_rows_arrive_exactly_through_the_child(engine):
     assert rec.dropped == 0 and rec.written == 790
 
 
-def test_writer_thread_and_child_together(engine):
-    rec = Recorder(engine, flush_interval_s=0.01, max_rows_per_flush=500, writer_process=True)
+def test_writer_thread_and_child_together(db):
+    rec = Recorder(db, flush_interval_s=0.01, max_rows_per_flush=500, writer_process=True)
     rec.start()
     for i in range(3000):
         rec.put(request(i))
     rec.close()
-    assert rec.dropped == 0 and count(engine, RequestRecord) == 3000
+    assert rec.dropped == 0 and count(db, RequestRecord) == 3000
 
 
-def test_locked_database_drops_then_recovers(url, engine):
-    rec = Recorder(engine, max_rows_per_flush=1000, writer_process=True)
-    rec.process = WriterProcess(url, busy_timeout_ms=20)
-    blocker = sqlite3.connect(url.split("///", 1)[1], isolation_level=None)
+def test_locked_database_drops_then_recovers(db_url, db):
+    rec = Recorder(db, max_rows_per_flush=1000, writer_process=True)
+    rec.process = WriterProcess(db_url, busy_timeout_ms=20)
+    blocker = sqlite3.connect(db_url.split("///", 1)[1], isolation_level=None)
     blocker.execute("BEGIN EXCLUSIVE")
     for i in range(40):
         rec.put(request(i))
@@ -85,16 +84,16 @@ def test_locked_database_drops_then_recovers(url, engine):
     blocker.close()
     rec.put_many([request(i) for i in range(10)])
     assert rec.flush() == 10 and rec.healthy
-    assert count(engine, RequestRecord) == 10
+    assert count(db, RequestRecord) == 10
     assert rec.process.starts == 1  # a database failure does not cost the child
-    with engine.connect() as conn:
+    with db.connect() as conn:
         events = conn.execute(select(EventRecord).where(EventRecord.kind == "recorder_drops")).all()
     assert len(events) == 1
     rec.close()
 
 
-def test_a_killed_child_costs_its_rows_and_is_replaced(engine):
-    rec = Recorder(engine, max_rows_per_flush=1000, writer_process=True)
+def test_a_killed_child_costs_its_rows_and_is_replaced(db):
+    rec = Recorder(db, max_rows_per_flush=1000, writer_process=True)
     rec.put(request(0))
     assert rec.flush() == 1
     os.kill(rec.process.pid, signal.SIGKILL)
@@ -114,12 +113,12 @@ def test_a_killed_child_costs_its_rows_and_is_replaced(engine):
     rec.put(request(9))
     assert rec.flush() == 1 and rec.healthy and rec.process.starts == 3
     rec.close()
-    assert count(engine, RequestRecord) == 7
+    assert count(db, RequestRecord) == 7
 
 
 def test_a_child_that_cannot_open_the_database_is_a_counted_failure(tmp_path):
-    engine = make_engine(f"sqlite:///{tmp_path / 'ok.db'}")
-    rec = Recorder(engine, writer_process=True)
+    db = make_engine(f"sqlite:///{tmp_path / 'ok.db'}")
+    rec = Recorder(db, writer_process=True)
     (tmp_path / "plain-file").write_text("not a folder")
     rec.process = WriterProcess(f"sqlite:///{tmp_path / 'plain-file' / 'x.db'}")
     rec.put(EventRow(instance_id="rt", model=None, at=1.0, kind="note", message="m"))
@@ -130,8 +129,8 @@ def test_a_child_that_cannot_open_the_database_is_a_counted_failure(tmp_path):
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or os.geteuid() != 0,
                     reason="leaving SCHED_IDLE needs Linux and, for most users, privileges")
-def test_a_growing_backlog_gets_the_child_a_fair_cpu_share(engine):
-    rec = Recorder(engine, buffer_size=100, max_rows_per_flush=10, writer_process=True)
+def test_a_growing_backlog_gets_the_child_a_fair_cpu_share(db):
+    rec = Recorder(db, buffer_size=100, max_rows_per_flush=10, writer_process=True)
     rec.put_many([request(i) for i in range(60)])   # 50 left behind the first flush: 0.5 full
     assert rec.flush() == 10
     pid = rec.process.pid
@@ -144,12 +143,12 @@ def test_a_growing_backlog_gets_the_child_a_fair_cpu_share(engine):
         rec.flush()                           # the last flush leaves nothing: back to idle
     assert rec.process.priority == "idle" and os.sched_getscheduler(pid) == os.SCHED_IDLE
     rec.close()
-    assert count(engine, RequestRecord) == 60
+    assert count(db, RequestRecord) == 60
 
 
-def test_without_idle_scheduling_the_child_is_niced(engine, url):
-    rec = Recorder(engine, writer_process=True)
-    rec.process = WriterProcess(url, idle=False, nice=5)
+def test_without_idle_scheduling_the_child_is_niced(db, db_url):
+    rec = Recorder(db, writer_process=True)
+    rec.process = WriterProcess(db_url, idle=False, nice=5)
     rec.put(request(1))
     assert rec.flush() == 1
     assert rec.process.priority == "nice"

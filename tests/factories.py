@@ -1,0 +1,103 @@
+"""Factories and helpers shared by test modules (fixtures are in ``conftest.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import func, select
+
+from batchscope.storage.records import BatchRow, RequestRow
+
+#: the longest a test waits for a child process or a server to do something
+WAIT_S = 60.0
+
+
+# -- waiting, always bounded -------------------------------------------------------------
+def wait_until(predicate, limit: int = 2000, interval_s: float = 0.005) -> bool:
+    """Poll ``predicate`` up to ``limit`` times; its last value (truthy when reached)."""
+    for _ in range(limit):
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+async def wait_for(check, what: str, timeout_s: float = WAIT_S) -> None:
+    """On a running loop: poll ``check`` until true, or fail naming ``what``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not check():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+# -- the database ------------------------------------------------------------------------
+def count(db, table) -> int:
+    """Rows in ``table`` (a schema class)."""
+    with db.connect() as conn:
+        return conn.execute(select(func.count()).select_from(table)).scalar_one()
+
+
+def stored(db, table, cls) -> list:
+    """Every row of ``table`` read back as ``cls`` records (a slotted row type), in id order."""
+    names = cls.__slots__
+    with db.connect() as conn:
+        rows = conn.execute(select(*[getattr(table, n) for n in names]).order_by(table.id)).all()
+    return [cls(**dict(zip(names, row))) for row in rows]
+
+
+# -- records for Prometheus tests ----------------------------------------------------------
+def metric_batch(model: str, size: int, compute_s: float) -> BatchRow:
+    return BatchRow(instance_id="i", model=model, seq=1, policy="dynamic", settings_version=1,
+                    max_batch_size=32, bucket=None, batch_size=size, real_elements=size,
+                    padded_elements=size, queue_wait_min_s=0.0, queue_wait_mean_s=0.0,
+                    queue_wait_max_s=0.0, compute_s=compute_s, started_at=0.0, ended_at=1.0)
+
+
+def metric_request(model: str, outcome: str, priority: int = 1, latency_s: float = 0.01) -> RequestRow:
+    return RequestRow(instance_id="i", model=model, batch_seq=1, priority=priority, arrived_at=0.0,
+                      finished_at=latency_s, queue_wait_s=0.002, latency_s=latency_s,
+                      outcome=outcome)
+
+
+def samples(metrics) -> dict:
+    """{(sample name, sorted labels): value} of a ``MetricsRecorder``'s rendered text."""
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+# -- model sources for the device process (loaded from a file path in the child) ------------
+SLOW_MODEL = '''
+import time
+import numpy as np
+import torch
+from runtime.api.model import ModelAPI, TensorSpec
+
+
+class SlowModel(ModelAPI):
+    """x + 1; an item whose first value is 99 makes predict sleep (up to 30 s)."""
+    name = "slow"
+    inputs = (TensorSpec("INPUT0", "FP32", (2,)),)
+    outputs = (TensorSpec("OUTPUT0", "FP32", (2,)),)
+
+    def decode(self, inputs):
+        return np.asarray(inputs["INPUT0"], dtype=np.float32).reshape(2)
+
+    def collate(self, items, pad_to):
+        return torch.from_numpy(np.stack(items))
+
+    def predict(self, batch):
+        if bool((batch[:, 0] == 99).any()):
+            time.sleep(30)
+        return batch + 1
+
+    def split(self, output, n):
+        out = output.numpy()
+        return [{"OUTPUT0": out[i]} for i in range(n)]
+'''
