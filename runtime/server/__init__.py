@@ -5,6 +5,8 @@
 - ``fastpath``: ``InferHook``, KServe v2 ``/infer`` answered straight from the parser.
 - ``routes``: the Starlette application (KServe v2 REST, ``/metrics``, control API).
 - ``kserve``: the Open Inference Protocol codec (JSON and binary tensors).
+- ``auth``: who may send control requests (token, same origin, loopback) and the start-up
+  decision for addresses beyond loopback.
 - ``control_api``: ``/v2/models/{name}/batching`` and ``/stats``.
 - ``metrics``: Prometheus metrics folded from the records.
 - ``live``: heartbeat, settings publication and database control polling.

@@ -11,8 +11,17 @@ are found in ``app.state.generation_engines`` when the server set it, else on th
 mounted routes of ``runtime.generation.http.routes`` (they carry them).
 
 A change is validated by the engine (``ConfigError`` -> 422, nothing changes) and
-takes effect at the next batch boundary. ``X-Requested-By`` names who asked
-(default ``"http"``); it is recorded with the settings-change event.
+takes effect at the next batch boundary.
+
+A change is a *control request*: before anything is read, ``runtime.server.auth``
+decides it with the app's ``AuthConfig`` (``app.state.auth``; loopback only, no token
+when the app has none): another site's request is refused (403), the token is
+required when the server has one (401 missing, 403 wrong), and the body must be
+``Content-Type: application/json`` (400). The settings-change event records the
+identity the request proved (``"token:<digest>"`` or ``"loopback"``) as
+``requested_by``. ``X-Requested-By`` is only a free-text note of the caller's: the
+answer echoes it as ``requested_by`` (default ``"http"``) next to ``identity``, and
+it is never taken as who asked.
 """
 
 from __future__ import annotations
@@ -26,8 +35,11 @@ from starlette.routing import Route
 
 from runtime.engine.directory import ModelDirectory
 from runtime.api.errors import ClientError
+from runtime.server.auth import AuthConfig
 
 REQUESTED_BY_HEADER = "x-requested-by"
+#: the gate of an app built without one: loopback peers only, no token
+DEFAULT_AUTH = AuthConfig()
 
 
 def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -60,7 +72,15 @@ async def get_batching(request: Request) -> Response:
     return json_response(settings_doc(models, models.require(request.path_params["name"])))
 
 
+def authorize(request: Request) -> str:
+    """The identity of the control request ``request``, or the error refusing it."""
+    auth: AuthConfig = getattr(request.app.state, "auth", None) or DEFAULT_AUTH
+    client = request.client
+    return auth.check(request.method, request.headers, client.host if client else None)
+
+
 async def change_batching(request: Request) -> Response:
+    identity = authorize(request)
     models = model_directory(request.app)
     name = models.require(request.path_params["name"])
     body = await request.body()
@@ -72,9 +92,10 @@ async def change_batching(request: Request) -> Response:
     if not isinstance(changes, dict) or not changes:
         raise ClientError("the body must be a non-empty JSON object of settings to change, "
                           'e.g. {"max_batch_size": 16}')
-    requested_by = (request.headers.get(REQUESTED_BY_HEADER) or "http")[:64]
-    models.update_settings(name, changes, requested_by=requested_by)
-    return json_response({**settings_doc(models, name), "requested_by": requested_by})
+    note = (request.headers.get(REQUESTED_BY_HEADER) or "http")[:64]
+    models.update_settings(name, changes, requested_by=identity)
+    return json_response({**settings_doc(models, name), "identity": identity,
+                          "requested_by": note})
 
 
 async def get_stats(request: Request) -> Response:

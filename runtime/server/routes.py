@@ -8,7 +8,9 @@ answered by ``runtime.api.errors.error_answer``: ``{"error": message}`` with the
 error's HTTP status, ``Retry-After`` on 429; anything unexpected is logged once and
 becomes a 500 that leaks nothing. ``POST .../infer`` is served here for ASGI servers
 and test clients; ``Service`` answers it first through
-``runtime.server.fastpath.InferHook``, with the same answers.
+``runtime.server.fastpath.InferHook``, with the same answers. The control
+requests (settings changes) pass ``auth``, the app's ``runtime.server.auth.AuthConfig``
+(kept as ``app.state.auth``); a 401 carries ``WWW-Authenticate: Bearer``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from starlette.routing import BaseRoute, Route
 
 from runtime.api.errors import ModelNotFound, ModelNotReady, error_answer, routing_error
 from runtime.api.model import ModelAPI
-from runtime.server.control_api import control_routes, json_response
+from runtime.server.auth import AuthConfig, Unauthorized
+from runtime.server.control_api import DEFAULT_AUTH, control_routes, json_response
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer
 from runtime.server.metrics import CONTENT_TYPE, MetricsRecorder
 
@@ -47,7 +50,11 @@ class ServedModel:
 def error_response(exc: BaseException, where: str = "the request") -> Response:
     """The Starlette form of ``error_answer(exc, where)``."""
     status, headers, body = error_answer(exc, where)
-    return Response(body, status, {k.decode("latin-1"): v.decode("latin-1") for k, v in headers})
+    response = Response(body, status,
+                        {k.decode("latin-1"): v.decode("latin-1") for k, v in headers})
+    if isinstance(exc, Unauthorized):
+        response.headers["WWW-Authenticate"] = exc.challenge
+    return response
 
 
 def guarded(handler: Handler) -> Handler:
@@ -171,11 +178,12 @@ def _kserve_routes() -> list[Route]:
 
 def build_app(engine: Any, *, metrics: MetricsRecorder | None = None,
               extra_routes: Sequence[BaseRoute] = (), version: str = "0.1.0",
-              lifespan: Any = None) -> Starlette:
+              lifespan: Any = None, auth: AuthConfig | None = None) -> Starlette:
     """A Starlette app serving ``engine``'s models.
 
     ``extra_routes`` mounts more endpoints (e.g. ``/v1/completions`` of a generation
-    model); ``lifespan`` is handed to Starlette unchanged.
+    model); ``lifespan`` is handed to Starlette unchanged; ``auth`` decides control
+    requests (default: from loopback peers only, no token).
     """
     routes: list[BaseRoute] = []
     for route in _kserve_routes() + control_routes():
@@ -186,6 +194,7 @@ def build_app(engine: Any, *, metrics: MetricsRecorder | None = None,
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.version = version
+    app.state.auth = auth if auth is not None else DEFAULT_AUTH
     app.state.models = {}
     for name in engine.model_names():
         model = engine.model(name)

@@ -9,6 +9,11 @@ HTTP/1.1 with ``runtime.server.http1`` (the inference route through
 signal (or ``request_exit()``), then stops accepting, lets in-flight requests
 finish and runs ``shutdown()``.
 ``ServiceThread`` runs a Service on its own event loop in a thread (tests, demo).
+
+Control requests (settings changes over HTTP) are decided by the ``AuthConfig``
+given as ``auth`` (``runtime.server.auth``; default: no token). ``serve()`` checks it
+against the address it actually listens on before starting anything: beyond
+loopback without a token it refuses to start (``ConfigError``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.api.model import ModelAPI
+from runtime.server.auth import AuthConfig, auth_for_listening
 from runtime.server.routes import build_app
 from runtime.server.fastpath import InferHook
 from runtime.server.http1 import HttpServer
@@ -88,10 +94,12 @@ class Service:
     def __init__(self, models: dict[str, ModelAPI], configs: dict[str, BatchingConfig] | None,
                  server: ServerConfig, *, instance_id: str | None = None, device: str = "cpu",
                  generation: dict[str, Any] | None = None, version: str = VERSION,
-                 on_started: Callable[["Service"], None] | None = None) -> None:
+                 on_started: Callable[["Service"], None] | None = None,
+                 auth: AuthConfig | None = None) -> None:
         from runtime.engine.engine import Engine  # the engine pulls in torch; import on use
 
         self.server_config = server
+        self.auth = auth if auth is not None else AuthConfig()
         self.instance_id = instance_id or new_instance_id()
         self.device = device
         self.version = version
@@ -122,7 +130,7 @@ class Service:
         self.on_started = on_started
         extra_routes = self.generation.routes if self.generation is not None else []
         self.app = build_app(self.engine, metrics=self.metrics, extra_routes=extra_routes,
-                             version=version)
+                             version=version, auth=self.auth)
         self._exit_requested = False
         self._exit: asyncio.Future | None = None
         self.started = threading.Event()
@@ -176,7 +184,14 @@ class Service:
     async def serve(self, sock: socket.socket | None = None) -> None:
         """Serve until a signal or ``request_exit()``; binds host:port unless given ``sock``."""
         cfg = self.server_config
-        sock = sock or bind_socket(cfg.host, cfg.port)
+        if sock is None:
+            self._settle_auth(cfg.host)  # refuse before binding when the host says enough
+            sock = bind_socket(cfg.host, cfg.port)
+        try:
+            self._settle_auth(sock.getsockname()[0])
+        except BaseException:
+            sock.close()
+            raise
         self.url = _url(sock)
         loop = asyncio.get_running_loop()
         self._exit = loop.create_future()
@@ -206,6 +221,12 @@ class Service:
                         await self.shutdown()
         finally:
             sock.close()
+
+    def _settle_auth(self, host: str) -> None:
+        """Fit ``auth`` to where the server listens; ``ConfigError`` when that is beyond
+        loopback and there is no token."""
+        self.auth = auth_for_listening(host, self.auth.token)
+        self.app.state.auth = self.auth
 
     def request_exit(self) -> None:
         """Ask ``serve()`` to stop (call on the loop's thread)."""

@@ -76,10 +76,23 @@ def _add_serve(sub: Any) -> None:
                    help="builtin name (mlp, encoder, minilm; decoder = generation at "
                         "/v1/completions), module:Class or path/file.py:Class; repeat for "
                         "several models (default: mlp and encoder)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1); any other than loopback "
+                        "needs a control token")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    token = p.add_argument_group(
+        "control token (settings changes over HTTP send 'Authorization: Bearer <token>'; "
+        "required beyond loopback, optional on it)")
+    token.add_argument("--control-token-file", default=None, metavar="PATH",
+                       help="read the token from PATH, a file only its owner may read "
+                            "(chmod 600)")
+    token.add_argument("--control-token", default=None, metavar="TOKEN",
+                       help="the token itself (other local users can see it in the process "
+                            "list: prefer --control-token-file or $BATCHSCOPE_CONTROL_TOKEN, "
+                            "which is read when neither flag is given)")
     p.add_argument("--db", default=None, metavar="URL",
-                   help="SQLAlchemy URL (default $BATCHSCOPE_DB_URL or sqlite:///data/batchscope.db)")
+                   help="SQLAlchemy URL, e.g. sqlite:////abs/path/file.db (default "
+                        "$BATCHSCOPE_DB_URL or sqlite:///data/batchscope.db)")
     p.add_argument("--no-record", action="store_true", help="do not write to the database")
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
@@ -225,13 +238,59 @@ def check_device(spec: str) -> str:
     return str(device)
 
 
+def check_database_url(url: str, source: str) -> str:
+    """``url`` if SQLAlchemy can open that kind of database here, else a ``UsageError``
+    saying what to write (a plain path gets the ``sqlite:///`` URL of that path) or
+    which driver is missing."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    example = "sqlite:////abs/path/file.db or postgresql+psycopg://user@host/db"
+    if "://" not in url and ":" not in url.split("/", 1)[0]:
+        path = Path(url).expanduser().absolute()
+        raise UsageError(f"{source} {url!r} is a path, not a database URL; write "
+                         f"sqlite:///{path} (sqlite:/// then the absolute path)")
+    try:
+        dialect = make_url(url).get_dialect()
+    except NoSuchModuleError:  # before ArgumentError, its base class
+        raise UsageError(f"{source} {url!r}: SQLAlchemy knows no database "
+                         f"{url.split(':', 1)[0]!r}; write one like {example}") from None
+    except ArgumentError:
+        raise UsageError(f"{source} {url!r} is not a database URL; write one like "
+                         f"{example}") from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise UsageError(f"{source} {url!r} needs the database driver {exc.name or exc}, "
+                         "which is not installed; install it with pip") from None
+    return url
+
+
+def serve_auth(args: argparse.Namespace, environ: Any = None) -> Any:
+    """The server's ``AuthConfig`` from the token flags (or the environment) and
+    ``--host``; a ``UsageError`` when it would listen beyond loopback without a token."""
+    from runtime.server.auth import auth_for_listening, token_from
+
+    try:
+        token = token_from(args.control_token, args.control_token_file, environ)
+        return auth_for_listening(args.host, token)
+    except ConfigError as exc:
+        raise UsageError(f"batchscope serve: {exc.message}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from runtime.api.config import ServerConfig
-    from batchscope.storage.db import default_url
+    from batchscope.storage.db import ENV_URL, default_url
 
+    auth = serve_auth(args)
+    database_url = default_url()
+    if args.db is not None:
+        database_url = check_database_url(args.db, "--db")
+    elif not args.no_record:
+        database_url = check_database_url(database_url, f"${ENV_URL}")
     args.device = check_device(args.device)
     specs = args.models or ["mlp", "encoder"]
-    server = ServerConfig(host=args.host, port=args.port, database_url=args.db or default_url(),
+    server = ServerConfig(host=args.host, port=args.port, database_url=database_url,
                           record=not args.no_record, torch_threads=args.torch_threads,
                           heartbeat_interval_s=args.heartbeat_interval_s,
                           control_poll_interval_s=args.control_poll_interval_s,
@@ -247,11 +306,12 @@ def _serve(args: argparse.Namespace) -> int:
     settings = model_settings(args, models, generation)
     configs = {name: settings[name] for name in models}
     return run_service(models, configs, server, device=args.device, instance_id=args.instance_id,
-                       generation=generation)
+                       generation=generation, auth=auth)
 
 
 def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu",
-                instance_id: str | None = None, generation: dict | None = None) -> int:
+                instance_id: str | None = None, generation: dict | None = None,
+                auth: Any = None) -> int:
     """Serve in the foreground until SIGINT/SIGTERM; prints the URL once ready."""
     from runtime.server.service import Service, new_event_loop
 
@@ -259,10 +319,10 @@ def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu"
         where = server.database_url if server.record else "not recording"
         names = list(models) + list(generation or {})
         print(f"batchscope serving on {service.url}  models: {', '.join(names)}  "
-              f"device: {device}  database: {where}", flush=True)
+              f"device: {device}  database: {where}  {service.auth.describe()}", flush=True)
 
     service = Service(models, configs, server, device=device, instance_id=instance_id,
-                      generation=generation, on_started=announce)
+                      generation=generation, on_started=announce, auth=auth)
     loop = new_event_loop()
     try:
         loop.run_until_complete(service.serve())
