@@ -29,6 +29,37 @@ by ``runtime.api.errors.error_answer``. A client that goes away mid-request chan
 nothing for the work already started: its answer is dropped. ``shutdown()`` stops
 accepting, closes idle connections, lets in-flight requests finish (bounded), then
 closes the rest.
+
+Slow and hostile clients. Every limit is a constructor parameter of ``HttpServer``:
+
+* a request head (request line and headers) must be complete ``header_timeout_s``
+  after its first byte arrived, and a body must keep coming: no byte for
+  ``body_timeout_s``, or less than ``min_body_bytes_per_s`` on average once it has been
+  under way for ``body_timeout_s``, and the request is answered 408 and the connection
+  closed. A body the server has not asked for yet (``Expect: 100-continue`` behind an
+  earlier request) and a connection whose reading the server paused are never timed;
+* at most ``max_connections`` connections are open at once (default: below the
+  process's open-file limit, see ``default_max_connections``). One more makes room by
+  closing the connection that has made no progress for longest among those that wait
+  on the client (idle, or sending a head or a body); when every connection waits on
+  the server instead, the new one is answered 503 and closed;
+* the bodies of all requests being read or answered together hold at most
+  ``max_inflight_body_bytes``. A request is counted from its head (by its declared
+  ``Content-Length``; a chunked body as it arrives) until its answer is complete, and
+  one that does not fit what is left is answered 503 with ``Retry-After`` before its
+  body is read.
+
+These checks cost the hot path nothing per request beyond a few attribute stores:
+one timer per server (the tick) looks at every connection, the per-request state
+lives on the connection, and the checks on a request's head are those it already
+went through.
+
+Early answers. A fast hook with an ``early(method, path, headers)`` method is asked
+as soon as a request head is complete, before its body is read. An answer it returns
+(``(status, headers, body)``) is sent at once, in order; the body is then read and
+dropped when it is small and the connection stays open, else the connection is
+closed after the answer (a body over ``EARLY_DRAIN_BYTES``, a chunked one, ``Expect:
+100-continue`` or ``Connection: close``). None lets the request go on as usual.
 """
 
 from __future__ import annotations
@@ -67,10 +98,67 @@ MAX_PIPELINED = 64
 #: so that closing with unread data does not reset the connection before the client
 #: has read the answer
 LINGER_S = 2.0
+#: a request head must be complete this long after its first byte, else 408
+HEADER_TIMEOUT_S = 10.0
+#: a request body that brings no new byte for this long is answered 408
+BODY_TIMEOUT_S = 10.0
+#: ... and so is one slower than this on average, once under way for BODY_TIMEOUT_S
+MIN_BODY_BYTES_PER_S = 1024
+#: the bodies of all requests in flight together (read, or waiting for their answer)
+MAX_INFLIGHT_BODY_BYTES = 256 * 1024 * 1024
+#: after an early answer, a body up to this size is read and dropped to keep the
+#: connection; a larger one (or a chunked one) closes the connection instead
+EARLY_DRAIN_BYTES = 1024 * 1024
+#: when the open-file limit is unknown, at most this many connections
+FALLBACK_MAX_CONNECTIONS = 4096
 
 Answer = Callable[[int, list[tuple[bytes, bytes]], bytes], None]
 #: (connection, method, path, headers, body, answer) -> True when it took the request
 FastHook = Callable[[Any, bytes, str, list[tuple[bytes, bytes]], bytes, Answer], bool]
+#: the optional ``early`` method of a fast hook: (method, path, headers) -> answer or None
+EarlyHook = Callable[[bytes, str, list[tuple[bytes, bytes]]],
+                     "tuple[int, list[tuple[bytes, bytes]], bytes] | None"]
+
+
+class RequestTimeout(BatchScopeError):
+    """The client took too long to send its request (head or body)."""
+
+    http_status = 408
+    reason = "request_timeout"
+
+
+class ServerBusy(BatchScopeError):
+    """The server holds as many connections or request bytes as it will; retry later."""
+
+    http_status = 503
+    reason = "busy"
+
+
+def default_max_connections() -> int:
+    """Open connections allowed by default: the soft open-file limit less a reserve
+    (an eighth of it, at least 64) for the files, pipes and sockets of everything
+    else in the process, so that accepting never fails for want of a descriptor."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return FALLBACK_MAX_CONNECTIONS
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return FALLBACK_MAX_CONNECTIONS
+    return max(16, soft - max(64, soft // 8))
+
+
+class _Dropped:
+    """Stands in for an exchange's body list when the body is read only to be dropped."""
+
+    __slots__ = ()
+
+    def append(self, data: bytes) -> None:
+        pass
+
+
+_DROPPED = _Dropped()
 
 
 def _status_lines() -> dict[int, bytes]:
@@ -94,8 +182,12 @@ class _Clock:
         self.header = b""
         self.refresh()
 
-    def refresh(self) -> None:
-        self.header = b"date: " + formatdate(time.time(), usegmt=True).encode() + b"\r\n"
+    def refresh(self) -> bool:
+        """Format the header for now; True when it changed (a new second)."""
+        header = b"date: " + formatdate(time.time(), usegmt=True).encode() + b"\r\n"
+        changed = header != self.header
+        self.header = header
+        return changed
 
 
 class _Exchange:
@@ -103,7 +195,7 @@ class _Exchange:
 
     __slots__ = ("method", "url", "headers", "body", "version", "keep_alive", "expect_continue",
                  "complete", "head_sent", "finished", "buffered", "chunked", "is_head",
-                 "disconnect", "continue_sent")
+                 "disconnect", "continue_sent", "reserved")
 
     def __init__(self) -> None:
         self.url = b""
@@ -123,6 +215,8 @@ class _Exchange:
         self.is_head = False
         #: resolved when the client goes away or the response is done (ASGI receive)
         self.disconnect: asyncio.Future | None = None
+        #: body bytes counted against the server's in-flight budget until it finishes
+        self.reserved = 0
 
 
 class _Connection(asyncio.Protocol):
@@ -131,12 +225,24 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: "HttpServer") -> None:
         self.server = server
         self.loop = server.loop
+        server.accepted += 1
+        #: order of arrival among the server's connections
+        self.serial = server.accepted
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.current: _Exchange | None = None
         #: exchanges in arrival order; the first one is the one being answered
         self.queue: deque[_Exchange] = deque()
         self.body_bytes = 0
+        #: Content-Length of the request being read (0: none or chunked)
+        self.declared = 0
+        #: body bytes accounted for; more than this arriving takes the slow path of
+        #: ``on_body`` (chunked bodies: limits and budget counted as they arrive)
+        self.body_allowed = 0
+        #: when the first byte of the head being read arrived (0.0: no head being read)
+        self.head_since = 0.0
+        #: when the body being read was asked for (its head completed, or 100 Continue)
+        self.body_since = 0.0
         self.closing = False
         self.closed = False
         #: set by a refusal: close by sending FIN first, then drain (see ``close``)
@@ -147,6 +253,8 @@ class _Connection(asyncio.Protocol):
         self.reading_paused = False
         #: set while the transport's write buffer is over its high-water mark
         self.writable: asyncio.Future | None = None
+        #: when ``writable`` was last set
+        self.write_blocked_since = 0.0
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -162,16 +270,35 @@ class _Connection(asyncio.Protocol):
         self.client = tuple(peer[:2]) if isinstance(peer, tuple) else None
         self.local = tuple(here[:2]) if isinstance(here, tuple) else None
         self.last_active_s = self.loop.time()
-        self.server.connections.add(self)
+        server = self.server
+        if len(server.connections) >= server.max_connections and not server.make_room():
+            self.closing = True
+            server.counts["refused_at_connection_limit"] += 1
+            status, headers, body = error_answer(ServerBusy(
+                f"the server has its limit of {server.max_connections} connections open, all "
+                "of them busy; retry in a moment", retry_after_s=1.0), "a new connection")
+            transport.write(b"".join([status_line(status), server.clock.header,
+                                      *(k + b": " + v + b"\r\n" for k, v in headers),
+                                      b"content-length: %d\r\nconnection: close\r\n\r\n"
+                                      % len(body), body]))
+            transport.close()
+            return
+        server.connections.add(self)
 
     def pause_writing(self) -> None:
         if self.writable is None:
             self.writable = self.loop.create_future()
+            self.write_blocked_since = self.loop.time()
+            # read no more requests while the client does not read the answers: what
+            # waits for it stays bounded by the transport's write buffer
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         writable, self.writable = self.writable, None
         if writable is not None and not writable.done():
             writable.set_result(None)
+        if not self.reading_paused and not self.closed:
+            self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -181,6 +308,8 @@ class _Connection(asyncio.Protocol):
             if ex.disconnect is not None and not ex.disconnect.done():
                 ex.disconnect.set_result(None)
         self.queue.clear()
+        if self.current is not None:
+            self.release(self.current)  # its body will never be dispatched
         self.current = None
         self.server.connection_closed()
 
@@ -206,6 +335,9 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.current = _Exchange()
         self.body_bytes = 0
+        self.declared = 0
+        # the data_received call that brought this first byte set last_active_s
+        self.head_since = self.last_active_s
 
     def on_url(self, url: bytes) -> None:
         ex = self.current
@@ -228,6 +360,7 @@ class _Connection(asyncio.Protocol):
                 self.refuse(RequestTooLarge(
                     f"the request body of {declared} bytes is larger than this server "
                     f"accepts ({self.server.max_body_bytes} bytes); send a smaller request"))
+            self.declared = declared if declared > 0 else 0
         elif name == b"expect" and value.lower() == b"100-continue":
             ex.expect_continue = True
 
@@ -241,22 +374,88 @@ class _Connection(asyncio.Protocol):
         if ex.version not in ("1.1", "1.0"):
             self.refuse(HttpVersionNotSupported(f"HTTP/{ex.version} is not supported; use "
                                                 "HTTP/1.1"))
+        self.head_since = 0.0
+        self.body_since = self.last_active_s
+        server = self.server
+        declared = self.declared
+        if server.early is not None and self._early(ex, declared):
+            return
+        if declared:
+            if server.inflight_body_bytes + declared > server.max_inflight_body_bytes:
+                self.refuse(self._busy(declared))
+            server.inflight_body_bytes += declared
+            ex.reserved = declared
+        self.body_allowed = declared
         self.queue.append(ex)
         if ex.expect_continue and self.queue[0] is ex:
             self._send_continue(ex)
 
+    def _early(self, ex: _Exchange, declared: int) -> bool:
+        """Ask the hook's ``early`` about the request whose head just completed; True
+        when it answered (the body is then dropped, or the connection closed)."""
+        url = ex.url
+        if b"?" in url or b"%" in url:
+            return False  # as for the fast hook: such requests go to the app
+        path = url.decode("latin-1")
+        try:
+            reply = self.server.early(ex.method, path, ex.headers)
+        except Exception as exc:
+            reply = error_answer(exc, f"{ex.method.decode('latin-1')} {path[:200]} (early)")
+        if reply is None:
+            return False
+        self.server.counts["early_answers"] += 1
+        if (not ex.keep_alive or ex.expect_continue or declared > EARLY_DRAIN_BYTES
+                or (not declared and self._chunked(ex))):
+            self._end_with(ex, *reply)
+            raise _Refused()
+        # a small body: read it and drop it, so the connection stays usable
+        ex.body = _DROPPED
+        self.body_allowed = declared
+        self.queue.append(ex)
+        self.answer(ex, *reply)
+        return True
+
+    @staticmethod
+    def _chunked(ex: _Exchange) -> bool:
+        """True when ``ex`` has a body of unknown length (Transfer-Encoding)."""
+        return any(name == b"transfer-encoding" for name, _ in ex.headers)
+
+    def _busy(self, size: int) -> ServerBusy:
+        server = self.server
+        left = max(0, server.max_inflight_body_bytes - server.inflight_body_bytes)
+        server.counts["refused_body_budget"] += 1
+        return ServerBusy(f"the server is already holding {server.inflight_body_bytes} bytes of "
+                          f"request bodies; this one ({size} bytes so far) does not fit the "
+                          f"{left} bytes left of its {server.max_inflight_body_bytes}-byte "
+                          "budget; retry in a moment", retry_after_s=1.0)
+
     def on_body(self, body: bytes) -> None:
         self.body_bytes += len(body)
-        if self.body_bytes > self.server.max_body_bytes:
-            self.refuse(RequestTooLarge(f"the request body is larger than this server accepts "
-                                        f"({self.server.max_body_bytes} bytes); send a smaller "
-                                        "request"))
+        if self.body_bytes > self.body_allowed:
+            self._more_body(len(body))
         self.current.body.append(body)
+
+    def _more_body(self, n: int) -> None:
+        """More body than declared up front (a chunked body): check it as it arrives."""
+        server = self.server
+        ex = self.current
+        if self.body_bytes > server.max_body_bytes:
+            self.refuse(RequestTooLarge(f"the request body is larger than this server accepts "
+                                        f"({server.max_body_bytes} bytes); send a smaller "
+                                        "request"))
+        if ex.body is not _DROPPED:
+            if server.inflight_body_bytes + n > server.max_inflight_body_bytes:
+                self.refuse(self._busy(self.body_bytes))
+            server.inflight_body_bytes += n
+            ex.reserved += n
+        self.body_allowed = self.body_bytes
 
     def on_message_complete(self) -> None:
         ex = self.current
         self.current = None
         ex.complete = True
+        if ex.body is _DROPPED:
+            return  # answered early; its body was read only to be dropped
         body = ex.body[0] if len(ex.body) == 1 else b"".join(ex.body)
         ex.body = []
         if not ex.keep_alive:
@@ -272,6 +471,8 @@ class _Connection(asyncio.Protocol):
         if not ex.continue_sent and not ex.complete and not self.closed:
             ex.continue_sent = True
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if ex is self.current:  # the body is asked for only now: time it from here
+                self.body_since = self.last_active_s = self.loop.time()
 
     def write(self, ex: _Exchange, data: bytes) -> None:
         if self.closed:
@@ -284,6 +485,8 @@ class _Connection(asyncio.Protocol):
     def finish(self, ex: _Exchange) -> None:
         """The response of ``ex`` is complete: flush what waited behind it, in order."""
         ex.finished = True
+        if ex.reserved:
+            self.release(ex)
         if ex.disconnect is not None and not ex.disconnect.done():
             ex.disconnect.set_result(None)
         queue = self.queue
@@ -303,7 +506,8 @@ class _Connection(asyncio.Protocol):
                     self._send_continue(nxt)
         if self.reading_paused and len(queue) < MAX_PIPELINED // 2:
             self.reading_paused = False
-            self.transport.resume_reading()
+            if self.writable is None:
+                self.transport.resume_reading()
         if not queue:
             self.last_active_s = self.loop.time()
             if self.server.stopping:
@@ -336,19 +540,118 @@ class _Connection(asyncio.Protocol):
         self.write(ex, b"".join(parts))
         self.finish(ex)
 
+    def release(self, ex: _Exchange) -> None:
+        """Give back the body bytes ``ex`` holds of the server's in-flight budget."""
+        self.server.inflight_body_bytes -= ex.reserved
+        ex.reserved = 0
+
     def refuse(self, error: BatchScopeError, ex: _Exchange | None = None) -> None:
         """Answer an unusable request (``ex``, else the one being parsed) with ``error``
         and close the connection; stops parsing (raises out of the parser callback)."""
+        self._end_with(ex, *error_answer(error, "a refused request"))
+        raise _Refused()
+
+    def _end_with(self, ex: _Exchange | None, status: int, headers: list[tuple[bytes, bytes]],
+                  body: bytes, *, linger: bool = True) -> None:
+        """Answer ``ex`` (else the request being parsed) as the last one on this
+        connection, which closes once that answer is out (in order). Parsing stops:
+        whatever else the client sends is dropped."""
         ex = ex or self.current or _Exchange()
         self.current = None
+        self.head_since = 0.0
         ex.keep_alive = False
         ex.complete = True
         if ex not in self.queue:
             self.queue.append(ex)
         self.closing = True
-        self.linger = True
-        self.answer(ex, *error_answer(error, "a refused request"))
-        raise _Refused()
+        self.linger = linger
+        self.answer(ex, status, headers, body)
+
+    # -- slow clients --------------------------------------------------------------------
+    def waits_on_client(self) -> bool:
+        """True when this connection waits for the client to send (it is idle, or a head
+        or body is coming), not for an answer of the server, nor for the client to read
+        one, nor for the server to ask for a body (``Expect: 100-continue``)."""
+        if self.closing or self.reading_paused or self.writable is not None:
+            return False
+        ex = self.current
+        if ex is None:
+            return not self.queue
+        return not (ex.expect_continue and not ex.continue_sent)
+
+    def stalled_since(self) -> float:
+        """Since when this connection has made no progress the server can use: the start
+        of a head still incomplete, else its last byte."""
+        return self.head_since or self.last_active_s
+
+    def expire(self, now: float) -> None:
+        """Close this connection if the client has kept it waiting too long: idle past
+        ``keep_alive_s``, a head not complete ``header_timeout_s`` after it began, a body
+        stalled for ``body_timeout_s`` or slower than ``min_body_bytes_per_s``."""
+        server = self.server
+        if self.writable is not None and not self.closed \
+                and now - self.write_blocked_since > server.keep_alive_s:
+            # the client has read none of our answers for that long: nothing we could
+            # send would reach it, so drop the connection and what is queued for it
+            server.counts["write_timeouts"] += 1
+            self.transport.abort()
+            return
+        if not self.waits_on_client():
+            return
+        if self.current is None:
+            if now - self.last_active_s > server.keep_alive_s:
+                self.close()
+            return
+        if self.head_since:
+            if now - self.head_since > server.header_timeout_s:
+                self.time_out(RequestTimeout(
+                    f"the request head (request line and headers) did not arrive within "
+                    f"{server.header_timeout_s:g} s of its first byte; send the whole head "
+                    "at once"), "header_timeouts")
+            return
+        if now - self.last_active_s > server.body_timeout_s:
+            self.time_out(RequestTimeout(
+                f"the request body stalled: no byte for {server.body_timeout_s:g} s after "
+                f"{self.body_bytes} of {self.declared or 'a chunked number of'} bytes; send "
+                "the whole body without pausing"), "body_timeouts")
+            return
+        under_way = now - self.body_since
+        if under_way > server.body_timeout_s and \
+                self.body_bytes < server.min_body_bytes_per_s * under_way:
+            self.time_out(RequestTimeout(
+                f"the request body is arriving too slowly: {self.body_bytes} bytes in "
+                f"{under_way:.1f} s, under the {server.min_body_bytes_per_s} bytes/s this "
+                "server requires; send the body faster"), "body_timeouts")
+
+    def time_out(self, error: BatchScopeError, count: str, *, linger: bool = True) -> None:
+        """Answer the request being read with ``error`` and close the connection."""
+        self.server.counts[count] += 1
+        self._end_with(None, *error_answer(error, "a timed-out request"), linger=linger)
+
+    def evict(self) -> None:
+        """Close at once to make room for a new connection (the server is at its limit)."""
+        if self.closing:
+            self.transport.close()  # lingering after an answer: stop now
+        elif self.current is None:
+            self.close()
+        else:
+            server = self.server
+            self.time_out(RequestTimeout(
+                f"this connection was closed to make room: the server has its limit of "
+                f"{server.max_connections} connections open and this request had made no "
+                f"progress for longer than any other; send requests without pausing"),
+                "evicted_mid_request", linger=False)
+            return
+        self.server.counts["evicted_idle"] += 1
+
+    def evictable(self) -> bool:
+        """True when closing this connection loses nothing the server owes: it is
+        lingering after a final answer, or it waits on the client with no earlier
+        request of its own still being answered."""
+        if self.closing:
+            return not self.queue
+        queue = self.queue
+        return self.waits_on_client() and (not queue or queue[0] is self.current)
 
     def closing_after_answers(self) -> None:
         self.closing = True
@@ -527,11 +830,48 @@ class HttpServer:
     """Serves an ASGI app (and an optional synchronous fast hook) over HTTP/1.1."""
 
     def __init__(self, app: Any, *, fast: FastHook | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, keep_alive_s: float = KEEP_ALIVE_S) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES, keep_alive_s: float = KEEP_ALIVE_S,
+                 header_timeout_s: float = HEADER_TIMEOUT_S,
+                 body_timeout_s: float = BODY_TIMEOUT_S,
+                 min_body_bytes_per_s: float = MIN_BODY_BYTES_PER_S,
+                 max_inflight_body_bytes: int = MAX_INFLIGHT_BODY_BYTES,
+                 max_connections: int | None = None) -> None:
+        if max_connections is None:
+            max_connections = default_max_connections()
+        for name, value in (("max_body_bytes", max_body_bytes), ("keep_alive_s", keep_alive_s),
+                            ("header_timeout_s", header_timeout_s),
+                            ("body_timeout_s", body_timeout_s),
+                            ("max_connections", max_connections)):
+            if not value > 0:
+                raise ValueError(f"HttpServer: {name} must be positive, got {value!r}")
+        if min_body_bytes_per_s < 0:
+            raise ValueError(f"HttpServer: min_body_bytes_per_s must be 0 or more, got "
+                             f"{min_body_bytes_per_s!r}")
+        if max_inflight_body_bytes < max_body_bytes:
+            raise ValueError(f"HttpServer: max_inflight_body_bytes ({max_inflight_body_bytes}) "
+                             f"must be at least max_body_bytes ({max_body_bytes}), else a "
+                             "request of the largest accepted size could never be served")
         self.app = app
         self.fast = fast
+        #: the fast hook's ``early`` method, asked when a request head is complete
+        self.early: EarlyHook | None = getattr(fast, "early", None)
         self.max_body_bytes = max_body_bytes
         self.keep_alive_s = keep_alive_s
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.min_body_bytes_per_s = min_body_bytes_per_s
+        self.max_inflight_body_bytes = max_inflight_body_bytes
+        self.max_connections = max_connections
+        #: body bytes of the requests being read or answered, on all connections
+        self.inflight_body_bytes = 0
+        #: connections accepted so far
+        self.accepted = 0
+        #: how often connections are checked for timeouts (a fraction of the shortest)
+        self.tick_s = min(TICK_S, header_timeout_s / 4, body_timeout_s / 4)
+        #: what the limits did, by kind (slow paths only)
+        self.counts: dict[str, int] = dict.fromkeys(
+            ("header_timeouts", "body_timeouts", "write_timeouts", "evicted_idle", "evicted_mid_request",
+             "refused_at_connection_limit", "refused_body_budget", "early_answers"), 0)
         self.clock = _Clock()
         self.connections: set[_Connection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -559,16 +899,35 @@ class HttpServer:
         self.loop = asyncio.get_running_loop()
         self._server = await self.loop.create_server(lambda: _Connection(self), sock=sock,
                                                      backlog=2048)
-        self._tick = self.loop.call_later(TICK_S, self._on_tick)
+        self._tick = self.loop.call_later(self.tick_s, self._on_tick)
 
     def _on_tick(self) -> None:
-        self.clock.refresh()
-        self.heads.clear()
-        limit = self.loop.time() - self.keep_alive_s
+        if self.clock.refresh():
+            self.heads.clear()
+        self.expire(self.loop.time())
+        self._tick = self.loop.call_later(self.tick_s, self._on_tick)
+
+    def expire(self, now: float) -> None:
+        """Close the connections whose client kept them waiting too long (see
+        ``_Connection.expire``); ``now`` is on the loop's clock."""
         for conn in list(self.connections):
-            if conn.idle and conn.last_active_s < limit:
-                conn.close()
-        self._tick = self.loop.call_later(TICK_S, self._on_tick)
+            conn.expire(now)
+
+    def make_room(self) -> bool:
+        """At the connection limit: close the connection that has made no progress for
+        longest among those that lose nothing by closing; False when there is none."""
+        victim = None
+        oldest = (0.0, 0)
+        for conn in self.connections:
+            if conn.evictable():
+                # lingering ones first; on a tie (the clock is coarse) the older connection
+                key = (-1.0 if conn.closing else conn.stalled_since(), conn.serial)
+                if victim is None or key < oldest:
+                    victim, oldest = conn, key
+        if victim is None:
+            return False
+        victim.evict()
+        return True
 
     # -- requests --------------------------------------------------------------------------
     def dispatch(self, conn: _Connection, ex: _Exchange, body: bytes) -> None:

@@ -11,6 +11,14 @@ Scheduling parameters follow Triton's schedule-policy extension: ``priority`` is
 default; ``timeout`` is in microseconds, 0 or absent meaning the default. The
 runtime's own priorities run from 0, so HTTP priority ``p`` is engine priority
 ``p - 1``. ``realtime: true`` (or ``bypass: true``) asks for the bypass lane.
+
+Every way a body can be wrong is a ``ClientError`` (400) or ``ValidationError``
+(422) that names the input and what to send instead, never an exception from numpy:
+a shape is a list of at most ``MAX_DIMS`` non-negative integers describing at most
+``MAX_ELEMENTS`` elements (zero dimensions aside); ``data`` is a (nested) list whose
+size matches the shape (strings for BYTES, true/false for BOOL); binary tensors
+(``binary_data_size``) have exactly the bytes their shape and datatype need, and
+together use every byte after the JSON header, no more and no less.
 """
 
 from __future__ import annotations
@@ -26,6 +34,11 @@ from runtime.api.errors import ClientError, ValidationError
 from runtime.api.model import DATATYPES, TensorSpec
 
 HEADER_LENGTH = "inference-header-content-length"
+#: the most dimensions a tensor may have (numpy's own limit)
+MAX_DIMS = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
+#: the most elements a shape may describe, its zero dimensions counted as 1 (far more
+#: than any request body holds; keeps every size computation inside numpy's range)
+MAX_ELEMENTS = 1 << 40
 _NP_TO_V2: dict[Any, str] = {np.dtype(v): k for k, v in DATATYPES.items()}
 _DUMPS_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
@@ -50,25 +63,49 @@ class InferRequest:
 
 # -- request ------------------------------------------------------------------------
 def _shape_of(name: str, shape: Any) -> tuple[int, ...]:
-    if type(shape) is list:
+    if type(shape) is list and len(shape) <= MAX_DIMS:
+        span = 1
         for d in shape:
             if type(d) is not int or d < 0:
                 break
+            if d:
+                span *= d
         else:
+            if span > MAX_ELEMENTS:
+                raise ClientError(f"input {name!r}: shape {shape} describes more elements "
+                                  f"than a tensor may have ({MAX_ELEMENTS}); send the shape "
+                                  "of the data actually sent")
             return tuple(shape)
+    if type(shape) is list and len(shape) > MAX_DIMS:
+        raise ClientError(f"input {name!r}: shape has {len(shape)} dimensions, more than the "
+                          f"{MAX_DIMS} a tensor may have")
     raise ClientError(f"input {name!r}: 'shape' must be a list of non-negative integers, "
-                      f"got {shape!r}")
+                      f"got {_quote(shape)}")
+
+
+def _quote(value: Any) -> str:
+    """``repr`` of a value from the request, cut short for an error message."""
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _bytes_from_binary(name: str, raw: bytes, count: int) -> np.ndarray:
     """BYTES tensors in binary form: each element is a 4-byte little-endian length + bytes."""
     items: list[bytes] = []
     pos = 0
-    while pos < len(raw):
-        if pos + 4 > len(raw):
+    end = len(raw)
+    while pos < end:
+        if len(items) == count:
+            raise ClientError(f"input {name!r}: the binary data holds more than the {count} "
+                              "BYTES elements its shape needs; send exactly one 4-byte length "
+                              "and its bytes per element")
+        if pos + 4 > end:
             raise ClientError(f"input {name!r}: truncated BYTES element in the binary data")
         n = int.from_bytes(raw[pos:pos + 4], "little")
-        items.append(raw[pos + 4:pos + 4 + n])
+        if pos + 4 + n > end:
+            raise ClientError(f"input {name!r}: BYTES element {len(items)} says it has {n} "
+                              f"bytes, the binary data has {end - pos - 4} left")
+        items.append(bytes(raw[pos + 4:pos + 4 + n]))
         pos += 4 + n
     if len(items) != count:
         raise ClientError(f"input {name!r}: shape needs {count} BYTES elements, the binary "
@@ -92,13 +129,22 @@ def _tensor(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple
         raise ClientError(f"input {name!r}: datatype {datatype!r} is not supported; use one of "
                           f"{', '.join(DATATYPES)}")
     count = math.prod(shape)
-    params = t.get("parameters") or {}
-    size = params.get("binary_data_size") if isinstance(params, dict) else None
+    params = t.get("parameters")
+    if params is None:
+        size = None
+    elif type(params) is dict:
+        size = params.get("binary_data_size")
+    else:
+        raise ClientError(f"input {name!r}: 'parameters' must be a JSON object, got "
+                          f"{_quote(params)}")
     if size is not None:
         if binary is None:
             raise ClientError(f"input {name!r} has binary_data_size but the request carries no "
                               "Inference-Header-Content-Length header")
-        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+        if type(size) is not int or size < 0:
+            raise ClientError(f"input {name!r}: binary_data_size={_quote(size)} must be a "
+                              "non-negative integer (bytes)")
+        if offset + size > len(binary):
             raise ClientError(f"input {name!r}: binary_data_size={size!r} does not fit the "
                               f"{len(binary) - offset} bytes left in the body")
         raw = bytearray(binary[offset:offset + size])  # writable: torch.from_numpy wants that
@@ -116,12 +162,25 @@ def _tensor(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple
         raise ClientError(f"input {name!r} has no 'data' (send the values as a flat or nested "
                           "list, or use the binary tensor extension)")
     data = t["data"]
+    if type(data) is not list:
+        raise ClientError(f"input {name!r}: 'data' must be a list (flat or nested) of "
+                          f"{datatype} values, got {_quote(data)}")
     try:
         if datatype == "BYTES":
             flat = np.asarray(data, dtype=object).reshape(-1)
+            for v in flat:
+                if type(v) is not str:
+                    raise ClientError(f"input {name!r}: BYTES data must be strings (or a "
+                                      f"rectangular nested list of them), got {_quote(v)}")
             arr = np.empty(flat.size, dtype=object)
-            arr[:] = [v.encode() if isinstance(v, str) else v for v in flat]
-        elif type(data) is list and data and type(data[0]) is not list:
+            arr[:] = [v.encode() for v in flat]
+        elif datatype == "BOOL":
+            arr = np.asarray(data)
+            if arr.size and arr.dtype != np.bool_:
+                raise ClientError(f"input {name!r}: BOOL data must be true/false values, got "
+                                  f"{arr.dtype.name} values")
+            arr = arr.astype(np.bool_, copy=False)
+        elif data and type(data[0]) is not list:
             try:  # a flat list of numbers: the common case, converted without a detour
                 arr = np.fromiter(data, np_dtype, len(data))
             except (ValueError, TypeError, OverflowError):
@@ -177,8 +236,11 @@ def _requested_outputs(outputs: Any, specs: Sequence[TensorSpec], req: InferRequ
             raise ClientError("each entry of 'outputs' needs a 'name' string")
         if name not in known:
             raise ClientError(f"unknown output {name!r}; this model's outputs are {sorted(known)}")
-        params = o.get("parameters") or {}
-        if isinstance(params, dict) and params.get("binary_data") is True:
+        params = o.get("parameters")
+        if params is not None and type(params) is not dict:
+            raise ClientError(f"output {name!r}: 'parameters' must be a JSON object, got "
+                              f"{_quote(params)}")
+        if params is not None and params.get("binary_data") is True:
             if not isinstance(req.binary_outputs, set):
                 req.binary_outputs = set()
             req.binary_outputs.add(name)
@@ -261,6 +323,11 @@ def parse_infer(body: bytes, header_length: str | None, model: str,
             raise ClientError(f"input {name!r} appears more than once")
         tensors[name] = arr
         datatypes[name] = t["datatype"]
+    if binary is not None and offset != len(binary):
+        raise ClientError(f"the body has {len(binary) - offset} bytes after the binary data of "
+                          f"its inputs (their binary_data_size add up to {offset} of the "
+                          f"{len(binary)} bytes after the JSON header); send exactly the "
+                          "bytes the inputs declare")
     req_id = doc.get("id")
     req = InferRequest(inputs=tensors, id=None if req_id is None else str(req_id))
     params = doc.get("parameters")
