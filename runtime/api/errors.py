@@ -112,6 +112,20 @@ class UrlTooLong(BatchScopeError):
     reason = "url_too_long"
 
 
+class RequestTimeout(BatchScopeError):
+    """The client took too long to send its request (head or body)."""
+
+    http_status = 408
+    reason = "request_timeout"
+
+
+class ServerBusy(BatchScopeError):
+    """The server holds as many connections or request bytes as it will; retry later."""
+
+    http_status = 503
+    reason = "busy"
+
+
 class QueueFull(BatchScopeError):
     """Backpressure: the model's queue is at ``max_queue_size``."""
 

@@ -77,7 +77,8 @@ from urllib.parse import unquote
 import httptools
 
 from runtime.api.errors import (BatchScopeError, ClientError, HttpVersionNotSupported,
-                                MethodNotAllowed, RequestTooLarge, UrlTooLong, error_answer)
+                                MethodNotAllowed, RequestTimeout, RequestTooLarge, ServerBusy,
+                                UrlTooLong, error_answer)
 
 log = logging.getLogger("batchscope.server")
 
@@ -118,20 +119,6 @@ FastHook = Callable[[Any, bytes, str, list[tuple[bytes, bytes]], bytes, Answer],
 #: the optional ``early`` method of a fast hook: (method, path, headers) -> answer or None
 EarlyHook = Callable[[bytes, str, list[tuple[bytes, bytes]]],
                      "tuple[int, list[tuple[bytes, bytes]], bytes] | None"]
-
-
-class RequestTimeout(BatchScopeError):
-    """The client took too long to send its request (head or body)."""
-
-    http_status = 408
-    reason = "request_timeout"
-
-
-class ServerBusy(BatchScopeError):
-    """The server holds as many connections or request bytes as it will; retry later."""
-
-    http_status = 503
-    reason = "busy"
 
 
 def default_max_connections() -> int:
