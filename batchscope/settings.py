@@ -339,6 +339,18 @@ BATCHING: tuple[Setting, ...] = (
     Setting("cuda_graphs", "bool", False,
             "Capture and replay CUDA graphs per batch size seen (GPU only; ignored on the CPU).",
             group="memory"),
+    Setting("isolate_errors", "bool", True,
+            "When the model raises on a batch, split it in halves (recursively, like OOM "
+            "recovery) so that only the requests it fails on alone get 500; gives up after "
+            "3 x log2(batch size) splits, or when two requests fail alone before any retried "
+            "part succeeds (a broken model).",
+            group="faults"),
+    Setting("execution_timeout_ms", "float", 30_000.0,
+            "The longest one batch may run. Past it, its requests get 503 and the device "
+            "process is restarted (with the device thread, the model refuses requests until "
+            "the batch returns). Leave room for a first batch's warm-up.",
+            unit="ms", min=0, max=3_600_000, min_exclusive=True, nullable=True,
+            null_means="no execution timeout", group="faults"),
 )
 
 GENERATION: tuple[Setting, ...] = (

@@ -108,10 +108,11 @@ def test_batches_run_in_the_child_with_correct_outputs_errors_and_oom_splits():
             assert [r[1] for r in double] == [None] * 20
             assert [float(r[0]["OUTPUT0"][0]) for r in double] == [2.0 * i for i in range(20)]
             assert [float(r[0]["SUM"][0]) for r in varlen] == [float(n) for n in lengths]
-            # the first batch of failing (4 requests) holds the negative one: only it fails
-            assert [r[1] is None for r in failing] == [False] * 4 + [True] * 4
-            assert all(isinstance(r[1], ModelError) and "fails on cue" in str(r[1])
-                       for r in failing[:4])
+            # the first batch of failing (4 requests) holds the negative one: it is split
+            # (isolate_errors) until only that request fails
+            assert [r[1] is None for r in failing] == [True, True, False] + [True] * 5
+            assert isinstance(failing[2][1], ModelError) and "fails on cue" in str(failing[2][1])
+            assert "failed on this request" in str(failing[2][1])
             assert [r[1] for r in oom] == [None] * 20
             assert [float(r[0]["OUTPUT0"][0]) for r in oom] == [2.0 * i for i in range(20)]
 

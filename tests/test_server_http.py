@@ -189,9 +189,11 @@ def test_model_error_is_a_500_without_a_trace(server):
 
 
 def test_queue_full_is_429_with_retry_after_and_expired_is_503(server):
-    # 3 waiting + 1 that expires after 1 ms fill the queue (max_queue_size=4); the 6th call
-    # is refused at once while the model is still held.
-    bodies = [json_body([k, 0, 0, 0]) for k in range(3)] + [json_body([7, 0, 0, 0], timeout=1000)]
+    # 3 waiting + 1 with a 5 s timeout fill the queue (max_queue_size=4); the 6th call is
+    # refused at once while the model is still held. Expiry runs on its own timer, so the
+    # timed request is answered 503 at its deadline while the model is still held.
+    bodies = [json_body([k, 0, 0, 0]) for k in range(3)] + [json_body([7, 0, 0, 0],
+                                                                      timeout=5_000_000)]
     held, hold, http = server["held"], server["hold"], server["http"]
     hold.clear()
     held.entered.clear()
@@ -201,6 +203,7 @@ def test_queue_full_is_429_with_retry_after_and_expired_is_503(server):
         futures = [pool.submit(http.post, "/v2/models/held/infer", json=b) for b in bodies]
         wait_until(lambda: queue_depth(server) == 4, "a full queue")
         refused = http.post("/v2/models/held/infer", json=json_body([5, 5, 5, 5]))
+        futures[-1].result(WAIT_S)
         hold.set()
         answers = [first.result(WAIT_S)] + [f.result(WAIT_S) for f in futures]
     assert refused.status_code == 429

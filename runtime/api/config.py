@@ -104,6 +104,8 @@ class BatchingConfig:
     oom_probe_after_batches: int = 50
     memory_budget_mb: float | None = None  # None: no budget
     cuda_graphs: bool = False
+    isolate_errors: bool = True
+    execution_timeout_ms: float | None = 30_000.0  # None: no execution timeout
 
     def __post_init__(self) -> None:
         self.validate()

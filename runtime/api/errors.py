@@ -157,6 +157,13 @@ class ModelError(BatchScopeError):
     reason = "model_error"
 
 
+class ModelTimedOut(BatchScopeError):
+    """The batch this request was in ran past its model's ``execution_timeout_ms``."""
+
+    http_status = 503
+    reason = "model_timeout"
+
+
 class HttpVersionNotSupported(BatchScopeError):
     http_status = 505
     reason = "http_version"

@@ -4,10 +4,33 @@ Time is always passed in; nothing here sleeps, reads a clock or touches asyncio,
 so every rule is tested with a fake clock. A shell (``runtime.engine.dispatch``) calls:
 
 * ``submit(req, now)`` when a request arrives (raises ``QueueFull``/``ValidationError``);
-* ``expire(now)`` for requests whose deadline passed while queued (never executed);
-* ``next_batch(now, model_busy=...)`` for the dispatch decision;
-* ``next_wakeup(now)`` to know how long it may sleep before a decision can change;
-* ``complete(batch, now, compute_s)`` after a batch ran (feeds the adaptive window).
+  ``is_full()``/``queue_full()`` say the same refusal without a request;
+* ``expire(now)`` for requests whose deadline passed while queued (never executed),
+  and ``earliest_deadline()`` for when to call it next;
+* ``next_batch(now, model_busy=..., lead_s=...)`` for the dispatch decision;
+* ``due_at(now)``/``next_wakeup(now)`` to know how long it may sleep before a
+  decision can change;
+* ``complete(batch, now, compute_s)`` after a batch ran (feeds the adaptive window
+  and the drain rate).
+
+Admission by predicted wait: a request with a deadline is refused at once (``QueueFull``,
+429 with ``Retry-After``) when the requests queued ahead of it would take longer to
+drain than its timeout leaves, so it is not parsed, queued and then expired unrun.
+The drain time per request is measured from recent batches (``complete``): while the
+queue stayed non-empty from one batch's return to the next, the time between the two
+returns divided by the batch's size (what the whole path achieves, device and event
+loop together); otherwise the batch's own compute time per request. Before any batch
+has returned nothing is refused on that ground, nor is a request without a deadline.
+``drain_refusal`` gives the same answer without a request (for a check made before a
+body is read).
+
+Deadlines: a queued request whose deadline has passed is never dispatched. A
+request is not dispatched either when its batch could not end before its deadline:
+``next_batch`` takes ``lead_s``, the time the shell expects the batch to take until
+it is back (from ``mean_compute_s``), and first expires every request whose
+deadline falls before ``now + lead_s``; the shell answers them (``expire``) instead
+of running them uselessly. A request that was dispatched is the shell's: it is
+answered when its batch ends, even if that is past its deadline.
 
 Order of service:
 
@@ -84,9 +107,19 @@ class Batcher:
         self._caps: dict[int | None, int] = {}
         self._compute = policy.RecentMean()
         self._per_request = policy.RecentMean()
+        #: recent time to drain one request (see the module docstring), seconds
+        self._drain = policy.RecentMean()
+        #: ``self._drain.mean``, kept as a plain attribute for ``submit``
+        self.drain_per_request_s: float | None = None
+        #: when the last batch returned, if requests were still queued then (else None)
+        self._backlog_since: float | None = None
+        #: the last ``drain_refusal`` error and the figures it was made from
+        self._slow: tuple[tuple[int, int, int], QueueFull] | None = None
         self._deadlines: list[tuple[float, int, PendingRequest]] = []
         self._live_deadlines = 0
         self._expired: list[PendingRequest] = []
+        #: the last ``queue_full`` error and the figures it was made from
+        self._refusal: tuple[tuple[int, int, int], QueueFull] | None = None
         self._build_queues(config)
 
     # -- structure ----------------------------------------------------------------------
@@ -148,11 +181,13 @@ class Batcher:
                 f"priority={req.priority!r} is out of range for model {self.model_name!r}: "
                 f"valid priorities are 0 (most urgent) to {cfg.priority_levels - 1}")
         if self.depth >= cfg.max_queue_size:
-            retry = self.retry_after_s()
-            raise QueueFull(
-                f"model {self.model_name!r} has {self.depth} requests waiting, its "
-                f"max_queue_size={cfg.max_queue_size}; retry after about {retry:.2f}s "
-                "or raise max_queue_size", retry_after_s=retry)
+            raise self.queue_full()
+        per = self.drain_per_request_s
+        if per is not None and req.deadline_s is not None \
+                and self.depth * per > req.deadline_s - now:
+            error = self.drain_refusal(req.priority, req.bypass, req.deadline_s - now)
+            if error is not None:
+                raise error
         self._seq += 1
         req.seq = self._seq
         req.state = QUEUED
@@ -175,6 +210,59 @@ class Batcher:
         if req.bypass or earliest or queue.count == 1 or queue.count >= self.cap(bucket):
             return True
         return policy.window_s(cfg, self._compute.mean) is None
+
+    def is_full(self) -> bool:
+        """Whether ``submit`` would refuse any request now (the queue is at its limit)."""
+        return self.depth >= self._config.max_queue_size
+
+    def queue_full(self) -> QueueFull:
+        """The ``QueueFull`` that ``submit`` raises while the queue is at its limit. Under
+        overload it is asked for thousands of times a second with the same figures, so
+        the same error is handed out again while they stay the same (to 10 ms)."""
+        retry = self.retry_after_s()
+        key = (self.depth, self._config.max_queue_size, int(retry * 100.0))
+        cached = self._refusal
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        error = QueueFull(
+            f"model {self.model_name!r} has {self.depth} requests waiting, its "
+            f"max_queue_size={self._config.max_queue_size}; retry after about {retry:.2f}s "
+            "or raise max_queue_size", retry_after_s=retry)
+        self._refusal = (key, error)
+        return error
+
+    def drain_refusal(self, priority: int, bypass: bool, remaining_s: float) -> QueueFull | None:
+        """The ``QueueFull`` for a request of ``priority`` (``bypass``: a real-time one)
+        whose timeout leaves ``remaining_s`` when the requests that would run before it
+        take longer than that to drain at the recent rate; None when they would not, or
+        while no batch has been measured yet."""
+        per = self.drain_per_request_s
+        if per is None:
+            return None
+        if bypass:
+            ahead = self._bypass_count
+        else:
+            ahead = self.depth
+            if priority + 1 < len(self._by_priority):
+                ahead -= sum(self._by_priority[priority + 1:])
+        wait = ahead * per
+        if not wait > remaining_s:
+            return None
+        retry = wait - remaining_s
+        if retry < MIN_RETRY_AFTER_S:
+            retry = MIN_RETRY_AFTER_S
+        key = (ahead, int(remaining_s * 1000.0), int(retry * 100.0))
+        cached = self._slow
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        error = QueueFull(
+            f"model {self.model_name!r} has {ahead} requests queued ahead of this one; at "
+            f"the recent rate of {1.0 / per:.0f} requests/s they take about {wait * 1000.0:.0f} "
+            f"ms to drain, longer than this request's timeout of {remaining_s * 1000.0:.0f} "
+            f"ms; retry after about {retry:.2f}s, send a longer timeout_ms or less load",
+            retry_after_s=retry)
+        self._slow = (key, error)
+        return error
 
     def cancel(self, req: PendingRequest) -> bool:
         """Withdraw a queued request (its caller went away). False if it already left."""
@@ -202,12 +290,14 @@ class Batcher:
                 self._expired.append(req)
 
     def expire(self, now: float) -> list[PendingRequest]:
-        """Requests whose deadline passed while they were queued; they never run."""
+        """Requests whose deadline passed while they were queued, and those ``next_batch``
+        left out because their batch could not have ended in time; they never run."""
         self._collect_expired(now)
         out, self._expired = self._expired, []
         return out
 
-    def _earliest_deadline(self) -> float | None:
+    def earliest_deadline(self) -> float | None:
+        """The earliest deadline among the queued requests (None: none has one)."""
         heap = self._deadlines
         while heap and heap[0][2].state != QUEUED:
             heapq.heappop(heap)
@@ -243,14 +333,18 @@ class Batcher:
                 best_rank, best_key = rank, key
         return best_key, best_rank is not None, earliest
 
-    def next_batch(self, now: float, *, model_busy: bool = False) -> Batch | None:
+    def next_batch(self, now: float, *, model_busy: bool = False,
+                   lead_s: float = 0.0) -> Batch | None:
         """The batch to run now, or None if none is due.
 
         ``model_busy=True`` asks whether a batch is due although the model is still
         running one (for shells that prepare the next batch ahead): the
         work-conserving rule then only releases full batches.
+        ``lead_s``: how long the batch is expected to take until it is back; requests
+        whose deadline falls before ``now + lead_s`` are expired first (``expire``
+        hands them out) rather than dispatched.
         """
-        self._collect_expired(now)
+        self._collect_expired(now + lead_s if lead_s > 0.0 else now)
         if not self.depth:
             return None
         if self.has_bypass():
@@ -276,7 +370,7 @@ class Batcher:
         """The earliest time a decision could change: a batch falls due or a queued
         request's deadline passes. None = only an arrival can change anything."""
         due = self.due_at(now, model_busy=model_busy)
-        deadline = self._earliest_deadline()
+        deadline = self.earliest_deadline()
         if due is None:
             return deadline
         return due if deadline is None or due < deadline else deadline
@@ -319,8 +413,20 @@ class Batcher:
     def complete(self, batch: Batch, now: float, compute_s: float) -> None:
         """A batch finished after ``compute_s`` of device time."""
         self._compute.add(compute_s)
-        if batch.requests:
-            self._per_request.add(compute_s / len(batch.requests))
+        n = len(batch.requests)
+        if n:
+            per = compute_s / n
+            self._per_request.add(per)
+            since = self._backlog_since
+            if since is not None and now > since:
+                # the queue held work all along since the last return: the gap is what
+                # the whole path took to serve this batch
+                waited = (now - since) / n
+                if waited > per:
+                    per = waited
+            self._drain.add(per)
+            self.drain_per_request_s = self._drain.mean
+        self._backlog_since = now if self.depth > 0 else None
 
     @property
     def mean_compute_s(self) -> float | None:

@@ -2,9 +2,10 @@
 
 ``run_batch`` is the whole execution of a batch: memory-budget check, ``collate``,
 ``predict`` (through the CUDA-graph runner when ``cuda_graphs`` is on), ``split``,
-out-of-memory detection with split-and-retry (``runtime.device.oom.run_splitting``) and
-peak memory. The engine's device thread calls it in the serving process; the device
-process (``runtime.device.process``) calls it in its child. Either way the engine
+out-of-memory detection with split-and-retry and the isolation of requests the model
+fails on (both ``runtime.device.oom.run_splitting``) and peak memory. The engine's
+device thread calls it in the serving process; the device process
+(``runtime.device.process``) calls it in its child. Either way the engine
 books the returned ``Attempt`` list the same way.
 
 ``pack_items``/``unpack_items`` and ``pack_outputs``/``unpack_outputs`` carry a
@@ -47,7 +48,8 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
               bucket: int | None, cfg: BatchingConfig, variable: bool, device: torch.device,
               clock: Any, graphs_for: GraphRunnerFor | None = None) -> list[Attempt]:
     """Run ``items`` as one batch (split in halves on out-of-memory when
-    ``cfg.oom_recovery``); every attempt in the order it ran. ``lengths`` are the
+    ``cfg.oom_recovery``, and on a model error when ``cfg.isolate_errors``, so that
+    only the requests that fail alone fail); every attempt in the order it ran. ``lengths`` are the
     items' lengths (only read for a variable-length model's sub-batches);
     ``graphs_for(cfg)`` gives the CUDA-graph runner when ``cfg.cuda_graphs`` is on."""
     whole = len(items)
@@ -98,7 +100,8 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
                        cuda_graph=used_graph)
 
     return run_splitting(whole, attempt, recover=cfg.oom_recovery,
-                         free=lambda: devicemem.free_cached(device))
+                         free=lambda: devicemem.free_cached(device),
+                         isolate=cfg.isolate_errors)
 
 
 # -- moving a batch between processes ---------------------------------------------------

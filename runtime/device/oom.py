@@ -4,7 +4,10 @@
   RuntimeErrors, and ``MemoryBudgetExceeded`` (a CPU memory budget: the model's
   ``estimate_batch_bytes`` above ``memory_budget_mb`` counts as OOM before running).
 * ``run_splitting`` runs a batch and, when an attempt runs out of memory, splits it
-  in halves and retries each half, recursively, down to single requests.
+  in halves and retries each half, recursively, down to single requests. With
+  ``isolate`` it does the same when an attempt raises a model error, so that one bad
+  request (a "poison" input) fails alone instead of failing its whole batch; see
+  ``IsolationBudget`` for when it gives up.
 * ``SizeGovernor`` is the pure state machine of the effective max batch size per
   bucket: an OOM lowers it to the size of the halves (the largest size the split
   will try), and after ``probe_after_batches`` clean batches it doubles back
@@ -13,6 +16,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -47,7 +51,8 @@ class Attempt:
 
     start: int
     stop: int
-    #: ok | error | oom
+    #: ok | error | oom | timeout (ran past execution_timeout_ms) | refused (never ran:
+    #: the model is stuck in an earlier batch)
     outcome: str
     started_s: float
     ended_s: float
@@ -58,7 +63,8 @@ class Attempt:
     error: str | None = None
     #: the formatted traceback of a model error, for the server log
     trace: str | None = None
-    #: an OOM attempt that was split into halves (its requests got another chance)
+    #: an attempt (OOM, or a model error being isolated) that was split into halves:
+    #: its requests got another chance
     split: bool = False
     peak_memory_bytes: int | None = None
     #: the forward pass replayed a captured CUDA graph
@@ -71,23 +77,80 @@ class Attempt:
         return self.stop - self.start
 
 
+class IsolationBudget:
+    """When a model error in a batch of ``n`` stops being split (``isolate_errors``).
+
+    A failing slice of more than one request is split in halves and each half run
+    again, down to single requests, while both hold:
+
+    * the splits of this batch for model errors are fewer than ``3 * ceil(log2 n)``,
+      so at most ``6 * ceil(log2 n)`` extra attempts (a batch of 32: 15 splits, enough
+      to isolate four bad requests wherever they sit, more when they sit together;
+      one bad request takes ``log2 n`` splits);
+    * the model is not broken: it is taken to be when two requests have failed alone
+      before any retried part of the batch succeeded. A model that fails on every
+      input gets there in ``1 + 2 * ceil(log2 n)`` attempts, the cost of isolating one
+      bad request; with bad requests among good ones, the half beside the first bad
+      one almost always succeeds first.
+
+    Once either stops it, a failing slice fails whole, as without isolation (halves
+    already scheduled still run).
+    """
+
+    __slots__ = ("splits_left", "failed_alone", "retried_ok")
+
+    def __init__(self, n: int) -> None:
+        self.splits_left = 3 * math.ceil(math.log2(n)) if n > 1 else 0
+        self.failed_alone = 0
+        #: whether a retried part of the batch succeeded
+        self.retried_ok = False
+
+    def ran(self, attempt: "Attempt") -> None:
+        """Count a retried attempt."""
+        if attempt.outcome == "ok":
+            self.retried_ok = True
+        elif attempt.outcome == "error" and attempt.stop - attempt.start == 1:
+            self.failed_alone += 1
+
+    def allows_split(self) -> bool:
+        """Whether a failing slice may be split now (and take one split if so)."""
+        if self.splits_left <= 0 or (self.failed_alone >= 2 and not self.retried_ok):
+            return False
+        self.splits_left -= 1
+        return True
+
+
 def run_splitting(n: int, attempt: Callable[[int, int], Attempt], *, recover: bool,
-                  free: Callable[[], None]) -> list[Attempt]:
+                  free: Callable[[], None], isolate: bool = False) -> list[Attempt]:
     """Run ``attempt(0, n)``; on OOM (and ``recover``) free cached memory and retry
-    each half, depth first. Returns every attempt in the order it ran. A request's
-    outcome is that of the last attempt covering it that was not split."""
+    each half, depth first; on a model error (and ``isolate``) retry each half too,
+    within an ``IsolationBudget``. Returns every attempt in the order it ran. A
+    request's outcome is that of the last attempt covering it that was not split."""
     done: list[Attempt] = []
     todo = [(0, n)]
+    budget: IsolationBudget | None = None
     while todo:
         lo, hi = todo.pop()
         result = attempt(lo, hi)
         done.append(result)
-        if result.outcome == "oom" and recover and hi - lo > 1:
-            result.split = True
+        if budget is not None:
+            budget.ran(result)
+        outcome = result.outcome
+        if outcome == "ok" or hi - lo == 1:
+            continue
+        if outcome == "oom" and recover:
             free()
-            mid = lo + (hi - lo + 1) // 2
-            todo.append((mid, hi))
-            todo.append((lo, mid))
+        elif outcome == "error" and isolate:
+            if budget is None:
+                budget = IsolationBudget(n)
+            if not budget.allows_split():
+                continue
+        else:
+            continue
+        result.split = True
+        mid = lo + (hi - lo + 1) // 2
+        todo.append((mid, hi))
+        todo.append((lo, mid))
     return done
 
 

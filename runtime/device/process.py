@@ -25,6 +25,17 @@ reach the child at the next batch.
 When the child dies, every batch sent to it fails (an ``error`` attempt: the engine
 answers 500 and records a ``model_error`` event), ``on_exit`` is told, and a new child
 is started; batches submitted meanwhile wait for it (or fail, if it cannot start).
+
+Execution timeout. The child runs its batches in the order they were sent, so the
+oldest batch not back is the one running; it started when it was sent to an idle
+child or when the batch before it came back. One loop timer watches that batch
+against its model's ``execution_timeout_ms`` (no message per batch: it is re-armed
+only when it fires early or the next batch has an earlier deadline). A batch past
+its timeout gets a ``timeout`` attempt (503, and a ``model_timeout`` event), the
+child is killed, and a new one is started; the batches sent behind it had not
+started, so they are not failed but sent again to the new child, in their order
+(with the batches submitted meanwhile). ``on_exit`` is not told of this kill:
+``timeouts`` counts them, ``restarts`` counts every new child.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import os
 import pickle
 import signal
@@ -161,6 +173,8 @@ class _Job:
     bucket: int | None
     on_done: OnDone
     sent_s: float = 0.0
+    #: the model's execution_timeout_ms in seconds (None: none)
+    timeout_s: float | None = None
 
 
 class DeviceProcess:
@@ -198,7 +212,14 @@ class DeviceProcess:
         self._versions: dict[str, int] = {}
         self._next_id = 0
         self._stopping = False
+        #: ``loop.time()`` when the oldest batch sent (the one running) started
+        self._head_started = 0.0
+        #: the timer watching that batch's timeout, and when it fires
+        self._watch: asyncio.TimerHandle | None = None
+        self._watch_at = math.inf
         self.restarts = 0
+        #: children killed because a batch ran past its execution timeout
+        self.timeouts = 0
         self.pid: int | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -248,6 +269,7 @@ class DeviceProcess:
     def _close_child(self, kill: bool) -> None:
         sock, proc = self._sock, self._proc
         self._sock = self._proc = None
+        self._unwatch()
         if sock is not None:
             try:
                 self._loop.remove_reader(sock.fileno())
@@ -269,6 +291,9 @@ class DeviceProcess:
         """Run a batch in the child; ``on_done(attempts)`` is called on the loop exactly once."""
         self._next_id += 1
         job = _Job(self._next_id, name, config, version, items, lengths, pad_to, bucket, on_done)
+        timeout_ms = config.execution_timeout_ms
+        if timeout_ms is not None:
+            job.timeout_s = timeout_ms / 1000.0
         if self._stopping:
             self._finish_failed(job, "the server is shutting down")
             return
@@ -294,7 +319,12 @@ class DeviceProcess:
             self._finish_failed(job, f"its items cannot be sent to the device process "
                                      f"({type(exc).__name__}: {exc})")
             return
-        self._sent[job.job_id] = job
+        sent = self._sent
+        sent[job.job_id] = job
+        if len(sent) == 1:  # the child is idle: it starts this one now
+            self._head_started = self._loop.time()
+            if job.timeout_s is not None:
+                self._watch_head()
         self._write(payload)
 
     # -- the pipe -----------------------------------------------------------------------
@@ -368,9 +398,14 @@ class DeviceProcess:
 
         if job_id is None and self._sent:  # the child could not read it: the oldest one
             job_id = next(iter(self._sent))
-        job = self._sent.pop(job_id, None)
+        sent = self._sent
+        head = next(iter(sent), None)
+        job = sent.pop(job_id, None)
         if job is None:
             return
+        if job_id == head and sent:  # the next one starts now
+            self._head_started = self._loop.time()
+            self._watch_head()
         shift = 0.0 if self._same_clock else job.sent_s - received_s
         for a in attempts:
             if a.stop < 0:
@@ -381,6 +416,57 @@ class DeviceProcess:
             if a.outputs is not None:
                 a.outputs = unpack_outputs(a.outputs)
         job.on_done(attempts)
+
+    # -- the execution timeout ----------------------------------------------------------
+    def _watch_head(self) -> None:
+        """Make sure the timer fires by the running batch's deadline."""
+        head = next(iter(self._sent.values()), None)
+        if head is None or head.timeout_s is None:
+            return
+        deadline = self._head_started + head.timeout_s
+        if deadline < self._watch_at:
+            if self._watch is not None:
+                self._watch.cancel()
+            self._watch_at = deadline
+            self._watch = self._loop.call_at(deadline, self._on_watch)
+
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        self._watch_at = math.inf
+
+    def _on_watch(self) -> None:
+        self._watch = None
+        self._watch_at = math.inf
+        head = next(iter(self._sent.values()), None)
+        if head is None or head.timeout_s is None or self._sock is None:
+            return
+        ran_s = self._loop.time() - self._head_started
+        if ran_s < head.timeout_s:
+            self._watch_head()
+            return
+        self._on_timeout(head, ran_s)
+
+    def _on_timeout(self, job: _Job, ran_s: float) -> None:
+        """``job`` has run past its timeout: answer it, kill the child, start a new one
+        and send it the batches that were waiting behind."""
+        self.timeouts += 1
+        pid = self.pid
+        behind = [j for j in self._sent.values() if j is not job]
+        self._sent.clear()
+        self._close_child(kill=True)
+        log.error("model %r ran a batch of %d for %.1f s in the device process (pid %s), past "
+                  "execution_timeout_ms=%g: the process is killed and restarted; %d batch(es) "
+                  "waiting behind it are sent to the new one", job.name, len(job.items), ran_s,
+                  pid, job.timeout_s * 1000.0, len(behind))
+        self._held.extendleft(reversed(behind))
+        now = self._clock.now()
+        job.on_done([Attempt(0, len(job.items), "timeout", now - ran_s, now, ran_s,
+                             error=("the device process running it was killed and is being "
+                                    "restarted; retry in a moment, and fix the model or raise "
+                                    "execution_timeout_ms"))])
+        self._ensure_restart()
 
     # -- failures -----------------------------------------------------------------------
     def _finish_failed(self, job: _Job, why: str) -> None:

@@ -1,17 +1,27 @@
 """``Booking``: what a batch's run means for the records, the governor and its requests.
 
 When a batch comes back from the device it is a list of ``Attempt`` s (one, or
-several when out-of-memory split it; see ``runtime.device.oom.run_splitting``).
-Booking turns them into:
+several when out-of-memory or a model error split it; see
+``runtime.device.oom.run_splitting``). Booking turns them into:
 
-* one ``BatchRow`` per attempt, numbered in the order they are booked;
+* one ``BatchRow`` per attempt that ran, numbered in the order they are booked (a
+  ``refused`` attempt, a batch of a model stuck in an earlier one, never ran and has
+  none);
 * an ``EventRow`` for each out-of-memory attempt (``oom`` when it was split,
-  ``oom_failed`` when it could not be), each model error (``model_error``, with the
-  trace in the log) and each probe of the effective max back up (``oom_probe``);
+  ``oom_failed`` when it could not be), one ``model_error`` per batch the model
+  raised on (however many attempts isolating the bad requests took), one
+  ``model_timeout`` per batch that ran past ``execution_timeout_ms`` and each probe
+  of the effective max back up (``oom_probe``);
 * the ``SizeGovernor`` update and the batcher's size caps that follow from it;
-* every request's one outcome: its result, ``OutOfMemory`` (507) or ``ModelError``
-  (500), with one ``RequestRow`` each (a ``RequestBatch`` block for a successful
-  attempt when the recorder takes them).
+* every request's one outcome: its result, ``OutOfMemory`` (507), ``ModelError``
+  (500: "failed on this request" when it failed alone), ``ModelTimedOut`` (503) or
+  ``ModelNotReady`` (503, a stuck model), with one ``RequestRow`` each (a
+  ``RequestBatch`` block for a successful attempt when the recorder takes them).
+
+Model errors reach the log through a ``FailureLog``: per model at most one full
+traceback every ``TRACEBACK_INTERVAL_S``, the failures in between folded into at
+most one summary line a second, so a model that fails on every request cannot
+flood the log. The events keep every failure.
 
 It books the other outcomes too (rejected, expired, cancelled), with rejection and
 expiry events folded to at most one per interval, and writes the engine's other
@@ -28,18 +38,68 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from batchscope.storage.records import (BatchRow, EventRow, ListRecorder, RecorderLike,
                                         RequestBatch, RequestRow, put_many_of)
-from runtime.api.errors import ModelError, OutOfMemory, RequestExpired
+from runtime.api.errors import (BatchScopeError, ModelError, ModelNotReady, ModelTimedOut,
+                                OutOfMemory, RequestExpired)
 from runtime.core.batcher import Batch, pad_length
 from runtime.core.request import PendingRequest
 from runtime.device.oom import Attempt
 from runtime.engine.served import ServedModel
 
 log = logging.getLogger("batchscope.engine")
+
+#: a model's full traceback goes to the log at most once per this many seconds
+TRACEBACK_INTERVAL_S = 10.0
+#: the failures between two tracebacks are told in one line per this many seconds at most
+SUMMARY_INTERVAL_S = 1.0
+#: a client told that a model timed out or is stuck may retry after this long
+RETRY_AFTER_STUCK_S = 1.0
+
+
+def _ms(value: float | None) -> str:
+    return "null" if value is None else f"{value:g}"
+
+
+class FailureLog:
+    """Model failures in the log without flooding it: per model, one full traceback
+    per ``trace_interval_s`` at most; each failure in between is counted and told
+    in a one-line summary, at most one per ``summary_interval_s``. Time is passed in."""
+
+    def __init__(self, trace_interval_s: float = TRACEBACK_INTERVAL_S,
+                 summary_interval_s: float = SUMMARY_INTERVAL_S) -> None:
+        self.trace_interval_s = trace_interval_s
+        self.summary_interval_s = summary_interval_s
+        #: model -> [last traceback at, last summary at, failures since the traceback,
+        #: failures since the last line]
+        self._state: dict[str, list] = {}
+
+    def failed(self, model: str, now: float, what: str, trace: str | None) -> None:
+        """Log one failure of ``model``: ``what`` in one line, and ``trace`` when due."""
+        state = self._state.get(model)
+        if state is None:
+            state = self._state[model] = [-math.inf, -math.inf, 0, 0]
+        if now - state[0] >= self.trace_interval_s:
+            since = state[2]
+            more = f" ({since} more failure(s) since its last traceback)" if since else ""
+            if trace:
+                log.error("%s%s\n%s", what, more, trace.rstrip())
+            else:
+                log.error("%s%s", what, more)
+            state[:] = [now, now, 0, 0]
+            return
+        state[2] += 1
+        state[3] += 1
+        if now - state[1] >= self.summary_interval_s:
+            log.error("%s [%d failure(s) of model %r since the last line; a full traceback "
+                      "is logged at most every %g s]", what, state[3], model,
+                      self.trace_interval_s)
+            state[1] = now
+            state[3] = 0
 
 
 @dataclass(slots=True)
@@ -48,8 +108,8 @@ class BookedBatch:
 
     batch: Batch
     attempts: list[Attempt]
-    #: the batch number of each attempt's ``BatchRow``
-    seqs: list[int]
+    #: the batch number of each attempt's ``BatchRow`` (None: a refused attempt has none)
+    seqs: list[int | None]
     #: device time of all its attempts
     device_s: float
 
@@ -65,24 +125,37 @@ class Booking:
         self._request_batches = bool(getattr(self.recorder, "accepts_request_batches", False))
         #: the number of the last ``BatchRow``, across models
         self.batch_seq = 0
+        self.failures = FailureLog()
 
     # -- a batch back from the device ---------------------------------------------------
     def batch_back(self, model: ServedModel, batch: Batch, attempts: list[Attempt],
                    now: float) -> BookedBatch:
         """Record the batch's attempts, report what went wrong and move the governor."""
         device_s = 0.0
-        had_oom = False
-        seqs = []
+        clean = True
+        errors = False
+        seqs: list = []
         for a in attempts:
             device_s += a.compute_s
+            outcome = a.outcome
+            if outcome == "refused":  # never ran: no batch row
+                seqs.append(None)
+                clean = False
+                continue
             seq = self._record_batch(model, batch, a)
             seqs.append(seq)
-            if a.outcome == "oom":
-                had_oom = True
+            if outcome == "ok":
+                continue
+            clean = False
+            if outcome == "oom":
                 self._oom_event(model, batch, a, seq, now)
-            elif a.outcome == "error":
-                self._model_error(model, a, seq, now)
-        if not had_oom and all(a.outcome == "ok" for a in attempts):
+            elif outcome == "timeout":
+                self._timeout_event(model, batch, a, seq, now)
+            else:
+                errors = True
+        if errors:
+            self._model_error(model, attempts, seqs, now)
+        if clean:
             probed = model.governor.on_success(batch.bucket)
             if probed is not None:
                 model.apply_caps()
@@ -100,18 +173,35 @@ class Booking:
         for a, seq in zip(booked.attempts, booked.seqs):
             if a.split:
                 continue
-            if a.outcome == "ok":
+            outcome = a.outcome
+            if outcome == "ok":
                 self._answer_ok(model, reqs, a, seq, now)
-            elif a.outcome == "oom":
+            elif outcome == "oom":
                 for i in range(a.start, a.stop):
                     self.settle(model, reqs[i], now, "oom",
                                 error=self._oom_error(model, reqs[i], a),
                                 started_s=a.started_s, batch_seq=seq)
             else:
+                error = self._failure(model, booked.batch, a)
                 for i in range(a.start, a.stop):
-                    self.settle(model, reqs[i], now, "error", error=ModelError(
-                        f"model {model.name!r} failed on a batch of {a.size}: {a.error}"),
-                        started_s=a.started_s, batch_seq=seq)
+                    self.settle(model, reqs[i], now, "error", error=error,
+                                started_s=a.started_s, batch_seq=seq)
+
+    @staticmethod
+    def _failure(model: ServedModel, batch: Batch, a: Attempt) -> BatchScopeError:
+        """The error the requests of a failed attempt (not ok, not OOM) are answered with."""
+        name = model.name
+        if a.outcome == "timeout":
+            return ModelTimedOut(
+                f"model {name!r} took longer than execution_timeout_ms="
+                f"{_ms(batch.config.execution_timeout_ms)} on a batch of {a.size}; {a.error}",
+                retry_after_s=RETRY_AFTER_STUCK_S)
+        if a.outcome == "refused":
+            return ModelNotReady(a.error or f"model {name!r} is not ready; retry later",
+                                 retry_after_s=RETRY_AFTER_STUCK_S)
+        if a.size == 1:
+            return ModelError(f"model {name!r} failed on this request: {a.error}")
+        return ModelError(f"model {name!r} failed on a batch of {a.size}: {a.error}")
 
     def _answer_ok(self, model: ServedModel, reqs: list[PendingRequest], a: Attempt, seq: int,
                    now: float) -> None:
@@ -200,12 +290,48 @@ class Booking:
                    batch_size=a.size, bucket=bucket, batch_seq=seq, error=a.error,
                    memory=a.memory, action=action, effective_max_batch_size=cap)
 
-    def _model_error(self, model: ServedModel, a: Attempt, seq: int, now: float) -> None:
-        log.error("model %r raised on a batch of %d (batch %d):\n%s", model.name, a.size, seq,
-                  a.trace or a.error)
-        self.event(model.name, now, "model_error",
-                   f"{model.name!r} failed on a batch of {a.size}: {a.error}", "error",
-                   batch_size=a.size, batch_seq=seq, error=a.error)
+    def _model_error(self, model: ServedModel, attempts: list[Attempt], seqs: list,
+                     now: float) -> None:
+        """One event (and one rate-limited log entry) for a batch the model raised on,
+        however many attempts isolating the requests it fails on took."""
+        first = first_seq = None
+        failed = []
+        isolated = False
+        for a, seq in zip(attempts, seqs):
+            if a.outcome != "error":
+                continue
+            if first is None:
+                first, first_seq = a, seq
+            if a.split:
+                isolated = True
+            else:
+                failed.append(a)
+        name = model.name
+        culprit = failed[0] if failed else first
+        failed_requests = sum(a.size for a in failed)
+        if not isolated:
+            message = f"{name!r} failed on a batch of {first.size}: {first.error}"
+        elif failed:
+            message = (f"{name!r} failed on {failed_requests} of the {first.size} request(s) "
+                       f"of a batch, isolated in {len(attempts)} attempts: {culprit.error}")
+        else:
+            message = (f"{name!r} failed on a batch of {first.size}, but on none of its "
+                       f"requests when retried in parts: {first.error}")
+        self.failures.failed(name, now, f"model {message} (batch {first_seq})",
+                             culprit.trace)
+        self.event(name, now, "model_error", message, "error",
+                   batch_size=first.size, batch_seq=first_seq, error=culprit.error,
+                   failed_requests=failed_requests, attempts=len(attempts), isolated=isolated)
+
+    def _timeout_event(self, model: ServedModel, batch: Batch, a: Attempt, seq: int,
+                       now: float) -> None:
+        limit = batch.config.execution_timeout_ms
+        message = (f"{model.name!r} ran a batch of {a.size} for {a.compute_s:.1f} s, past "
+                   f"execution_timeout_ms={_ms(limit)}; {a.error}")
+        log.error("model %s", message)
+        self.event(model.name, now, "model_timeout", message, "error",
+                   batch_size=a.size, batch_seq=seq, execution_timeout_ms=limit,
+                   ran_s=a.compute_s, action=a.error)
 
     # -- outcomes that are not a batch's ------------------------------------------------
     def settle(self, model: ServedModel, req: PendingRequest, now: float, outcome: str, *,
@@ -247,14 +373,17 @@ class Booking:
                        max_queue_size=cfg.max_queue_size)
 
     def expired(self, model: ServedModel, reqs: list[PendingRequest], now: float) -> None:
-        """Requests whose deadline passed in the queue: ``RequestExpired``, never run."""
+        """Requests whose deadline passed in the queue, or whose batch could not have ended
+        before it: ``RequestExpired``, never run."""
         for req in reqs:
             waited_ms = (now - req.arrived_s) * 1000.0
-            timeout_ms = ((req.deadline_s or now) - req.arrived_s) * 1000.0
+            deadline = req.deadline_s if req.deadline_s is not None else now
+            timeout_ms = (deadline - req.arrived_s) * 1000.0
+            why = (f"past its timeout of {timeout_ms:.0f} ms" if now >= deadline else
+                   f"and its batch could not have ended within its timeout of {timeout_ms:.0f} ms")
             self.settle(model, req, now, "expired", error=RequestExpired(
                 f"the request waited {waited_ms:.0f} ms in the queue of model {model.name!r}, "
-                f"past its timeout of {timeout_ms:.0f} ms, and was not run; raise timeout_ms or "
-                "send less load"))
+                f"{why}, and was not run; raise timeout_ms or send less load"))
         count = model.counts.expiries.hit(now, len(reqs))
         if count:
             self.event(model.name, now, "expired",

@@ -24,6 +24,18 @@ device time of the batches back since the last report (a batch that comes back
 while the model does not hold the turn is counted at its next turn, or at once if
 the device is free).
 
+Deadlines have a timer of their own, one per model, armed for the earliest deadline
+in the queue (``watch_deadline`` on admission, re-armed each time it fires): a queued
+request past its deadline is answered ``RequestExpired`` (503) at that deadline,
+whatever the loop is doing, waiting for a batch to come back or for its device turn.
+The loop expires too, before each decision. A batch is formed with the time it is
+expected to take until it is back (the model's recent mean batch time, once per
+batch already out ahead of it, plus its own): a request whose deadline falls before
+that is answered ``RequestExpired`` at once instead of being run uselessly. A request
+that was dispatched is answered when its batch comes back, also when that is past
+its deadline (by at most the batch's time beyond its expected time); so every
+accepted request gets exactly one outcome.
+
 Everything here runs on the event loop's thread; ``on_done`` of the executor too.
 """
 
@@ -31,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 from runtime.api.errors import ShuttingDown
@@ -98,9 +111,14 @@ class Dispatcher:
         self._all_back: asyncio.Future | None = None
         self._waker = Waker()
         self.task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: the expiry timer, and the deadline (engine clock) it is armed for (inf: none)
+        self._timer: asyncio.TimerHandle | None = None
+        self.timer_at = math.inf
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
         self.task = loop.create_task(self.run(), name=f"batchscope-worker-{self.model.name}")
 
     def wake(self) -> None:
@@ -124,6 +142,7 @@ class Dispatcher:
 
     def cancel_queued(self, now: float) -> None:
         """Answer every request still queued with ``ShuttingDown``."""
+        self._disarm()
         for req in self.model.batcher.drain_all():
             self.booking.settle(self.model, req, now, "cancelled", error=ShuttingDown(
                 "the server shut down before this request could run; send it again "
@@ -136,6 +155,38 @@ class Dispatcher:
                 self.booking.settle(self.model, req, now, "cancelled", error=ShuttingDown(
                     "the server shut down while this request was running; its result "
                     "was lost, send it again to a running instance"))
+
+    # -- the expiry timer ---------------------------------------------------------------
+    def watch_deadline(self, deadline_s: float) -> None:
+        """A request with ``deadline_s`` was queued: make sure the timer fires by then."""
+        if deadline_s < self.timer_at:
+            self._arm(deadline_s)
+
+    def _arm(self, deadline_s: float) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self.timer_at = deadline_s
+        self._timer = loop.call_later(max(0.0, deadline_s - self.clock.now()), self._on_timer)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.timer_at = math.inf
+
+    def _on_timer(self) -> None:
+        """The earliest deadline is due: answer what expired, arm for the next one."""
+        self._timer = None
+        self.timer_at = math.inf
+        try:
+            self._expire()
+        finally:
+            nxt = self.model.batcher.earliest_deadline()
+            if nxt is not None:
+                self._arm(nxt)
 
     # -- the loop -----------------------------------------------------------------------
     async def run(self) -> None:
@@ -155,8 +206,8 @@ class Dispatcher:
                         self.answer()
                         if self.running:  # a batch coming back wakes the loop
                             await self._waker.wait(None)
-                        else:
-                            wake_at = batcher.next_wakeup(now)
+                        else:  # deadlines are the timer's
+                            wake_at = batcher.due_at(now)
                             await self._waker.wait(None if wake_at is None else wake_at - now)
                         continue
                     if not self._holds_turn:
@@ -164,12 +215,14 @@ class Dispatcher:
                             self.answer()
                             await turns.wait(name)
                         self._holds_turn = True
-                    now = self._expire()
-                    batch = batcher.next_batch(now, model_busy=bool(self.running))
+                    now = self.clock.now()
+                    batch = batcher.next_batch(now, model_busy=bool(self.running),
+                                               lead_s=self._lead_s())
                     if batch is not None:
                         self._send(batch)
                     elif not self.running:
                         self._give_back_turn()
+                    self._expire()  # those left out for want of time
                     self.answer()
                 except asyncio.CancelledError:
                     raise
@@ -202,6 +255,12 @@ class Dispatcher:
             return False
         cap = batcher.cap
         return all(n >= cap(key) for key, n in batcher.depth_by_bucket().items() if n)
+
+    def _lead_s(self) -> float:
+        """How long a batch sent now is expected to take until it is back: the recent
+        mean batch time, for itself and for each batch already out ahead of it."""
+        mean = self.model.batcher.mean_compute_s
+        return 0.0 if mean is None else mean * (len(self.running) + 1)
 
     def _expire(self) -> float:
         """Settle the queued requests that are past their deadline; the time now."""

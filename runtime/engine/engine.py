@@ -251,9 +251,52 @@ class Engine:
         except QueueFull:
             self._booking.rejected(served, req, now)
             raise
+        dispatcher = self._dispatchers[model]
+        deadline = req.deadline_s
+        if deadline is not None and deadline < dispatcher.timer_at:
+            dispatcher.watch_deadline(deadline)
         if wake:
-            self._dispatchers[model].wake()
+            dispatcher.wake()
         return req
+
+    def admission_refusal(self, model: str, *, book: bool = True) -> BatchScopeError | None:
+        """The error any request to ``model`` would be refused with now, whatever it
+        holds (``ShuttingDown``, ``ModelNotReady`` or ``QueueFull``), else None; O(1),
+        no request needed, so a server can refuse before it reads or parses a body.
+        None also for a model not served here (the full path says which ones are).
+
+        ``QueueFull`` also when the model has a ``default_timeout_ms`` and the queue
+        would take longer than that to drain ahead of a request at the default
+        priority (``Batcher.drain_refusal``): the request is judged by the default,
+        since its own ``timeout_ms`` is in the body, not read yet.
+
+        A ``QueueFull`` returned with ``book=True`` is counted and recorded as a rejected
+        request (a ``RequestRow`` at the model's default priority), as one that
+        ``submit`` refuses; the caller must then answer it."""
+        served = self._models.get(model)
+        if served is None:
+            return None
+        if self._stopping:
+            return ShuttingDown("the server is shutting down and accepts no new requests; "
+                                "retry on another instance")
+        if not self._ready:
+            return ModelNotReady(f"model {model!r} is still loading; retry in a moment")
+        batcher = served.batcher
+        if batcher.is_full():
+            error = batcher.queue_full()
+        else:
+            cfg = batcher.config
+            timeout_ms = cfg.default_timeout_ms
+            if timeout_ms is None or batcher.drain_per_request_s is None:
+                return None
+            error = batcher.drain_refusal(cfg.default_priority, False, timeout_ms / 1000.0)
+            if error is None:
+                return None
+        if book:
+            now = self._clock.now()
+            self._booking.rejected(served, PendingRequest(
+                None, priority=batcher.config.default_priority, arrived_s=now), now)
+        return error
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray], *, priority: int | None = None,
                     timeout_ms: float | None = None, bypass: bool = False) -> dict[str, np.ndarray]:

@@ -22,15 +22,26 @@ have out at once.
   runs in the child process with its own interpreter lock; the child runs its pipe
   in order, so a second batch can wait there while one runs
   (``max_in_flight = MAX_AHEAD_BATCHES``).
+
+Execution timeout (``execution_timeout_ms``, per model). A batch that runs longer
+has its requests answered at the timeout with a ``timeout`` attempt (503). In the
+device process the child is killed and restarted (``runtime.device.process``). On
+the device thread nothing can stop it: a loop timer answers the batch, the model is
+marked stuck and refuses its batches (``refused`` attempts, 503 "stuck in a batch")
+until the thread returns, whose results are then dropped, and a new device thread
+takes over the queue so the other models keep running. A batch run inline on the
+loop has no timeout (nothing can interrupt the loop; inline runs are off by
+default and meant for batches of a few milliseconds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
+import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol
 
 import torch
@@ -67,8 +78,41 @@ class Executor(Protocol):
 
 
 # -- the device thread ------------------------------------------------------------------
+#: the states of a batch handed to the device thread
+_QUEUED, _RUNNING, _DONE, _TIMED_OUT = range(4)
+
+
+class _Job:
+    """A batch handed to the device thread."""
+
+    __slots__ = ("executor", "batch", "on_done", "timeout_s", "state", "started", "timer")
+
+    def __init__(self, executor: "ThreadExecutor", batch: Batch, on_done: OnDone) -> None:
+        self.executor = executor
+        self.batch = batch
+        self.on_done = on_done
+        #: the batch's execution_timeout_ms in seconds (None: none)
+        self.timeout_s: float | None = None
+        #: _QUEUED -> _RUNNING -> _DONE, or _RUNNING -> _TIMED_OUT (the loop gave up on
+        #: it); the end transitions are taken under ``DeviceThread.lock``
+        self.state = _QUEUED
+        #: ``time.monotonic()`` when the device thread started it
+        self.started = 0.0
+        #: the loop's timer that checks it against its timeout
+        self.timer: asyncio.TimerHandle | None = None
+
+
 class DeviceThread:
-    """The one thread of the serving process on which every model's batches run."""
+    """The one thread of the serving process on which every model's batches run.
+
+    Batches wait in one queue for the worker thread. A batch that runs past its
+    model's ``execution_timeout_ms`` cannot be stopped (Python cannot kill a
+    thread): the loop answers its requests at the timeout, its model refuses
+    batches until it returns (``ThreadExecutor``), and a new worker thread takes the
+    queue so the other models keep running. The old thread ends when the batch
+    returns. Worker threads are daemons, so a batch that never returns does not
+    keep the process from exiting.
+    """
 
     def __init__(self, models: list[ServedModel], device: torch.device, clock: Any,
                  inline_max_s: float) -> None:
@@ -78,28 +122,122 @@ class DeviceThread:
         #: the longest a batch may be expected to take to run on the loop (0: never)
         self.inline_max_s = inline_max_s if device.type == "cpu" else 0.0
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.pool: ThreadPoolExecutor | None = None
+        #: batches (``_Job``), setup calls (callables) and the stop mark (None)
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        #: guards the end transitions of a ``_Job``
+        self.lock = threading.Lock()
         #: released by the device thread when it starts a batch (see ``ThreadExecutor``)
         self.handoff = threading.Lock()
+        #: worker threads started, the first included (more after timeouts)
+        self.workers = 0
 
     async def start(self) -> None:
         """Start the thread and set every model up on it."""
         self.loop = asyncio.get_running_loop()
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchscope-device")
+        self._start_worker()
         for model in self.models:
             try:
-                await self.loop.run_in_executor(self.pool, model.api.setup, self.device)
+                await self._call(model.api.setup, self.device)
             except Exception:
                 log.exception("setup of model %r on %s failed", model.name, self.device)
-                self.pool.shutdown(wait=False)
+                self.jobs.put(None)
                 raise
 
     async def stop(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False)
+        if self.loop is not None:
+            self.jobs.put(None)  # after the batches still queued
 
     def executor(self, model: ServedModel) -> "ThreadExecutor":
         return ThreadExecutor(self, model)
+
+    # -- the worker -------------------------------------------------------------------
+    def _start_worker(self) -> None:
+        self.workers += 1
+        threading.Thread(target=self._work, name=f"batchscope-device-{self.workers}",
+                         daemon=True).start()
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the device thread and wait for it."""
+        loop = self.loop
+        fut = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if not fut.done():
+                if error is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(error)
+
+        def call() -> None:
+            try:
+                result, error = fn(*args), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting loop
+                result, error = None, exc
+            loop.call_soon_threadsafe(settle, result, error)
+
+        self.jobs.put(call)
+        return await fut
+
+    def _work(self) -> None:
+        """Run what the queue holds until the stop mark, or until this thread's batch
+        outlived its timeout (a new worker has the queue by then)."""
+        jobs, lock, handoff, loop = self.jobs, self.lock, self.handoff, self.loop
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            if not isinstance(job, _Job):  # a setup call
+                job()
+                continue
+            job.started = time.monotonic()
+            job.state = _RUNNING
+            try:
+                handoff.release()
+            except RuntimeError:  # already open: the loop gave up waiting
+                pass
+            attempts = job.executor.attempts(job.batch)
+            with lock:
+                late = job.state == _TIMED_OUT
+                job.state = _DONE
+            try:
+                loop.call_soon_threadsafe(self._returned if late else self._finish, job,
+                                          attempts)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                return
+            if late:
+                return
+
+    # -- on the loop ------------------------------------------------------------------
+    def _finish(self, job: _Job, attempts: list[Attempt]) -> None:
+        if job.timer is not None:
+            job.timer.cancel()
+        job.on_done(attempts)
+
+    def _returned(self, job: _Job, attempts: list[Attempt]) -> None:
+        job.executor.returned(job, time.monotonic() - job.started)
+
+    def arm(self, job: _Job, after_s: float) -> None:
+        job.timer = self.loop.call_later(after_s, self._check, job)
+
+    def _check(self, job: _Job) -> None:
+        """A batch's timeout may have passed: time it out if it has run that long."""
+        job.timer = None
+        state = job.state
+        if state == _QUEUED:  # still waiting for the thread: waiting is not running
+            self.arm(job, job.timeout_s)
+            return
+        if state != _RUNNING:
+            return
+        ran_s = time.monotonic() - job.started
+        if ran_s < job.timeout_s:
+            self.arm(job, job.timeout_s - ran_s)
+            return
+        with self.lock:
+            if job.state != _RUNNING:
+                return  # it returned meanwhile; its answer is on its way
+            job.state = _TIMED_OUT
+        self._start_worker()
+        job.executor.timed_out(job, ran_s)
 
 
 class ThreadExecutor:
@@ -113,18 +251,34 @@ class ThreadExecutor:
         #: CUDA-graph runner for the current max batch size, made on the device thread
         #: when cuda_graphs is on
         self._graphs: Any = None
+        #: the batch that ran past its timeout and has not returned (the model is stuck)
+        self._stuck: _Job | None = None
+
+    @property
+    def stuck(self) -> bool:
+        """Whether a batch of the model outlived its timeout and has not returned."""
+        return self._stuck is not None
 
     def submit(self, batch: Batch, on_done: OnDone) -> None:
+        if self._stuck is not None:
+            self._refuse(batch, on_done)
+            return
         thread = self._thread
         if self._runs_inline(batch):
             # Short CPU batch: run it on the loop, once the loop has handed out the
             # answers it holds. Handing it to the device thread would cost more than
             # it saves: the thread needs the interpreter lock the busy loop holds.
-            thread.loop.call_soon(self._run, batch, on_done)
+            # (It runs without an execution timeout: nothing can interrupt the loop.)
+            thread.loop.call_soon(self._run_inline, batch, on_done)
             return
+        job = _Job(self, batch, on_done)
+        timeout_ms = batch.config.execution_timeout_ms
+        if timeout_ms is not None:
+            job.timeout_s = timeout_ms / 1000.0
+            thread.arm(job, job.timeout_s)
         gate = thread.handoff
         gate.acquire(blocking=False)  # closed (it may have been left open by a late start)
-        thread.pool.submit(self._run_on_thread, batch, on_done)
+        thread.jobs.put(job)
         # Let the device thread take the interpreter lock and start now.
         gate.acquire(timeout=HANDOFF_WAIT_S)
 
@@ -140,27 +294,17 @@ class ThreadExecutor:
         per_request = self._model.batcher.mean_compute_per_request_s
         return per_request is not None and per_request * len(batch.requests) <= limit
 
-    def _run_on_thread(self, batch: Batch, on_done: OnDone) -> None:
-        try:
-            self._thread.handoff.release()
-        except RuntimeError:  # already open: the loop gave up waiting
-            pass
-        self._run(batch, on_done)
+    def _run_inline(self, batch: Batch, on_done: OnDone) -> None:
+        self._thread.loop.call_soon(on_done, self.attempts(batch))
 
-    def _run(self, batch: Batch, on_done: OnDone) -> None:
-        """Run a batch and hand its attempts to the loop."""
-        thread = self._thread
+    def attempts(self, batch: Batch) -> list[Attempt]:
+        """Run a batch (on whichever thread calls this); its attempts, never raises."""
         try:
-            attempts = self._run_batch(batch)
+            return self._run_batch(batch)
         except BaseException as exc:  # noqa: BLE001 - every request must still get an answer
-            now = thread.clock.now()
-            attempts = [Attempt(0, len(batch.requests), "error", now, now, 0.0,
-                                error=f"{type(exc).__name__}: {exc}",
-                                trace=traceback.format_exc())]
-        try:
-            thread.loop.call_soon_threadsafe(on_done, attempts)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            pass
+            now = self._thread.clock.now()
+            return [Attempt(0, len(batch.requests), "error", now, now, 0.0,
+                            error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())]
 
     def _run_batch(self, batch: Batch) -> list[Attempt]:
         model = self._model
@@ -175,6 +319,38 @@ class ThreadExecutor:
         self._graphs = graph_runner(self._graphs, self._model.api, self._thread.device,
                                     cfg.max_batch_size)
         return self._graphs
+
+    # -- a batch past its timeout (on the loop) ---------------------------------------
+    def timed_out(self, job: _Job, ran_s: float) -> None:
+        """``job`` has run ``ran_s`` past its timeout: answer it now, refuse until it returns."""
+        self._stuck = job
+        name = self._model.name
+        log.error("model %r has run a batch of %d for %.1f s, past execution_timeout_ms=%g; "
+                  "its requests are answered now, the model refuses batches until it returns, "
+                  "and a new device thread serves the other models", name,
+                  len(job.batch.requests), ran_s, job.timeout_s * 1000.0)
+        now = self._thread.clock.now()
+        job.on_done([Attempt(0, len(job.batch.requests), "timeout", now - ran_s, now, ran_s,
+                             error=f"a thread cannot be stopped, so model {name!r} refuses "
+                                   "requests (503) until that batch returns; retry later, and "
+                                   "fix the model or raise execution_timeout_ms")])
+
+    def returned(self, job: _Job, ran_s: float) -> None:
+        """The stuck batch returned (its results were dropped): serve the model again."""
+        if self._stuck is job:
+            self._stuck = None
+        log.warning("model %r: the batch that outlived its timeout returned after %.1f s; "
+                    "the model serves requests again", self._model.name, ran_s)
+
+    def _refuse(self, batch: Batch, on_done: OnDone) -> None:
+        job = self._stuck
+        name = self._model.name
+        now = self._thread.clock.now()
+        on_done([Attempt(0, len(batch.requests), "refused", now, now, 0.0, error=(
+            f"model {name!r} is stuck in a batch that has run for "
+            f"{time.monotonic() - job.started:.0f} s, past its execution_timeout_ms="
+            f"{job.timeout_s * 1000.0:g}; it refuses requests until that batch returns, "
+            "retry later"))])
 
 
 # -- the device process -----------------------------------------------------------------

@@ -9,11 +9,16 @@
   value is negative, so a test picks which batch fails.
 * ``OOMModel`` ("oomtoy"): like ``double`` but raises the real
   ``torch.cuda.OutOfMemoryError`` whenever a batch is larger than ``oom_above``.
+* ``HangingModel`` ("hanging"): like ``double`` but a batch holding an input whose
+  first value is 99 hangs for as many seconds as that input's second value (at most
+  ``MAX_HANG_S``), or until ``release`` is set, so a test can drive the execution
+  timeout; in a device process the hang is chosen by the input alone.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -104,6 +109,36 @@ class OOMModel(DoubleModel):
 
     def estimate_batch_bytes(self, batch_size: int, padded_length: int) -> int | None:
         return batch_size * self.bytes_per_item
+
+
+#: the longest a ``HangingModel`` batch hangs
+MAX_HANG_S = 60.0
+#: the first input value that makes a ``HangingModel`` batch hang
+HANG_CUE = 99.0
+
+
+class HangingModel(DoubleModel):
+    name = "hanging"
+
+    def __init__(self, release: threading.Event | None = None) -> None:
+        super().__init__()
+        #: when set, a hanging batch returns at once
+        self.release = release if release is not None else threading.Event()
+        #: set when a hanging batch starts, cleared by the test
+        self.hanging = threading.Event()
+        #: how many hanging batches returned
+        self.returned = 0
+
+    def predict(self, batch: torch.Tensor) -> torch.Tensor:
+        cue = batch[:, 0] == HANG_CUE
+        if bool(cue.any()):
+            hang_s = min(MAX_HANG_S, max(0.0, float(batch[cue][0, 1])))
+            self.hanging.set()
+            give_up = time.monotonic() + hang_s
+            while not self.release.is_set() and time.monotonic() < give_up:
+                self.release.wait(min(0.05, max(0.0, give_up - time.monotonic())))
+            self.returned += 1
+        return super().predict(batch)
 
 
 class VarLenModel(ModelAPI):

@@ -10,6 +10,13 @@ request to a path that is not an inference route) is left to the ASGI app.
 
 The success path allocates only what the answer needs: the parsed request, the
 settle callback and the encoded body.
+
+Shedding costs far less than serving: ``InferHook.early`` is asked by the HTTP
+server as soon as a request head is complete, before the body is read, and answers
+an ``/infer`` request to a served model that would be refused whatever its body says
+(queue full: 429 with ``Retry-After``; shutting down or still loading: 503) from
+``Engine.admission_refusal``, an O(1) check. The same check runs again before the
+body is parsed, since the queue may have filled while the body arrived.
 """
 
 from __future__ import annotations
@@ -47,6 +54,35 @@ class InferHook:
         self.state = state
         self.engine = state.engine
         self.models = state.models
+        #: the last refusal ``early`` answered, and its answer
+        self._refused: tuple[BaseException, tuple[int, list[tuple[bytes, bytes]], bytes]] | None = None
+
+    def early(self, method: bytes, path: str,
+              headers: list[tuple[bytes, bytes]]) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """The answer to a request refused on its head alone, or None to go on.
+
+        Only ``POST`` to the ``/infer`` route of a served model (and version) is
+        answered here, when the engine would refuse any request to it now; anything
+        else (an unknown model, a bad path) is left to the full path, which says
+        what is wrong. A queue-full refusal is counted and recorded as a rejected
+        request, as one refused after parsing."""
+        if method != b"POST" or not path.endswith(_SUFFIX):
+            return None
+        target = infer_target(path)
+        if target is None:
+            return None
+        served = self.models.get(target[0])
+        if served is None or target[1] not in (None, MODEL_VERSION):
+            return None
+        refusal = self.engine.admission_refusal(served.name)
+        if refusal is None:
+            return None
+        cached = self._refused
+        if cached is not None and cached[0] is refusal:
+            return cached[1]  # the engine handed out the same error again: same answer
+        reply = error_answer(refusal, f"POST {path}")
+        self._refused = (refusal, reply)
+        return reply
 
     def __call__(self, conn: Any, method: bytes, path: str, headers: list[tuple[bytes, bytes]],
                  body: bytes, answer: Answer) -> bool:
@@ -65,6 +101,9 @@ class InferHook:
             engine = self.engine
             if not engine.is_ready(name):
                 raise ModelNotReady(f"model {name!r} is not ready yet; retry in a moment")
+            refusal = engine.admission_refusal(name)
+            if refusal is not None:  # refused whatever the body holds: do not parse it
+                raise refusal
             model = served.model
             outputs = model.outputs
             req = parse_infer(body, header_length, name, model.inputs, outputs,

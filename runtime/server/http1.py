@@ -60,6 +60,18 @@ as soon as a request head is complete, before its body is read. An answer it ret
 dropped when it is small and the connection stays open, else the connection is
 closed after the answer (a body over ``EARLY_DRAIN_BYTES``, a chunked one, ``Expect:
 100-continue`` or ``Connection: close``). None lets the request go on as usual.
+
+Work per loop pass. Under overload thousands of connections are readable in the same
+pass of the event loop, and taking in all of their requests would hold back what else
+waits on the loop (batch completions, expiry timers) for as long as that takes. So the
+server takes in at most ``pass_budget`` requests (each pipelined request counts) and
+then stops: a connection whose bytes arrive once the budget is spent keeps them,
+unparsed, and stops being read. One ``call_soon`` callback then renews the budget and
+parses the held bytes, in the order they arrived, a budget's worth at a time, so the
+loop's other callbacks run between slices. The budget is checked as each read arrives,
+so one read holding many pipelined requests is parsed whole (at most what one read
+brings, and a connection stops being read at ``MAX_PIPELINED`` waiting requests). A
+connection driven by hand, off a running loop, is never held.
 """
 
 from __future__ import annotations
@@ -112,6 +124,9 @@ MAX_INFLIGHT_BODY_BYTES = 256 * 1024 * 1024
 EARLY_DRAIN_BYTES = 1024 * 1024
 #: when the open-file limit is unknown, at most this many connections
 FALLBACK_MAX_CONNECTIONS = 4096
+#: requests the server takes in (parses and hands on) before it lets the event loop
+#: run its other callbacks (batch completions, timers) again; see ``HttpServer``
+PASS_BUDGET = 256
 
 Answer = Callable[[int, list[tuple[bytes, bytes]], bytes], None]
 #: (connection, method, path, headers, body, answer) -> True when it took the request
@@ -242,6 +257,8 @@ class _Connection(asyncio.Protocol):
         self.writable: asyncio.Future | None = None
         #: when ``writable`` was last set
         self.write_blocked_since = 0.0
+        #: bytes that arrived once the server's pass budget was spent, not yet parsed
+        self.held = b""
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -284,7 +301,7 @@ class _Connection(asyncio.Protocol):
         writable, self.writable = self.writable, None
         if writable is not None and not writable.done():
             writable.set_result(None)
-        if not self.reading_paused and not self.closed:
+        if not self.reading_paused and not self.closed and not self.held:
             self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -304,6 +321,13 @@ class _Connection(asyncio.Protocol):
         if self.closing:
             return
         self.last_active_s = self.loop.time()
+        if self.server.budget <= 0 or self.held:
+            if self.server.hold(self, data):
+                return
+        self.feed(data)
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data`` and act on the requests it completes."""
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -441,6 +465,7 @@ class _Connection(asyncio.Protocol):
         ex = self.current
         self.current = None
         ex.complete = True
+        self.server.budget -= 1
         if ex.body is _DROPPED:
             return  # answered early; its body was read only to be dropped
         body = ex.body[0] if len(ex.body) == 1 else b"".join(ex.body)
@@ -493,7 +518,7 @@ class _Connection(asyncio.Protocol):
                     self._send_continue(nxt)
         if self.reading_paused and len(queue) < MAX_PIPELINED // 2:
             self.reading_paused = False
-            if self.writable is None:
+            if self.writable is None and not self.held:
                 self.transport.resume_reading()
         if not queue:
             self.last_active_s = self.loop.time()
@@ -559,7 +584,7 @@ class _Connection(asyncio.Protocol):
         """True when this connection waits for the client to send (it is idle, or a head
         or body is coming), not for an answer of the server, nor for the client to read
         one, nor for the server to ask for a body (``Expect: 100-continue``)."""
-        if self.closing or self.reading_paused or self.writable is not None:
+        if self.closing or self.reading_paused or self.writable is not None or self.held:
             return False
         ex = self.current
         if ex is None:
@@ -657,8 +682,9 @@ class _Connection(asyncio.Protocol):
             # reading (and dropping) until it closes or LINGER_S has passed
             self.linger = False
             transport.write_eof()
-            if self.reading_paused:
+            if self.reading_paused or self.held:
                 self.reading_paused = False
+                self.held = b""  # what follows a refusal is dropped anyway
                 transport.resume_reading()
             self.loop.call_later(LINGER_S, transport.close)
             return
@@ -822,13 +848,14 @@ class HttpServer:
                  body_timeout_s: float = BODY_TIMEOUT_S,
                  min_body_bytes_per_s: float = MIN_BODY_BYTES_PER_S,
                  max_inflight_body_bytes: int = MAX_INFLIGHT_BODY_BYTES,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None, pass_budget: int = PASS_BUDGET) -> None:
         if max_connections is None:
             max_connections = default_max_connections()
         for name, value in (("max_body_bytes", max_body_bytes), ("keep_alive_s", keep_alive_s),
                             ("header_timeout_s", header_timeout_s),
                             ("body_timeout_s", body_timeout_s),
-                            ("max_connections", max_connections)):
+                            ("max_connections", max_connections),
+                            ("pass_budget", pass_budget)):
             if not value > 0:
                 raise ValueError(f"HttpServer: {name} must be positive, got {value!r}")
         if min_body_bytes_per_s < 0:
@@ -849,6 +876,12 @@ class HttpServer:
         self.min_body_bytes_per_s = min_body_bytes_per_s
         self.max_inflight_body_bytes = max_inflight_body_bytes
         self.max_connections = max_connections
+        self.pass_budget = pass_budget
+        #: requests that may still be taken in before the loop gets a turn (see ``hold``)
+        self.budget = pass_budget
+        #: connections holding bytes that arrived once the budget was spent, in order
+        self.held: deque[_Connection] = deque()
+        self._next_slice: asyncio.Handle | None = None
         #: body bytes of the requests being read or answered, on all connections
         self.inflight_body_bytes = 0
         #: connections accepted so far
@@ -858,7 +891,8 @@ class HttpServer:
         #: what the limits did, by kind (slow paths only)
         self.counts: dict[str, int] = dict.fromkeys(
             ("header_timeouts", "body_timeouts", "write_timeouts", "evicted_idle", "evicted_mid_request",
-             "refused_at_connection_limit", "refused_body_budget", "early_answers"), 0)
+             "refused_at_connection_limit", "refused_body_budget", "early_answers",
+             "held_reads"), 0)
         self.clock = _Clock()
         self.connections: set[_Connection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -916,6 +950,42 @@ class HttpServer:
         victim.evict()
         return True
 
+    # -- work per loop pass ------------------------------------------------------------------
+    def hold(self, conn: _Connection, data: bytes) -> bool:
+        """``data`` arrived on ``conn`` once the pass budget was spent (or behind bytes it
+        already holds): keep it unparsed and stop reading ``conn`` until a later slice
+        parses it. False (the caller parses it now) when no loop is running to give a
+        turn to, such as a connection fed by hand."""
+        loop = self.loop
+        if not conn.held:
+            if loop is None or not loop.is_running():
+                self.budget = self.pass_budget
+                return False
+            self.held.append(conn)
+            conn.transport.pause_reading()
+            self.counts["held_reads"] += 1
+        conn.held += data
+        if self._next_slice is None:
+            self._next_slice = loop.call_soon(self._slice)
+        return True
+
+    def _slice(self) -> None:
+        """Renew the pass budget and parse what the held connections keep, oldest first,
+        until the budget is spent again (then the rest waits for the next slice)."""
+        self._next_slice = None
+        self.budget = self.pass_budget
+        held = self.held
+        while held and self.budget > 0:
+            conn = held.popleft()
+            data, conn.held = conn.held, b""
+            if conn.closed or conn.closing:
+                continue
+            if not conn.reading_paused and conn.writable is None:
+                conn.transport.resume_reading()
+            conn.feed(data)
+        if held and self._next_slice is None:
+            self._next_slice = self.loop.call_soon(self._slice)
+
     # -- requests --------------------------------------------------------------------------
     def dispatch(self, conn: _Connection, ex: _Exchange, body: bytes) -> None:
         fast = self.fast
@@ -952,6 +1022,12 @@ class HttpServer:
         self.stopping = True
         if self._tick is not None:
             self._tick.cancel()
+        if self._next_slice is not None:
+            self._next_slice.cancel()
+            self._next_slice = None
+        for conn in self.held:
+            conn.held = b""  # requests not yet read: dropped with their idle connections
+        self.held.clear()
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
