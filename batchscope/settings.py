@@ -78,7 +78,8 @@ class Setting:
     choices: tuple[str, ...] = ()
     #: ``int_list`` only: how many items the list may hold
     max_items: int | None = None
-    #: form section: "batching", "buckets", "queueing", "memory", "generation", "cache"
+    #: form section: "batching", "buckets", "queueing", "memory", "faults", "events",
+    #: "generation", "cache"
     group: str = "batching"
     #: the lower bound itself is not allowed (a value must be above ``min``)
     min_exclusive: bool = False
