@@ -479,11 +479,12 @@ class _TrivialProtocol(asyncio.Protocol):
             self.transport.write(b"".join(out))
 
 
-def _trivial_server(port_out: Any) -> None:
+def _trivial_server(conn: Any) -> None:
+    """In a child started by ``spawn_child``: serve ``_TrivialProtocol`` and send the port."""
     async def main() -> None:
         loop = asyncio.get_running_loop()
         server = await loop.create_server(_TrivialProtocol, "127.0.0.1", 0)
-        port_out.put(server.sockets[0].getsockname()[1])
+        conn.send(server.sockets[0].getsockname()[1])
         await server.serve_forever()
 
     run_async(main())
@@ -491,16 +492,16 @@ def _trivial_server(port_out: Any) -> None:
 
 def measure_ceiling(duration_s: float = 3.0, concurrency: int = 64) -> LoadReport:
     """Closed-loop throughput against a trivial server in another process."""
-    import multiprocessing as mp
+    from batchscope.spawn import spawn_child
 
-    ctx = mp.get_context("spawn")
-    ports = ctx.Queue()
-    proc = ctx.Process(target=_trivial_server, args=(ports,), daemon=True)
-    proc.start()
+    child = spawn_child(_trivial_server, name="batchscope-trivial-server")
     try:
-        port = ports.get(timeout=30)
+        if not child.conn.poll(30):
+            raise RuntimeError("the trivial server did not start within 30 s")
+        port = child.conn.recv()
         return run_load(f"http://127.0.0.1:{port}", "trivial", concurrency=concurrency,
                         duration_s=duration_s, payloads=[b"{}"], path="/")
     finally:
-        proc.terminate()
-        proc.join(5)
+        child.process.terminate()
+        child.process.join(5)
+        child.conn.close()
