@@ -1,10 +1,13 @@
 """The bundled demo runtime, started when nothing reports to the dashboard's database.
 
-``python -m runtime.tools.demo`` runs as a child process of the Streamlit server (one per
-server process and database URL), recording synthetic, varying traffic into the database
-the dashboard reads; it stops when the server exits. The dashboard only starts it by
-command line, so ``batchscope`` still never imports ``runtime``. ``BATCHSCOPE_NO_DEMO=1``
-or the sidebar toggle turns it off.
+``python -m runtime.tools.demo`` runs as a child process of the Streamlit server, recording
+synthetic, varying traffic into the database the dashboard reads; it stops when the server
+exits. At most one is started per server process, and only into the configured database
+(``BATCHSCOPE_DB_URL`` or the default), whatever visitors type in the Database URL box: a
+demo must not fill someone's recorded data with synthetic traffic, nor a visitor start
+processes by typing URLs. The dashboard only starts it by command line, so ``batchscope``
+still never imports ``runtime``. ``BATCHSCOPE_NO_DEMO=1`` or the sidebar toggle turns it
+off.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import streamlit as st
 
-from batchscope.dashboard.scope import Scope
+from batchscope.dashboard.scope import Scope, default_db_url
 
 #: the checkout's root: the demo is run from there so ``runtime`` is importable
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,10 +45,14 @@ class DemoRuntime:
             return
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", MODULE, "--db", url, "--port", "0"],
-            cwd=str(ROOT), stdout=self._log, stderr=subprocess.STDOUT,
+            self.argv(url), cwd=str(ROOT), stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, "BATCHSCOPE_DB_URL": url})
         atexit.register(self.stop)
+
+    @staticmethod
+    def argv(url: str) -> list[str]:
+        """The command line that runs the demo runtime into ``url``."""
+        return [sys.executable, "-m", MODULE, "--db", url, "--port", "0"]
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -58,10 +66,33 @@ class DemoRuntime:
                 self.proc.kill()
 
 
+class DemoSlot:
+    """The one demo runtime of a server process: started by the first ``get``, kept
+    after (a demo that exited is not restarted; its log says why)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # sessions run in threads of their own
+        self.runtime: DemoRuntime | None = None
+        self.starts = 0
+
+    def get(self, url: str) -> DemoRuntime:
+        with self._lock:
+            if self.runtime is None:
+                self.starts += 1
+                self.runtime = DemoRuntime(url)
+            return self.runtime
+
+
 @st.cache_resource(show_spinner=False)
+def demo_slot() -> DemoSlot:
+    """This server process's demo slot (one, whichever session asks)."""
+    return DemoSlot()
+
+
 def demo_runtime(url: str) -> DemoRuntime:
-    """The demo runtime recording into ``url``, started on the first call."""
-    return DemoRuntime(url)
+    """The server's demo runtime, started into ``url`` on the first call; later calls get
+    the same one, whatever URL they name."""
+    return demo_slot().get(url)
 
 
 def allowed_from_sidebar() -> bool:
@@ -82,8 +113,16 @@ def show_source(scope: Scope, *, demo_allowed: bool) -> None:
                 f"{url}. Turn it off with BATCHSCOPE_NO_DEMO=1 or the sidebar toggle.")
     elif scope.live_ids:
         st.caption(f"Attached to live runtime(s): {', '.join(scope.live_ids)}")
+    elif demo_allowed and url != default_db_url():
+        st.warning(f"No runtime is reporting to {url}; showing recorded data only (the demo "
+                   "runtime only records into the dashboard's configured database, "
+                   f"{default_db_url()}).")
     elif demo_allowed:
         demo = demo_runtime(url)
+        if demo.url != url:  # the configuration changed since it was started
+            st.warning(f"No runtime reports to {url}; the demo runtime of this dashboard "
+                       f"records into {demo.url} (one is started per dashboard server).")
+            return
         if demo.error:
             st.warning(f"No runtime reports to {url} and {demo.error}.")
         elif demo.running():

@@ -7,14 +7,28 @@ reads it back with :func:`current`. Pages never read the sidebar widgets themsel
 
 The data source is either the live database (``Scope.snapshot`` is None) or a snapshot
 opened on the Snapshots page; :func:`data_engine` gives the engine to query for either.
+
+The Database URL box is open to whoever reaches the dashboard, so what it accepts is
+narrow (:func:`vet_database_url`). The configured database (``BATCHSCOPE_DB_URL``, the
+secret of that name, else ``data/batchscope.db``) is the operator's choice and is
+opened as a runtime opens it, created when missing. Anything else typed there must be
+a SQLite file that already holds a BatchScope database: other database URLs (a server
+on the network), in-memory databases, URL options, folders, other files and SQLite
+databases that are not BatchScope's are refused, and nothing is created, no folder, no
+file, no table. A new database file is made only when the visitor ticks "Create a new
+database there", and only as a ``.db``/``.sqlite``/``.sqlite3`` file in a folder that
+exists. A refused URL is said so under the box and the configured database is shown.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import os
+import sqlite3
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
 
 import streamlit as st
 from sqlalchemy import Engine
@@ -32,6 +46,10 @@ WATCH_EVERY_S = 2.0
 _SCOPE_KEY = "scope"
 _SNAPSHOTS_KEY = "snapshots"
 _SWITCH_KEY = "switch_source"
+_CREATE_KEY = "db_create"
+#: file names a new database may be created under from the Database URL box
+NEW_DB_SUFFIXES = (".db", ".sqlite", ".sqlite3")
+_SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 @dataclass(frozen=True)
@@ -73,8 +91,84 @@ class Scope:
 # -- resources and state ----------------------------------------------------------------
 @st.cache_resource(show_spinner=False)
 def engine_for(url: str) -> Engine:
-    """One engine per database URL and Streamlit server process."""
-    return db.make_engine(url)
+    """One engine per database URL and Streamlit server process. The configured database
+    is created when missing (as a runtime would); any other URL only reaches here once
+    :func:`vet_database_url` accepted it, and is opened without creating anything."""
+    if url == default_db_url():
+        return db.make_engine(url)
+    engine = db.make_engine(url, create=False)
+    db.init_schema(engine)  # a BatchScope database of an older version: add its new tables
+    return engine
+
+
+def vet_database_url(url: str, *, create: bool = False) -> str | None:
+    """Why ``url``, typed in the Database URL box, is refused; None when it may be opened.
+
+    The configured database is always accepted. Anything else must be a plain SQLite
+    file URL naming an existing BatchScope database, or, with ``create``, a missing
+    ``.db``/``.sqlite``/``.sqlite3`` file in an existing folder, which is then created
+    (owner-only, with the schema). See the module docstring for why."""
+    if url == default_db_url():
+        return None
+    path = db.sqlite_path(url)
+    if path is None or "?" in url:
+        return (f"{url!r:.200} is not a SQLite database file URL (sqlite:///path/to/file.db, "
+                "without options); other databases are chosen with BATCHSCOPE_DB_URL when the "
+                "dashboard starts")
+    where = Path(os.path.abspath(path))
+    if not where.exists():
+        return _create_database(url, where) if create else (
+            f"there is no database at {where}; tick 'Create a new database there' to make one, "
+            "or check the path")
+    if not where.is_file():
+        return f"{where} is not a file"
+    why = _not_batchscope(where)
+    if why is None:
+        return None
+    if create and where.stat().st_size == 0:  # an empty file is an empty SQLite database
+        return _create_database(url, where)
+    return why
+
+
+def _not_batchscope(path: Path) -> str | None:
+    """Why the file at ``path`` is not a BatchScope database; None when it is one. Opened
+    read-write without the create flag, so a file that goes away is not made anew."""
+    try:
+        with open(path, "rb") as fh:
+            header = fh.read(len(_SQLITE_HEADER))
+    except OSError as exc:
+        return f"{path} cannot be read: {exc.strerror or exc}"
+    if header != _SQLITE_HEADER:
+        return f"{path} is not a SQLite database"
+    try:
+        conn = sqlite3.connect(f"file:{quote(str(path))}?mode=rw", uri=True, timeout=db.BUSY_TIMEOUT_S)
+    except sqlite3.Error as exc:
+        return f"{path} cannot be opened: {exc}"
+    try:
+        row = conn.execute("SELECT value FROM schema_meta WHERE key = 'schema_version'").fetchone()
+    except sqlite3.Error:
+        row = None
+    finally:
+        conn.close()
+    if row is None:
+        return (f"{path} is a SQLite database but not a BatchScope one; point the box at the "
+                "file a runtime records into (its --db)")
+    return None
+
+
+def _create_database(url: str, path: Path) -> str | None:
+    """Make a new BatchScope database at ``path`` (the visitor asked for it): only a
+    database file name, only in a folder that exists."""
+    if path.suffix not in NEW_DB_SUFFIXES:
+        return (f"a new database file must be named *{', *'.join(NEW_DB_SUFFIXES)}; "
+                f"{path.name!r} is not")
+    if not path.parent.is_dir():
+        return f"the folder {path.parent} does not exist; the dashboard does not create folders"
+    try:
+        db.make_engine(url).dispose()
+    except Exception as exc:
+        return f"a database could not be created at {path}: {exc}"
+    return None
 
 
 def opened_snapshots() -> dict[str, snapshot.Snapshot]:
@@ -127,7 +221,17 @@ def from_sidebar() -> Scope:
     """Draw the scope pickers in the sidebar and return what they select."""
     sb = st.sidebar
     sb.title("BatchScope")
-    url = sb.text_input("Database URL", value=default_db_url(), key="db_url")
+    configured = default_db_url()
+    typed = sb.text_input("Database URL", value=configured, key="db_url").strip()
+    create = False
+    if typed != configured:
+        create = sb.checkbox("Create a new database there", value=False, key=_CREATE_KEY,
+                             help="Only for a .db/.sqlite/.sqlite3 file in a folder that exists")
+    refused = vet_database_url(typed, create=create)
+    url = typed
+    if refused is not None:
+        sb.error(f"Not opened: {refused}. Showing the configured database ({configured}).")
+        url = configured
     snaps = opened_snapshots()
     if _SWITCH_KEY in st.session_state:  # a snapshot was just opened: browse it
         st.session_state["source"] = st.session_state.pop(_SWITCH_KEY)

@@ -7,6 +7,7 @@ it instead of the live database.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import streamlit as st
@@ -17,6 +18,7 @@ from batchscope.dashboard.scope import Scope, browse_snapshot, data_engine, open
 from batchscope.presentation import charts, report, snapshot
 
 _ERRORS = "snap_errors"
+log = logging.getLogger(__name__)
 
 
 def render(scope: Scope) -> None:
@@ -57,6 +59,10 @@ def open_files() -> None:
             opened = f.name
         except snapshot.SnapshotError as exc:
             errors[f.name] = str(exc)
+        except Exception as exc:  # a bug, or the machine (memory, disk): still say so here
+            errors[f.name] = (f"opening it failed unexpectedly ({type(exc).__name__}: {exc}); "
+                              "the dashboard's log has the details")
+            log.exception("opening the snapshot %s failed", f.name)
     for name, err in errors.items():
         st.error(f"{name} was not opened: {err}")
     if opened is not None:

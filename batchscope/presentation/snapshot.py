@@ -7,35 +7,48 @@ Layout of the file::
     report.html              the offline report (Plotly inlined)
 
 ``export_snapshot`` writes one; ``load_snapshot`` checks one thoroughly (size
-limits, member names, compression ratio, manifest format/version, column names
-and value types; JSON only, nothing is executed) and loads it into a temporary
-SQLite database with the live schema, so the dashboard's queries run on it
-unchanged. ``cli_export`` backs ``batchscope snapshot export``.
+limits, member names, compression method and ratio, manifest format/version and
+field types, column names and value types; strict UTF-8 JSON only, nothing is
+executed) and loads it into a temporary SQLite database with the live schema, so
+the dashboard's queries run on it unchanged. Tables are streamed: read in chunks,
+parsed many rows at a time, checked column by column and inserted in batches, so
+opening a large snapshot takes memory for a chunk, not for the file (a 60 MB
+snapshot: about 15 MB over the interpreter, against 1.5 GB when whole members were
+parsed; ``benchmarks/reliability/snapshot_import.py``). Whatever is wrong with a
+file (damaged, cut off, hostile, or not a snapshot) is a ``SnapshotError`` saying
+what. ``cli_export`` backs ``batchscope snapshot export``.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import io
 import json
 import math
 import os
-import weakref
 import platform
+import re
+import sqlite3
 import sys
 import tempfile
 import time
+import weakref
 import zipfile
+import zlib
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import metadata
+from operator import is_not
 from pathlib import Path
 from typing import BinaryIO
 
 from sqlalchemy import Boolean, Engine, Float, Integer, String, Text, text
+from sqlalchemy.schema import CreateIndex, CreateTable
 
 from batchscope.analysis import diagnosis, queries
 from batchscope.presentation import report
-from batchscope.storage.db import make_engine
+from batchscope.storage.db import init_schema, make_engine
 from batchscope.analysis.queries import Window
 from batchscope.storage.schema import SCHEMA_VERSION, Base
 
@@ -69,6 +82,7 @@ class Limits:
     max_ratio: float = 200.0
     max_rows_per_table: int = 20_000_000
     max_text_chars: int = 100_000
+    max_manifest_bytes: int = 16 * 1024 ** 2
 
 
 @dataclass
@@ -92,8 +106,9 @@ class Snapshot:
         self._finalizer()
 
 
-def _discard(engine: Engine, path: str) -> None:
-    engine.dispose()
+def _discard(engine: Engine | None, path: str) -> None:
+    if engine is not None:
+        engine.dispose()
     for suffix in ("", "-wal", "-shm"):
         try:
             os.remove(path + suffix)
@@ -171,15 +186,47 @@ def export_bytes(engine: Engine, w: Window, **kwargs) -> bytes:
 
 
 # -- import ---------------------------------------------------------------------------
+#: bytes read from a member at a time while streaming it
+READ_CHUNK = 1024 ** 2
+#: rows inserted into the temporary database per ``executemany``
+INSERT_BATCH = 5000
+#: compression methods BatchScope writes (and so the only ones read)
+COMPRESSIONS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflated"}
+_WS = re.compile(r"[ \t\n\r]*")
+_NONE = partial(is_not, None)
+
+
 def _reject_constant(name: str):
     raise SnapshotError(f"the snapshot holds {name}, which is not a valid number; "
                         "it was not written by BatchScope or was altered")
 
 
-def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limits: Limits) -> bytes:
-    with zf.open(info) as fh:
-        data = fh.read(limits.max_member_bytes + 1)
-    if len(data) > limits.max_member_bytes or len(data) > info.file_size:
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def _corrupt(member: str, exc: BaseException) -> SnapshotError:
+    return SnapshotError(f"{member} cannot be read ({type(exc).__name__}: {exc}); the file is "
+                         "damaged (a bad checksum or a cut-off download) or was not written by "
+                         "BatchScope")
+
+
+#: what reading a damaged member raises (bad CRC, broken deflate stream, cut-off data)
+_READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError)
+
+
+def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limits: Limits,
+                 max_bytes: int | None = None) -> bytes:
+    """A whole (small) member, at most ``max_bytes`` (default: the member limit)."""
+    cap = limits.max_member_bytes if max_bytes is None else max_bytes
+    if info.file_size > cap:
+        raise SnapshotError(f"{info.filename} is {info.file_size} bytes, more than the limit of "
+                            f"{cap}")
+    try:
+        with zf.open(info) as fh:
+            data = fh.read(cap + 1)
+    except _READ_ERRORS as exc:
+        raise _corrupt(info.filename, exc) from None
+    if len(data) > cap or len(data) > info.file_size:
         raise SnapshotError(f"{info.filename} expands beyond its declared or allowed size; "
                             "the file is corrupt or hostile")
     return data
@@ -198,6 +245,9 @@ def _check_members(zf: zipfile.ZipFile, limits: Limits) -> dict[str, zipfile.Zip
             raise SnapshotError(f"the entry {name!r} appears twice in the snapshot")
         if info.flag_bits & 0x1:
             raise SnapshotError(f"{name} is encrypted; snapshots are never encrypted")
+        if info.compress_type not in COMPRESSIONS:
+            raise SnapshotError(f"{name} uses compression method {info.compress_type}; snapshots "
+                                "are stored or deflated (re-export it with BatchScope)")
         if info.file_size > limits.max_member_bytes:
             raise SnapshotError(f"{name} would expand to {info.file_size} bytes, more than the "
                                 f"limit of {limits.max_member_bytes}")
@@ -218,14 +268,23 @@ def _check_members(zf: zipfile.ZipFile, limits: Limits) -> dict[str, zipfile.Zip
 def _parse_json(raw: bytes, member: str):
     """JSON only (no NaN/Infinity); anything else is a SnapshotError naming the member."""
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        return _DECODER.decode(raw.decode("utf-8"))
     except SnapshotError:
         raise
-    except (ValueError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise SnapshotError(f"{member} is not UTF-8 text: {exc}") from None
+    except ValueError as exc:
         raise SnapshotError(f"{member} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise SnapshotError(f"{member} nests its values too deeply; snapshots are flat "
+                            "tables") from None
 
 
-def _check_manifest(raw: bytes) -> dict:
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_manifest(raw: bytes, limits: Limits) -> dict:
     manifest = _parse_json(raw, MANIFEST)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise SnapshotError(f"{MANIFEST} does not describe a {FORMAT!r} file")
@@ -240,17 +299,32 @@ def _check_manifest(raw: bytes) -> dict:
         raise SnapshotError(f"schema_version {schema!r} is not one this BatchScope reads "
                             f"(up to {SCHEMA_VERSION})")
     w = manifest.get("window")
-    ok_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if not isinstance(w, dict) or not ok_num(w.get("start_s")) or not ok_num(w.get("end_s")) \
+    if not isinstance(w, dict) or not _number(w.get("start_s")) or not _number(w.get("end_s")) \
             or not all(w.get(k) is None or isinstance(w.get(k), str) for k in ("model", "instance_id")):
         raise SnapshotError(f"{MANIFEST} has no valid window (start_s, end_s numbers; model, "
                             "instance_id strings or null)")
-    if not isinstance(manifest.get("flags", []), list):
-        raise SnapshotError(f"flags in {MANIFEST} must be a list")
+    flags = manifest.get("flags", [])
+    if not isinstance(flags, list) or not all(isinstance(f, dict) for f in flags):
+        raise SnapshotError(f"flags in {MANIFEST} must be a list of objects")
+    for key in ("environment", "tables"):
+        if not isinstance(manifest.get(key, {}), dict):
+            raise SnapshotError(f"{key} in {MANIFEST} must be an object")
+    for name, entry in manifest.get("tables", {}).items():
+        rows = entry.get("rows", 0) if isinstance(entry, dict) else None
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+            raise SnapshotError(f"tables.{name!s:.40} in {MANIFEST} must be an object with a "
+                                "non-negative row count")
+        if rows > limits.max_rows_per_table:
+            raise SnapshotError(f"{MANIFEST} says tables/{name!s:.40}.json has {rows} rows, more "
+                                f"than the limit of {limits.max_rows_per_table}")
+    for key in ("slo_ms", "created_at"):
+        if manifest.get(key) is not None and not _number(manifest[key]):
+            raise SnapshotError(f"{key} in {MANIFEST} must be a number or null")
     return manifest
 
 
 def _value_checker(column, limits: Limits):
+    """One value of ``column``: ok or not (used to name the first bad value)."""
     kind = column.type
     nullable = column.nullable or column.primary_key and isinstance(kind, Integer)
     if isinstance(kind, Boolean):
@@ -258,8 +332,7 @@ def _value_checker(column, limits: Limits):
     elif isinstance(kind, Integer):
         good = lambda v: isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2 ** 63
     elif isinstance(kind, Float):
-        good = lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)
-                          and math.isfinite(v))
+        good = _number
     elif isinstance(kind, (String, Text)):
         good = lambda v: isinstance(v, str) and len(v) <= limits.max_text_chars
     else:  # pragma: no cover - every column of the schema is one of the above
@@ -267,94 +340,333 @@ def _value_checker(column, limits: Limits):
     return lambda v: (v is None and nullable) or (v is not None and good(v))
 
 
-def _check_table(name: str, raw: bytes, limits: Limits) -> tuple[list[str], list[list]]:
-    doc = _parse_json(raw, f"tables/{name}.json")
-    if not isinstance(doc, dict) or not isinstance(doc.get("columns"), list) \
-            or not isinstance(doc.get("rows"), list):
-        raise SnapshotError(f"tables/{name}.json must be an object with 'columns' and 'rows' lists")
-    table = Base.metadata.tables[name]
-    columns = doc["columns"]
-    unknown = [c for c in columns if not isinstance(c, str) or c not in table.columns]
-    if unknown or len(set(columns)) != len(columns):
-        raise SnapshotError(f"tables/{name}.json has unknown or repeated columns {unknown!r}; "
-                            f"known columns are {[c.name for c in table.columns]}")
-    required = [c.name for c in table.columns
-                if not c.nullable and not c.primary_key and c.default is None
-                and c.name not in columns]
-    if required:
-        raise SnapshotError(f"tables/{name}.json lacks required columns {required}")
-    rows = doc["rows"]
-    if len(rows) > limits.max_rows_per_table:
-        raise SnapshotError(f"tables/{name}.json has {len(rows)} rows, more than the limit of "
-                            f"{limits.max_rows_per_table}")
-    checks = [_value_checker(table.columns[c], limits) for c in columns]
-    width = len(columns)
-    for i, row in enumerate(rows):
-        if not isinstance(row, list) or len(row) != width:
-            raise SnapshotError(f"tables/{name}.json row {i} is not a list of {width} values")
-        for col, check, value in zip(columns, checks, row):
-            if not check(value):
-                raise SnapshotError(f"tables/{name}.json row {i}: {col}={value!r:.60} has the "
-                                    f"wrong type for a {table.columns[col].type} column")
-    return columns, rows
+def _column_checker(column, limits: Limits):
+    """All values of ``column`` in one batch at once, with C-level loops: ok or not.
+    Exactly as strict as ``_value_checker``, which then finds the row to blame."""
+    kind = column.type
+    nullable = column.nullable or column.primary_key and isinstance(kind, Integer)
+    if isinstance(kind, Boolean):
+        types, tail = {bool, int}, lambda vs: set(vs) <= {0, 1}
+    elif isinstance(kind, Integer):
+        types, tail = {int}, lambda vs: -(2 ** 63) < min(vs) and max(vs) < 2 ** 63
+    elif isinstance(kind, Float):
+        types, tail = {int, float}, lambda vs: all(map(math.isfinite, vs))
+    else:
+        cap = limits.max_text_chars
+        types, tail = {str}, lambda vs: max(map(len, vs)) <= cap
+    if nullable:
+        types = types | {type(None)}
+
+    def check(values: tuple) -> bool:
+        found = set(map(type, values))
+        if not found <= types:
+            return False
+        present = list(filter(_NONE, values)) if type(None) in found else values
+        return not present or tail(present)
+    return check
 
 
-def load_snapshot(source: str | Path | bytes | BinaryIO, *, limits: Limits | None = None,
-                  workdir: str | Path | None = None) -> Snapshot:
-    """Check ``source`` and load it into a temporary SQLite database (see ``Snapshot``)."""
-    limits = limits or Limits()
+class _MemberStream:
+    """A table member read ``READ_CHUNK`` bytes at a time, decoded as strict UTF-8, with
+    the JSON values in it taken one by one: memory stays at a chunk plus one row."""
+
+    def __init__(self, fh: BinaryIO, info: zipfile.ZipInfo, limits: Limits) -> None:
+        self.fh, self.name = fh, info.filename
+        self.cap = min(info.file_size, limits.max_member_bytes)
+        #: the longest one value (a row, the column list) may be
+        self.max_value_chars = limits.max_text_chars * 64 + READ_CHUNK
+        self.read = 0
+        self.buf, self.pos, self.eof = "", 0, False
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("strict")
+
+    def fail(self, what: str) -> SnapshotError:
+        return SnapshotError(f"{self.name} is not a valid table: {what}")
+
+    def fill(self) -> None:
+        if self.eof:
+            return
+        try:
+            chunk = self.fh.read(READ_CHUNK)
+        except _READ_ERRORS as exc:
+            raise _corrupt(self.name, exc) from None
+        self.read += len(chunk)
+        if self.read > self.cap:
+            raise SnapshotError(f"{self.name} expands beyond its declared or allowed size; "
+                                "the file is corrupt or hostile")
+        self.eof = not chunk
+        try:
+            text = self._utf8.decode(chunk, final=self.eof)
+        except UnicodeDecodeError as exc:
+            raise SnapshotError(f"{self.name} is not UTF-8 text: {exc}") from None
+        self.buf = self.buf[self.pos:] + text
+        self.pos = 0
+
+    def peek(self) -> str:
+        """The next character that is not white space ('' at the end)."""
+        while True:
+            self.pos = _WS.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf) or self.eof:
+                return self.buf[self.pos:self.pos + 1]
+            self.fill()
+
+    def expect(self, char: str, where: str) -> None:
+        found = self.peek()
+        if found != char:
+            raise self.fail(f"expected {char!r} {where}, found {found or 'the end'!r}")
+        self.pos += 1
+
+    def values(self) -> list:
+        """The rows from here to the last complete one in the buffer, parsed in one go:
+        ``[`` + the text up to a ``]`` + ``]`` parses only when the cut falls between
+        two values (a cut inside a string or a row leaves it unbalanced). When it
+        does not parse (nor with the ``]`` before, in case the last one closes the list of
+        rows), one value is taken, the slow way that names what is wrong."""
+        buf, pos = self.buf, self.pos
+        cut = len(buf)
+        for _ in range(2):  # the last ']' may close the list of rows: then the one before
+            cut = buf.rfind("]", pos, cut)
+            if cut <= pos:
+                break
+            try:
+                rows = _DECODER.decode("[" + buf[pos:cut + 1] + "]")
+            except SnapshotError:
+                raise
+            except (ValueError, RecursionError):
+                continue
+            self.pos = cut + 1
+            return rows
+        return [self.value()]
+
+    def value(self):
+        """The next JSON value, read on while it is cut off by the end of the buffer."""
+        self.peek()  # raw_decode does not skip white space
+        while True:
+            try:
+                value, end = _DECODER.raw_decode(self.buf, self.pos)
+            except SnapshotError:
+                raise
+            except RecursionError:
+                raise self.fail("values nest too deeply; a table is a list of flat rows") from None
+            except ValueError as exc:
+                if self.eof:
+                    raise self.fail(f"bad JSON: {exc}") from None
+                if len(self.buf) - self.pos > self.max_value_chars:
+                    raise self.fail(f"a value longer than {self.max_value_chars} characters")
+                self.fill()
+                continue
+            if end == len(self.buf) and not self.eof:  # a number may go on in the next chunk
+                self.fill()
+                continue
+            self.pos = end
+            return value
+
+
+class _TableLoader:
+    """Checks one table member row batch by row batch and inserts each batch."""
+
+    def __init__(self, name: str, limits: Limits, cursor) -> None:
+        self.name, self.limits, self.cursor = name, limits, cursor
+        self.member = f"tables/{name}.json"
+        self.table = Base.metadata.tables[name]
+        self.rows = 0
+
+    def columns(self, columns: object) -> None:
+        table = self.table
+        if not isinstance(columns, list):
+            raise SnapshotError(f"{self.member} must be an object with 'columns' and 'rows' lists")
+        unknown = [c for c in columns if not isinstance(c, str) or c not in table.columns]
+        if unknown or len(set(columns)) != len(columns):
+            raise SnapshotError(f"{self.member} has unknown or repeated columns {unknown!r:.200}; "
+                                f"known columns are {[c.name for c in table.columns]}")
+        required = [c.name for c in table.columns
+                    if not c.nullable and not c.primary_key and c.default is None
+                    and c.name not in columns]
+        if required:
+            raise SnapshotError(f"{self.member} lacks required columns {required}")
+        self.names = columns
+        self.width = len(columns)
+        self.value_checks = [_value_checker(table.columns[c], self.limits) for c in columns]
+        self.column_checks = [_column_checker(table.columns[c], self.limits) for c in columns]
+        marks = ", ".join("?" for _ in columns)
+        self.sql = f"INSERT INTO {self.name} ({', '.join(columns)}) VALUES ({marks})"
+
+    def add(self, batch: list) -> None:
+        """Check ``batch`` (the rows after ``self.rows``) and insert it."""
+        first = self.rows
+        self.rows += len(batch)
+        if self.rows > self.limits.max_rows_per_table:
+            raise SnapshotError(f"{self.member} has {self.limits.max_rows_per_table + 1} or more "
+                                f"rows, more than the limit of {self.limits.max_rows_per_table}")
+        if set(map(type, batch)) != {list} or set(map(len, batch)) != {self.width}:
+            self._blame(batch, first)
+        if self.width and not all(check(values) for check, values
+                                  in zip(self.column_checks, zip(*batch))):
+            self._blame(batch, first)
+        self.cursor.executemany(self.sql, batch)
+
+    def _blame(self, batch: list, first: int) -> None:
+        """Raise the error that names the first bad row of ``batch``."""
+        width = self.width
+        for i, row in enumerate(batch, first):
+            if not isinstance(row, list) or len(row) != width:
+                raise SnapshotError(f"{self.member} row {i} is not a list of {width} values")
+            for col, check, value in zip(self.names, self.value_checks, row):
+                if not check(value):
+                    raise SnapshotError(f"{self.member} row {i}: {col}={value!r:.60} has the "
+                                        f"wrong type for a {self.table.columns[col].type} column")
+        raise AssertionError("a batch failed its check but no row in it did")  # pragma: no cover
+
+
+def _load_table(zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, limits: Limits,
+                cursor) -> int:
+    """Stream ``tables/<name>.json`` (``{"columns": [...], "rows": [[...], ...]}``, columns
+    first, as BatchScope writes it) into the table; returns the row count."""
+    loader = _TableLoader(name, limits, cursor)
+    try:
+        fh = zf.open(info)
+    except _READ_ERRORS as exc:
+        raise _corrupt(info.filename, exc) from None
+    with fh:
+        s = _MemberStream(fh, info, limits)
+        s.fill()
+        shape = SnapshotError(f"{loader.member} must be an object with 'columns' and 'rows' lists")
+        if s.peek() != "{":
+            raise shape
+        s.pos += 1
+        seen: set[str] = set()
+        while s.peek() != "}":
+            if seen:
+                s.expect(",", "between the entries of the object")
+            key = s.value()
+            if not isinstance(key, str) or key in seen:
+                raise s.fail(f"the key {key!r:.40} is not a string or appears twice")
+            seen.add(key)
+            s.expect(":", f"after {key!r:.40}")
+            if key != "rows":
+                value = s.value()
+                if key == "columns":
+                    loader.columns(value)
+                continue
+            if "columns" not in seen:
+                raise s.fail("'rows' comes before 'columns'")
+            if s.peek() != "[":
+                raise shape
+            s.pos += 1
+            batch: list = []
+            first = True
+            while s.peek() != "]":
+                if not first:
+                    s.expect(",", "between rows")
+                first = False
+                batch.extend(s.values())
+                if len(batch) >= INSERT_BATCH:
+                    loader.add(batch)
+                    batch = []
+            s.pos += 1
+            if batch:
+                loader.add(batch)
+        s.pos += 1
+        if "columns" not in seen or "rows" not in seen:
+            raise shape
+        if s.peek() != "":
+            raise s.fail("more data after the end of the object")
+    return loader.rows
+
+
+def _open_zip(source: str | Path | bytes | BinaryIO, limits: Limits) -> zipfile.ZipFile:
+    """The archive, after the file size check; a path is read from disk as needed."""
     if isinstance(source, (str, Path)):
         size = os.path.getsize(source)
         if size > limits.max_file_bytes:
             raise SnapshotError(f"the file is {size} bytes, more than the limit of "
                                 f"{limits.max_file_bytes}")
-        data = Path(source).read_bytes()
-    elif isinstance(source, (bytes, bytearray)):
-        data = bytes(source)
+        target: str | Path | BinaryIO = source
     else:
-        data = source.read(limits.max_file_bytes + 1)
-    if len(data) > limits.max_file_bytes:
-        raise SnapshotError(f"the file is larger than the limit of {limits.max_file_bytes} bytes")
+        data = bytes(source) if isinstance(source, (bytes, bytearray, memoryview)) \
+            else source.read(limits.max_file_bytes + 1)
+        if len(data) > limits.max_file_bytes:
+            raise SnapshotError(f"the file is larger than the limit of {limits.max_file_bytes} bytes")
+        target = io.BytesIO(data)
     try:
-        zf = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile:
-        raise SnapshotError("the file is not a zip archive; a BatchScope snapshot is a .zip "
-                            "written by 'batchscope snapshot export' or the dashboard") from None
-    with zf:
+        return zipfile.ZipFile(target)
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as exc:
+        raise SnapshotError(f"the file is not a zip archive ({exc}); a BatchScope snapshot is a "
+                            ".zip written by 'batchscope snapshot export' or the dashboard") from None
+
+
+def load_snapshot(source: str | Path | bytes | BinaryIO, *, limits: Limits | None = None,
+                  workdir: str | Path | None = None) -> Snapshot:
+    """Check ``source`` and load it into a temporary SQLite database (see ``Snapshot``).
+
+    Tables are streamed: each member is read in chunks, its rows checked and inserted a
+    batch at a time, so memory stays bounded whatever the size of the file. Every
+    problem with the file (damaged, cut off, hostile, or simply not a snapshot) raises
+    ``SnapshotError`` saying what was wrong, and leaves no temporary file behind."""
+    limits = limits or Limits()
+    with _open_zip(source, limits) as zf:
         members = _check_members(zf, limits)
-        manifest = _check_manifest(_read_member(zf, members[MANIFEST], limits))
-        tables = {}
+        manifest = _check_manifest(_read_member(zf, members[MANIFEST], limits,
+                                                min(limits.max_manifest_bytes,
+                                                    limits.max_member_bytes)), limits)
+        fd, path = tempfile.mkstemp(prefix="batchscope-snapshot-", suffix=".db", dir=workdir)
+        os.close(fd)
+        try:
+            engine = make_engine(f"sqlite:///{path}", create=False)
+        except Exception:
+            _discard(None, path)
+            raise
+        try:
+            _load_tables(zf, members, limits, engine)
+        except BaseException as exc:
+            _discard(engine, path)
+            if isinstance(exc, SnapshotError) or not isinstance(exc, Exception):
+                raise
+            if isinstance(exc, sqlite3.IntegrityError):  # e.g. duplicate primary keys
+                raise SnapshotError(f"the snapshot's rows do not fit the schema: {exc}") from None
+            if isinstance(exc, sqlite3.Error):  # the temporary database, not the file
+                raise SnapshotError(f"the snapshot could not be loaded into a temporary database "
+                                    f"in {Path(path).parent} ({exc}); free some disk space there "
+                                    "and open it again") from None
+            raise SnapshotError(f"the snapshot could not be read ({type(exc).__name__}: {exc}); "
+                                "it is damaged or was not written by BatchScope") from None
+    return Snapshot(engine=engine, manifest=manifest, path=Path(path))
+
+
+def _load_tables(zf: zipfile.ZipFile, members: dict[str, zipfile.ZipInfo], limits: Limits,
+                 engine: Engine) -> None:
+    """The live schema's tables, filled from the members, then its indexes (building an
+    index once over loaded rows is faster than keeping it up to date row by row)."""
+    raw = engine.raw_connection()
+    dialect = engine.dialect
+    try:
+        cur = raw.cursor()
+        cur.execute("PRAGMA synchronous=OFF")  # a throwaway database: nothing to keep safe
+        for table in Base.metadata.sorted_tables:
+            cur.execute(str(CreateTable(table).compile(dialect=dialect)))
         for name in TABLES:
             info = members.get(f"tables/{name}.json")
             if info is not None:
-                tables[name] = _check_table(name, _read_member(zf, info, limits), limits)
-    fd, path = tempfile.mkstemp(prefix="batchscope-snapshot-", suffix=".db", dir=workdir)
-    os.close(fd)
-    engine = make_engine(f"sqlite:///{path}")
-    raw = engine.raw_connection()
-    try:
-        cur = raw.cursor()
-        for name, (columns, rows) in tables.items():
-            marks = ", ".join("?" for _ in columns)
-            cur.executemany(f"INSERT INTO {name} ({', '.join(columns)}) VALUES ({marks})", rows)
+                _load_table(zf, info, name, limits, cur)
+        for table in Base.metadata.sorted_tables:
+            for index in table.indexes:
+                cur.execute(str(CreateIndex(index).compile(dialect=dialect)))
         raw.commit()
-    except Exception as exc:  # e.g. duplicate primary keys
+    finally:
         raw.close()
-        engine.dispose()
-        os.remove(path)
-        raise SnapshotError(f"the snapshot's rows do not fit the schema: {exc}") from None
-    raw.close()
-    return Snapshot(engine=engine, manifest=manifest, path=Path(path))
+    init_schema(engine)
 
 
 def report_html(source: bytes) -> str:
     """The stored offline report of a snapshot (after the same member checks)."""
     limits = Limits()
-    with zipfile.ZipFile(io.BytesIO(source)) as zf:
+    with _open_zip(source, limits) as zf:
         members = _check_members(zf, limits)
         if REPORT not in members:
             raise SnapshotError(f"the snapshot has no {REPORT}")
-        return _read_member(zf, members[REPORT], limits).decode("utf-8")
+        try:
+            return _read_member(zf, members[REPORT], limits).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SnapshotError(f"{REPORT} is not UTF-8 text: {exc}") from None
 
 
 # -- command line ---------------------------------------------------------------------

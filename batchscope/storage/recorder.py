@@ -19,12 +19,23 @@ When the database fails (locked, disk full, unreachable) the rows in hand are dr
 and counted, the failure is logged once per kind, and the writer backs off
 exponentially while ``put`` keeps filling (and, once full, dropping from) the buffer.
 When writing works again a ``recorder_drops`` event says how many rows were lost.
+
+A SQLite database file deleted (or replaced) under a running recorder would otherwise
+swallow every later row: open connections keep writing into the unlinked file. So the
+writer checks, at most every ``file_check_interval_s`` and never on the request path,
+that the file at the database's path is still the one it opened (device and inode).
+When it is not, the pooled connections are closed (and the writer process stopped),
+a new database is created with the schema, the rows written since the last good check
+are counted as dropped, a warning is logged and a ``recorder_drops`` event in the new
+database says how many were lost (``details.reason`` = ``"database file deleted"`` or
+``"database file replaced"``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -34,6 +45,7 @@ from typing import Any, Callable
 
 from sqlalchemy import Engine
 
+from batchscope.storage.db import create_file, init_schema, sqlite_path
 from batchscope.storage.inserts import ROW_TABLES, BulkInserts
 from batchscope.storage.records import EventRow, RequestBatch, expand, put_many_of
 from batchscope.storage.schema import RequestRecord
@@ -55,6 +67,17 @@ BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 5.0
 #: least time between two ``recorder_drops`` events
 DROP_REPORT_INTERVAL_S = 10.0
+#: least time between two checks that the SQLite file is still the one opened
+FILE_CHECK_INTERVAL_S = 1.0
+
+
+def file_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``; None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def group_by_type(records: list) -> dict[type, list]:
@@ -71,9 +94,12 @@ class Recorder:
 
     def __init__(self, engine: Engine, *, buffer_size: int = 100_000, flush_interval_s: float = 0.5,
                  max_rows_per_flush: int = 50_000, instance_id: str = "local",
-                 clock: Callable[[], float] = time.time, writer_process: bool = False) -> None:
+                 clock: Callable[[], float] = time.time, writer_process: bool = False,
+                 file_check_interval_s: float = FILE_CHECK_INTERVAL_S) -> None:
         if buffer_size < 1 or max_rows_per_flush < 1 or flush_interval_s <= 0:
             raise ValueError("buffer_size and max_rows_per_flush must be >= 1 and flush_interval_s > 0")
+        if not file_check_interval_s >= 0:
+            raise ValueError("file_check_interval_s must be >= 0")
         self.engine = engine
         self.buffer_size = buffer_size
         self.flush_interval_s = flush_interval_s
@@ -104,6 +130,17 @@ class Recorder:
         self._backoff_s = 0.0
         self._retry_at = 0.0
         self._inserts = BulkInserts(engine)
+        # the SQLite file written to (None for other databases) and what it was when
+        # last seen in place, with the rows written up to then
+        path = sqlite_path(engine.url.render_as_string(hide_password=False))
+        self._db_file = os.path.abspath(path) if path is not None else None
+        self._db_identity = file_identity(self._db_file) if self._db_file else None
+        self.file_check_interval_s = file_check_interval_s
+        self._file_checked_at = float("-inf")
+        self._reopen_pending = False
+        self._written_at_check: dict[str, int] = {}
+        #: how many times the database file was found deleted or replaced
+        self.database_replacements = 0
         #: with ``writer_process``, the inserts run in a child process (see
         #: ``batchscope.storage.writer_process``); buffering, drops and back-off stay here
         self.process: WriterProcess | None = None
@@ -202,6 +239,7 @@ class Recorder:
 
         Rows are dropped (and counted) when the database refuses them."""
         with self._write_lock:
+            self._watch_file()
             return self._flush_locked()
 
     def _run(self) -> None:
@@ -229,6 +267,9 @@ class Recorder:
                 self.flush()
             elif self._stopping:
                 return
+            elif self._db_file is not None:
+                with self._write_lock:
+                    self._watch_file()
             if self._stopping and self._failing:
                 self._discard_rest()
                 return
@@ -325,6 +366,74 @@ class Recorder:
             while self._buffer:
                 for cls, group in group_by_type(self._take()).items():
                     self._count_write_drops(cls, rows_in(cls, group))
+
+    # ------------------------------------------------------------------ database file
+    def _watch_file(self) -> None:
+        """Under the write lock: at most every ``file_check_interval_s``, check that the
+        SQLite file is still the one opened; replace the database when it is not."""
+        path = self._db_file
+        if path is None:
+            return
+        now = time.monotonic()
+        if now - self._file_checked_at < self.file_check_interval_s:
+            return
+        self._file_checked_at = now
+        found = file_identity(path)
+        if self._db_identity is None and not self._reopen_pending:
+            self._db_identity = found  # not there when the recorder started: adopt it
+        if found is not None and found == self._db_identity:
+            self._written_at_check = dict(self.written_by_kind)
+            return
+        if found is None and self._db_identity is None:
+            return  # never seen yet (SQLite creates it on first connection)
+        self._reopen_database(path, deleted=found is None)
+
+    def _reopen_database(self, path: str, *, deleted: bool) -> None:
+        """Count the rows written since the last good check as lost, close every
+        connection to the old file, create the database anew (schema included) and
+        say what happened in it."""
+        lost_by_kind = {kind: n - self._written_at_check.get(kind, 0)
+                        for kind, n in self.written_by_kind.items()
+                        if n > self._written_at_check.get(kind, 0)}
+        self._written_at_check = dict(self.written_by_kind)
+        lost = sum(lost_by_kind.values())
+        for kind, n in lost_by_kind.items():
+            self._dropped_write += n
+            self._dropped_write_by_kind[kind] = self._dropped_write_by_kind.get(kind, 0) + n
+        self.database_replacements += 1
+        reason = "database file deleted" if deleted else "database file replaced"
+        self.engine.dispose()  # pooled connections still point at the old file
+        if self.process is not None:
+            self.process.stop()  # its connection too; the next write starts a new child
+        try:
+            if deleted:
+                # an empty file; SQLite itself discards a -wal left by the old one when it
+                # opens an empty database (removing it here could pull it from under a
+                # connection another process just opened)
+                create_file(path)
+            init_schema(self.engine)
+        except Exception as exc:
+            self._reopen_pending = True  # the next check tries again
+            self._note_failure(type(exc).__name__, f"{reason} ({path}); {lost} rows written to it "
+                                                   f"were lost and recreating it failed: {exc}")
+            return
+        self._db_identity = file_identity(path)
+        self._reopen_pending = False
+        log.warning("recorder: the %s (%s); a new database was created there and the %d rows "
+                    "written since the last check were lost", reason, path, lost)
+        event = EventRow(instance_id=self.instance_id, model=None, at=self._clock(), kind="recorder_drops",
+                         severity="error",
+                         message=f"the {reason} while the recorder wrote to it; a new database was "
+                                 f"created and {lost} rows written since the last check were lost",
+                         details_json=json.dumps({"reason": reason, "path": path, "dropped": lost,
+                                                  "dropped_total": self.dropped,
+                                                  "by_kind": lost_by_kind}))
+        try:
+            self._inserts.insert_core(EventRow, [event])
+        except Exception as exc:
+            self._note_failure(type(exc).__name__, f"writing the {reason} event failed: {exc}")
+            return
+        self._reported_dropped += lost
 
     def _maybe_report_drops(self) -> None:
         dropped = self.dropped

@@ -27,6 +27,11 @@ the child's priority, or a pickled ``(exception name, message)``. A failure rais
 which the recorder treats like any database failure (rows dropped and counted, back
 off). A child that dies or does not answer within ``reply_timeout_s`` is stopped and
 its rows counted as dropped; the next write starts a new one.
+
+The child opens the database without creating anything (``make_engine(create=False)``):
+when the SQLite file is deleted under it, the recorder (in the parent) notices, creates
+the database anew and stops the child, whose connection still points at the deleted
+file; the next write starts a child on the new one.
 """
 
 from __future__ import annotations
