@@ -18,11 +18,16 @@ Admission by predicted wait: a request with a deadline is refused at once (``Que
 drain than its timeout leaves, so it is not parsed, queued and then expired unrun.
 The drain time per request is measured from recent batches (``complete``): while the
 queue stayed non-empty from one batch's return to the next, the time between the two
-returns divided by the batch's size (what the whole path achieves, device and event
-loop together); otherwise the batch's own compute time per request. Before any batch
-has returned nothing is refused on that ground, nor is a request without a deadline.
-``drain_refusal`` gives the same answer without a request (for a check made before a
-body is read).
+returns (what the whole path achieves, device and event loop together) divided by the
+batch size the queue could have filled (the bucket's cap: under a backlog batches grow
+to it, and the time between returns hardly grows with them); otherwise the batch's own
+compute time per request. Before any batch has returned nothing is refused on that
+ground, nor is a request without a deadline.
+``drain_refusal`` gives the same answer without a request, and ``head_refusal`` the
+one for a request whose timeout is not known yet (its body is not read): it is judged
+by the longest timeout among the recent requests (the last ``TIMEOUT_EPOCH`` to
+``2 * TIMEOUT_EPOCH`` submitted) and the model's default, and never refused while a
+recent request came without a timeout.
 
 Deadlines: a queued request whose deadline has passed is never dispatched. A
 request is not dispatched either when its batch could not end before its deadline:
@@ -58,6 +63,9 @@ from runtime.api.errors import QueueFull, ValidationError
 MIN_RETRY_AFTER_S = 0.05
 #: per-request service time assumed before any batch has run
 DEFAULT_SERVICE_S = 0.005
+#: the timeouts ``head_refusal`` goes by are those of the last this many to twice this
+#: many requests submitted
+TIMEOUT_EPOCH = 1024
 
 
 @dataclass(slots=True)
@@ -114,7 +122,14 @@ class Batcher:
         #: when the last batch returned, if requests were still queued then (else None)
         self._backlog_since: float | None = None
         #: the last ``drain_refusal`` error and the figures it was made from
-        self._slow: tuple[tuple[int, int, int], QueueFull] | None = None
+        self._slow: tuple[tuple[int, int, int, bool], QueueFull] | None = None
+        #: the longest timeout submitted in this epoch and the last, and whether a request
+        #: without one was (see ``head_refusal``)
+        self._longest_s = 0.0
+        self._longest_before_s = 0.0
+        self._untimed = False
+        self._untimed_before = False
+        self._submitted = 0
         self._deadlines: list[tuple[float, int, PendingRequest]] = []
         self._live_deadlines = 0
         self._expired: list[PendingRequest] = []
@@ -182,12 +197,21 @@ class Batcher:
                 f"valid priorities are 0 (most urgent) to {cfg.priority_levels - 1}")
         if self.depth >= cfg.max_queue_size:
             raise self.queue_full()
-        per = self.drain_per_request_s
-        if per is not None and req.deadline_s is not None \
-                and self.depth * per > req.deadline_s - now:
-            error = self.drain_refusal(req.priority, req.bypass, req.deadline_s - now)
-            if error is not None:
-                raise error
+        self._submitted += 1
+        if self._submitted >= TIMEOUT_EPOCH:
+            self._new_epoch()
+        deadline = req.deadline_s
+        if deadline is None:
+            self._untimed = True
+        else:
+            left = deadline - now
+            if left > self._longest_s:
+                self._longest_s = left
+            per = self.drain_per_request_s
+            if per is not None and self.depth * per > left:
+                error = self.drain_refusal(req.priority, req.bypass, left)
+                if error is not None:
+                    raise error
         self._seq += 1
         req.seq = self._seq
         req.state = QUEUED
@@ -231,11 +255,32 @@ class Batcher:
         self._refusal = (key, error)
         return error
 
-    def drain_refusal(self, priority: int, bypass: bool, remaining_s: float) -> QueueFull | None:
+    def _new_epoch(self) -> None:
+        self._submitted = 0
+        self._longest_before_s, self._longest_s = self._longest_s, 0.0
+        self._untimed_before, self._untimed = self._untimed, False
+
+    def head_refusal(self, priority: int, default_timeout_s: float | None) -> QueueFull | None:
+        """``drain_refusal`` for a request whose own timeout is not known yet: judged by
+        the longest of the recent requests' timeouts and ``default_timeout_s``; None
+        while a recent request had no timeout (nor a default), or none was measured."""
+        if self.drain_per_request_s is None or self._untimed or self._untimed_before:
+            return None
+        longest = self._longest_s if self._longest_s > self._longest_before_s \
+            else self._longest_before_s
+        if default_timeout_s is not None and default_timeout_s > longest:
+            longest = default_timeout_s
+        if not longest > 0.0:
+            return None
+        return self.drain_refusal(priority, False, longest, judged_by_recent=True)
+
+    def drain_refusal(self, priority: int, bypass: bool, remaining_s: float, *,
+                      judged_by_recent: bool = False) -> QueueFull | None:
         """The ``QueueFull`` for a request of ``priority`` (``bypass``: a real-time one)
         whose timeout leaves ``remaining_s`` when the requests that would run before it
         take longer than that to drain at the recent rate; None when they would not, or
-        while no batch has been measured yet."""
+        while no batch has been measured yet. ``judged_by_recent``: ``remaining_s`` is
+        the longest timeout of recent requests, not this one's (the message says so)."""
         per = self.drain_per_request_s
         if per is None:
             return None
@@ -251,15 +296,21 @@ class Batcher:
         retry = wait - remaining_s
         if retry < MIN_RETRY_AFTER_S:
             retry = MIN_RETRY_AFTER_S
-        key = (ahead, int(remaining_s * 1000.0), int(retry * 100.0))
+        # refused thousands of times a second under overload: the same error (and so the
+        # same prepared answer) while the figures stay the same to 10 ms
+        key = (int(wait * 100.0), int(remaining_s * 1000.0), int(retry * 100.0),
+               judged_by_recent)
         cached = self._slow
         if cached is not None and cached[0] == key:
             return cached[1]
         error = QueueFull(
-            f"model {self.model_name!r} has {ahead} requests queued ahead of this one; at "
+            f"model {self.model_name!r} has about {ahead} requests queued ahead of this one; at "
             f"the recent rate of {1.0 / per:.0f} requests/s they take about {wait * 1000.0:.0f} "
-            f"ms to drain, longer than this request's timeout of {remaining_s * 1000.0:.0f} "
-            f"ms; retry after about {retry:.2f}s, send a longer timeout_ms or less load",
+            f"ms to drain, longer than "
+            + ("the longest timeout of recent requests and the model's default_timeout_ms, "
+               if judged_by_recent else "this request's timeout of ")
+            + f"{remaining_s * 1000.0:.0f} ms; retry after about {retry:.2f}s, send a longer "
+            "timeout_ms or less load",
             retry_after_s=retry)
         self._slow = (key, error)
         return error
@@ -420,10 +471,9 @@ class Batcher:
             since = self._backlog_since
             if since is not None and now > since:
                 # the queue held work all along since the last return: the gap is what
-                # the whole path took to serve this batch
-                waited = (now - since) / n
-                if waited > per:
-                    per = waited
+                # the whole path takes per batch, and a backlog fills batches to the cap
+                gap = now - since
+                per = (gap if gap > compute_s else compute_s) / self.cap(batch.bucket)
             self._drain.add(per)
             self.drain_per_request_s = self._drain.mean
         self._backlog_since = now if self.depth > 0 else None

@@ -265,10 +265,11 @@ class Engine:
         no request needed, so a server can refuse before it reads or parses a body.
         None also for a model not served here (the full path says which ones are).
 
-        ``QueueFull`` also when the model has a ``default_timeout_ms`` and the queue
-        would take longer than that to drain ahead of a request at the default
-        priority (``Batcher.drain_refusal``): the request is judged by the default,
-        since its own ``timeout_ms`` is in the body, not read yet.
+        ``QueueFull`` also when the queue would take longer to drain ahead of a request
+        at the default priority than the longest timeout among recent requests and the
+        model's ``default_timeout_ms`` (``Batcher.head_refusal``): the request's own
+        ``timeout_ms`` is in its body, not read yet. Never while recent requests came
+        without a timeout and the model has no default.
 
         A ``QueueFull`` returned with ``book=True`` is counted and recorded as a rejected
         request (a ``RequestRow`` at the model's default priority), as one that
@@ -285,11 +286,12 @@ class Engine:
         if batcher.is_full():
             error = batcher.queue_full()
         else:
+            if batcher.drain_per_request_s is None:
+                return None
             cfg = batcher.config
             timeout_ms = cfg.default_timeout_ms
-            if timeout_ms is None or batcher.drain_per_request_s is None:
-                return None
-            error = batcher.drain_refusal(cfg.default_priority, False, timeout_ms / 1000.0)
+            error = batcher.head_refusal(cfg.default_priority,
+                                         None if timeout_ms is None else timeout_ms / 1000.0)
             if error is None:
                 return None
         if book:

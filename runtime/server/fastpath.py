@@ -14,7 +14,9 @@ settle callback and the encoded body.
 Shedding costs far less than serving: ``InferHook.early`` is asked by the HTTP
 server as soon as a request head is complete, before the body is read, and answers
 an ``/infer`` request to a served model that would be refused whatever its body says
-(queue full: 429 with ``Retry-After``; shutting down or still loading: 503) from
+(queue full, or too deep to drain within the longest timeout of recent requests and
+the model's ``default_timeout_ms``: 429 with ``Retry-After``; shutting down or still
+loading: 503) from
 ``Engine.admission_refusal``, an O(1) check. The same check runs again before the
 body is parsed, since the queue may have filled while the body arrived.
 """
