@@ -21,59 +21,13 @@ import pytest
 
 from runtime.server.http1 import EARLY_DRAIN_BYTES, HttpServer, _Connection, default_max_connections
 from runtime.server.service import bind_socket, new_event_loop
+from tests.factories import Reader, request
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 20.0
 SHORT_S = 0.2
 JSON = [(b"content-type", b"application/json")]
-
-
-def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
-            ) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
-    all_headers = dict(headers or {})
-    if body and "Transfer-Encoding" not in all_headers:
-        all_headers.setdefault("Content-Length", str(len(body)))
-    lines += [f"{k}: {v}" for k, v in all_headers.items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
-
-
-class Reader:
-    """Whole responses from a socket; every read is bounded by the socket's timeout."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = b""
-
-    def _fill(self) -> bool:
-        try:
-            data = self.sock.recv(65536)
-        except ConnectionResetError:
-            data = b""
-        self.buf += data
-        return bool(data)
-
-    def response(self) -> tuple[int, dict[str, str], bytes]:
-        while b"\r\n\r\n" not in self.buf:
-            if not self._fill():
-                raise ConnectionError(f"closed before a response; got {self.buf!r}")
-        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
-        status_line, *lines = head.decode("latin-1").split("\r\n")
-        headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines)}
-        status = int(status_line.split()[1])
-        if status == 100:
-            return status, headers, b""
-        n = int(headers.get("content-length", "0"))
-        while len(self.buf) < n:
-            if not self._fill():
-                raise ConnectionError("closed mid-body")
-        body, self.buf = self.buf[:n], self.buf[n:]
-        return status, headers, body
-
-    def closed(self) -> bool:
-        """True when the server closed the connection without sending anything more."""
-        return not self.buf and not self._fill()
 
 
 def error_of(body: bytes) -> str:

@@ -20,6 +20,7 @@ from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.models.toys import DoubleModel
 from runtime.server.http1 import HttpServer
 from runtime.server.service import Service, ServiceThread, bind_socket, new_event_loop
+from tests.factories import Reader, request
 
 pytestmark = pytest.mark.slow
 
@@ -30,73 +31,6 @@ INFER = "/v2/models/double/infer"
 def infer_body(value: float) -> bytes:
     return orjson.dumps({"inputs": [{"name": "INPUT0", "shape": [4], "datatype": "FP32",
                                      "data": [value] * 4}]})
-
-
-def request(method: str, path: str, body: bytes = b"", *, version: str = "1.1",
-            headers: dict[str, str] | None = None) -> bytes:
-    lines = [f"{method} {path} HTTP/{version}", "Host: 127.0.0.1"]
-    all_headers = dict(headers or {})
-    if body and "Transfer-Encoding" not in all_headers:
-        all_headers.setdefault("Content-Length", str(len(body)))
-    lines += [f"{k}: {v}" for k, v in all_headers.items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
-
-
-class Reader:
-    """Reads whole HTTP responses from a socket (bounded by the socket timeout)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = b""
-
-    def _fill(self) -> bool:
-        data = self.sock.recv(65536)
-        self.buf += data
-        return bool(data)
-
-    def _until(self, marker: bytes) -> bytes:
-        while marker not in self.buf:
-            if not self._fill():
-                raise ConnectionError(f"closed before {marker!r}; got {self.buf!r}")
-        head, self.buf = self.buf.split(marker, 1)
-        return head
-
-    def _exactly(self, n: int) -> bytes:
-        while len(self.buf) < n:
-            if not self._fill():
-                raise ConnectionError("closed mid-body")
-        out, self.buf = self.buf[:n], self.buf[n:]
-        return out
-
-    def response(self, *, head_only: bool = False) -> tuple[int, dict[str, str], bytes]:
-        head = self._until(b"\r\n\r\n").decode("latin-1")
-        status_line, *lines = head.split("\r\n")
-        status = int(status_line.split()[1])
-        headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines)}
-        if head_only or status == 100:
-            return status, headers, b""
-        if "content-length" in headers:
-            return status, headers, self._exactly(int(headers["content-length"]))
-        if headers.get("transfer-encoding") == "chunked":
-            parts = []
-            while True:
-                size = int(self._until(b"\r\n"), 16)
-                if size == 0:
-                    self._until(b"\r\n")
-                    return status, headers, b"".join(parts)
-                parts.append(self._exactly(size))
-                self._exactly(2)
-        while self._fill():  # delimited by close
-            pass
-        out, self.buf = self.buf, b""
-        return status, headers, out
-
-    def closed(self) -> bool:
-        """True when the server closed the connection (and sent nothing more)."""
-        try:
-            return not self.buf and not self._fill()
-        except ConnectionResetError:
-            return True
 
 
 def connect(url: str) -> tuple[socket.socket, Reader]:
