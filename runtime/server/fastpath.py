@@ -19,10 +19,18 @@ the model's ``default_timeout_ms``: 429 with ``Retry-After``; shutting down or s
 loading: 503) from
 ``Engine.admission_refusal``, an O(1) check. The same check runs again before the
 body is parsed, since the queue may have filled while the body arrived.
+
+A body over ``LARGE_BODY_BYTES`` is parsed on a parser thread instead of the event
+loop (``orjson`` and numpy let go of the interpreter lock for much of it), so one
+large request does not stall every other client; the parsed request is submitted
+back on the loop. Small bodies are parsed in place: a thread hop would cost more
+than it saves.
 """
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from runtime.api.errors import ModelNotReady, error_answer
@@ -33,6 +41,11 @@ _JSON_HEADERS = [(b"content-type", b"application/json")]
 _HEADER_LENGTH_B = HEADER_LENGTH.encode()
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
+#: bodies larger than this are parsed on a parser thread, off the event loop
+LARGE_BODY_BYTES = 1 << 20
+#: threads that parse large bodies (the total in-flight body budget of the HTTP server
+#: bounds how much waits for them)
+PARSER_THREADS = 1
 
 Answer = Callable[[int, list[tuple[bytes, bytes]], bytes], None]
 
@@ -56,6 +69,8 @@ class InferHook:
         self.state = state
         self.engine = state.engine
         self.models = state.models
+        #: requests whose body was parsed on the parser thread
+        self.large_parses = 0
         #: the last refusal ``early`` answered, and its answer
         self._refused: tuple[BaseException, tuple[int, list[tuple[bytes, bytes]], bytes]] | None = None
 
@@ -108,26 +123,81 @@ class InferHook:
                 raise refusal
             model = served.model
             outputs = model.outputs
-            req = parse_infer(body, header_length, name, model.inputs, outputs,
-                              engine.get_settings(name)[1].priority_levels)
-
-            def done(result: Any, error: BaseException | None) -> None:
-                if error is None:
-                    try:
-                        payload, extra = encode_infer(name, MODEL_VERSION, req, result, outputs)
-                    except Exception as exc:
-                        answer(*error_answer(exc, f"POST /v2/models/{name}/infer (encoding "
-                                                  "the answer)"))
-                        return
-                    if extra:
-                        answer(200, [(b"content-type", b"application/octet-stream")] + [
-                            (k.lower().encode(), v.encode()) for k, v in extra.items()], payload)
-                    else:
-                        answer(200, _JSON_HEADERS, payload)
-                else:
-                    answer(*error_answer(error, f"POST /v2/models/{name}/infer"))
-
-            engine.submit(name, req.inputs, req.priority, req.timeout_ms, req.bypass, done)
+            levels = engine.get_settings(name)[1].priority_levels
+            if len(body) > LARGE_BODY_BYTES:
+                loop = _running_loop()
+                if loop is not None:  # parse off the loop: other clients keep being served
+                    self._parse_aside(loop, path, body, header_length, served, levels, answer)
+                    return True
+            req = parse_infer(body, header_length, name, model.inputs, outputs, levels)
+            self._submit(name, req, outputs, answer)
         except Exception as exc:  # a refusal (BatchScopeError) or a bug: answered alike
             answer(*error_answer(exc, f"POST {path}"))
         return True
+
+    def _parse_aside(self, loop: asyncio.AbstractEventLoop, path: str, body: bytes,
+                     header_length: str | None, served: Any, levels: int,
+                     answer: Answer) -> None:
+        """Parse a large body on the parser thread, then submit it back on the loop."""
+        model = served.model
+
+        def parse() -> None:
+            try:
+                req = parse_infer(body, header_length, served.name, model.inputs,
+                                  model.outputs, levels)
+            except Exception as exc:
+                loop.call_soon_threadsafe(answer, *error_answer(exc, f"POST {path}"))
+                return
+            loop.call_soon_threadsafe(self._submit_guarded, path, served.name, req,
+                                      model.outputs, answer)
+
+        self.large_parses += 1
+        _parser_pool().submit(parse)
+
+    def _submit_guarded(self, path: str, name: str, req: Any, outputs: Any,
+                        answer: Answer) -> None:
+        try:
+            self._submit(name, req, outputs, answer)
+        except Exception as exc:
+            answer(*error_answer(exc, f"POST {path}"))
+
+    def _submit(self, name: str, req: Any, outputs: Any, answer: Answer) -> None:
+        """Hand a parsed request to the engine; its answer goes to ``answer``."""
+        engine = self.engine
+
+        def done(result: Any, error: BaseException | None) -> None:
+            if error is None:
+                try:
+                    payload, extra = encode_infer(name, MODEL_VERSION, req, result, outputs)
+                except Exception as exc:
+                    answer(*error_answer(exc, f"POST /v2/models/{name}/infer (encoding "
+                                              "the answer)"))
+                    return
+                if extra:
+                    answer(200, [(b"content-type", b"application/octet-stream")] + [
+                        (k.lower().encode(), v.encode()) for k, v in extra.items()], payload)
+                else:
+                    answer(200, _JSON_HEADERS, payload)
+            else:
+                answer(*error_answer(error, f"POST /v2/models/{name}/infer"))
+
+        engine.submit(name, req.inputs, req.priority, req.timeout_ms, req.bypass, done)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _parser_pool() -> ThreadPoolExecutor:
+    """The threads that parse large bodies (made on first use)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=PARSER_THREADS,
+                                   thread_name_prefix="batchscope-parse")
+    return _pool
