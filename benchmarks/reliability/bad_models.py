@@ -31,12 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,64 +42,17 @@ from typing import Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.bench_serving import URL_RE, serve_cmd, wait_ready  # noqa: E402
+from benchmarks.bench_serving import serve_cmd  # noqa: E402
+from benchmarks.reliability.server import Server  # noqa: E402
 from runtime.tools.loadgen import build_payloads, fetch_metadata, run_async  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 #: a client gives up on an answer after this long (it then counts as unanswered)
 CLIENT_TIMEOUT_S = 40.0
+#: phrases counted in the server's log
+LOG_MARKS = ("Traceback", "killed and restarted", "new device thread", "device process serves",
+             "since the last line")
 MODELS = ("mlp", "poison=runtime.models.toys:FailingModel",
           "hanging=runtime.models.toys:HangingModel")
-
-
-# -- the server -------------------------------------------------------------------------
-class Server:
-    """``batchscope serve`` in a child process; counts the log lines it writes."""
-
-    def __init__(self, cmd: Sequence[str], timeout_s: float = 180.0) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.lines = 0
-        self.tail: list[str] = []
-        self.marks: dict[str, int] = {}
-        self.url: str | None = None
-        self._lock = threading.Lock()
-        found = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                with self._lock:
-                    self.lines += 1
-                    self.tail = (self.tail + [line])[-40:]
-                    for key in ("Traceback", "killed and restarted", "new device thread",
-                                "device process serves", "since the last line"):
-                        if key in line:
-                            self.marks[key] = self.marks.get(key, 0) + 1
-                match = URL_RE.search(line)
-                if self.url is None and "serving" in line and match:
-                    self.url = match.group(1)
-                    found.set()
-            found.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(timeout_s) or self.url is None:
-            self.stop()
-            raise RuntimeError("the server did not start:\n" + "".join(self.tail[-20:]))
-        wait_ready(self.url, time.monotonic() + timeout_s)
-
-    def counts(self) -> tuple[int, dict[str, int]]:
-        with self._lock:
-            return self.lines, dict(self.marks)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 # -- the clients ------------------------------------------------------------------------
@@ -316,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = ["--set", f"hanging.execution_timeout_ms={args.timeout_ms:g}"]
     if args.thread:
         extra.append("--no-device-process")
-    server = Server(serve_cmd(*extra, models=MODELS))
+    server = Server(serve_cmd(*extra, models=MODELS), timeout_s=180.0, marks=LOG_MARKS)
     mode = "device thread" if args.thread else "device process"
     try:
         lines_before, _ = server.counts()

@@ -32,13 +32,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -48,71 +45,15 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.bench_serving import URL_RE, serve_cmd, wait_ready  # noqa: E402
+from benchmarks.bench_serving import serve_cmd  # noqa: E402
+from benchmarks.reliability.server import Server  # noqa: E402
 from runtime.tools.loadgen import build_payloads, fetch_metadata, run_async, run_load  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 #: a request with no answer this long after the last arrival counts as unanswered
 ANSWER_GRACE_S = 5.0
 #: connections opened before the open loop starts (more are opened when all are busy)
 PREOPEN = 1024
 MAX_CONNECTIONS = 2048
-
-
-# -- the server -------------------------------------------------------------------------
-class Server:
-    """``batchscope serve`` in a child process, its URL and its resident memory."""
-
-    def __init__(self, cmd: Sequence[str], timeout_s: float = 120.0) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        found = threading.Event()
-        self.url: str | None = None
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if len(self.lines) < 2000:
-                    self.lines.append(line)
-                match = URL_RE.search(line)
-                if self.url is None and "serving" in line and match:
-                    self.url = match.group(1)
-                    found.set()
-            found.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        if not found.wait(timeout_s) or self.url is None:
-            self.stop()
-            raise RuntimeError("the server did not start:\n" + "".join(self.lines[-20:]))
-        wait_ready(self.url, deadline)
-
-    def rss_mb(self) -> float:
-        """Resident memory of the server and its child processes, in MiB."""
-        import psutil
-
-        try:
-            root = psutil.Process(self.proc.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return float("nan")
-        total = 0
-        for p in procs:
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:
-                pass
-        return total / 2**20
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 # -- the open loop ------------------------------------------------------------------------
