@@ -82,6 +82,17 @@ class EarlyHook(Hook):
         return None
 
 
+REFUSAL = (429, [(b"content-type", b"application/json"), (b"retry-after", b"1")],
+           b'{"error":"model \'mlp\' has 1024 requests waiting; retry later"}')
+
+
+class RefusingHook(Hook):
+    """Refuses every request on its head, as the inference hook does when the queue is full."""
+
+    def early(self, method, path, headers):
+        return REFUSAL
+
+
 def load_module(path: str | None) -> ModuleType:
     if path is None:
         from runtime.server import http1
@@ -93,11 +104,12 @@ def load_module(path: str | None) -> ModuleType:
     return module
 
 
-def measure(http1: ModuleType, *, n: int, early: bool) -> float:
+def measure(http1: ModuleType, *, n: int, early: bool, refuse: bool = False) -> float:
     """Seconds for ``n`` requests through one connection."""
     loop = asyncio.new_event_loop()
     try:
-        server = http1.HttpServer(None, fast=EarlyHook() if early else Hook())
+        hook = RefusingHook() if refuse else EarlyHook() if early else Hook()
+        server = http1.HttpServer(None, fast=hook)
         server.loop = loop
         conn = http1._Connection(server)
         transport = CountingTransport()
@@ -113,7 +125,7 @@ def measure(http1: ModuleType, *, n: int, early: bool) -> float:
             elapsed = time.perf_counter() - start
         finally:
             gc.enable()
-        if transport.written < n * len(ANSWER):
+        if transport.written < n * len(REFUSAL[2] if refuse else ANSWER):
             raise RuntimeError(f"only {transport.written} bytes were answered for {n} requests")
         return elapsed
     finally:
@@ -126,12 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--early", action="store_true", help="the fast hook has an early method")
+    ap.add_argument("--refuse", action="store_true",
+                    help="the early method refuses every request (the cost of shedding)")
     args = ap.parse_args(argv)
     http1 = load_module(args.module_file)
-    measure(http1, n=2000, early=args.early)  # warm up
-    best = min(measure(http1, n=args.requests, early=args.early) for _ in range(args.repeats))
+    kw = {"early": args.early, "refuse": args.refuse}
+    measure(http1, n=2000, **kw)  # warm up
+    best = min(measure(http1, n=args.requests, **kw) for _ in range(args.repeats))
     per_us = best / args.requests * 1e6
-    print(f"{args.module_file or 'runtime.server.http1'}{' (early hook)' if args.early else ''}: "
+    print(f"{args.module_file or 'runtime.server.http1'}"
+          f"{' (refusing on the head)' if args.refuse else ' (early hook)' if args.early else ''}: "
           f"{args.requests / best:,.0f} req/s, {per_us:.2f} us per request "
           f"(best of {args.repeats} x {args.requests})")
     return 0

@@ -107,6 +107,8 @@ class Dispatcher:
         self._unreported_s = 0.0
         #: set by ``close``: run what is queued, then end
         self._closing = False
+        #: set while ``_refill`` sends (a batch failed at once must not send again)
+        self._refilling = False
         #: resolved when the last running batch is back (made by ``all_back``)
         self._all_back: asyncio.Future | None = None
         self._waker = Waker()
@@ -312,9 +314,40 @@ class Dispatcher:
             self.in_flight = sum(len(b.requests) for b in running)
         if not running and self._all_back is not None and not self._all_back.done():
             self._all_back.set_result(None)
-        if self.turns.is_waiting(model.name):  # the loop waits for a turn: answer now
-            self.answer()
+        self._refill(now)
+        self.answer()
         self._waker.wake()
+
+    def _refill(self, now: float) -> None:
+        """Send the next batch from the completion callback itself, when one is due and
+        the model holds the device turn, rather than on the loop's next pass: under
+        overload one pass of the loop reads thousands of connections, and a device that
+        waited for the dispatch task to run would idle for as long as that takes."""
+        if self._closing or self._refilling or not self._holds_turn:
+            return
+        turns = self.turns
+        if not self.running:
+            # the turn ended with the batch: report its device time, and go on only
+            # when the device is free (else the loop waits for its turn as usual)
+            self._give_back_turn()
+            if not (self._due(now) and turns.is_free()):
+                return
+            turns.ask(self.model.name, urgent=self.model.batcher.has_bypass())
+            self._holds_turn = True
+        self._refilling = True
+        try:
+            batcher = self.model.batcher
+            while self._due(now) and not turns.others_waiting():
+                batch = batcher.next_batch(now, model_busy=bool(self.running),
+                                           lead_s=self._lead_s())
+                if batch is None:
+                    break
+                self._send(batch)
+                now = self.clock.now()
+            if not self.running:
+                self._give_back_turn()
+        finally:
+            self._refilling = False
 
     def answer(self) -> None:
         """Give every request of the batches back so far its outcome."""
