@@ -15,6 +15,13 @@ from batchscope.storage.records import BatchRow, RequestRow
 WAIT_S = 60.0
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # -- waiting, always bounded -------------------------------------------------------------
 def wait_until(predicate, limit: int = 2000, interval_s: float = 0.005) -> bool:
     """Poll ``predicate`` up to ``limit`` times; its last value (truthy when reached)."""
