@@ -28,8 +28,8 @@ def test_records_become_series_and_scrape_time_gauges_are_read():
     # queue wait only for requests that ran
     assert s[("batchscope_queue_wait_seconds_count", (("model", "mlp"),))] == 5
     lat = ("batchscope_request_latency_seconds_count",
-           (("model", "mlp"), ("outcome", "ok"), ("priority", "0")))
+           (("model", "mlp"), ("outcome", "ok"), ("priority", "1")))  # engine priority 0
     assert s[lat] == 5
     assert s[("batchscope_queue_depth", (("model", "mlp"),))] == 12
     assert s[("batchscope_effective_max_batch_size", (("model", "mlp"),))] == 16
-    assert s[("batchscope_recorder_dropped_records", ())] == 7
+    assert s[("batchscope_recorder_dropped_records_total", ())] == 7

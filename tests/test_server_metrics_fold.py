@@ -26,7 +26,7 @@ def test_grouped_fold_matches_observing_each_record():
         outcome = rng.choice(["ok", "ok", "rejected", "expired"])
         prio = rng.randrange(3)
         m.put(request("mlp", outcome, priority=prio, latency_s=lat))
-        latency.labels("mlp", outcome, str(prio)).observe(lat)
+        latency.labels("mlp", outcome, str(prio + 1)).observe(lat)  # labelled as clients count
         if i % 7 == 0:
             size = rng.choice([1, 2, 3, 32, 64, 5000])
             m.put(batch("mlp", size, 0.001))

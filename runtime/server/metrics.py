@@ -6,6 +6,17 @@ to a pending list; the records are folded into the Prometheus series when the
 list reaches ``FOLD_EVERY`` records or at scrape time, so the request path pays
 one append. Queue depths and recorder drops are read at scrape time.
 Everything lives in the recorder's own ``CollectorRegistry``.
+
+Generation models get the series vLLM exports, named as vLLM names them with
+``vllm:`` replaced by ``batchscope_`` and with vLLM's ``model_name`` label and
+buckets, so a dashboard made for vLLM reads them once its prefix is changed:
+``time_to_first_token_seconds``, ``time_per_output_token_seconds`` and
+``e2e_request_latency_seconds`` (histograms, from the requests' records; a request's
+time per output token is observed once per token after its first, so the sum and
+count are exact), ``prompt_tokens_total``, ``generation_tokens_total`` and
+``num_preemptions_total`` (counters), ``num_requests_running``,
+``num_requests_waiting`` and ``kv_cache_usage_perc`` (gauges, 1 = every block in
+use), the last four read from the generation engine's stats at scrape time.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from bisect import bisect_left
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from batchscope.storage.records import BatchRow, RequestBatch, RequestRow
@@ -52,11 +63,58 @@ class _ScrapeCollector:
             in_flight.add_metric([model], float(st.get("in_flight", 0)))
             if st.get("effective_max_batch_size") is not None:
                 eff.add_metric([model], float(st["effective_max_batch_size"]))
-        drops = GaugeMetricFamily("batchscope_recorder_dropped_records",
-                                  "Records the database recorder dropped since start "
-                                  "(its buffer was full)")
+        drops = CounterMetricFamily("batchscope_recorder_dropped_records",
+                                    "Records the database recorder dropped since start (its "
+                                    "buffer was full or the database refused them)")
         drops.add_metric([], float(self._dropped()))
         return [depth, in_flight, eff, drops]
+
+
+#: vLLM's buckets for the same series
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _GenerationCollector:
+    """vLLM's scrape-time series for the generation models among the stats: those whose
+    stats describe a KV cache (``GenerationEngine.stats``)."""
+
+    def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        def family(kind: Any, name: str, doc: str) -> Any:
+            return kind(f"batchscope_{name}", doc, labels=["model_name"])
+
+        running = family(GaugeMetricFamily, "num_requests_running",
+                         "Generation requests in the running batch")
+        waiting = family(GaugeMetricFamily, "num_requests_waiting",
+                         "Generation requests waiting for a place in the running batch")
+        usage = family(GaugeMetricFamily, "kv_cache_usage_perc",
+                       "KV-cache blocks in use; 1 means every block")
+        prompt = family(CounterMetricFamily, "prompt_tokens",
+                        "Prompt tokens of the generation requests that were prefilled")
+        generated = family(CounterMetricFamily, "generation_tokens", "Generated tokens")
+        preemptions = family(CounterMetricFamily, "num_preemptions",
+                             "Sequences preempted because the KV cache ran short")
+        for model, st in self._stats().items():
+            blocks = st.get("num_cache_blocks")
+            if not blocks:
+                continue
+            running.add_metric([model], float(st.get("running", 0)))
+            waiting.add_metric([model], float(st.get("waiting", 0)))
+            usage.add_metric([model], float(st.get("blocks_used", 0)) / float(blocks))
+            prompt.add_metric([model], float(st.get("prompt_tokens", 0)))
+            generated.add_metric([model], float(st.get("tokens_generated", 0)))
+            preemptions.add_metric([model], float(st.get("preemptions", 0)))
+        return [running, waiting, usage, prompt, generated, preemptions]
 
 
 def _append(groups: dict[Any, list[float]], key: Any, value: float) -> None:
@@ -106,14 +164,25 @@ class MetricsRecorder:
                                             "Time a request waited before its batch ran",
                                             ["model"], buckets=_SECONDS_BUCKETS, registry=r)
         self.latency_seconds = Histogram("batchscope_request_latency_seconds",
-                                         "Arrival to answer, per request",
+                                         "Arrival to answer, per request; priority as "
+                                         "clients send it (1 is the most urgent)",
                                          ["model", "outcome", "priority"],
                                          buckets=_SECONDS_BUCKETS, registry=r)
         self.requests = Counter("batchscope_requests", "Finished requests by outcome",
                                 ["model", "outcome"], registry=r)
+        self.ttft_seconds = Histogram("batchscope_time_to_first_token_seconds",
+                                      "Generation: arrival to first token", ["model_name"],
+                                      buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot_seconds = Histogram("batchscope_time_per_output_token_seconds",
+                                      "Generation: time per output token after the first",
+                                      ["model_name"], buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e_seconds = Histogram("batchscope_e2e_request_latency_seconds",
+                                     "Generation: arrival to last token of finished requests",
+                                     ["model_name"], buckets=_E2E_BUCKETS, registry=r)
         self._stats = stats or (lambda: {})
         self._dropped = dropped or (lambda: 0)
         r.register(_ScrapeCollector(lambda: self._stats(), lambda: self._dropped()))
+        r.register(_GenerationCollector(lambda: self._stats()))
         # labelled children cached: a dict lookup instead of prometheus' label resolution
         self._batch_children: dict[tuple[str, str], tuple] = {}
         self._request_children: dict[tuple[str, str, int], tuple] = {}
@@ -161,6 +230,8 @@ class MetricsRecorder:
                     _append(observations, ch[0], record.queue_wait_s)
                 _append(observations, ch[1], record.latency_s)
                 counts[ch[2]] = counts.get(ch[2], 0) + 1
+                if record.prompt_tokens is not None:  # a generation request
+                    self._fold_generation(record, observations)
             elif kind is RequestBatch:
                 self._fold_request_batch(record, observations, counts)
             elif kind is BatchRow:
@@ -172,6 +243,16 @@ class MetricsRecorder:
             _observe_many(child, values)
         for child, n in counts.items():
             child.inc(n)
+
+    def _fold_generation(self, row: RequestRow, observations: dict) -> None:
+        model = row.model
+        if row.ttft_s is not None:
+            _append(observations, self.ttft_seconds.labels(model), row.ttft_s)
+        if row.tpot_s is not None and row.output_tokens and row.output_tokens > 1:
+            observations.setdefault(self.tpot_seconds.labels(model), []).extend(
+                [row.tpot_s] * (row.output_tokens - 1))
+        if row.outcome == "ok":
+            _append(observations, self.e2e_seconds.labels(model), row.latency_s)
 
     def _batch_child(self, b: BatchRow) -> tuple:
         key = (b.model, b.outcome)
@@ -204,7 +285,8 @@ class MetricsRecorder:
         ch = self._request_children.get(key)
         if ch is None:
             ch = (self.queue_wait_seconds.labels(model),
-                  self.latency_seconds.labels(model, outcome, str(priority)),
+                  # the engine counts priorities from 0, clients from 1 (KServe, OpenAI)
+                  self.latency_seconds.labels(model, outcome, str(priority + 1)),
                   self.requests.labels(model, outcome))
             self._request_children[key] = ch
         return ch
