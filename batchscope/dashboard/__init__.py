@@ -9,6 +9,8 @@ it to the page ``st.navigation`` picks. Each page is a module with ``render(scop
   from" notice.
 - ``live``: the Live page (headline, charts, diagnosis), refreshed as a fragment.
 - ``tuning``: the Tuning page (settings form, command status, history, revert).
+- ``fleet``: the Fleet page (instances side by side, fleet diagnosis, resource
+  recommendations with their evidence and manifests).
 - ``settings_form``: the settings form generated from ``batchscope.settings``.
 - ``snapshots``: the Snapshots page (export, open, compare).
 

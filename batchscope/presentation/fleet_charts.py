@@ -1,0 +1,81 @@
+"""Plotly figures of the fleet page: instances side by side, and the usage behind a
+resource recommendation. ``DataFrame -> Figure`` like ``charts``, whose styling they share.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from batchscope.analysis import recommend
+from batchscope.presentation.charts import _base, _empty, _times
+
+#: chart key -> title (``fleet_rules`` flags point at these keys)
+FLEET_CHARTS: dict[str, str] = {
+    "fleet_throughput": "Served requests per second, per instance",
+    "fleet_latency": "Latency per instance, and of the whole fleet",
+}
+_SCALE = {"cores": (1.0, "cores"), "bytes": (1.0 / 2 ** 30, "GiB")}
+#: the upper bound is drawn while it is at most this many times the target
+UPPER_SHOWN = 3.0
+
+
+def throughput_by_instance(timeline: pd.DataFrame) -> go.Figure:
+    """One line per instance (``fleet.throughput_timeline``)."""
+    fig = _base(FLEET_CHARTS["fleet_throughput"])
+    if not len(timeline):
+        return _empty(fig)
+    for iid, part in timeline.groupby("instance_id", sort=True):
+        fig.add_trace(go.Scatter(x=_times(part["t"]), y=part["ok_per_s"], name=str(iid),
+                                 mode="lines"))
+    fig.update_yaxes(title_text="req/s", rangemode="tozero")
+    return fig
+
+
+def latency_by_instance(table: pd.DataFrame, fleet_row: dict | None = None) -> go.Figure:
+    """p50 and p99 bars per instance (``fleet.instance_table`` rows of one model), with the
+    fleet-wide p50/p99 (exact over every instance's requests) as dashed lines."""
+    fig = _base(FLEET_CHARTS["fleet_latency"], closest=True)
+    rows = table.dropna(subset=["latency_p50_s"]) if len(table) else table
+    if not len(rows):
+        return _empty(fig)
+    names = rows["instance_id"].astype(str)
+    for col, label, color in (("latency_p50_s", "p50", "#1f77b4"),
+                              ("latency_p99_s", "p99", "#d62728")):
+        fig.add_trace(go.Bar(x=names, y=rows[col] * 1000.0, name=label, marker_color=color))
+    for key, label, color in (("latency_p50_s", "fleet p50", "#1f77b4"),
+                              ("latency_p99_s", "fleet p99", "#d62728")):
+        value = (fleet_row or {}).get(key)
+        if value is not None and not math.isnan(float(value)):
+            fig.add_hline(y=float(value) * 1000.0, line=dict(color=color, dash="dash"),
+                          annotation_text=label, annotation_position="top left")
+    fig.update_layout(barmode="group")
+    fig.update_yaxes(title_text="ms", rangemode="tozero")
+    return fig
+
+
+def usage(series: dict[str, list[tuple[float, float]]], est: recommend.Estimate) -> go.Figure:
+    """The recorded usage of each instance with the recommendation's lower bound,
+    target and upper bound drawn across."""
+    scale, unit = _SCALE.get(est.unit, (1.0, est.unit))
+    title = f"{est.resource.replace('_', ' ')}: recorded usage and recommendation"
+    off_chart = not math.isfinite(est.upper) or est.upper > UPPER_SHOWN * est.target
+    if off_chart:  # a short history leaves the upper bound far above everything else
+        bound = f"{est.upper * scale:,.1f} {unit}" if math.isfinite(est.upper) else "unbounded"
+        title += f" (upper bound {bound}, off the chart)"
+    fig = _base(title)
+    if not any(series.values()):
+        return _empty(fig, "no samples")
+    for iid, points in sorted(series.items()):
+        if points:
+            fig.add_trace(go.Scatter(x=_times([t for t, _ in points]),
+                                     y=[v * scale for _, v in points], name=iid, mode="lines"))
+    for value, label, dash in ((est.lower, "lower bound", "dot"), (est.target, "target", "solid"),
+                               (est.upper, "upper bound", "dash")):
+        if math.isfinite(value) and not (label == "upper bound" and off_chart):
+            fig.add_hline(y=value * scale, line=dict(color="#444", dash=dash),
+                          annotation_text=label, annotation_position="top left")
+    fig.update_yaxes(title_text=unit, rangemode="tozero")
+    return fig
