@@ -67,7 +67,7 @@ class Setting:
     default: Any
     #: one or two sentences: what it does and when to change it
     doc: str
-    #: "ms", "s", "requests", "MB", "batches", "tokens", "blocks", "levels" or None
+    #: "ms", "s", "requests", "MB", "batches", "tokens", "blocks", "levels", "edges" or None
     unit: str | None = None
     #: inclusive bounds (for ``int_list``: of each item); see ``min_exclusive``
     min: float | None = None
@@ -78,8 +78,8 @@ class Setting:
     choices: tuple[str, ...] = ()
     #: ``int_list`` only: how many items the list may hold
     max_items: int | None = None
-    #: form section: "batching", "buckets", "queueing", "memory", "faults", "events",
-    #: "generation", "cache"
+    #: form section: "batching", "buckets", "queueing", "memory", "faults", "autopilot",
+    #: "events", "generation", "cache"
     group: str = "batching"
     #: the lower bound itself is not allowed (a value must be above ``min``)
     min_exclusive: bool = False
@@ -207,14 +207,15 @@ class Setting:
         if self.kind == "bool":
             return "true" if value else "false"
         if self.kind == "int_list":
-            return ",".join(str(v) for v in value)
+            # "" reads back as null for a nullable list: its empty form is written []
+            return ",".join(str(v) for v in value) if value or not self.nullable else "[]"
         if self.kind == "float":
             return _num(float(value))
         return str(value)
 
     def default_text(self) -> str:
         """The default as shown in help texts and the README (``empty`` for an empty list)."""
-        if self.kind == "int_list" and not self.default:
+        if self.kind == "int_list" and self.default == ():
             return "empty"
         return self.to_text(self.default)
 
@@ -311,10 +312,18 @@ BATCHING: tuple[Setting, ...] = (
             "Length bucketing for variable-length inputs: one queue per bucket edge plus an "
             "overflow queue, so a batch holds requests of similar length.",
             group="buckets"),
-    Setting("bucket_edges", "int_list", (32, 64, 128, 256),
+    Setting("bucket_edges", "int_list", None,
             "The bucket edges in tokens, strictly increasing; a request longer than the last "
-            "edge goes to the overflow bucket. Finer edges waste less padding.",
-            unit="tokens", min=1, max=1_000_000, min_items=1, max_items=64, group="buckets"),
+            "edge goes to the overflow bucket. Finer edges waste less padding. Null derives "
+            "them from the lengths that arrive: auto_bucket_count edges with the least "
+            "padding, refreshed as the lengths change (32,64,128,256 until 256 requests "
+            "have arrived).",
+            unit="tokens", min=1, max=1_000_000, min_items=1, max_items=64, nullable=True,
+            null_means="derived from the observed lengths", group="buckets"),
+    Setting("auto_bucket_count", "int", 8,
+            "With bucket_edges null: how many edges are derived. More edges waste less "
+            "padding but spread the requests over more queues, so each batch fills slower.",
+            unit="edges", min=1, max=64, group="buckets"),
     Setting("pad_to", "choice", "batch_max",
             "Pad a batch to the longest request in it (batch_max) or to its bucket's edge "
             "(bucket, fewer distinct shapes).",
@@ -352,6 +361,14 @@ BATCHING: tuple[Setting, ...] = (
             "the batch returns). Leave room for a first batch's warm-up.",
             unit="ms", min=0, max=3_600_000, min_exclusive=True, nullable=True,
             null_means="no execution timeout", group="faults"),
+    Setting("autopilot_slo_p99_ms", "float", None,
+            "Turns the autopilot on: window by window it moves max_batch_size and "
+            "max_queue_delay_ms (dynamic policy) to keep the p99 latency under this many "
+            "milliseconds while serving as many requests as it can, and returns to the "
+            "settings it started from when it cannot. Each move is a settings change "
+            "requested by autopilot, with its reason in an autopilot event.",
+            unit="ms", min=0, max=600_000, min_exclusive=True, nullable=True,
+            null_means="autopilot off", group="autopilot"),
 )
 
 GENERATION: tuple[Setting, ...] = (

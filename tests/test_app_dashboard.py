@@ -144,7 +144,7 @@ def test_the_settings_form_follows_the_schema(app_db):
 def test_invalid_values_are_explained_and_nothing_is_sent(app_db):
     at = run_app("tuning")
     next(t for t in at.text_input if t.label == "Preferred batch sizes").set_value("8, x")
-    next(t for t in at.text_input if t.label == "Bucket edges").set_value("")
+    next(t for t in at.text_input if t.label == "Bucket edges").set_value("[]")
     next(n for n in at.number_input if n.label == "Max batch size").set_value(24)
     next(b for b in at.button if b.label == "Apply").click()
     at.run()

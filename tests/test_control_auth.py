@@ -282,7 +282,9 @@ def test_server_with_token_wants_it_and_records_its_identity(tmp_path):
     assert [e["requested_by"] for e in events] == [IDENTITY]
 
 
-INFERENCE_PATHS = ("/infer", "/v1/completions")
+INFERENCE_PATHS = ("/infer", "/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+#: routes that take POST as Triton's protocol says but change nothing (no control request)
+READ_ONLY_POSTS = ("/v2/repository/index",)
 
 
 def test_every_state_changing_route_refuses_cross_site_requests(tmp_path):
@@ -293,7 +295,7 @@ def test_every_state_changing_route_refuses_cross_site_requests(tmp_path):
                       instance_id="auth-routes")
     changing = [(method, route.path) for route in service.app.routes if isinstance(route, Route)
                 for method in sorted(route.methods or ()) if method not in ("GET", "HEAD")
-                and not route.path.endswith(INFERENCE_PATHS)]
+                and not route.path.endswith(INFERENCE_PATHS + READ_ONLY_POSTS)]
     assert ("PATCH", "/v2/models/{name}/batching") in changing
     with ServiceThread(service) as runner, httpx.Client(base_url=runner.url, timeout=30) as http:
         for name in ("mlp", "decoder"):

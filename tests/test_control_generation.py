@@ -55,14 +55,18 @@ def test_control_api_reads_and_changes_a_generation_model(tmp_path):
         r = http.post("/v1/completions", json={"model": "decoder", "prompt": "hi",
                                                "max_tokens": 3})
         assert r.status_code == 200, r.text
-        stats = http.get("/v2/models/decoder/stats").json()
+        stats = http.get("/v2/models/decoder/batching/stats").json()
         assert stats["kind"] == "generate"
         assert stats["settings_version"] == first_version + 1
         assert stats["requests"] and stats["steps"] >= 1
+        # /v2/models/{name}/stats is Triton's statistics of request models: it says where
+        # a generation model's are
+        r = http.get("/v2/models/decoder/stats")
+        assert r.status_code == 404 and "/v2/models/decoder/batching/stats" in r.json()["error"]
 
         # request models still answer as before; unknown names list both kinds
         assert http.get("/v2/models/double/batching").json()["kind"] == "request"
-        r = http.get("/v2/models/nope/stats")
+        r = http.get("/v2/models/nope/batching/stats")
         assert r.status_code == 404 and "decoder" in r.text and "double" in r.text
 
 

@@ -1,7 +1,7 @@
 """The real server on an ephemeral 127.0.0.1 port, driven by tritonclient and httpx.
 
 Batches are made deterministic with ``DoubleModel(hold=...)``: one request runs and
-blocks inside ``predict``, the test queues more (watching ``/stats`` until they all
+blocks inside ``predict``, the test queues more (watching ``/batching/stats`` until they all
 wait), then releases the model; the next batches then show how the batcher cut them.
 """
 
@@ -82,7 +82,7 @@ def json_body(values, **params) -> dict:
 
 
 def queue_depth(server, model="held") -> int:
-    return server["http"].get(f"/v2/models/{model}/stats").json()["queue_depth"]
+    return server["http"].get(f"/v2/models/{model}/batching/stats").json()["queue_depth"]
 
 
 def held_burst(server, bodies: list[dict]) -> tuple[list[int], list[httpx.Response]]:
@@ -113,7 +113,8 @@ def test_health_and_metadata_through_tritonclient(server):
     assert meta["name"] == "batchscope" and "binary_tensor_data" in meta["extensions"]
     model = client.get_model_metadata("varlen")
     assert model["name"] == "varlen" and model["versions"] == ["1"]
-    assert model["inputs"] == [{"name": "INPUT0", "datatype": "FP32", "shape": [-1]}]
+    # every request model batches: the leading -1 is the batch dimension
+    assert model["inputs"] == [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, -1]}]
     assert [o["name"] for o in model["outputs"]] == ["SUM", "PADDED"]
     assert client.get_model_metadata("double", model_version="1")["name"] == "double"
     with pytest.raises(InferenceServerException) as info:
@@ -311,6 +312,6 @@ def test_metrics_parse_and_count_requests(server):
 
 
 def test_stats_endpoint(server):
-    stats = server["http"].get("/v2/models/double/stats").json()
+    stats = server["http"].get("/v2/models/double/batching/stats").json()
     assert stats["model"] == "double" and stats["queue_depth"] == 0
     assert stats["effective_max_batch_size"] == 16 and stats["requests"] >= 1

@@ -156,7 +156,8 @@ def test_with_changes_puts_json_values_in_python_form():
                                             "preferred_batch_sizes": [8]})
     assert config.bucket_edges == (16, 32) and config.preferred_batch_sizes == (8,)
     assert isinstance(config.max_queue_delay_ms, float)
-    with pytest.raises(ConfigError, match="bucket_edges='16,32' must be a non-empty list"):
+    with pytest.raises(ConfigError, match=r"bucket_edges='16,32' must be null \(derived from "
+                                          r"the observed lengths\) or a non-empty list"):
         BatchingConfig().with_changes({"bucket_edges": "16,32"})
     assert GenerationConfig().with_changes({"default_timeout_ms": 50}).default_timeout_ms == 50.0
 
@@ -235,3 +236,26 @@ def test_set_takes_json_or_the_flag_text():
     config = model_settings(args, {"double": DoubleModel()}, {})["double"]
     assert config == BatchingConfig(bucket_edges=(16, 32), preferred_batch_sizes=(4, 8),
                                     pad_to="bucket")
+
+
+# -- the autopilot and derived bucket edges -------------------------------------------------------
+def test_the_autopilot_needs_the_dynamic_policy_and_derived_edges_are_the_default():
+    defaults = BatchingConfig()
+    assert defaults.bucket_edges is None and defaults.autopilot_slo_p99_ms is None
+    assert defaults.to_dict()["bucket_edges"] is None
+    assert BatchingConfig(bucket_edges=(16, 32)).to_dict()["bucket_edges"] == [16, 32]
+    with pytest.raises(ConfigError, match=r"autopilot_slo_p99_ms=40 needs policy='dynamic' "
+                                          r"\(policy='static'\)"):
+        BatchingConfig(policy="static", autopilot_slo_p99_ms=40.0)
+    on = BatchingConfig().with_changes({"autopilot_slo_p99_ms": 40})
+    assert on.autopilot_slo_p99_ms == 40.0
+    with pytest.raises(ConfigError, match="needs policy='dynamic'"):
+        on.with_changes({"policy": "adaptive"})
+    edges = setting("request", "bucket_edges")
+    assert edges.parse_text("auto") is None and edges.to_text(None) == "null"
+    assert edges.to_text(()) == "[]" and edges.parse_text("[]") == ()
+    assert "derived from the observed lengths" in edges.describe()
+    assert setting("request", "autopilot_slo_p99_ms").parse_text("off") is None
+    args = build_parser().parse_args(["serve", "--bucket-edges", "auto",
+                                      "--autopilot-slo-p99-ms", "40", "--auto-bucket-count", "4"])
+    assert (args.bucket_edges, args.autopilot_slo_p99_ms, args.auto_bucket_count) == (None, 40.0, 4)

@@ -93,7 +93,8 @@ class BatchingConfig:
     adaptive_factor: float = 2.0
     adaptive_ceiling_ms: float = 200.0
     bucketing: bool = True
-    bucket_edges: tuple[int, ...] = (32, 64, 128, 256)
+    bucket_edges: tuple[int, ...] | None = None  # None: derived from the observed lengths
+    auto_bucket_count: int = 8
     pad_to: PadTo = "batch_max"
     max_queue_size: int = 1024
     priority_levels: int = 3
@@ -106,6 +107,7 @@ class BatchingConfig:
     cuda_graphs: bool = False
     isolate_errors: bool = True
     execution_timeout_ms: float | None = 30_000.0  # None: no execution timeout
+    autopilot_slo_p99_ms: float | None = None  # None: autopilot off
 
     def __post_init__(self) -> None:
         self.validate()
@@ -128,9 +130,15 @@ class BatchingConfig:
                             f"adaptive_ceiling_ms={self.adaptive_ceiling_ms}; the floor must not "
                             "exceed the ceiling")
         edges = self.bucket_edges
-        if "bucket_edges" not in bad and list(edges) != sorted(set(edges)):
+        if "bucket_edges" not in bad and edges is not None and list(edges) != sorted(set(edges)):
             problems.append(f"bucket_edges={list(edges)} must be strictly increasing, "
                             "e.g. [32, 64, 128, 256]")
+        if not {"autopilot_slo_p99_ms", "policy"} & bad.keys() \
+                and self.autopilot_slo_p99_ms is not None and self.policy != "dynamic":
+            problems.append(f"autopilot_slo_p99_ms={self.autopilot_slo_p99_ms:g} needs "
+                            f"policy='dynamic' (policy={self.policy!r}): the autopilot moves "
+                            "max_queue_delay_ms and max_batch_size of the dynamic policy; set "
+                            "policy to dynamic or autopilot_slo_p99_ms to null")
         if problems:
             raise ConfigError("invalid batching settings: " + "; ".join(problems)
                               + ". Nothing was changed.")
@@ -139,7 +147,8 @@ class BatchingConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         for key in ("preferred_batch_sizes", "bucket_edges"):
-            out[key] = list(out[key])
+            if out[key] is not None:
+                out[key] = list(out[key])
         return out
 
     @classmethod
@@ -178,6 +187,8 @@ class ServerConfig:
     device_process: bool = False
     #: run the recorder's database inserts in a child process (``batchscope.storage.writer_process``)
     recorder_process: bool = False
+    #: also serve the KServe v2 / Triton gRPC API on this port (0: a free one; None: no gRPC)
+    grpc_port: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -193,6 +204,9 @@ class ServerConfig:
         for name in ("device_process", "recorder_process"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
+        if self.grpc_port is not None and not (_is_int(self.grpc_port) and 0 <= self.grpc_port <= 65535):
+            problems.append(f"grpc_port={self.grpc_port!r} must be an integer from 0 to 65535, "
+                            "or None for no gRPC server")
         if not (_is_int(self.recorder_buffer_size) and self.recorder_buffer_size >= 1):
             problems.append(f"recorder_buffer_size={self.recorder_buffer_size!r} must be a positive integer")
         if problems:

@@ -15,8 +15,9 @@ OpenAI-style generation routes):
   nothing about the code.
 
 It lives beside the hierarchy because the wire form of an error is part of what an
-error is, and because both HTTP layers (``runtime.server`` and
-``runtime.generation.http``) already depend on this module and not on each other.
+error is, and because every HTTP layer depends on this module; the OpenAI-style routes
+(``runtime.generation.http``, ``runtime.server.openai_*``) add OpenAI's error shape in
+``runtime.server.openai_errors``.
 It depends on no web framework: it returns ``(status, headers, body)`` in the raw
 form the HTTP/1 server writes, and each framework adapter wraps that in one line.
 """

@@ -12,6 +12,12 @@ A request flows through small hooks, each with one job::
 ``decode`` as ``runtime.api.errors.ClientError``/``ValidationError`` reach the caller
 as 400/422 with their message; anything raised from ``predict`` fails only the
 batch it ran in.
+
+An embedding model also names the output that holds its vector
+(``embedding_output``) and implements ``embedding_inputs(value)``: one text or one
+list of token ids -> the inputs ``decode`` takes, and how many tokens they hold.
+``/v1/embeddings`` then serves it, each input a request of its own, batched with
+every other request of the model.
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ class ModelAPI:
     max_length: ClassVar[int | None] = None
     #: "request" models answer one call with one result; "generate" models stream tokens
     kind: ClassVar[str] = "request"
+    #: the output holding one embedding vector (shape ``(dim,)``); set it to serve the model
+    #: at ``/v1/embeddings`` (with ``embedding_inputs``); None: not an embedding model
+    embedding_output: ClassVar[str | None] = None
 
     device: Any = None
 
@@ -105,6 +114,16 @@ class ModelAPI:
                 return [{"OUTPUT0": out[i]} for i in range(n)]
         ''')
 
+    def embedding_inputs(self, value: str | list[int]) -> tuple[dict[str, np.ndarray], int]:
+        """One ``/v1/embeddings`` input (a text, or a list of token ids) as the inputs
+        ``decode`` takes, and its number of tokens (counted in ``usage``). Raise
+        ``ClientError`` for a value the model cannot embed."""
+        raise _missing(type(self).__name__, "embedding_inputs", '''
+            def embedding_inputs(self, value):
+                ids = self.tokenizer.encode(value) if isinstance(value, str) else value
+                return {"INPUT_IDS": np.asarray(ids, dtype=np.int64)}, len(ids)
+        ''')
+
     def estimate_batch_bytes(self, batch_size: int, padded_length: int) -> int | None:
         """Rough activation memory of a batch, for a CPU memory budget. None = unknown."""
         return None
@@ -140,3 +159,10 @@ def check_model(model: ModelAPI) -> None:
         for hook in ("decode", "collate", "predict", "split"):
             if getattr(cls, hook) is getattr(ModelAPI, hook):
                 getattr(ModelAPI, hook)(model, *([None] * (2 if hook in ("collate", "split") else 1)))
+    if model.embedding_output is not None:
+        names = [s.name for s in model.outputs]
+        if model.embedding_output not in names:
+            raise TypeError(f"{cls.__name__}.embedding_output={model.embedding_output!r} names "
+                            f"no output; its outputs are {names}")
+        if cls.embedding_inputs is ModelAPI.embedding_inputs:
+            ModelAPI.embedding_inputs(model, "")

@@ -37,6 +37,16 @@ deadline falls before ``now + lead_s``; the shell answers them (``expire``) inst
 of running them uselessly. A request that was dispatched is the shell's: it is
 answered when its batch ends, even if that is past its deadline.
 
+Bucket edges: with ``bucket_edges`` null (the default) the edges of a variable-length
+model are derived from the lengths submitted (``runtime.core.queues.derive_edges``):
+``INITIAL_EDGES`` until ``FIRST_DERIVATION_AFTER`` requests were counted, then the
+``auto_bucket_count`` edges with the least expected padding, searched again after every
+``DERIVATION_EVERY`` further requests with older counts halved, so the edges follow the
+traffic. New edges replace the current ones only when they pad at least ``MIN_GAIN``
+less (no churn on noise); the queued requests are then re-bucketed, as for a settings
+change. ``bucket_edges``/``bucket_keys()`` tell the edges in use, ``edge_changes`` how
+often they moved.
+
 Order of service:
 
 * Bypass (real-time) requests come first: they skip the batching window and run
@@ -55,7 +65,8 @@ from dataclasses import dataclass
 
 from runtime.api.config import BatchingConfig
 from runtime.core import policy
-from runtime.core.queues import OVERFLOW, BucketMap, PriorityFifo
+from runtime.core.queues import (OVERFLOW, BucketMap, LengthCounts, PriorityFifo, derive_edges,
+                                 expected_padding)
 from runtime.core.request import CANCELLED, DISPATCHED, EXPIRED, QUEUED, PendingRequest
 from runtime.api.errors import QueueFull, ValidationError
 
@@ -66,6 +77,15 @@ DEFAULT_SERVICE_S = 0.005
 #: the timeouts ``head_refusal`` goes by are those of the last this many to twice this
 #: many requests submitted
 TIMEOUT_EPOCH = 1024
+#: the edges of derived bucketing (``bucket_edges`` null) before any were derived
+INITIAL_EDGES = (32, 64, 128, 256)
+#: derived edges: first searched after this many requests, then after this many more
+FIRST_DERIVATION_AFTER = 256
+DERIVATION_EVERY = 1024
+#: derived edges replace the current ones only when they pad at least this much less
+MIN_GAIN = 0.05
+#: after each search the length counts are scaled by this (recent traffic weighs most)
+LENGTH_DECAY = 0.5
 
 
 @dataclass(slots=True)
@@ -135,11 +155,28 @@ class Batcher:
         self._expired: list[PendingRequest] = []
         #: the last ``queue_full`` error and the figures it was made from
         self._refusal: tuple[tuple[int, int, int], QueueFull] | None = None
-        self._build_queues(config)
+        #: lengths seen, for derived edges (None: edges are given, or fixed-size inputs)
+        self._lengths: LengthCounts | None = None
+        self._until_derivation = FIRST_DERIVATION_AFTER
+        #: how often derived edges replaced the ones in use
+        self.edge_changes = 0
+        self._build_queues(config, self._edges_for(config, None))
 
     # -- structure ----------------------------------------------------------------------
-    def _build_queues(self, config: BatchingConfig) -> None:
-        self._buckets = BucketMap(config.bucket_edges, self.variable_length and config.bucketing)
+    def _edges_for(self, config: BatchingConfig,
+                   current: tuple[int, ...] | None) -> tuple[int, ...]:
+        """The edges to use under ``config``: the given ones, or (derived bucketing) the
+        ``current`` derived ones, or ``INITIAL_EDGES`` before any were derived."""
+        if config.bucket_edges is not None or not (self.variable_length and config.bucketing):
+            self._lengths = None
+            return config.bucket_edges or INITIAL_EDGES
+        if self._lengths is None:
+            self._lengths = LengthCounts()
+            self._until_derivation = FIRST_DERIVATION_AFTER
+        return current or INITIAL_EDGES
+
+    def _build_queues(self, config: BatchingConfig, edges: tuple[int, ...]) -> None:
+        self._buckets = BucketMap(edges, self.variable_length and config.bucketing)
         keys = self._buckets.keys()
         levels = config.priority_levels
         self._queues: dict[int | None, PriorityFifo] = {k: PriorityFifo(levels) for k in keys}
@@ -157,18 +194,65 @@ class Batcher:
         old = self._config
         self._config = config
         self.version = version
-        if (old.bucketing, old.bucket_edges, old.priority_levels) != (
-                config.bucketing, config.bucket_edges, config.priority_levels):
-            live = sorted(self._all_live(), key=lambda r: r.seq)
-            self._build_queues(config)
-            top = config.priority_levels - 1
-            for req in live:
-                if req.priority > top:
-                    req.priority = top
-                req.bucket = self._buckets.bucket_of(req.length)
-                (self._bypass if req.bypass else self._queues)[req.bucket].push(req)
-                self._by_priority[req.priority] += 1
-                self._bypass_count += req.bypass
+        if (old.bucketing, old.bucket_edges, old.auto_bucket_count, old.priority_levels) != (
+                config.bucketing, config.bucket_edges, config.auto_bucket_count,
+                config.priority_levels):
+            derived = self._lengths is not None
+            edges = self._edges_for(config, self._buckets.edges if derived else None)
+            if self._lengths is not None and old.auto_bucket_count != config.auto_bucket_count \
+                    and self._lengths.counts and edges != INITIAL_EDGES:
+                edges = derive_edges(self._lengths.counts, config.auto_bucket_count) or edges
+            self._rebucket(config, edges)
+
+    def _rebucket(self, config: BatchingConfig, edges: tuple[int, ...]) -> None:
+        """New queues for ``edges``; every queued request moves to its new bucket. Size
+        caps are kept for the buckets that remain; a new bucket takes the cap of the old
+        bucket its longest length fell in (longer inputs need more memory)."""
+        live = sorted(self._all_live(), key=lambda r: r.seq)
+        old_buckets, old_caps = self._buckets, self._caps
+        self._build_queues(config, edges)
+        self._caps = {}
+        for key in self._buckets.keys():
+            if key in old_caps:
+                self._caps[key] = old_caps[key]
+            elif key is not None and key != OVERFLOW:
+                inherited = old_caps.get(old_buckets.bucket_of(key))
+                if inherited is not None:
+                    self._caps[key] = inherited
+        top = config.priority_levels - 1
+        for req in live:
+            if req.priority > top:
+                req.priority = top
+            req.bucket = self._buckets.bucket_of(req.length)
+            (self._bypass if req.bypass else self._queues)[req.bucket].push(req)
+            self._by_priority[req.priority] += 1
+            self._bypass_count += req.bypass
+
+    def _count_length(self, length: int) -> None:
+        """Derived bucketing: count a submitted length; search new edges when due."""
+        lengths = self._lengths
+        lengths.add(length)
+        self._until_derivation -= 1
+        if self._until_derivation > 0:
+            return
+        self._until_derivation = DERIVATION_EVERY
+        counts = lengths.counts
+        current = self._buckets.edges
+        edges = derive_edges(counts, self._config.auto_bucket_count)
+        lengths.decay(LENGTH_DECAY)
+        if edges and edges != current and expected_padding(edges, counts) < \
+                (1.0 - MIN_GAIN) * expected_padding(current, counts):
+            self.edge_changes += 1
+            self._rebucket(self._config, edges)
+
+    @property
+    def bucket_edges(self) -> tuple[int, ...]:
+        """The edges in use (given or derived); empty without length bucketing."""
+        return self._buckets.edges if self._buckets.enabled else ()
+
+    def bucket_keys(self) -> list[int | None]:
+        """The bucket keys in use: each edge and ``OVERFLOW``, or ``[None]``."""
+        return self._buckets.keys()
 
     def set_size_cap(self, bucket: int | None, cap: int | None) -> None:
         """Lower the batch size of one bucket below ``max_batch_size`` (None lifts it)."""
@@ -212,6 +296,8 @@ class Batcher:
                 error = self.drain_refusal(req.priority, req.bypass, left)
                 if error is not None:
                     raise error
+        if self._lengths is not None:
+            self._count_length(req.length)
         self._seq += 1
         req.seq = self._seq
         req.state = QUEUED

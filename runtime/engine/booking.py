@@ -13,6 +13,9 @@ several when out-of-memory or a model error split it; see
   ``model_timeout`` per batch that ran past ``execution_timeout_ms`` and each probe
   of the effective max back up (``oom_probe``);
 * the ``SizeGovernor`` update and the batcher's size caps that follow from it;
+* the model's ``InferenceTotals``: each request's outcome with its latency and queue
+  time, each batch that ran without error by its size with its compute time (what
+  the Triton statistics report);
 * every request's one outcome: its result, ``OutOfMemory`` (507), ``ModelError``
   (500: "failed on this request" when it failed alone), ``ModelTimedOut`` (503) or
   ``ModelNotReady`` (503, a stuck model), with one ``RequestRow`` each (a
@@ -145,6 +148,14 @@ class Booking:
             seq = self._record_batch(model, batch, a)
             seqs.append(seq)
             if outcome == "ok":
+                totals = model.counts.inference
+                totals.executions += 1
+                by_size = totals.by_batch_size.get(a.size)
+                if by_size is None:
+                    totals.by_batch_size[a.size] = [1, a.compute_s]
+                else:
+                    by_size[0] += 1
+                    by_size[1] += a.compute_s
                 continue
             clean = False
             if outcome == "oom":
@@ -234,6 +245,15 @@ class Booking:
         counts = model.counts
         counts.requests += answered
         counts.outcomes["ok"] = counts.outcomes.get("ok", 0) + answered
+        counts.window.add_ok(now, arrived)  # autopilot: latency window
+        if answered:
+            totals = counts.inference
+            arrived_s = sum(arrived)
+            totals.success += answered
+            totals.success_s += answered * now - arrived_s
+            totals.queue_s += answered * a.started_s - arrived_s
+            totals.compute_s += answered * a.compute_s
+            totals.last_success_at = self.clock.to_wall(now)
 
     def _record_batch(self, model: ServedModel, batch: Batch, a: Attempt) -> int:
         self.batch_seq += 1
@@ -353,8 +373,18 @@ class Booking:
         counts = model.counts
         counts.requests += 1
         counts.outcomes[outcome] = counts.outcomes.get(outcome, 0) + 1
+        counts.window.add_request(outcome, now, req.arrived_s)  # autopilot: latency window
         to_wall = self.clock.to_wall
         arrived = req.arrived_s
+        totals = counts.inference
+        if outcome == "ok":
+            totals.success += 1
+            totals.success_s += now - arrived
+            totals.queue_s += (started_s if started_s is not None else now) - arrived
+            totals.last_success_at = to_wall(now)
+        else:
+            totals.fail += 1
+            totals.fail_s += now - arrived
         self.recorder.put(RequestRow(
             self.instance_id, model.name, batch_seq, req.priority, to_wall(arrived), to_wall(now),
             (started_s if started_s is not None else now) - arrived, now - arrived, outcome,

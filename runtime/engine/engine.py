@@ -10,9 +10,11 @@ parts of ``runtime.engine``, each a module of its own:
     executors.py   where batches run: the device thread or the device process
     booking.py     Booking: records, events, governor and outcomes of a batch
 
-A request is checked and queued here (``infer``/``submit``); its model's dispatch
-loop forms the batch, runs it where the executor puts it and hands the result to
-booking. Batches run off the event loop, in the single device thread (collate,
+A request is checked and queued here (``infer``/``submit``); a request of several
+items (a client-side batch) is checked once and queued as one ``PendingRequest`` per
+item (``infer_items``/``submit_items``), answered once when every item is back. Its
+model's dispatch loop forms the batch, runs it where the executor puts it and hands
+the result to booking. Batches run off the event loop, in the single device thread (collate,
 predict and split under ``torch.inference_mode()``, see
 ``runtime.device.executor.run_batch``), or with ``device_process=True`` in a child
 process with its own interpreter lock (``runtime.device.process``), which loads the
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -47,11 +50,11 @@ from runtime.engine.booking import Booking
 from runtime.engine.dispatch import Dispatcher
 from runtime.engine.executors import (HANDOFF_WAIT_S, MAX_AHEAD_BATCHES, DeviceThread,
                                       ProcessExecutor)
-from runtime.engine.served import ServedModel
+from runtime.engine.served import InferenceTotals, ServedModel
 from runtime.engine.turns import DeviceTurns
 
-__all__ = ["Engine", "CallbackOutcome", "EVENT_INTERVAL_S", "INLINE_MAX_COMPUTE_MS",
-           "HANDOFF_WAIT_S", "MAX_AHEAD_BATCHES"]
+__all__ = ["Engine", "CallbackOutcome", "ItemsOutcome", "EVENT_INTERVAL_S",
+           "INLINE_MAX_COMPUTE_MS", "MAX_REQUEST_ITEMS", "HANDOFF_WAIT_S", "MAX_AHEAD_BATCHES"]
 
 log = logging.getLogger("batchscope.engine")
 
@@ -60,6 +63,8 @@ EVENT_INTERVAL_S = 1.0
 #: CPU batches expected to take at most this long run on the event loop's thread (0: never).
 #: Off by default: a model slower than its history would then block the loop.
 INLINE_MAX_COMPUTE_MS = 0.0
+#: the most items one request may hold (never more than the model's ``max_queue_size``)
+MAX_REQUEST_ITEMS = 65536
 
 
 class CallbackOutcome:
@@ -83,6 +88,10 @@ class CallbackOutcome:
     def set_exception(self, error: BaseException) -> None:
         self._finish(None, error)
 
+    def close(self) -> None:
+        """Settled without an outcome of its own (the request was withdrawn)."""
+        self._done = True
+
     def _finish(self, result: Any, error: BaseException | None) -> None:
         if self._done:
             return
@@ -91,6 +100,55 @@ class CallbackOutcome:
             self._fn(result, error)
         except Exception:  # the answer path must not break the batch that settles it
             log.exception("a request's completion callback failed")
+
+
+class ItemsOutcome:
+    """The one outcome of a request of several items, each queued on its own: the
+    items' results in order once every one succeeded, or the first error any of them
+    got (the items still queued are then withdrawn). Each item's ``PendingRequest``
+    holds one of its ``slot``s where a future would stand."""
+
+    __slots__ = ("_fn", "_results", "_left", "_done", "withdraw")
+
+    def __init__(self, n: int, fn: Callable[[Any, BaseException | None], None]) -> None:
+        self._fn = fn
+        self._results: list[Any] = [None] * n
+        self._left = n
+        self._done = False
+        #: called once when the request fails or is abandoned: takes the items still
+        #: queued out of the queue (set by the engine once they are queued)
+        self.withdraw: Callable[[], None] | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def slot(self, index: int) -> CallbackOutcome:
+        """Where item ``index``'s outcome goes."""
+        return CallbackOutcome(partial(self._item_done, index))
+
+    def _item_done(self, index: int, result: Any, error: BaseException | None) -> None:
+        if self._done:
+            return
+        if error is None:
+            self._results[index] = result
+            self._left -= 1
+            if not self._left:
+                self._done = True
+                self._fn(self._results, None)
+            return
+        self._done = True
+        try:
+            self._fn(None, error)
+        finally:
+            if self.withdraw is not None:
+                self.withdraw()
+
+    def abandon(self) -> None:
+        """The caller went away: no outcome is delivered; the queued items are withdrawn."""
+        if not self._done:
+            self._done = True
+            if self.withdraw is not None:
+                self.withdraw()
 
 
 class Engine:
@@ -213,10 +271,8 @@ class Engine:
         await self._backend.stop()
 
     # -- requests -----------------------------------------------------------------------
-    def _admit(self, model: str, inputs: dict[str, np.ndarray], priority: int | None,
-               timeout_ms: float | None, bypass: bool, outcome: Any) -> PendingRequest:
-        """Check and queue one request whose answer goes to ``outcome`` (a future, or
-        anything with ``done/set_result/set_exception``). Raises before queueing."""
+    def _open(self, model: str) -> ServedModel:
+        """The served model a request may be queued for now, else the error refusing it."""
         served = self._models.get(model)
         if served is None:
             raise ModelNotFound(f"model {model!r} is not served here; served models are "
@@ -226,6 +282,12 @@ class Engine:
                                "retry on another instance")
         if not self._ready:
             raise ModelNotReady(f"model {model!r} is still loading; retry in a moment")
+        return served
+
+    @staticmethod
+    def _decode(served: ServedModel, inputs: dict[str, np.ndarray]) -> tuple[Any, int]:
+        """One request's (or item's) decoded item and its length; raises ClientError or
+        ValidationError naming what is wrong."""
         api = served.api
         variable = served.variable
         try:
@@ -234,11 +296,20 @@ class Engine:
         except BatchScopeError:
             raise
         except Exception as exc:
-            raise ClientError(f"could not read the inputs of model {model!r}: "
+            raise ClientError(f"could not read the inputs of model {served.name!r}: "
                               f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]) from None
         if variable and api.max_length is not None and length > api.max_length:
-            raise ValidationError(f"input of length {length} is longer than model {model!r} "
-                                  f"accepts (max_length={api.max_length}); shorten it")
+            raise ValidationError(f"input of length {length} is longer than model "
+                                  f"{served.name!r} accepts (max_length={api.max_length}); "
+                                  "shorten it")
+        return item, length
+
+    def _admit(self, model: str, inputs: dict[str, np.ndarray], priority: int | None,
+               timeout_ms: float | None, bypass: bool, outcome: Any) -> PendingRequest:
+        """Check and queue one request whose answer goes to ``outcome`` (a future, or
+        anything with ``done/set_result/set_exception``). Raises before queueing."""
+        served = self._open(model)
+        item, length = self._decode(served, inputs)
         batcher = served.batcher
         cfg = batcher.config
         priority = priority_of(priority, cfg)
@@ -258,6 +329,68 @@ class Engine:
         if wake:
             dispatcher.wake()
         return req
+
+    def _admit_items(self, model: str, items: Sequence[dict[str, np.ndarray]],
+                     priority: int | None, timeout_ms: float | None, bypass: bool,
+                     on_done: Callable[[Any, BaseException | None], None]) -> ItemsOutcome:
+        """Check and queue the items of one request, all or none: every item is decoded
+        and the queue's room checked before the first is queued. Raises before queueing."""
+        served = self._open(model)
+        batcher = served.batcher
+        cfg = batcher.config
+        n = len(items)
+        most = min(cfg.max_queue_size, MAX_REQUEST_ITEMS)
+        if not 1 <= n <= most:
+            raise ValidationError(
+                f"a request to model {model!r} holds {n} items; send 1 to {most} per request "
+                f"(at most max_queue_size={cfg.max_queue_size} and {MAX_REQUEST_ITEMS}), "
+                "splitting larger batches into several requests")
+        decoded = [self._decode(served, inputs) for inputs in items]
+        priority = priority_of(priority, cfg)
+        now = self._clock.now()
+        deadline = deadline_of(timeout_ms, cfg, now)
+        bypass = bool(bypass) and cfg.allow_bypass
+        group = ItemsOutcome(n, on_done)
+        reqs = [PendingRequest(item, length=length, priority=priority, bypass=bypass,
+                               arrived_s=now, deadline_s=deadline, future=group.slot(i))
+                for i, (item, length) in enumerate(decoded)]
+        wake = False
+        queued = 0
+        try:
+            room = cfg.max_queue_size - batcher.depth
+            if n > room:
+                raise QueueFull(
+                    f"model {model!r} has {batcher.depth} requests waiting and room for "
+                    f"{max(0, room)} more (max_queue_size={cfg.max_queue_size}); this request "
+                    f"holds {n} items. Retry after about {batcher.retry_after_s():.2f}s, send "
+                    "fewer items per request or raise max_queue_size",
+                    retry_after_s=batcher.retry_after_s())
+            for req in reqs:
+                wake = batcher.submit(req, now) or wake
+                queued += 1
+        except QueueFull:
+            for req in reqs[:queued]:
+                batcher.cancel(req)
+            for req in reqs:
+                self._booking.rejected(served, req, now)
+            raise
+        group.withdraw = lambda: self._withdraw(served, reqs)
+        dispatcher = self._dispatchers[model]
+        if deadline is not None and deadline < dispatcher.timer_at:
+            dispatcher.watch_deadline(deadline)
+        if wake:
+            dispatcher.wake()
+        return group
+
+    def _withdraw(self, served: ServedModel, reqs: list[PendingRequest]) -> None:
+        """Take the still-queued items of a failed or abandoned request out of the queue;
+        each is recorded as cancelled (items already in a batch run to their end)."""
+        now = self._clock.now()
+        batcher = served.batcher
+        for req in reqs:
+            if batcher.cancel(req):
+                req.future.close()
+                self._booking.record_request(served, req, now, "cancelled")
 
     def admission_refusal(self, model: str, *, book: bool = True) -> BatchScopeError | None:
         """The error any request to ``model`` would be refused with now, whatever it
@@ -322,6 +455,46 @@ class Engine:
         batch settles. ``on_done`` must not raise (what it raises is logged and dropped)."""
         self._admit(model, inputs, priority, timeout_ms, bypass, CallbackOutcome(on_done))
 
+    async def infer_items(self, model: str, items: Sequence[dict[str, np.ndarray]], *,
+                          priority: int | None = None, timeout_ms: float | None = None,
+                          bypass: bool = False) -> list[dict[str, np.ndarray]]:
+        """``infer`` for a request of several items (a client-side batch): each item is
+        one request in the queue, batched with whatever else waits, and the answer is
+        the items' results in order, or the one error the first failing item got.
+
+        The same checks and errors as ``infer``, for every item before any is queued;
+        also ``ValidationError`` for no items or more than the model's
+        ``max_queue_size`` (or ``MAX_REQUEST_ITEMS``), and ``QueueFull`` when the queue
+        has no room for all of them. Each item gets its own ``RequestRow``; items still
+        queued when another fails (or the caller goes away) are withdrawn and recorded
+        as cancelled."""
+        fut = (self._loop or asyncio.get_running_loop()).create_future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            if fut.done():
+                return
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+
+        group = self._admit_items(model, items, priority, timeout_ms, bypass, done)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.cancelled():
+                group.abandon()
+            raise
+
+    def submit_items(self, model: str, items: Sequence[dict[str, np.ndarray]],
+                     priority: int | None, timeout_ms: float | None, bypass: bool,
+                     on_done: Callable[[Any, BaseException | None], None]) -> ItemsOutcome:
+        """``infer_items`` without a coroutine, as ``submit`` is ``infer``'s: the checks
+        raise here, before anything is queued; then exactly one ``on_done(results,
+        None)`` or ``on_done(None, error)``. The returned outcome's ``abandon()``
+        withdraws the request (no ``on_done`` follows)."""
+        return self._admit_items(model, items, priority, timeout_ms, bypass, on_done)
+
     # -- settings -----------------------------------------------------------------------
     def get_settings(self, model: str) -> tuple[int, BatchingConfig]:
         served = self._served(model)
@@ -361,6 +534,16 @@ class Engine:
     def is_ready(self, name: str | None = None) -> bool:
         return self._ready and (name is None or name in self._models)
 
+    def inference_totals(self, model: str) -> InferenceTotals:
+        """A copy of what ``model`` has served so far: requests by outcome with their
+        summed latencies and queue times, batches by size with their compute time."""
+        return self._served(model).counts.inference.copy()
+
+    def outcome_window(self, model: str) -> Any:
+        """The running latency and outcome figures the autopilot reads for ``model``
+        (``runtime.autopilot.window.OutcomeWindow``)."""
+        return self._served(model).counts.window
+
     def stats(self, model: str) -> dict:
         """A JSON-ready snapshot of one model's queue, batches and device share."""
         served = self._served(model)
@@ -384,6 +567,7 @@ class Engine:
             "device_time_s": self._arbiter.device_s.get(model, 0.0),
             "device_grants": self._arbiter.grants.get(model, 0),
             "mean_batch_compute_s": batcher.mean_compute_s,
+            "bucket_edges": list(batcher.bucket_edges) if served.variable else None,
             "batching_window_ms": None if window is None else window * 1000.0,
             "settings_version": served.settings_version,
             "ready": self._ready,

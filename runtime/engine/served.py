@@ -9,7 +9,8 @@ the attribute alone which code moves it:
 * ``governor``: the effective max batch size after out-of-memory errors; replaced
   only by ``apply_settings``, moved by booking (``runtime.engine.booking``), which
   then calls ``apply_caps``.
-* ``counts``: the figures ``Engine.stats`` reports; changed only by booking.
+* ``counts``: the figures ``Engine.stats`` reports, and the inference totals
+  (``InferenceTotals``) behind ``Engine.inference_totals``; changed only by booking.
 
 What belongs to one model's dispatch loop (batches on the device, answers not yet
 handed out, its device turn) lives in its ``Dispatcher``; the CUDA-graph runner
@@ -18,12 +19,14 @@ lives in its thread executor.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from runtime.api.config import BatchingConfig
 from runtime.api.model import ModelAPI
 from runtime.core.batcher import Batcher
+from runtime.autopilot.window import OutcomeWindow  # autopilot: per-window latency figures
 from runtime.device.oom import SizeGovernor
 
 
@@ -48,6 +51,33 @@ class Throttle:
 
 
 @dataclass(slots=True)
+class InferenceTotals:
+    """What one model has served since it started, in the terms of Triton's statistics
+    extension: requests by outcome with their summed durations, and executed batches by
+    size with their summed compute time (changed only by ``runtime.engine.booking``)."""
+
+    #: requests answered with a result, and the sum of their latencies (arrival to answer)
+    success: int = 0
+    success_s: float = 0.0
+    #: requests answered with an error (any outcome but ok), and the sum of their latencies
+    fail: int = 0
+    fail_s: float = 0.0
+    #: of the successful requests: the summed time from arrival until their batch started,
+    #: and their batches' summed compute time (each request counted with its whole batch's)
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    #: batches that ran without error, by batch size: [batches, summed compute seconds]
+    executions: int = 0
+    by_batch_size: dict[int, list] = field(default_factory=dict)
+    #: wall-clock time (seconds since the epoch) of the last successful request
+    last_success_at: float | None = None
+
+    def copy(self) -> "InferenceTotals":
+        return dataclasses.replace(self, by_batch_size={
+            size: list(v) for size, v in self.by_batch_size.items()})
+
+
+@dataclass(slots=True)
 class Counts:
     """One model's running totals (changed only by ``runtime.engine.booking``)."""
 
@@ -59,6 +89,8 @@ class Counts:
     requests: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     oom_events: int = 0
+    inference: InferenceTotals = field(default_factory=InferenceTotals)
+    window: OutcomeWindow = field(default_factory=OutcomeWindow)  # autopilot: fed by booking
     rejections: Throttle = field(init=False)
     expiries: Throttle = field(init=False)
 
@@ -91,10 +123,7 @@ class ServedModel:
 
     def bucket_keys(self) -> list[int | None]:
         """The keys the governor and the batcher's size caps are kept under."""
-        cfg = self.batcher.config
-        if not (self.variable and cfg.bucketing):
-            return [None]
-        return [*cfg.bucket_edges, -1]
+        return self.batcher.bucket_keys()  # derived bucket edges: the batcher's
 
     def apply_caps(self) -> None:
         """Give the batcher the governor's effective max batch size of every bucket."""
@@ -117,7 +146,7 @@ class ServedModel:
             self.governor = SizeGovernor(new.max_batch_size, new.oom_probe_after_batches)
         else:
             self.governor.reconfigure(new.max_batch_size, new.oom_probe_after_batches)
-        for key in set(self.bucket_keys()) | {None, *old.bucket_edges, -1}:
+        for key in set(self.bucket_keys()) | {None, *(old.bucket_edges or ()), -1}:
             self.batcher.set_size_cap(key, None)
         self.apply_caps()
         return version, old, new

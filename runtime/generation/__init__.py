@@ -6,6 +6,9 @@
     model.py      GenerationModel: the API a decoder implements; tokenizer; sampling
     runner.py     StepRunner: plan / execute / commit one step, with its records
     engine.py     GenerationEngine: the asyncio shell, token streams, settings
-    http.py       OpenAI-compatible /v1/completions routes
+    stops.py      StopMatcher: stop strings found in text that arrives in pieces
+    chat.py       chat messages and the template that makes them a prompt
+    params.py     what a /v1/completions or /v1/chat/completions body asks for, checked
+    http.py       the OpenAI-compatible /v1/completions and /v1/chat/completions routes
     toys.py       SteppedModel: hold, count or fail steps of a real model (tests, demos)
 """

@@ -9,6 +9,11 @@ a settings change takes effect at the next step.
 Every accepted request gets exactly one outcome: its last token (with a finish
 reason), or an error raised from its stream (RequestExpired, ModelError,
 ShuttingDown), or cancellation when its consumer goes away.
+
+Stop strings (``stop``) are matched on the decoded text as it is handed to the
+stream (``runtime.generation.stops``): the text before the first one is delivered,
+the request ends at once with finish reason "stop" and outcome ok, and its KV blocks
+are freed, exactly as if it had sampled its end token.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
 from batchscope.storage.records import RecorderLike
 from runtime.core.clock import MonotonicClock
@@ -26,6 +31,7 @@ from runtime.generation.config import GenerationConfig
 from runtime.generation.model import GenerationModel
 from runtime.generation.runner import StepRunner
 from runtime.generation.scheduler import Sequence, StepResult
+from runtime.generation.stops import StopMatcher
 
 
 @dataclass(slots=True)
@@ -37,17 +43,19 @@ class TokenEvent:
     text: str
     #: 0 for the first generated token
     index: int
-    #: None while generating; "stop" (end token) or "length" on the last event
+    #: None while generating; "stop" (end token or stop string) or "length" on the last event
     finish_reason: str | None = None
 
 
 class GenerationStream:
     """Async iterator over one request's ``TokenEvent``s; closing it cancels the request."""
 
-    def __init__(self, engine: "GenerationEngine", seq: Sequence, decoder: Any) -> None:
+    def __init__(self, engine: "GenerationEngine", seq: Sequence, decoder: Any,
+                 stops: StopMatcher | None = None) -> None:
         self._engine = engine
         self.seq = seq
         self._decoder = decoder
+        self._stops = stops
         self._queue: asyncio.Queue = asyncio.Queue()
         self.done = False
 
@@ -84,15 +92,25 @@ class GenerationStream:
         self.done = True
 
     # -- fed by the engine ----------------------------------------------------------
-    def _token(self, token: int, final: bool) -> None:
+    def _token(self, token: int, final: bool) -> bool:
+        """Hand on one token; True when it is the request's last: it ended (``final``),
+        or its text reached a stop string."""
         text = self._decoder.feed(token) if self._decoder is not None else ""
         if final and self._decoder is not None:
             text += self._decoder.flush()
+        reason = self.seq.finish_reason if final else None
+        if self._stops is not None:
+            text, stopped = self._stops.feed(text)
+            if stopped:
+                final, reason = True, "stop"
+            elif final:
+                text += self._stops.flush()
         self._queue.put_nowait(TokenEvent(
             token_id=token, text=text, index=len(self.seq.output_ids) - 1,
-            finish_reason=self.seq.finish_reason if final else None))
+            finish_reason=reason))
         if final:
             self._queue.put_nowait(None)
+        return final
 
     def _fail(self, error: BaseException) -> None:
         self._queue.put_nowait(error)
@@ -171,8 +189,11 @@ class GenerationEngine:
     def submit(self, prompt_token_ids: list[int] | None = None, prompt_text: str | None = None, *,
                max_new_tokens: int | None = None, priority: int | None = None,
                timeout_ms: float | None = None, ignore_eos: bool = False,
-               temperature: float = 0.0, seed: int | None = None) -> GenerationStream:
-        """Queue a request and return its stream; raises at once when it is refused."""
+               temperature: float = 0.0, seed: int | None = None,
+               stop: Seq[str] = ()) -> GenerationStream:
+        """Queue a request and return its stream; raises at once when it is refused.
+        ``stop``: strings that end generation where the text reaches one (needs the
+        model's tokenizer to turn tokens into text)."""
         if not self._accepting:
             if self._stopping:
                 raise ShuttingDown(f"{self.name!r} is shutting down and takes no new requests")
@@ -188,6 +209,11 @@ class GenerationEngine:
         if not isinstance(prompt_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
             raise ClientError("prompt token ids must be a list of integers")
+        if isinstance(stop, str) or not all(isinstance(s, str) for s in stop):
+            raise ClientError("stop must be a list of strings")
+        if any(stop) and self.model.tokenizer is None:
+            raise ClientError(f"{self.name!r} has no tokenizer, so its output has no text to "
+                              "match stop strings against; leave stop out")
         if temperature and seed is None:
             self._seed_counter += 1
             seed = self._seed_counter
@@ -195,7 +221,7 @@ class GenerationEngine:
             prompt_token_ids, max_new_tokens=max_new_tokens, priority=priority,
             timeout_ms=timeout_ms, ignore_eos=ignore_eos, temperature=temperature, seed=seed)
         decoder = self.model.tokenizer.decoder() if self.model.tokenizer is not None else None
-        stream = GenerationStream(self, seq, decoder)
+        stream = GenerationStream(self, seq, decoder, StopMatcher(stop) if any(stop) else None)
         self._streams[seq.seq_id] = stream
         self._idle.clear()
         self._wake.set()
@@ -205,11 +231,12 @@ class GenerationEngine:
                        prompt_text: str | None = None, *, max_new_tokens: int | None = None,
                        priority: int | None = None, timeout_ms: float | None = None,
                        ignore_eos: bool = False, temperature: float = 0.0,
-                       seed: int | None = None) -> AsyncIterator[TokenEvent]:
+                       seed: int | None = None, stop: Seq[str] = ()
+                       ) -> AsyncIterator[TokenEvent]:
         """Yield the request's tokens as they are generated (see ``submit`` for errors)."""
         stream = self.submit(prompt_token_ids, prompt_text, max_new_tokens=max_new_tokens,
                              priority=priority, timeout_ms=timeout_ms, ignore_eos=ignore_eos,
-                             temperature=temperature, seed=seed)
+                             temperature=temperature, seed=seed, stop=stop)
         try:
             async for event in stream:
                 yield event
@@ -269,10 +296,11 @@ class GenerationEngine:
             stream = self._streams.get(seq.seq_id)
             if stream is None:
                 continue
-            final = seq.outcome is not None
-            stream._token(token, final)
-            if final:
+            ended = seq.outcome is not None
+            if stream._token(token, ended):
                 self._streams.pop(seq.seq_id, None)
+                if not ended:  # its text reached a stop string
+                    self.runner.stop_early(seq.seq_id)
 
     def _deliver_ended(self, ended: list[Sequence]) -> None:
         """Hand an error to the streams of requests that ended without a final token."""

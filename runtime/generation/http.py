@@ -1,20 +1,30 @@
-"""OpenAI-compatible completions over HTTP for ``GenerationEngine``s.
+"""OpenAI-compatible text generation over HTTP for ``GenerationEngine``s.
 
-``routes(engines)`` gives the server its routes to mount; ``create_app(engines)`` is a
-small standalone app that starts and stops the engines with the app.
+``generation_routes(engines)`` gives a server its generation routes to mount;
+``routes(engines)`` adds ``/v1/models`` for generation models alone, and
+``create_app(engines)`` is a small standalone app that starts and stops the engines
+with the app (``runtime.server.openai_api`` puts them next to ``/v1/embeddings``).
 
-    POST /v1/completions   {model, prompt, max_tokens, stream, stream_options,
-                            temperature, seed, priority*, ignore_eos*, timeout_ms*}
-    GET  /v1/models        GET /v1/models/{model}
+    POST /v1/completions        {model, prompt, ...}
+    POST /v1/chat/completions   {model, messages, ...}
+    GET  /v1/models             GET /v1/models/{model}
 
-(* extensions). ``prompt`` is a string, a list of token ids, or a list of either
-(one choice per prompt). Temperature 0 (the default here) is greedy; a higher one
-samples with ``seed`` (drawn by the server when absent). A stream is Server-Sent
-Events: ``data: {chunk}`` per token with ``choices[i].text`` deltas, then
-``data: [DONE]``. Errors use OpenAI's shape ``{"error": {message, type, param, code}}``
-(``error_body``), built by ``runtime.api.errors.error_answer`` like every other error
-answer of the runtime: same statuses, same ``Retry-After``, and a bug is logged once
-and answered 500 without internals, also in the middle of a stream.
+What the bodies may hold is in ``runtime.generation.params``; chat messages become a
+prompt through the model's template (``runtime.generation.chat``). ``prompt`` is a
+string, a list of token ids, or a list of either; each prompt gets ``n`` choices,
+choice ``i`` of prompt ``p`` at index ``p * n + i``. Temperature 0 (the default here)
+is greedy; a higher one samples with ``seed``. ``stop`` strings end a choice where
+its text reaches one (the text before it is returned, ``finish_reason`` "stop");
+``usage`` counts the prompt tokens of every choice and every generated token.
+
+Not streamed, the answer is one JSON document once every choice finished; a client
+that goes away before that cancels its choices (their KV blocks are freed at once),
+as a streamed one does. Streamed, the answer is Server-Sent Events (``data: {chunk}``
+per token, ``data: [DONE]`` last), and the status line waits until every choice has
+its first token: a request refused, expired in the queue or failed before that gets
+its own status (429, 503, 500) and a JSON error, never a 200. Only what fails later
+(the model raising in the middle, a shutdown) is sent as a last ``data: {"error": ...}``
+event. Errors use OpenAI's shape and statuses (``runtime.server.openai_errors``).
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ import asyncio
 import contextlib
 import time
 import uuid
-from typing import Any, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import orjson
 from starlette.applications import Starlette
@@ -32,137 +43,84 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from runtime.api.errors import (BatchScopeError, ClientError, ModelNotFound, ValidationError,
-                                error_answer, routing_error)
-from runtime.generation.engine import GenerationEngine, GenerationStream
-
-#: request fields accepted only at their neutral value, with what to do instead
-_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((None, 1), "n must be 1; send the prompt several times for several choices"),
-    "best_of": ((None, 1), "best_of must be 1"),
-    "echo": ((None, False), "echo is not supported"),
-    "logprobs": ((None, 0), "logprobs are not supported; leave logprobs null"),
-    "suffix": ((None, ""), "suffix is not supported"),
-    "stop": ((None, [], ""), "stop sequences are not supported; generation ends at the end "
-                             "token or after max_tokens"),
-    "top_p": ((None, 1, 1.0), "top_p must be 1 (sampling uses the whole distribution)"),
-    "presence_penalty": ((None, 0, 0.0), "presence_penalty must be 0"),
-    "frequency_penalty": ((None, 0, 0.0), "frequency_penalty must be 0"),
-    "logit_bias": ((None, {}), "logit_bias is not supported"),
-}
-
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
-                422: "invalid_request_error", 429: "rate_limit_error"}
+from runtime.generation.engine import GenerationEngine, GenerationStream, TokenEvent
+from runtime.generation.params import GenerationRequest, parse_chat, parse_completion
+from runtime.server.openai_errors import (InvalidParam, error_response, model_not_found,
+                                          openai_answer, routing_refusal)
+from runtime.server.openai_http import (GONE_STATUS, ClientGone, json_response, model_routes,
+                                        until_disconnected)
 
 
-def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json",
-                    headers=headers)
+# -- the two answer shapes ----------------------------------------------------------------
+@dataclass(frozen=True)
+class _Shape:
+    """How one route writes its choices: a whole answer's and a stream chunk's."""
+
+    where: str
+    object: str
+    chunk_object: str
+    id_prefix: str
+    chat: bool
+
+    def choice(self, index: int, text: str, reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+    def delta(self, index: int, text: str, reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            delta = {"content": text} if text or reason is None else {}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return self.choice(index, text, reason)
+
+    def opening(self, count: int) -> list[dict[str, Any]]:
+        """The choices of the first chunk, before any token (chat: the assistant's role)."""
+        if not self.chat:
+            return []
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for i in range(count)]
 
 
-def error_body(error: BatchScopeError) -> dict[str, Any]:
-    """The OpenAI-shaped document of ``error`` (the ``document`` given to ``error_answer``)."""
-    code = "model_not_found" if isinstance(error, ModelNotFound) else (
-        "rate_limit_exceeded" if error.http_status == 429 else error.reason)
-    return {"error": {"message": error.message,
-                      "type": _ERROR_TYPES.get(error.http_status, "server_error"),
-                      "param": None, "code": code}}
+COMPLETIONS = _Shape("POST /v1/completions", "text_completion", "text_completion", "cmpl-",
+                     chat=False)
+CHAT = _Shape("POST /v1/chat/completions", "chat.completion", "chat.completion.chunk",
+              "chatcmpl-", chat=True)
 
 
-def error_response(error: BaseException, where: str = "the request") -> Response:
-    """The Starlette form of ``error_answer`` with the OpenAI error shape."""
-    status, headers, body = error_answer(error, where, error_body)
-    return Response(body, status, {k.decode("latin-1"): v.decode("latin-1") for k, v in headers})
+# -- submitting and following the choices -------------------------------------------------
+def _chat_prompt(engine: GenerationEngine, req: GenerationRequest) -> list[tuple[None, str]]:
+    model = engine.model
+    if model.chat_template is None or model.tokenizer is None:
+        raise InvalidParam("model", f"model {engine.name!r} has no chat template; send its "
+                                    "prompts to /v1/completions")
+    return [(None, model.chat_template.render(req.messages))]
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# -- request parsing ----------------------------------------------------------------------
-def parse_prompts(prompt: Any) -> list[tuple[list[int] | None, str | None]]:
-    """Normalise ``prompt`` to a list of (token ids, text) pairs, one of them None."""
-    if isinstance(prompt, str):
-        return [(None, prompt)]
-    if isinstance(prompt, list) and prompt:
-        if all(_is_int(t) for t in prompt):
-            return [(list(prompt), None)]
-        out: list[tuple[list[int] | None, str | None]] = []
-        for item in prompt:
-            if isinstance(item, str):
-                out.append((None, item))
-            elif isinstance(item, list) and item and all(_is_int(t) for t in item):
-                out.append((list(item), None))
-            else:
-                break
-        else:
-            return out
-    raise ClientError("prompt must be a string, a non-empty list of token ids, or a list of "
-                      "strings / token-id lists (one choice each)")
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ClientError(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ClientError("the request body must be a JSON object")
-    for key, (allowed, message) in _UNSUPPORTED.items():
-        if key in body and body[key] not in allowed:
-            raise ClientError(f"{key}={body[key]!r}: {message}")
-    if not isinstance(body.get("model"), str):
-        raise ClientError("model is required: the name of one of GET /v1/models")
-    if "prompt" not in body:
-        raise ClientError("prompt is required: a string or a list of token ids")
-    max_tokens = body.get("max_tokens")
-    if max_tokens is not None and not (_is_int(max_tokens) and max_tokens >= 1):
-        raise ValidationError(f"max_tokens={max_tokens!r} must be a positive integer")
-    temperature = body.get("temperature", 0)
-    if temperature is None:
-        temperature = 0
-    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-            and 0 <= temperature <= 2):
-        raise ValidationError(f"temperature={temperature!r} must be a number from 0 to 2")
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise ClientError(f"seed={seed!r} must be an integer")
-    for key in ("stream", "ignore_eos"):
-        if body.get(key) not in (None, True, False):
-            raise ClientError(f"{key}={body[key]!r} must be true or false")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ClientError("stream_options must be an object like {\"include_usage\": true}")
-    priority = body.get("priority")
-    if priority is not None and not _is_int(priority):
-        raise ClientError(f"priority={priority!r} must be an integer (0 is most urgent)")
-    timeout_ms = body.get("timeout_ms")
-    if timeout_ms is not None and not (isinstance(timeout_ms, (int, float))
-                                       and not isinstance(timeout_ms, bool)):
-        raise ClientError(f"timeout_ms={timeout_ms!r} must be a number of milliseconds")
-    return {"model": body["model"], "prompts": parse_prompts(body["prompt"]),
-            "max_new_tokens": max_tokens, "stream": bool(body.get("stream")),
-            "include_usage": bool(options.get("include_usage")), "temperature": float(temperature),
-            "seed": seed, "priority": priority, "ignore_eos": bool(body.get("ignore_eos")),
-            "timeout_ms": timeout_ms}
-
-
-def _submit_all(engine: GenerationEngine, req: dict[str, Any]) -> list[GenerationStream]:
+def _submit_all(engine: GenerationEngine, req: GenerationRequest,
+                prompts: list[tuple[list[int] | None, str | None]]) -> list[GenerationStream]:
+    """One stream per choice, in choice-index order; all or none are queued."""
     streams: list[GenerationStream] = []
     try:
-        for ids, text in req["prompts"]:
-            streams.append(engine.submit(
-                ids, text, max_new_tokens=req["max_new_tokens"], priority=req["priority"],
-                timeout_ms=req["timeout_ms"], ignore_eos=req["ignore_eos"],
-                temperature=req["temperature"], seed=req["seed"]))
+        for ids, text in prompts:
+            for i in range(req.n):
+                seed = None if req.seed is None else req.seed + i
+                streams.append(engine.submit(
+                    ids, text, max_new_tokens=req.max_tokens, priority=req.priority,
+                    timeout_ms=req.timeout_ms, ignore_eos=req.ignore_eos,
+                    temperature=req.temperature, seed=seed, stop=req.stop))
     except BaseException:
-        for stream in streams:
-            stream.close()
+        _close(streams)
         raise
     return streams
 
 
-async def _merged(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, Any]]:
+def _close(streams: list[GenerationStream]) -> None:
+    for stream in streams:
+        stream.close()
+
+
+async def _merged(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, TokenEvent]]:
     """(choice index, TokenEvent) from all streams as they come; re-raises the first error."""
     if len(streams) == 1:
         async for event in streams[0]:
@@ -195,6 +153,28 @@ async def _merged(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, A
             task.cancel()
 
 
+async def _first_of_each(events: AsyncIterator[tuple[int, TokenEvent]], count: int
+                         ) -> list[tuple[int, TokenEvent]]:
+    """The events up to the one that completes "every choice has a token"."""
+    seen: set[int] = set()
+    got: list[tuple[int, TokenEvent]] = []
+    while len(seen) < count:
+        index, event = await anext(events)
+        seen.add(index)
+        got.append((index, event))
+    return got
+
+
+async def _gather_all(events: AsyncIterator[tuple[int, TokenEvent]], count: int
+                      ) -> tuple[list[str], list[str | None]]:
+    texts: list[list[str]] = [[] for _ in range(count)]
+    reasons: list[str | None] = [None] * count
+    async for index, event in events:
+        texts[index].append(event.text)
+        reasons[index] = event.finish_reason or reasons[index]
+    return ["".join(t) for t in texts], reasons
+
+
 def _usage(streams: list[GenerationStream]) -> dict[str, int]:
     prompt = sum(s.prompt_tokens for s in streams)
     completion = sum(s.output_tokens for s in streams)
@@ -202,92 +182,100 @@ def _usage(streams: list[GenerationStream]) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
-# -- handlers -----------------------------------------------------------------------------
-def routes(engines: dict[str, GenerationEngine]) -> list[Route]:
-    """The OpenAI-style routes serving ``engines`` (model name -> engine); each route
-    carries ``engines`` as ``generation_engines`` for the app's control API."""
+class _EventStream(StreamingResponse):
+    """Server-Sent Events that close the request's streams however the response ends
+    (finished, the client gone, the server stopping), also when it never started."""
 
-    def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "batchscope"}
+    def __init__(self, body: AsyncIterator[bytes], streams: list[GenerationStream]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._streams = streams
 
-    async def list_models(request: Request) -> Response:
-        return _json({"object": "list", "data": [model_card(n) for n in engines]})
-
-    async def get_model(request: Request) -> Response:
-        name = request.path_params["model"]
-        if name not in engines:
-            return error_response(_not_found(name, engines))
-        return _json(model_card(name))
-
-    async def completions(request: Request) -> Response:
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            req = parse_body(await request.body())
-            engine = engines.get(req["model"])
-            if engine is None:
-                raise _not_found(req["model"], engines)
-            streams = _submit_all(engine, req)
-        except Exception as exc:
-            return error_response(exc, _COMPLETIONS)
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": req["model"]}
-        if req["stream"]:
-            return StreamingResponse(_sse(head, streams, req["include_usage"]),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        texts = [[] for _ in streams]
-        reasons: list[str | None] = [None] * len(streams)
-        try:
-            async for index, event in _merged(streams):
-                texts[index].append(event.text)
-                reasons[index] = event.finish_reason or reasons[index]
-        except Exception as exc:
-            return error_response(exc, _COMPLETIONS)
+            await super().__call__(scope, receive, send)
         finally:
-            for stream in streams:
-                stream.close()
-        choices = [{"index": i, "text": "".join(t), "logprobs": None, "finish_reason": reasons[i]}
-                   for i, t in enumerate(texts)]
-        return _json({**head, "choices": choices, "usage": _usage(streams)})
-
-    served = [Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/models", list_models, methods=["GET"]),
-              Route("/v1/models/{model}", get_model, methods=["GET"])]
-    for route in served:
-        # lets the app's other endpoints (the control API) find the engines it mounts
-        route.generation_engines = engines  # type: ignore[attr-defined]
-    return served
-
-
-def _not_found(name: str, engines: dict[str, GenerationEngine]) -> ModelNotFound:
-    return ModelNotFound(f"model {name!r} does not exist here; generation models are "
-                         f"{sorted(engines)}")
-
-
-#: how error messages and the log name a completions request
-_COMPLETIONS = "POST /v1/completions"
+            _close(self._streams)
 
 
 def _sse_line(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-async def _sse(head: dict[str, Any], streams: list[GenerationStream],
+async def _sse(shape: _Shape, head: dict[str, Any], first: list[tuple[int, TokenEvent]],
+               events: AsyncIterator[tuple[int, TokenEvent]], streams: list[GenerationStream],
                include_usage: bool) -> AsyncIterator[bytes]:
+    extra = {"usage": None} if include_usage else {}
+    opening = shape.opening(len(streams))
+    if opening:
+        yield _sse_line({**head, "choices": opening, **extra})
     try:
-        async for index, event in _merged(streams):
-            chunk = {**head, "choices": [{"index": index, "text": event.text, "logprobs": None,
-                                          "finish_reason": event.finish_reason}]}
-            if include_usage:
-                chunk["usage"] = None
-            yield _sse_line(chunk)
+        for index, event in first:
+            yield _sse_line({**head, "choices": [shape.delta(index, event.text,
+                                                             event.finish_reason)], **extra})
+        async for index, event in events:
+            yield _sse_line({**head, "choices": [shape.delta(index, event.text,
+                                                             event.finish_reason)], **extra})
         if include_usage:
             yield _sse_line({**head, "choices": [], "usage": _usage(streams)})
     except Exception as exc:  # the status line is gone: the error goes in the stream
-        yield b"data: " + error_answer(exc, _COMPLETIONS + " (stream)", error_body)[2] + b"\n\n"
-    finally:
-        for stream in streams:
-            stream.close()
+        yield b"data: " + openai_answer(exc, shape.where + " (stream)")[2] + b"\n\n"
     yield b"data: [DONE]\n\n"
+
+
+# -- handlers -----------------------------------------------------------------------------
+def _answerer(engines: dict[str, GenerationEngine], shape: _Shape,
+              parse: Callable[[bytes], GenerationRequest]) -> Callable[[Request], Awaitable[Response]]:
+    async def answer(request: Request) -> Response:
+        try:
+            req = parse(await request.body())
+            engine = engines.get(req.model)
+            if engine is None:
+                raise model_not_found(req.model, sorted(engines), "generation model")
+            prompts = _chat_prompt(engine, req) if shape.chat else req.prompts
+            streams = _submit_all(engine, req, prompts)
+        except Exception as exc:
+            return error_response(exc, shape.where)
+        head = {"id": f"{shape.id_prefix}{uuid.uuid4().hex}", "object": shape.chunk_object,
+                "created": int(time.time()), "model": req.model}
+        events = _merged(streams)
+        try:
+            if req.stream:
+                first = await until_disconnected(request, _first_of_each(events, len(streams)))
+                return _EventStream(_sse(shape, head, first, events, streams, req.include_usage),
+                                    streams)
+            texts, reasons = await until_disconnected(request, _gather_all(events, len(streams)))
+        except ClientGone:
+            _close(streams)
+            return Response(status_code=GONE_STATUS)
+        except Exception as exc:
+            _close(streams)
+            return error_response(exc, shape.where)
+        _close(streams)
+        choices = [shape.choice(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons))]
+        return json_response({**head, "object": shape.object, "choices": choices,
+                              "usage": _usage(streams)})
+
+    return answer
+
+
+def generation_routes(engines: dict[str, GenerationEngine]) -> list[Route]:
+    """``/v1/completions`` and ``/v1/chat/completions`` serving ``engines`` (model name
+    -> engine); each route carries ``engines`` as ``generation_engines`` for the app's
+    control API."""
+    served = [Route("/v1/completions", _answerer(engines, COMPLETIONS, parse_completion),
+                    methods=["POST"]),
+              Route("/v1/chat/completions", _answerer(engines, CHAT, parse_chat),
+                    methods=["POST"])]
+    for route in served:
+        # lets the app's other endpoints (the control API) find the engines it mounts
+        route.generation_engines = engines  # type: ignore[attr-defined]
+    return served
+
+
+def routes(engines: dict[str, GenerationEngine]) -> list[Route]:
+    """Every OpenAI-style route for generation models alone."""
+    return generation_routes(engines) + model_routes(lambda: list(engines))
 
 
 def create_app(engines: dict[str, GenerationEngine]) -> Starlette:
@@ -304,12 +292,4 @@ def create_app(engines: dict[str, GenerationEngine]) -> Starlette:
                 await engine.stop()
 
     return Starlette(routes=routes(engines), lifespan=lifespan,
-                     exception_handlers={HTTPException: _routing_refusal})
-
-
-async def _routing_refusal(request: Request, exc: HTTPException) -> Response:
-    """No route, or a method the route does not accept, in the OpenAI error shape."""
-    allow = [m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip()]
-    where = f"{request.method} {request.url.path}"
-    return error_response(routing_error(exc.status_code, request.method, request.url.path,
-                                        allow, exc.detail), where)
+                     exception_handlers={HTTPException: routing_refusal})

@@ -14,7 +14,9 @@ positions ``<= p`` of the same sequence. A chunk may be a whole prompt, part of 
 need not know which. ``step`` runs off the event loop under ``torch.inference_mode()``.
 
 Text goes through a ``Tokenizer`` (``encode``/``decode``); the bundled one is
-byte-level. Sampling is greedy at temperature 0, otherwise seeded per request.
+byte-level. Chat messages become a prompt through ``chat_template``
+(``runtime.generation.chat``; ``ROLE_TAGS`` unless the model gives its own, None
+for no chat). Sampling is greedy at temperature 0, otherwise seeded per request.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, ClassVar, Protocol, Sequence as Seq
 
 import torch
 
+from runtime.generation.chat import ROLE_TAGS, ChatTemplate
 from runtime.generation.scheduler import ScheduledChunk
 
 
@@ -86,6 +89,9 @@ class GenerationModel:
     #: the longest sequence the model can attend over (its position limit)
     max_model_len: int = 0
     tokenizer: Any = None
+    #: how /v1/chat/completions turns messages into a prompt text; None = no chat
+    #: (a model without a tokenizer has none either way)
+    chat_template: ChatTemplate | None = ROLE_TAGS
     device: Any = None
     #: the settings to serve this model with when the engine is given none
     #: (``batchscope serve --model-config/--set`` put them here); None = defaults

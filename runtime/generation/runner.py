@@ -52,6 +52,8 @@ class StepRunner:
         self.counts: dict[str, int] = {k: 0 for k in OUTCOMES}
         self.steps = 0
         self.tokens_generated = 0
+        #: prompt tokens of the requests whose prefill completed (recomputation not counted)
+        self.prompt_tokens = 0
         self.padding_rows = 0
 
     @property
@@ -106,6 +108,14 @@ class StepRunner:
             self._record_end(seq)
         return seq
 
+    def stop_early(self, seq_id: int, reason: str = "stop") -> Sequence | None:
+        """End a running request that finished in its caller's eyes (its text reached a
+        stop string): outcome ok, as if it had sampled its end token."""
+        seq = self.scheduler.stop_early(seq_id, self.clock.now(), reason)
+        if seq is not None:
+            self._record_end(seq)
+        return seq
+
     def abort_all(self, outcome: str, error: BaseException | None = None) -> list[Sequence]:
         ended = self.scheduler.abort_all(self.clock.now(), outcome, error)
         for seq in ended:
@@ -140,6 +150,9 @@ class StepRunner:
         result = self.scheduler.update_from_output(out, sampled, now)
         self.steps += 1
         self.tokens_generated += len(result.new_tokens)
+        for seq, _ in result.new_tokens:
+            if len(seq.output_ids) == 1:  # its first token: the prompt is in the cache
+                self.prompt_tokens += len(seq.prompt_ids)
         self.padding_rows += out.padding_tokens
         self._record_step(out, now, now - started_s)
         for seq in result.finished:
@@ -207,7 +220,8 @@ class StepRunner:
             "blocks_used": sch.blocks.num_used, "blocks_free": sch.blocks.num_free,
             "num_cache_blocks": sch.blocks.num_blocks, "block_size": sch.blocks.block_size,
             "steps": self.steps, "preemptions": sch.total_preemptions,
-            "tokens_generated": self.tokens_generated, "padding_rows": self.padding_rows,
+            "tokens_generated": self.tokens_generated, "prompt_tokens": self.prompt_tokens,
+            "padding_rows": self.padding_rows,
             "requests": dict(self.counts),
         }
 

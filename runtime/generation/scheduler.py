@@ -200,6 +200,24 @@ class Scheduler:
         self._end_padding_if_batch_over()
         return seq
 
+    def stop_early(self, seq_id: int, now: float, reason: str = "stop") -> Sequence | None:
+        """End a running sequence whose caller saw it finish (its text reached a stop
+        string) as if it had sampled its end token: outcome ok, ``finish_reason`` given,
+        blocks freed (a static batch's member keeps its slot). None if already ended."""
+        seq = self._live.get(seq_id)
+        if seq is None:
+            return None
+        keep_slot = seq.status == RUNNING and self.config.mode == "static"
+        if seq.status == WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        self._finish(seq, now, "ok", reason, keep_blocks=keep_slot)
+        if keep_slot:
+            self.padded.append(seq)
+        self._end_padding_if_batch_over()
+        return seq
+
     def abort_all(self, now: float, outcome: str, error: BaseException | None = None
                   ) -> list[Sequence]:
         return [s for s in (self.abort(i, now, outcome, error) for i in list(self._live))

@@ -10,6 +10,11 @@ the token count and ``collate`` pads with 0 up to ``pad_to`` (or the longest ite
 Benchmarks draw lengths from 8..128; anything from 1 to ``max_length`` is accepted.
 There is no positional encoding: the definition is fixed so that figures compare
 across tools, not to be a good language model.
+
+It is served at ``/v1/embeddings`` too (``embedding_output``). Having no tokenizer of
+its own, it reads a text as its UTF-8 bytes, byte ``b`` as token id ``b + 1`` (0 stays
+the padding id), so a text embeds as long as it has 1..128 bytes; a list of token ids
+is taken as it is.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class EncoderModel(ModelAPI):
     outputs = (TensorSpec("EMBEDDING", "FP32", (D_MODEL,)),)
     variable_length = True
     max_length = MAX_LENGTH
+    embedding_output = "EMBEDDING"
 
     net: EncoderNet | None = None
 
@@ -93,6 +99,15 @@ class EncoderModel(ModelAPI):
             bad = lo if lo < 0 else hi
             raise ValidationError(f"input 'INPUT_IDS' holds token id {bad}; ids must be in [0, {VOCAB_SIZE})")
         return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+
+    def embedding_inputs(self, value: str | list[int]) -> tuple[dict[str, np.ndarray], int]:
+        """A text as its UTF-8 bytes shifted by one (ids 1..256), token ids as they are;
+        ``decode`` checks the length and the range."""
+        if isinstance(value, str):
+            ids = np.frombuffer(value.encode("utf-8"), dtype=np.uint8).astype(np.int64) + 1
+        else:
+            ids = np.asarray(value, dtype=np.int64)
+        return {"INPUT_IDS": ids}, int(ids.shape[0])
 
     def length(self, item: torch.Tensor) -> int:
         return int(item.shape[0])

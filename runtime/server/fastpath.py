@@ -20,7 +20,12 @@ loading: 503) from
 ``Engine.admission_refusal``, an O(1) check. The same check runs again before the
 body is parsed, since the queue may have filled while the body arrived.
 
-A body over ``LARGE_BODY_BYTES`` is parsed on a parser thread instead of the event
+A request whose inputs carry a batch dimension of k > 1 goes to the engine as k
+items (``Engine.submit_items``) and is answered once, with the outputs stacked. A
+body sent with ``Content-Encoding: gzip``/``deflate`` is inflated as it is parsed.
+
+A body over ``LARGE_BODY_BYTES`` (a compressed one over ``LARGE_BODY_BYTES //
+COMPRESSED_RATIO``) is parsed on a parser thread instead of the event
 loop (``orjson`` and numpy let go of the interpreter lock for much of it), so one
 large request does not stall every other client; the parsed request is submitted
 back on the loop. Small bodies are parsed in place: a thread hop would cost more
@@ -39,10 +44,14 @@ from runtime.server.routes import MODEL_VERSION, find_model
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _HEADER_LENGTH_B = HEADER_LENGTH.encode()
+_CONTENT_ENCODING_B = b"content-encoding"
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
 #: bodies larger than this are parsed on a parser thread, off the event loop
 LARGE_BODY_BYTES = 1 << 20
+#: a compressed body is taken to inflate to this many times its size when deciding
+#: where it is parsed
+COMPRESSED_RATIO = 16
 #: threads that parse large bodies (the total in-flight body budget of the HTTP server
 #: bounds how much waits for them)
 PARSER_THREADS = 1
@@ -108,10 +117,12 @@ class InferHook:
         target = infer_target(path)
         if target is None:
             return False
-        header_length = None
+        header_length = encoding = None
         for key, value in headers:
             if key == _HEADER_LENGTH_B:
                 header_length = value.decode("latin-1")
+            elif key == _CONTENT_ENCODING_B:
+                encoding = value.decode("latin-1")
         try:
             served = find_model(self.models, target[0], target[1])
             name = served.name
@@ -124,27 +135,30 @@ class InferHook:
             model = served.model
             outputs = model.outputs
             levels = engine.get_settings(name)[1].priority_levels
-            if len(body) > LARGE_BODY_BYTES:
+            size = len(body) * COMPRESSED_RATIO if encoding else len(body)
+            if size > LARGE_BODY_BYTES:
                 loop = _running_loop()
                 if loop is not None:  # parse off the loop: other clients keep being served
-                    self._parse_aside(loop, path, body, header_length, served, levels, answer)
+                    self._parse_aside(loop, path, body, header_length, encoding, served,
+                                      levels, answer)
                     return True
-            req = parse_infer(body, header_length, name, model.inputs, outputs, levels)
+            req = parse_infer(body, header_length, name, model.inputs, outputs, levels,
+                              encoding)
             self._submit(name, req, outputs, answer)
         except Exception as exc:  # a refusal (BatchScopeError) or a bug: answered alike
             answer(*error_answer(exc, f"POST {path}"))
         return True
 
     def _parse_aside(self, loop: asyncio.AbstractEventLoop, path: str, body: bytes,
-                     header_length: str | None, served: Any, levels: int,
-                     answer: Answer) -> None:
+                     header_length: str | None, encoding: str | None, served: Any,
+                     levels: int, answer: Answer) -> None:
         """Parse a large body on the parser thread, then submit it back on the loop."""
         model = served.model
 
         def parse() -> None:
             try:
                 req = parse_infer(body, header_length, served.name, model.inputs,
-                                  model.outputs, levels)
+                                  model.outputs, levels, encoding)
             except Exception as exc:
                 loop.call_soon_threadsafe(answer, *error_answer(exc, f"POST {path}"))
                 return
@@ -181,7 +195,10 @@ class InferHook:
             else:
                 answer(*error_answer(error, f"POST /v2/models/{name}/infer"))
 
-        engine.submit(name, req.inputs, req.priority, req.timeout_ms, req.bypass, done)
+        if req.items is None:
+            engine.submit(name, req.inputs, req.priority, req.timeout_ms, req.bypass, done)
+        else:
+            engine.submit_items(name, req.items, req.priority, req.timeout_ms, req.bypass, done)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -12,6 +12,15 @@ default; ``timeout`` is in microseconds, 0 or absent meaning the default. The
 runtime's own priorities run from 0, so HTTP priority ``p`` is engine priority
 ``p - 1``. ``realtime: true`` (or ``bypass: true``) asks for the bypass lane.
 
+A batch dimension, as Triton's batching models have: every input sent with one more
+dimension than its ``TensorSpec`` (``[k, ...]``, the same ``k >= 1`` for all) makes a
+request of ``k`` items (``InferRequest.items``; one item when ``k`` is 1), answered
+with every output stacked in item order (``[k, ...]``). Inputs sent as the spec says
+make a request of one item, answered without a batch dimension.
+
+A body sent with ``Content-Encoding: gzip`` or ``deflate`` (zlib or raw) is inflated
+first, up to ``MAX_DECODED_BYTES`` (more is a ``RequestTooLarge``, 413).
+
 Every way a body can be wrong is a ``ClientError`` (400) or ``ValidationError``
 (422) that names the input and what to send instead, never an exception from numpy:
 a shape is a list of at most ``MAX_DIMS`` non-negative integers describing at most
@@ -24,13 +33,14 @@ together use every byte after the JSON header, no more and no less.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import orjson
 
-from runtime.api.errors import ClientError, ValidationError
+from runtime.api.errors import ClientError, ModelError, RequestTooLarge, ValidationError
 from runtime.api.model import DATATYPES, TensorSpec
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -39,6 +49,9 @@ MAX_DIMS = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
 #: the most elements a shape may describe, its zero dimensions counted as 1 (far more
 #: than any request body holds; keeps every size computation inside numpy's range)
 MAX_ELEMENTS = 1 << 40
+#: the most bytes a compressed request body may inflate to (the HTTP server's own
+#: body limit, ``runtime.server.http1.MAX_BODY_BYTES``)
+MAX_DECODED_BYTES = 64 * 1024 * 1024
 _NP_TO_V2: dict[Any, str] = {np.dtype(v): k for k, v in DATATYPES.items()}
 _DUMPS_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
@@ -57,8 +70,17 @@ class InferRequest:
     outputs: list[str] | None = None
     binary_outputs: set[str] | frozenset[str] = frozenset()
     binary_all: bool = False
-    #: the client sent a leading batch dimension of 1; echo it on the outputs
-    batched: bool = False
+    #: k when the client sent its inputs with a leading batch dimension of k, else None
+    batch_size: int | None = None
+    #: the per-item inputs of a request of more than one item (``inputs`` then holds
+    #: the whole ``[k, ...]`` arrays); None for one item, whose inputs are ``inputs``
+    #: (a batch dimension of 1 taken off)
+    items: list[dict[str, np.ndarray]] | None = None
+
+    @property
+    def batched(self) -> bool:
+        """The client sent a batch dimension: the outputs carry one too."""
+        return self.batch_size is not None
 
 
 # -- request ------------------------------------------------------------------------
@@ -248,6 +270,10 @@ def _requested_outputs(outputs: Any, specs: Sequence[TensorSpec], req: InferRequ
     req.outputs = names
 
 
+def _shape_text(shape: Sequence[Any]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
 def _check_against_specs(model: str, specs: Sequence[TensorSpec], tensors: dict[str, np.ndarray],
                          datatypes: dict[str, str], req: InferRequest) -> None:
     complete = len(tensors) == len(specs)
@@ -261,7 +287,8 @@ def _check_against_specs(model: str, specs: Sequence[TensorSpec], tensors: dict[
         if unknown:
             raise ClientError(f"model {model!r} has no input(s) {unknown}; its inputs are "
                               f"{[s.name for s in specs]}")
-    all_batched = True
+    #: the leading dimension of every input sent with a batch dimension
+    sizes: dict[str, int] = {}
     for spec in specs:
         arr = tensors.get(spec.name)
         if arr is None:
@@ -272,25 +299,103 @@ def _check_against_specs(model: str, specs: Sequence[TensorSpec], tensors: dict[
                               f"got {datatypes[spec.name]}")
         shape = arr.shape
         want_shape = spec.shape
-        batched = len(shape) == len(want_shape) + 1 and shape[0] == 1
-        if batched:
+        if len(shape) == len(want_shape) + 1:
+            sizes[spec.name] = shape[0]
             shape = shape[1:]
         if shape != want_shape and (len(shape) != len(want_shape) or any(
                 want != -1 and want != got for want, got in zip(want_shape, shape))):
-            raise ClientError(f"input {spec.name!r} must have shape {list(spec.shape)} "
-                              f"(-1 = any size; an extra leading 1 is allowed), got "
-                              f"{list(arr.shape)}")
-        if batched:
-            tensors[spec.name] = arr[0]
+            raise ClientError(f"input {spec.name!r} must have shape {list(spec.shape)}, or "
+                              f"{_shape_text(['k', *spec.shape])} for a batch of k items "
+                              f"(-1 = any size), got {list(arr.shape)}")
+    if sizes:
+        _batch(specs, tensors, sizes, req)
+
+
+def _batch(specs: Sequence[TensorSpec], tensors: dict[str, np.ndarray], sizes: dict[str, int],
+           req: InferRequest) -> None:
+    """Set the request's batch from the inputs sent with a batch dimension (``sizes``)."""
+    k = next(iter(sizes.values()))
+    if any(n != k for n in sizes.values()):
+        raise ClientError(f"the inputs disagree on the batch size (leading dimensions "
+                          f"{sizes}); send every input with the same number of items")
+    if len(sizes) < len(specs):
+        if k != 1:
+            loose = [s.name for s in specs if s.name not in sizes]
+            raise ClientError(f"input(s) {loose} have no batch dimension while "
+                              f"{sorted(sizes)} hold a batch of {k}; send every input with "
+                              f"the leading dimension {k}")
+        for name in sizes:  # a leading 1 on some inputs only: one item, no batch
+            tensors[name] = tensors[name][0]
+        return
+    if k == 0:
+        raise ClientError("the inputs hold a batch of 0 items; send at least one")
+    req.batch_size = k
+    if k == 1:
+        for name in sizes:
+            tensors[name] = tensors[name][0]
+        return
+    names = list(sizes)
+    req.items = [{name: tensors[name][i] for name in names} for i in range(k)]
+
+
+def decoded_body(body: bytes, content_encoding: str | None,
+                 limit: int = MAX_DECODED_BYTES) -> bytes:
+    """``body`` without the codings ``content_encoding`` names (gzip, deflate, identity,
+    applied in the order listed); at most ``limit`` bytes, else ``RequestTooLarge``."""
+    if not content_encoding:
+        return body
+    codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip()]
+    for coding in reversed(codings):
+        if coding == "identity":
+            continue
+        if coding in ("gzip", "x-gzip"):
+            body = _inflate(body, 16 + zlib.MAX_WBITS, "gzip", limit)
+        elif coding == "deflate":
+            zlib_header = (len(body) >= 2 and body[0] & 0x0F == 8
+                           and (body[0] << 8 | body[1]) % 31 == 0)
+            body = _inflate(body, zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS,
+                            "deflate", limit)
         else:
-            all_batched = False
-    req.batched = bool(specs) and all_batched
+            raise ClientError(f"Content-Encoding {coding!r} is not supported; send the body "
+                              "uncompressed, or compressed with gzip or deflate")
+    return body
+
+
+def _inflate(data: bytes, wbits: int, coding: str, limit: int) -> bytes:
+    """Inflate ``data`` (several gzip members one after the other, too), at most ``limit``
+    bytes out."""
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out = inflater.decompress(data, limit - total + 1)
+        except zlib.error as exc:
+            raise ClientError(f"the request body is not valid {coding} data ({exc}); send "
+                              f"it compressed with {coding}, or drop Content-Encoding") from None
+        total += len(out)
+        if total > limit:
+            raise RequestTooLarge(f"the {coding}-compressed request body inflates to more than "
+                                  f"this server accepts ({limit} bytes); send a smaller request")
+        parts.append(out)
+        if not inflater.eof:
+            raise ClientError(f"the {coding}-compressed request body ends before its "
+                              "compressed stream does; send the whole body")
+        data = inflater.unused_data
+        if not data:
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        if coding != "gzip":
+            raise ClientError(f"the request body has {len(data)} bytes after its {coding} "
+                              "stream; send exactly one compressed stream")
 
 
 def parse_infer(body: bytes, header_length: str | None, model: str,
                 specs: Sequence[TensorSpec], output_specs: Sequence[TensorSpec],
-                priority_levels: int) -> InferRequest:
-    """Decode and check one ``/infer`` body; raises ClientError/ValidationError."""
+                priority_levels: int, content_encoding: str | None = None) -> InferRequest:
+    """Decode and check one ``/infer`` body (inflated first when ``content_encoding``
+    names a compression); raises ClientError/ValidationError/RequestTooLarge."""
+    if content_encoding:
+        body = decoded_body(body, content_encoding)
     binary: memoryview | None = None
     if header_length is not None:
         try:
@@ -369,17 +474,42 @@ def _binary_data(arr: np.ndarray, datatype: str) -> bytes:
     return np.ascontiguousarray(arr, dtype=DATATYPES[datatype]).tobytes()
 
 
-def encode_infer(model: str, version: str, req: InferRequest, result: dict[str, np.ndarray],
+def _stacked(model: str, results: list[dict[str, np.ndarray]],
+             names: list[str]) -> dict[str, np.ndarray]:
+    """The outputs of a request's items, each stacked along a new leading dimension."""
+    out = {}
+    for name in names:
+        arrays = [np.asarray(r[name]) for r in results]
+        first = arrays[0].shape
+        for arr in arrays:
+            if arr.shape != first:
+                raise ModelError(f"model {model!r} gave output {name!r} different shapes for "
+                                 f"the items of one request ({list(first)} and "
+                                 f"{list(arr.shape)}), so they cannot be sent as one batch; "
+                                 "send those items as separate requests")
+        out[name] = np.stack(arrays)
+    return out
+
+
+def encode_infer(model: str, version: str, req: InferRequest,
+                 result: dict[str, np.ndarray] | list[dict[str, np.ndarray]],
                  output_specs: Sequence[TensorSpec]) -> tuple[bytes, dict[str, str]]:
-    """The response body and extra headers (``Inference-Header-Content-Length`` if binary)."""
+    """The response body and extra headers (``Inference-Header-Content-Length`` if binary).
+
+    ``result``: the one item's outputs, or the list of every item's outputs of a request
+    of several items (``req.items``), stacked here in order."""
     specs = {s.name: s for s in output_specs}
-    names = req.outputs if req.outputs is not None else list(result)
+    stacked = isinstance(result, list)
+    names = req.outputs if req.outputs is not None else list(result[0] if stacked else result)
+    if stacked:
+        result = _stacked(model, result, names)
+    lead = [1] if req.batched and not stacked else []
     outputs = []
     blobs: list[bytes] = []
     for name in names:
         arr = np.asarray(result[name])
         datatype = _datatype(arr, specs.get(name))
-        shape = ([1] if req.batched else []) + list(arr.shape)
+        shape = lead + list(arr.shape)
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
         if req.binary_all or name in req.binary_outputs:
             blob = _binary_data(arr, datatype)

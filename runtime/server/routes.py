@@ -1,5 +1,11 @@
 """The Starlette application: KServe v2 REST, ``/metrics`` and the control API.
 
+The KServe v2 routes, each also under ``/v2/models/{name}/versions/1/...`` where
+Triton's clients use that form: model metadata (shapes led by the batch dimension,
+-1), ``/ready``, ``POST /infer``, Triton's ``/config`` and statistics
+(``GET /v2/models/stats`` for every model, ``/v2/models/{name}/stats`` for one), and
+``POST /v2/repository/index``; the documents come from ``runtime.server.triton``.
+
 ``build_app(engine, ...)`` only wires routes to an engine that follows the
 ``runtime.engine.engine.Engine`` contract; starting and stopping the engine belongs to
 the caller (see ``runtime.server.service``). Every failure, including a path no
@@ -18,22 +24,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
+import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from runtime.api.errors import ModelNotFound, ModelNotReady, error_answer, routing_error
+from runtime.api.errors import (ClientError, ModelNotFound, ModelNotReady, error_answer,
+                                routing_error)
 from runtime.api.model import ModelAPI
+from runtime.server import openai_errors, triton
 from runtime.server.auth import AuthConfig, Unauthorized
-from runtime.server.control_api import DEFAULT_AUTH, control_routes, json_response
+from runtime.server.control_api import (DEFAULT_AUTH, control_routes, json_response,
+                                        model_directory)
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer
 from runtime.server.metrics import CONTENT_TYPE, MetricsRecorder
+from runtime.server.triton import MODEL_VERSION
 
 SERVER_NAME = "batchscope"
-EXTENSIONS = ["binary_tensor_data", "schedule_policy", "batching_control", "metrics"]
-MODEL_VERSION = "1"
+EXTENSIONS = ["binary_tensor_data", "schedule_policy", "batching_control", "metrics",
+              "model_configuration", "statistics"]
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -82,6 +93,8 @@ def _allowed_methods(app: Any, path: str) -> list[str]:
 async def routing_refusal(request: Request, exc: HTTPException) -> Response:
     """Starlette's routing refusals (no route, wrong method) as JSON error answers."""
     method, path = request.method, request.url.path
+    if path.startswith("/v1/"):  # the OpenAI-style routes answer in OpenAI's shape
+        return await openai_errors.routing_refusal(request, exc)
     allow = _allowed_methods(request.app, path) if exc.status_code == 405 else []
     if exc.status_code == 405 and not allow:
         allow = [m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip()]
@@ -93,19 +106,26 @@ def find_model(models: dict[str, ServedModel], name: str, version: str | None) -
     served = models.get(name)
     if served is None:
         raise ModelNotFound(f"unknown model {name!r}; served models are {sorted(models)}")
-    if version is not None and version != MODEL_VERSION:
-        raise ModelNotFound(f"model {name!r} has no version {version!r}; its only version is "
-                            f"{MODEL_VERSION!r}")
+    triton.check_version(name, version)
     return served
 
 
 def _served(request: Request) -> ServedModel:
-    return find_model(request.app.state.models, request.path_params["name"],
-                      request.path_params.get("version"))
+    name = request.path_params["name"]
+    try:
+        return find_model(request.app.state.models, name, request.path_params.get("version"))
+    except ModelNotFound:
+        if name in model_directory(request.app).generation:
+            raise ModelNotFound(f"model {name!r} is a generation model, served by the "
+                                "OpenAI-style routes under /v1; its settings and statistics "
+                                f"are at /v2/models/{name}/batching and "
+                                f"/v2/models/{name}/batching/stats") from None
+        raise
 
 
 async def answer_infer(state: Any, name: str, version: str | None, body: bytes,
-                       header_length: str | None) -> tuple[bytes, dict[str, str]]:
+                       header_length: str | None,
+                       content_encoding: str | None = None) -> tuple[bytes, dict[str, str]]:
     """One ``/infer`` call: decode, run through the engine, encode. Raises BatchScopeError."""
     served = find_model(state.models, name, version)
     engine = state.engine
@@ -114,9 +134,13 @@ async def answer_infer(state: Any, name: str, version: str | None, body: bytes,
     _, config = engine.get_settings(served.name)
     model = served.model
     req = parse_infer(body, header_length, served.name, model.inputs, model.outputs,
-                      config.priority_levels)
-    result = await engine.infer(served.name, req.inputs, priority=req.priority,
-                                timeout_ms=req.timeout_ms, bypass=req.bypass)
+                      config.priority_levels, content_encoding)
+    if req.items is None:
+        result: Any = await engine.infer(served.name, req.inputs, priority=req.priority,
+                                         timeout_ms=req.timeout_ms, bypass=req.bypass)
+    else:
+        result = await engine.infer_items(served.name, req.items, priority=req.priority,
+                                          timeout_ms=req.timeout_ms, bypass=req.bypass)
     return encode_infer(served.name, MODEL_VERSION, req, result, model.outputs)
 
 
@@ -148,9 +172,34 @@ async def model_ready(request: Request) -> Response:
 async def infer(request: Request) -> Response:
     payload, headers = await answer_infer(
         request.app.state, request.path_params["name"], request.path_params.get("version"),
-        await request.body(), request.headers.get(HEADER_LENGTH))
+        await request.body(), request.headers.get(HEADER_LENGTH),
+        request.headers.get("content-encoding"))
     media = "application/octet-stream" if headers else "application/json"
     return Response(payload, headers=headers, media_type=media)
+
+
+async def model_config(request: Request) -> Response:
+    served = _served(request)
+    return json_response(triton.model_config(request.app.state.engine, served.name))
+
+
+async def model_statistics(request: Request) -> Response:
+    engine = request.app.state.engine
+    names = [_served(request).name] if "name" in request.path_params else None
+    return json_response(triton.model_statistics(engine, names))
+
+
+async def repository_index(request: Request) -> Response:
+    body = await request.body()
+    try:
+        doc = orjson.loads(body) if body.strip() else {}
+    except orjson.JSONDecodeError:
+        doc = None
+    ready = doc.get("ready", False) if isinstance(doc, dict) else None
+    if not isinstance(ready, bool):
+        raise ClientError('the body must be empty or a JSON object such as {"ready": true} '
+                          "(true: list only the models ready for inference)")
+    return json_response(triton.repository_index(request.app.state.engine, ready_only=ready))
 
 
 async def metrics(request: Request) -> Response:
@@ -166,12 +215,17 @@ def _kserve_routes() -> list[Route]:
         Route("/v2/health/ready", health_ready),
         Route("/v2", server_metadata),
         Route("/metrics", metrics),
+        Route("/v2/repository/index", repository_index, methods=["POST"]),
+        # before /v2/models/{name}, which would take "stats" for a model's name
+        Route("/v2/models/stats", model_statistics),
     ]
     for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
         routes += [
             Route(prefix, model_metadata),
             Route(prefix + "/ready", model_ready),
             Route(prefix + "/infer", infer, methods=["POST"]),
+            Route(prefix + "/config", model_config),
+            Route(prefix + "/stats", model_statistics),
         ]
     return routes
 
@@ -198,7 +252,6 @@ def build_app(engine: Any, *, metrics: MetricsRecorder | None = None,
     app.state.models = {}
     for name in engine.model_names():
         model = engine.model(name)
-        meta = model.metadata()
-        meta["name"] = name
-        app.state.models[name] = ServedModel(name=name, model=model, metadata=meta)
+        app.state.models[name] = ServedModel(name=name, model=model,
+                                             metadata=triton.model_metadata(name, model))
     return app

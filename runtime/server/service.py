@@ -73,12 +73,10 @@ class GenerationMount:
     def __init__(self, models: dict[str, Any], *, recorder: Any, instance_id: str,
                  device: str) -> None:
         from runtime.generation.engine import GenerationEngine
-        from runtime.generation.http import routes
 
         self.engines = {name: GenerationEngine(model, recorder=recorder, instance_id=instance_id,
                                                device=device)
                         for name, model in models.items()}
-        self.routes = routes(self.engines)
 
     async def start(self) -> None:
         for engine in self.engines.values():
@@ -120,6 +118,10 @@ class Service:
         self.engine = Engine(models, configs, recorder=recorder, instance_id=self.instance_id,
                              device=device, device_process=server.device_process,
                              model_specs=server.models if server.device_process else ())
+        from runtime.autopilot.shell import Autopilot
+
+        #: moves the settings of models with autopilot_slo_p99_ms set (runtime.autopilot)
+        self.autopilot = Autopilot(self.engine, recorder=recorder, instance_id=self.instance_id)
         self.metrics.bind(stats=self._all_stats, dropped=self._dropped)
         self.live = None
         self.sampler = None
@@ -128,16 +130,31 @@ class Service:
             self.generation = GenerationMount(generation, recorder=recorder,
                                               instance_id=self.instance_id, device=device)
         self.on_started = on_started
-        extra_routes = self.generation.routes if self.generation is not None else []
+        from runtime.server.openai_api import openai_routes
+
+        extra_routes = openai_routes(self.engine, self.generation.engines
+                                     if self.generation is not None else {})
         self.app = build_app(self.engine, metrics=self.metrics, extra_routes=extra_routes,
                              version=version, auth=self.auth)
+        self.app.state.autopilot = self.autopilot  # its state, for the control API
+        self.grpc = None
+        #: the port the gRPC server listens on once started (None: no gRPC server)
+        self.grpc_port: int | None = None
+        if server.grpc_port is not None:
+            from runtime.server.grpc import GrpcServer
+
+            self.grpc = GrpcServer(self.engine, version=version,
+                                   generation=list(generation or {}))
         self._exit_requested = False
         self._exit: asyncio.Future | None = None
         self.started = threading.Event()
 
     # -- scrape-time sources ------------------------------------------------------------
     def _all_stats(self) -> dict[str, dict[str, Any]]:
-        return {name: self.engine.stats(name) for name in self.engine.model_names()}
+        stats = {name: self.engine.stats(name) for name in self.engine.model_names()}
+        if self.generation is not None:
+            stats.update({name: e.stats() for name, e in self.generation.engines.items()})
+        return stats
 
     def _dropped(self) -> int:
         return self.db_recorder.dropped if self.db_recorder is not None else 0
@@ -147,6 +164,7 @@ class Service:
         if self.db_recorder is not None:
             self.db_recorder.start()
         await self.engine.start()
+        self.autopilot.start()
         if self.generation is not None:
             await self.generation.start()
         if self.db is not None:
@@ -164,12 +182,21 @@ class Service:
                                          interval_s=self.server_config.device_sample_interval_s,
                                          torch_device=str(self.device))
             self.sampler.start()
+        if self.grpc is not None:
+            self.grpc_port = await self.grpc.start(self.server_config.host,
+                                                   self.server_config.grpc_port)
         self.started.set()
         if self.on_started is not None:
             self.on_started(self)
 
+    async def _stop_grpc(self) -> None:
+        if self.grpc is not None:
+            await self.grpc.stop(GRACEFUL_SHUTDOWN_S)
+
     async def shutdown(self) -> None:
         try:
+            await self._stop_grpc()
+            await self.autopilot.stop()
             if self.generation is not None:
                 await self.generation.stop()
             await self.engine.stop()
@@ -216,7 +243,8 @@ class Service:
                     await self._exit
                 finally:
                     try:
-                        await http.shutdown(GRACEFUL_SHUTDOWN_S)
+                        await asyncio.gather(http.shutdown(GRACEFUL_SHUTDOWN_S),
+                                             self._stop_grpc())
                     finally:
                         await self.shutdown()
         finally:

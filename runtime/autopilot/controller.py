@@ -1,0 +1,429 @@
+"""``Controller``: keep one model's p99 latency under an SLO while serving as much as it can.
+
+A synchronous state machine with time passed in: the shell (``runtime.autopilot.shell``)
+hands it an ``Observation`` every tick (the window of outcomes since the window began,
+the queue depth, the device's busy share, the batch times by size, the settings) and
+applies what it decides. It moves two settings of the dynamic policy, in bounded steps:
+
+* ``max_queue_delay_ms`` (None = work-conserving): how long a partial batch waits;
+* ``max_batch_size``: between the largest preferred batch size (or 1) and
+  ``Tuning.ceiling_factor`` times the starting value, never raised while the OOM
+  governor holds the model below it.
+
+The controller predicts with the model's measured batch times (``BatchCost``, a line
+``per_item_ms * n + per_batch_ms`` fitted to the batch sizes seen, runtime.autopilot.cost):
+a full batch's time at a new size, the capacity ``n / time(n)`` and the device time per
+request.
+
+A window is judged once it holds ``min_samples`` outcomes and lasts ``min_window_s``
+(a window that reaches ``max_window_s`` with fewer is dropped: too quiet to judge).
+Then, with ``S`` the SLO:
+
+1. **Over the SLO** (p99 > S, or nothing succeeded): when the model is *saturated*
+   (batches run full and a full one waits: arrivals outrun it) and a bigger batch
+   would serve ``gain`` more (or too few sizes were seen to tell), ``max_batch_size``
+   grows; else a delay is halved (below ``min_delay_ms`` it becomes work-conserving);
+   else, when a full batch takes more than ``batch_share`` of S, ``max_batch_size``
+   shrinks to the largest batch that fits in it (at most by half a step) -- while
+   saturated only if that costs less than ``worse`` of the capacity.
+2. **Room** (p99 < ``room`` · S for ``room_windows`` windows in a row): when the model
+   is saturated, ``max_batch_size`` grows while the bigger batch stays within
+   ``batch_share`` of S and serves more; else, when the queue builds (requests wait
+   while the device is ``busy_share`` busy) but batches are small, and the per-batch
+   cost says fuller batches would need ``delay_saving`` less device time per request,
+   the delay grows by ``delay_step_share`` of S (up to ``delay_share`` of S).
+3. Between the two (hysteresis): no move.
+
+Guard rails: after every move a ``cooldown_s`` passes before the next window starts;
+a move is undone when the window after it is worse, and its direction is not tried
+again for ``block_s``. Worse means, when the model was saturated before the move (its
+backlog makes latency grow whatever is done, so only the rate tells): serving
+``worse`` less, or -- after growing the batch, still saturated -- not ``gain`` more;
+otherwise, at about the same load: goodput down by ``worse``, p99 pushed over the
+SLO, or -- after a longer delay -- device time per request not down by ``gain`` / 2.
+When p99 stays over the SLO for ``fallback_after`` windows with neither p99 nor the
+queue going down, the settings the controller started from come back and it holds
+them for ``hold_s`` ("fallback"). Every decision carries its reason in words.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from runtime.autopilot.cost import BatchCost, BatchTimes
+from runtime.autopilot.window import WindowFigures
+
+#: the states a controller reports
+WATCHING, RAISING, LOWERING, SETTLING, VIOLATING, REVERTED, FALLBACK = (
+    "watching", "raising", "lowering", "settling", "violating", "reverted", "fallback")
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """The two settings the controller moves."""
+
+    max_batch_size: int
+    #: None: work-conserving
+    max_queue_delay_ms: float | None
+
+    def changes_to(self, new: "Knobs") -> dict[str, Any]:
+        """The settings changes that turn ``self`` into ``new``."""
+        out: dict[str, Any] = {}
+        if new.max_batch_size != self.max_batch_size:
+            out["max_batch_size"] = new.max_batch_size
+        if new.max_queue_delay_ms != self.max_queue_delay_ms:
+            out["max_queue_delay_ms"] = new.max_queue_delay_ms
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the shell saw of one model at ``now_s``."""
+
+    now_s: float
+    #: the outcomes since the current window began
+    window: WindowFigures
+    queue_depth: int
+    #: share of the window the device spent on this model's batches (0..1)
+    utilization: float
+    #: recent mean time of one batch (None: none ran yet)
+    batch_compute_ms: float | None
+    #: the largest batch the OOM governor allows now
+    effective_max_batch_size: int
+    knobs: Knobs
+    #: the window's batches by size: size -> (batches, summed compute ms)
+    batch_ms_by_size: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """The controller's constants (see the module docstring)."""
+
+    min_samples: int = 100
+    min_window_s: float = 1.0
+    max_window_s: float = 10.0
+    cooldown_s: float = 1.0
+    room: float = 0.7
+    room_windows: int = 2
+    batch_share: float = 0.25
+    delay_share: float = 0.25
+    delay_step_share: float = 0.05
+    min_delay_ms: float = 0.5
+    raise_factor: float = 1.5
+    lower_floor: float = 0.5
+    ceiling_factor: float = 4.0
+    #: a batch counts as full at this share of the effective max batch size
+    full_share: float = 0.8
+    #: the device counts as busy at this share of the window
+    busy_share: float = 0.6
+    worse: float = 0.1
+    gain: float = 0.05
+    #: a longer delay must promise this much less device time per request
+    delay_saving: float = 0.1
+    same_load: float = 0.15
+    block_s: float = 30.0
+    fallback_after: int = 4
+    improving: float = 0.1
+    hold_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Settings to apply, and why."""
+
+    changes: dict[str, Any]
+    knobs: Knobs
+    reason: str
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What the controller made of one observation."""
+
+    #: the window is judged (or dropped): the shell starts the next one now
+    window_done: bool
+    decision: Decision | None = None
+
+
+@dataclass(slots=True)
+class _Probe:
+    """A move whose effect the next window shows."""
+
+    before: Knobs
+    direction: str
+    window: WindowFigures
+    saturated: bool
+    #: device time per request served in the window before the move
+    device_ms: float
+
+
+def _ms(value: float | None) -> str:
+    return "null" if value is None else f"{value:g}"
+
+
+@dataclass
+class Controller:
+    """The autopilot of one model (see the module docstring)."""
+
+    slo_p99_ms: float
+    start: Knobs
+    now_s: float
+    #: the smallest max_batch_size it may set (the largest preferred batch size, or 1)
+    min_batch_size: int = 1
+    tuning: Tuning = field(default_factory=Tuning)
+    state: str = field(default=WATCHING, init=False)
+    #: the last decision's reason, or what it is doing when it did not move
+    note: str = field(default="started", init=False)
+
+    def __post_init__(self) -> None:
+        if not (self.slo_p99_ms > 0 and math.isfinite(self.slo_p99_ms)):
+            raise ValueError(f"slo_p99_ms={self.slo_p99_ms!r} must be a positive number")
+        self.min_batch_size = max(1, min(self.min_batch_size, self.start.max_batch_size))
+        self._settle_until = self.now_s
+        self._hold_until = -math.inf
+        self._blocked: dict[str, float] = {}
+        self._probe: _Probe | None = None
+        self._last_p99: float | None = None
+        self._last_depth: int | None = None
+        self._stuck = 0
+        self._room = 0
+        self._times = BatchTimes()
+
+    @property
+    def ceiling(self) -> int:
+        return min(4096, max(self.start.max_batch_size,
+                             int(self.start.max_batch_size * self.tuning.ceiling_factor)))
+
+    # -- the tick -----------------------------------------------------------------------
+    def observe(self, obs: Observation) -> Step:
+        t = self.tuning
+        w = obs.window
+        if obs.now_s < self._settle_until:
+            self.state = SETTLING
+            return Step(True)
+        if w.samples < t.min_samples or w.duration_s < t.min_window_s:
+            if w.duration_s >= t.max_window_s:
+                self._probe = None
+                self._last_p99 = self._last_depth = None
+                self.note = (f"{w.samples} requests in {w.duration_s:.1f} s: too few to judge "
+                             f"(needs {t.min_samples})")
+                return Step(True)
+            return Step(False)
+        self._times.add(obs.batch_ms_by_size)
+        decision = self._judge(obs)
+        self._last_p99 = self._p99(w)
+        self._last_depth = obs.queue_depth
+        if decision is not None:
+            self._settle_until = obs.now_s + t.cooldown_s
+            self.note = decision.reason
+            self.state = decision.state
+        return Step(True, decision)
+
+    @staticmethod
+    def _p99(w: WindowFigures) -> float:
+        return w.p99_ms if w.p99_ms is not None else math.inf
+
+    def _judge(self, obs: Observation) -> Decision | None:
+        t = self.tuning
+        now, w, knobs = obs.now_s, obs.window, obs.knobs
+        slo = self.slo_p99_ms
+        p99 = self._p99(w)
+        if now < self._hold_until:
+            self.state = FALLBACK
+            return None
+        probe, self._probe = self._probe, None
+        if probe is not None and self._worse(probe, obs):
+            self._blocked[probe.direction] = now + t.block_s
+            self._stuck = 0
+            return self._decide(knobs, probe.before, REVERTED,
+                                f"{self._figures(w)} after {probe.direction.replace('_', ' ')} "
+                                f"(was {self._figures(probe.window)}): back to")
+        if p99 > slo:
+            self._room = 0
+            last, depth = self._last_p99, self._last_depth
+            improving = last is not None and (
+                p99 < (1.0 - t.improving) * last
+                or (depth is not None and obs.queue_depth < (1.0 - t.improving) * depth))
+            self._stuck = 0 if improving else self._stuck + 1
+            if self._stuck >= t.fallback_after and knobs != self.start:
+                self._stuck = 0
+                self._hold_until = now + t.hold_s
+                self._blocked.clear()
+                return self._decide(knobs, self.start, FALLBACK,
+                                    f"p99 {p99:.0f} ms over the SLO of {slo:g} ms for "
+                                    f"{t.fallback_after} windows without improving: back to "
+                                    "the starting settings,")
+            decision = self._over(obs, p99)
+            if decision is None:
+                self.state = VIOLATING
+                self.note = f"p99 {p99:.0f} ms > SLO {slo:g} ms and no step left"
+            return decision
+        self._stuck = 0
+        if p99 >= t.room * slo:
+            self._room = 0
+            self.state = WATCHING
+            return None
+        self._room += 1
+        if self._room < t.room_windows:
+            self.state = WATCHING
+            return None
+        decision = self._under(obs, p99)
+        if decision is not None:
+            self._room = 0
+        else:
+            self.state = WATCHING
+        return decision
+
+    # -- the moves --------------------------------------------------------------------------
+    def _over(self, obs: Observation, p99: float) -> Decision | None:
+        t = self.tuning
+        knobs, slo = obs.knobs, self.slo_p99_ms
+        delay = knobs.max_queue_delay_ms
+        head = f"p99 {p99:.0f} ms > SLO {slo:g} ms"
+        cost = self._cost(obs)
+        size = min(knobs.max_batch_size, obs.effective_max_batch_size)
+        saturated = self._saturated(obs)
+        if saturated and self._can_raise(obs):
+            bigger = self._raised(knobs)
+            if cost is None or cost.sizes < 2 or \
+                    cost.capacity_rps(bigger) >= (1.0 + t.gain) * cost.capacity_rps(size):
+                return self._move(obs, replace(knobs, max_batch_size=bigger), "batch_up",
+                                  RAISING, f"{head} with {obs.queue_depth} queued and full "
+                                           f"batches{self._capacity(cost, size, bigger)}:")
+        if delay is not None and self._allowed("delay_down", obs.now_s):
+            half = delay / 2.0
+            new = replace(knobs, max_queue_delay_ms=half if half >= t.min_delay_ms else None)
+            return self._move(obs, new, "delay_down", LOWERING, f"{head}:")
+        limit = t.batch_share * slo
+        if cost is None or size <= self.min_batch_size or cost.ms(size) <= limit \
+                or not self._allowed("batch_down", obs.now_s):
+            return None
+        lower = max(self.min_batch_size, int(size * t.lower_floor),
+                    min(size - 1, cost.largest_within(limit)))
+        if saturated and not (cost.sizes >= 2 and cost.capacity_rps(lower)
+                              >= (1.0 - t.worse) * cost.capacity_rps(size)):
+            return None
+        return self._move(obs, replace(knobs, max_batch_size=lower), "batch_down", LOWERING,
+                          f"{head}, a batch of {size} takes about {cost.ms(size):.0f} ms:")
+
+    def _under(self, obs: Observation, p99: float) -> Decision | None:
+        t = self.tuning
+        knobs, slo, w = obs.knobs, self.slo_p99_ms, obs.window
+        head = f"p99 {p99:.0f} ms < {t.room:g} x SLO {slo:g} ms"
+        cost = self._cost(obs)
+        size = min(knobs.max_batch_size, obs.effective_max_batch_size)
+        if self._saturated(obs) and self._can_raise(obs) and cost is not None:
+            bigger = self._raised(knobs)
+            if cost.ms(bigger) <= t.batch_share * slo and (
+                    cost.sizes < 2
+                    or cost.capacity_rps(bigger) >= (1.0 + t.gain) * cost.capacity_rps(size)):
+                return self._move(obs, replace(knobs, max_batch_size=bigger), "batch_up",
+                                  RAISING, f"{head} with {obs.queue_depth} queued and full "
+                                           f"batches{self._capacity(cost, size, bigger)}:")
+        mean = w.mean_batch_size or 0.0
+        if not (obs.utilization >= t.busy_share and obs.queue_depth > 0 and 0 < mean
+                and mean < t.full_share * size and cost is not None and cost.sizes >= 2
+                and cost.per_batch_ms > 0 and self._allowed("delay_up", obs.now_s)):
+            return None
+        delay = knobs.max_queue_delay_ms or 0.0
+        new = min(t.delay_share * slo, delay + max(t.min_delay_ms, t.delay_step_share * slo))
+        if new <= delay + 1e-9:
+            return None
+        fuller = min(float(size), mean + w.settled_rps * (new - delay) / 1000.0)
+        now_ms, then_ms = cost.per_request_ms(mean), cost.per_request_ms(fuller)
+        if then_ms > (1.0 - t.delay_saving) * now_ms:
+            return None
+        return self._move(obs, replace(knobs, max_queue_delay_ms=round(new, 3)), "delay_up",
+                          RAISING, f"{head}, {obs.queue_depth} queued, device "
+                                   f"{obs.utilization:.0%} busy with batches of {mean:.1f} "
+                                   f"(about {fuller:.1f} would take {1 - then_ms / now_ms:.0%} "
+                                   "less device time per request):")
+
+    def _cost(self, obs: Observation) -> BatchCost | None:
+        """The fitted batch cost, else a guess in proportion to the recent mean batch."""
+        cost = self._times.cost()
+        if cost is not None:
+            return cost
+        mean, compute = obs.window.mean_batch_size, obs.batch_compute_ms
+        if not mean or compute is None:
+            return None
+        return BatchCost(compute / mean, 0.0, 1)
+
+    @staticmethod
+    def _capacity(cost: BatchCost | None, size: int, bigger: int) -> str:
+        if cost is None or cost.sizes < 2:
+            return ""
+        return (f" (capacity about {cost.capacity_rps(size):.0f} -> "
+                f"{cost.capacity_rps(bigger):.0f} req/s)")
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _saturated(self, obs: Observation) -> bool:
+        """Batches run full and a full one waits: more per batch would serve more."""
+        size = min(obs.knobs.max_batch_size, obs.effective_max_batch_size)
+        mean = obs.window.mean_batch_size or 0.0
+        return mean >= self.tuning.full_share * size and obs.queue_depth >= size
+
+    def _can_raise(self, obs: Observation) -> bool:
+        knobs = obs.knobs
+        return (knobs.max_batch_size < self.ceiling
+                and obs.effective_max_batch_size >= knobs.max_batch_size
+                and self._allowed("batch_up", obs.now_s))
+
+    def _raised(self, knobs: Knobs) -> int:
+        size = knobs.max_batch_size
+        return min(self.ceiling, max(size + 1, int(size * self.tuning.raise_factor)))
+
+    def _allowed(self, direction: str, now: float) -> bool:
+        return self._blocked.get(direction, -math.inf) <= now
+
+    def _worse(self, probe: _Probe, obs: Observation) -> bool:
+        """The window after a move is worse than the one before it (module docstring)."""
+        t = self.tuning
+        before, after = probe.window, obs.window
+        if probe.saturated:
+            served = before.throughput_rps
+            if after.throughput_rps < (1.0 - t.worse) * served:
+                return True
+            return (probe.direction == "batch_up" and self._saturated(obs)
+                    and after.throughput_rps < (1.0 + t.gain) * served)
+        load = before.settled_rps
+        if load <= 0 or abs(after.settled_rps - load) > t.same_load * load:
+            return False
+        if after.goodput_rps < (1.0 - t.worse) * before.goodput_rps:
+            return True
+        p99_before, p99_after = self._p99(before), self._p99(after)
+        if p99_after > self.slo_p99_ms and p99_after > (1.0 + t.worse) * p99_before:
+            return True
+        # a longer delay is worth its latency only if it saves device time per request
+        return probe.direction == "delay_up" and \
+            self._device_ms(obs) > (1.0 - t.gain / 2.0) * probe.device_ms
+
+    @staticmethod
+    def _device_ms(obs: Observation) -> float:
+        w = obs.window
+        return 1000.0 * obs.utilization * w.duration_s / w.ok if w.ok else math.inf
+
+    @staticmethod
+    def _figures(w: WindowFigures) -> str:
+        p99 = "-" if w.p99_ms is None else f"{w.p99_ms:.0f} ms"
+        return f"p99 {p99}, goodput {w.goodput_rps:.0f}/s"
+
+    def _move(self, obs: Observation, new: Knobs, direction: str, state: str,
+              why: str) -> Decision | None:
+        if new == obs.knobs:
+            return None
+        self._probe = _Probe(obs.knobs, direction, obs.window, self._saturated(obs),
+                             self._device_ms(obs))
+        return self._decide(obs.knobs, new, state, why)
+
+    def _decide(self, old: Knobs, new: Knobs, state: str, why: str) -> Decision | None:
+        changes = old.changes_to(new)
+        if not changes:
+            return None
+        words = ", ".join(
+            f"{k} {_ms(getattr(old, k)) if k == 'max_queue_delay_ms' else getattr(old, k)} -> "
+            f"{_ms(v) if k == 'max_queue_delay_ms' else v}" for k, v in changes.items())
+        return Decision(changes, new, f"{why} {words}", state)

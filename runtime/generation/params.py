@@ -1,0 +1,193 @@
+"""What a ``/v1/completions`` or ``/v1/chat/completions`` body asks for, checked.
+
+``parse_completion(raw)`` and ``parse_chat(raw)`` turn a request body into a
+``GenerationRequest`` or raise ``InvalidParam`` (400, naming the field). The fields
+both routes share:
+
+    model           a served generation model (GET /v1/models)
+    max_tokens      1 ... (chat: also max_completion_tokens); default: the model's
+                    default_max_new_tokens
+    n               choices per prompt, 1 ... 128 (with a seed, choice i samples with seed + i)
+    temperature     0 ... 2; 0 (the default here) is greedy
+    seed            a 64-bit signed integer; without one a sampled request gets a fresh seed
+    stop            a string or a list of up to 4 non-empty strings of at most 256 characters
+    stream          Server-Sent Events; stream_options.include_usage adds a usage chunk
+    priority*       0 (most urgent) ... priority_levels - 1, as in vLLM
+    timeout_ms*     how long the request may wait for its first step
+    ignore_eos*     keep generating past the end token (benchmarks)
+
+(* extensions.) Fields for features this server does not have (logprobs, tools,
+penalties, top_p other than 1, ...) are refused unless they hold their neutral
+value; unknown fields are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.generation.chat import ChatMessage, parse_messages
+from runtime.server.openai_errors import InvalidParam
+from runtime.server.openai_http import read_object
+
+MAX_N = 128
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+_SEED_RANGE = (-(2 ** 63), 2 ** 63)
+
+#: fields accepted only at a neutral value, with what to do instead
+_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "top_p": ((None, 1, 1.0), "top_p must be 1: sampling uses the whole distribution"),
+    "presence_penalty": ((None, 0, 0.0), "presence_penalty must be 0"),
+    "frequency_penalty": ((None, 0, 0.0), "frequency_penalty must be 0"),
+    "logit_bias": ((None, {}), "logit_bias is not supported"),
+}
+_COMPLETION_NEUTRAL = {
+    **_NEUTRAL,
+    "best_of": ((None, 1), "best_of must be 1; use n for several choices"),
+    "echo": ((None, False), "echo is not supported"),
+    "logprobs": ((None, 0), "logprobs are not supported; leave logprobs null"),
+    "suffix": ((None, ""), "suffix is not supported"),
+}
+_CHAT_NEUTRAL = {
+    **_NEUTRAL,
+    "logprobs": ((None, False), "logprobs are not supported; leave logprobs false"),
+    "top_logprobs": ((None, 0), "top_logprobs are not supported"),
+    "tools": ((None, []), "tools are not supported"),
+    "tool_choice": ((None, "none"), "tools are not supported"),
+    "functions": ((None, []), "function calling is not supported"),
+    "function_call": ((None, "none"), "function calling is not supported"),
+    "response_format": ((None, {"type": "text"}), 'only response_format {"type": "text"} '
+                                                  "is supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), 'only modalities ["text"] are supported'),
+}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    model: str
+    #: (token ids, text) per prompt, one of the two None; chat: filled in from ``messages``
+    prompts: list[tuple[list[int] | None, str | None]]
+    max_tokens: int | None = None
+    n: int = 1
+    temperature: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    priority: int | None = None
+    timeout_ms: float | None = None
+    ignore_eos: bool = False
+    #: chat only: the messages, rendered into ``prompts`` by the model's template
+    messages: list[ChatMessage] = field(default_factory=list)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def parse_prompts(prompt: Any) -> list[tuple[list[int] | None, str | None]]:
+    """Normalise ``prompt`` to a list of (token ids, text) pairs, one of them None."""
+    if isinstance(prompt, str):
+        return [(None, prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) for t in prompt):
+            return [(list(prompt), None)]
+        out: list[tuple[list[int] | None, str | None]] = []
+        for item in prompt:
+            if isinstance(item, str):
+                out.append((None, item))
+            elif isinstance(item, list) and item and all(_is_int(t) for t in item):
+                out.append((list(item), None))
+            else:
+                break
+        else:
+            return out
+    raise InvalidParam("prompt", "prompt must be a string, a non-empty list of token ids, or a "
+                                 "list of strings / token-id lists (one choice each)")
+
+
+def parse_stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise InvalidParam("stop", "stop must be a string or a list of strings")
+    if len(stops) > MAX_STOPS:
+        raise InvalidParam("stop", f"stop has {len(stops)} strings; at most {MAX_STOPS} are "
+                                   "allowed")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise InvalidParam("stop", f"each stop string must have 1 to {MAX_STOP_CHARS} "
+                                   "characters")
+    return tuple(stops)
+
+
+def _common(body: dict[str, Any], neutral: dict, max_tokens: Any) -> dict[str, Any]:
+    """The fields both routes share, checked, as ``GenerationRequest`` keywords."""
+    for key, (allowed, message) in neutral.items():
+        if key in body and body[key] not in allowed:
+            raise InvalidParam(key, f"{key}={body[key]!r}: {message}")
+    if not isinstance(body.get("model"), str):
+        raise InvalidParam("model", "model is required: the name of one of GET /v1/models")
+    if max_tokens is not None and not (_is_int(max_tokens) and max_tokens >= 1):
+        raise InvalidParam("max_tokens", f"max_tokens={max_tokens!r} must be a positive integer")
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not (_is_int(n) and 1 <= n <= MAX_N):
+        raise InvalidParam("n", f"n={n!r} must be an integer from 1 to {MAX_N}")
+    temperature = body.get("temperature")
+    temperature = 0 if temperature is None else temperature
+    if not (_is_number(temperature) and 0 <= temperature <= 2):
+        raise InvalidParam("temperature", f"temperature={temperature!r} must be a number from "
+                                          "0 to 2")
+    seed = body.get("seed")
+    if seed is not None and not (_is_int(seed) and _SEED_RANGE[0] <= seed < _SEED_RANGE[1]):
+        raise InvalidParam("seed", f"seed={seed!r} must be a 64-bit signed integer")
+    for key in ("stream", "ignore_eos"):
+        if body.get(key) not in (None, True, False):
+            raise InvalidParam(key, f"{key}={body[key]!r} must be true or false")
+    options = body.get("stream_options")
+    options = {} if options is None else options
+    if not (isinstance(options, dict) and options.get("include_usage") in (None, True, False)):
+        raise InvalidParam("stream_options", 'stream_options must be an object like '
+                                             '{"include_usage": true}')
+    priority = body.get("priority")
+    if priority is not None and not _is_int(priority):
+        raise InvalidParam("priority", f"priority={priority!r} must be an integer (0 is most "
+                                       "urgent)")
+    timeout_ms = body.get("timeout_ms")
+    if timeout_ms is not None and not _is_number(timeout_ms):
+        raise InvalidParam("timeout_ms", f"timeout_ms={timeout_ms!r} must be a number of "
+                                         "milliseconds")
+    return {"model": body["model"], "max_tokens": max_tokens, "n": n,
+            "temperature": float(temperature), "seed": seed, "stop": parse_stop(body.get("stop")),
+            "stream": bool(body.get("stream")), "include_usage": bool(options.get("include_usage")),
+            "priority": priority, "timeout_ms": timeout_ms,
+            "ignore_eos": bool(body.get("ignore_eos"))}
+
+
+def parse_completion(raw: bytes) -> GenerationRequest:
+    """A ``/v1/completions`` body: the shared fields and ``prompt``."""
+    body = read_object(raw)
+    common = _common(body, _COMPLETION_NEUTRAL, body.get("max_tokens"))
+    if "prompt" not in body:
+        raise InvalidParam("prompt", "prompt is required: a string or a list of token ids")
+    return GenerationRequest(prompts=parse_prompts(body["prompt"]), **common)
+
+
+def parse_chat(raw: bytes) -> GenerationRequest:
+    """A ``/v1/chat/completions`` body: the shared fields and ``messages``
+    (``max_completion_tokens`` is the newer name of ``max_tokens``)."""
+    body = read_object(raw)
+    max_tokens, newer = body.get("max_tokens"), body.get("max_completion_tokens")
+    if max_tokens is not None and newer is not None and max_tokens != newer:
+        raise InvalidParam("max_completion_tokens", "max_tokens and max_completion_tokens "
+                                                    "differ; send one of them")
+    common = _common(body, _CHAT_NEUTRAL, newer if newer is not None else max_tokens)
+    return GenerationRequest(prompts=[], messages=parse_messages(body.get("messages")),
+                             **common)

@@ -1,0 +1,252 @@
+"""The methods of ``inference.GRPCInferenceService``, answered from the request engine.
+
+``InferenceHandlers(engine, ...)`` answers, on the engine's own event loop (under
+``grpc.aio``), what the KServe v2 REST routes answer:
+
+* ``ServerLive``, ``ServerReady``, ``ModelReady`` (an unknown model is not ready, as
+  Triton answers), ``ServerMetadata``, ``ModelMetadata`` (shapes led by the batch
+  dimension, -1);
+* ``ModelInfer``: decoded by ``runtime.server.grpc.tensors``, queued in the same
+  ``Engine`` as HTTP requests (so the two batch together), with the same admission
+  check before decoding (``Engine.admission_refusal``); a request whose inputs carry a
+  batch dimension of k > 1 goes in as k items (``Engine.infer_items``) and is answered
+  once, its outputs stacked. A call the client cancels, or whose gRPC deadline passes,
+  takes its request out of the queue;
+* ``ModelStreamInfer``: the same for each request of a stream, answered in the order
+  the answers are ready (``id`` tells them apart); a failed request is answered with
+  its ``error_message`` and the stream goes on. At most ``STREAM_AHEAD`` answers of a
+  stream are outstanding: past that, the stream's requests are not read until the
+  client has taken answers;
+* Triton's extensions ``ModelConfig``, ``ModelStatistics`` (one model, or every model
+  for an empty name) and ``RepositoryIndex``, from ``runtime.server.triton``.
+
+Every failure is answered by ``runtime.server.grpc.status``: the HTTP answer's message
+under the matching status code. The methods of the service this server does not
+implement (shared memory, model loading, trace and log settings) answer UNIMPLEMENTED
+with their name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from runtime.api.errors import ModelNotFound, ModelNotReady
+from runtime.server import triton
+from runtime.server.grpc.protocol import SERVICE, SERVICE_NAME, message
+from runtime.server.grpc.status import refusal
+from runtime.server.grpc.tensors import decode_request, encode_response
+from runtime.server.kserve import InferRequest
+from runtime.server.routes import EXTENSIONS, SERVER_NAME, ServedModel, find_model
+
+#: answers of one stream that may be outstanding (queued, running, or ready and not
+#: yet taken by the client) before the server stops reading that stream's requests
+STREAM_AHEAD = 256
+
+Unary = Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]
+
+
+def _from_json(name: str, doc: dict[str, Any]) -> Message:
+    """Message ``inference.<name>`` filled from a JSON-ready ``doc`` in its field names."""
+    return json_format.ParseDict(doc, message(name)(), ignore_unknown_fields=True)
+
+
+def _answered(method: str, fn: Unary) -> Unary:
+    """``fn`` with every failure answered as a gRPC status (``status.refusal``)."""
+
+    @functools.wraps(fn)
+    async def call(request: Message, context: grpc.aio.ServicerContext) -> Message:
+        try:
+            return await fn(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            answer = refusal(exc, f"gRPC {method}")
+            if answer.metadata:
+                context.set_trailing_metadata(answer.metadata)
+            await context.abort(answer.code, answer.message)
+        raise AssertionError("unreachable: abort raises")
+
+    return call
+
+
+class InferenceHandlers:
+    """Answers the service's methods for the request models of ``engine`` (an object
+    following the ``runtime.engine.engine.Engine`` contract, started on this loop)."""
+
+    def __init__(self, engine: Any, *, version: str = "0.1.0",
+                 generation: Iterable[str] = ()) -> None:
+        self.engine = engine
+        self.version = version
+        #: generation models served next to the engine's, over HTTP only
+        self.generation = frozenset(generation)
+        self.models: dict[str, ServedModel] = {}
+        for name in engine.model_names():
+            model = engine.model(name)
+            self.models[name] = ServedModel(name=name, model=model,
+                                            metadata=triton.model_metadata(name, model))
+        self._unary: dict[str, Unary] = {
+            "ServerLive": self.server_live,
+            "ServerReady": self.server_ready,
+            "ModelReady": self.model_ready,
+            "ServerMetadata": self.server_metadata,
+            "ModelMetadata": self.model_metadata,
+            "ModelInfer": self.model_infer,
+            "ModelConfig": self.model_config,
+            "ModelStatistics": self.model_statistics,
+            "RepositoryIndex": self.repository_index,
+        }
+
+    # -- registration -------------------------------------------------------------------
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """Every method of the service: the implemented ones, and UNIMPLEMENTED answers."""
+        handlers = {}
+        for method in SERVICE.methods:
+            request = message(method.input_type.name)
+            response = message(method.output_type.name)
+            if method.name == "ModelStreamInfer":
+                handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                    self.model_stream_infer, request_deserializer=request.FromString,
+                    response_serializer=response.SerializeToString)
+                continue
+            fn = self._unary.get(method.name) or self._unimplemented(method.name)
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _answered(method.name, fn), request_deserializer=request.FromString,
+                response_serializer=response.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    @staticmethod
+    def _unimplemented(name: str) -> Unary:
+        async def refuse(request: Message, context: grpc.aio.ServicerContext) -> Message:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                f"{name} is not supported by this server; it serves health, "
+                                "metadata, inference (ModelInfer, ModelStreamInfer), model "
+                                "configuration, statistics and the repository index")
+            raise AssertionError("unreachable: abort raises")
+
+        return refuse
+
+    # -- lookups ------------------------------------------------------------------------
+    def _served(self, name: str, version: str) -> ServedModel:
+        try:
+            return find_model(self.models, name, version or None)
+        except ModelNotFound:
+            if name in self.generation:
+                raise ModelNotFound(f"model {name!r} is a generation model, served over HTTP "
+                                    "at /v1/completions (and /v1/chat/completions), not over "
+                                    "gRPC") from None
+            raise
+
+    # -- health and metadata ------------------------------------------------------------
+    async def server_live(self, request: Message, context: Any) -> Message:
+        return message("ServerLiveResponse")(live=True)
+
+    async def server_ready(self, request: Message, context: Any) -> Message:
+        return message("ServerReadyResponse")(ready=bool(self.engine.is_ready()))
+
+    async def model_ready(self, request: Message, context: Any) -> Message:
+        try:
+            name = self._served(request.name, request.version).name
+        except ModelNotFound:
+            return message("ModelReadyResponse")(ready=False)
+        return message("ModelReadyResponse")(ready=bool(self.engine.is_ready(name)))
+
+    async def server_metadata(self, request: Message, context: Any) -> Message:
+        return message("ServerMetadataResponse")(name=SERVER_NAME, version=self.version,
+                                                 extensions=EXTENSIONS)
+
+    async def model_metadata(self, request: Message, context: Any) -> Message:
+        served = self._served(request.name, request.version)
+        return _from_json("ModelMetadataResponse", served.metadata)
+
+    async def model_config(self, request: Message, context: Any) -> Message:
+        served = self._served(request.name, request.version)
+        return _from_json("ModelConfigResponse",
+                          {"config": triton.model_config(self.engine, served.name)})
+
+    async def model_statistics(self, request: Message, context: Any) -> Message:
+        names = [self._served(request.name, request.version).name] if request.name else None
+        return _from_json("ModelStatisticsResponse",
+                          triton.model_statistics(self.engine, names))
+
+    async def repository_index(self, request: Message, context: Any) -> Message:
+        index = triton.repository_index(self.engine, ready_only=request.ready)
+        return _from_json("RepositoryIndexResponse", {"models": index})
+
+    # -- inference ----------------------------------------------------------------------
+    def _admit(self, request: Message) -> tuple[ServedModel, InferRequest]:
+        """The model and the decoded request; raises what refuses it, before decoding
+        when any request to the model would be refused now."""
+        served = self._served(request.model_name, request.model_version)
+        name = served.name
+        engine = self.engine
+        if not engine.is_ready(name):
+            raise ModelNotReady(f"model {name!r} is not ready yet; retry in a moment")
+        early = engine.admission_refusal(name)
+        if early is not None:
+            raise early
+        model = served.model
+        levels = engine.get_settings(name)[1].priority_levels
+        return served, decode_request(request, name, model.inputs, model.outputs, levels)
+
+    async def _infer(self, request: Message) -> Message:
+        served, req = self._admit(request)
+        engine = self.engine
+        if req.items is None:
+            result: Any = await engine.infer(served.name, req.inputs, priority=req.priority,
+                                             timeout_ms=req.timeout_ms, bypass=req.bypass)
+        else:
+            result = await engine.infer_items(served.name, req.items, priority=req.priority,
+                                              timeout_ms=req.timeout_ms, bypass=req.bypass)
+        return encode_response(served.name, triton.MODEL_VERSION, req, result,
+                               served.model.outputs)
+
+    async def model_infer(self, request: Message, context: Any) -> Message:
+        return await self._infer(request)
+
+    async def model_stream_infer(self, requests: AsyncIterator[Message],
+                                 context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
+        """Answer each request of the stream as its answer is ready."""
+        answers: asyncio.Queue[Message | None] = asyncio.Queue()
+        room = asyncio.Semaphore(STREAM_AHEAD)
+        running: set[asyncio.Task] = set()
+        stream_response = message("ModelStreamInferResponse")
+
+        async def answer(request: Message) -> None:
+            try:
+                reply = stream_response(infer_response=await self._infer(request))
+            except Exception as exc:
+                reply = stream_response(
+                    error_message=refusal(exc, "gRPC ModelStreamInfer").message,
+                    infer_response=message("ModelInferResponse")(
+                        model_name=request.model_name, model_version=request.model_version,
+                        id=request.id))
+            answers.put_nowait(reply)
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    await room.acquire()
+                    task = asyncio.ensure_future(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                if running:
+                    await asyncio.wait(set(running))
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (reply := await answers.get()) is not None:
+                yield reply
+                room.release()
+            await reader  # raises what reading the stream raised
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()

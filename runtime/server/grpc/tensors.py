@@ -1,0 +1,167 @@
+"""``ModelInferRequest`` -> one checked request, model outputs -> ``ModelInferResponse``.
+
+The gRPC side of the Open Inference Protocol codec. Pure functions, no I/O. Every
+check after the wire format is the REST codec's own (``runtime.server.kserve``): the
+same ``InferRequest``, the same shape, datatype and batch-dimension checks against
+the model's ``TensorSpec``s, the same scheduling parameters (``priority`` 1 (most
+urgent) .. ``priority_levels`` with 0 or absent for the default, ``timeout`` in
+microseconds, as Triton's gRPC clients send them), and so the same error messages.
+
+Input values come either in each input's typed ``contents`` (``fp32_contents``,
+``int64_contents``, ``bytes_contents``, ...) or, for every input at once, in
+``raw_input_contents`` (one entry per input, in order; little-endian values, and for
+BYTES each element as a 4-byte little-endian length and its bytes), which is what
+``tritonclient.grpc`` sends. FP16 has no typed field and travels raw only. Outputs go
+back in ``raw_output_contents``, one entry per output, as Triton answers.
+
+Shared-memory tensors (Triton's ``shared_memory_region`` parameters) and the
+``classification`` output extension are refused with a message saying what to send.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+from google.protobuf.message import Message
+
+from runtime.api.errors import ClientError
+from runtime.api.model import DATATYPES, TensorSpec
+from runtime.server.grpc.protocol import message
+from runtime.server.kserve import (InferRequest, _binary_data, _bytes_from_binary,
+                                   _check_against_specs, _datatype, _requested_outputs,
+                                   _scheduling, _shape_of, _stacked)
+
+#: the ``InferTensorContents`` field that carries each datatype's values (FP16: none)
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+    "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+    "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+#: tensor parameters that point at memory this server cannot read
+_SHARED_MEMORY = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+
+ModelInferResponse = message("ModelInferResponse")
+
+
+def parameters(params: Any) -> dict[str, Any]:
+    """A ``map<string, InferParameter>`` as plain values (the one set in each)."""
+    out = {}
+    for key, param in params.items():
+        choice = param.WhichOneof("parameter_choice")
+        out[key] = None if choice is None else getattr(param, choice)
+    return out
+
+
+def _refuse_unsupported(params: Any, what: str) -> None:
+    for key in params:
+        if key in _SHARED_MEMORY:
+            raise ClientError(f"{what}: shared-memory tensors ({key!r}) are not supported by "
+                              "this server; send the values in the request itself "
+                              "(contents or raw_input_contents)")
+        if key == "classification":
+            raise ClientError(f"{what}: the classification extension is not supported; ask "
+                              "for the output itself and rank its values on the client")
+
+
+def _from_raw(name: str, datatype: str, raw: bytes, count: int) -> np.ndarray:
+    if datatype == "BYTES":
+        return _bytes_from_binary(name, raw, count)
+    itemsize = np.dtype(DATATYPES[datatype]).itemsize
+    if len(raw) != count * itemsize:
+        raise ClientError(f"input {name!r}: {count} {datatype} values need {count * itemsize} "
+                          f"bytes, its raw_input_contents entry has {len(raw)}")
+    # a writable copy: torch.from_numpy warns on the read-only buffer of ``bytes``
+    return np.frombuffer(bytearray(raw), dtype=DATATYPES[datatype])
+
+
+def _from_contents(name: str, datatype: str, tensor: Message, count: int) -> np.ndarray:
+    field = CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise ClientError(f"input {name!r}: {datatype} has no field in InferTensorContents; "
+                          "send its values in raw_input_contents (as tritonclient does)")
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise ClientError(f"input {name!r}: its shape needs {count} values, contents."
+                          f"{field} holds {len(values)} (a {datatype} input's values go in "
+                          f"contents.{field}, or every input's in raw_input_contents)")
+    if datatype == "BYTES":
+        arr = np.empty(count, dtype=object)
+        arr[:] = list(values)
+        return arr
+    try:
+        return np.fromiter(values, DATATYPES[datatype], count)
+    except OverflowError:
+        raise ClientError(f"input {name!r}: a value in contents.{field} is out of range "
+                          f"for {datatype}") from None
+
+
+def decode_request(request: Message, model: str, specs: Sequence[TensorSpec],
+                   output_specs: Sequence[TensorSpec], priority_levels: int) -> InferRequest:
+    """Decode and check one ``ModelInferRequest`` for ``model``; raises ClientError or
+    ValidationError, with the REST codec's messages wherever the two agree."""
+    inputs = request.inputs
+    if not inputs:
+        raise ClientError("the request has no inputs; send one InferInputTensor (name, "
+                          "datatype, shape and values) per model input")
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(inputs):
+        raise ClientError(f"the request has {len(raw)} raw_input_contents entries for "
+                          f"{len(inputs)} inputs; send one per input, in the order of "
+                          "'inputs', or none and every input's values in its contents")
+    tensors: dict[str, np.ndarray] = {}
+    datatypes: dict[str, str] = {}
+    for i, tensor in enumerate(inputs):
+        name = tensor.name
+        if not name:
+            raise ClientError(f"inputs[{i}] needs a name")
+        if name in tensors:
+            raise ClientError(f"input {name!r} appears more than once")
+        _refuse_unsupported(tensor.parameters, f"input {name!r}")
+        shape = _shape_of(name, list(tensor.shape))
+        datatype = tensor.datatype
+        if datatype not in DATATYPES:
+            raise ClientError(f"input {name!r}: datatype {datatype!r} is not supported; use "
+                              f"one of {', '.join(DATATYPES)}")
+        count = math.prod(shape)
+        if raw:
+            if tensor.HasField("contents"):
+                raise ClientError(f"input {name!r} has values in contents while the request "
+                                  "carries raw_input_contents; send every input's values one "
+                                  "way")
+            arr = _from_raw(name, datatype, raw[i], count)
+        else:
+            arr = _from_contents(name, datatype, tensor, count)
+        tensors[name] = arr.reshape(shape)
+        datatypes[name] = datatype
+    req = InferRequest(inputs=tensors, id=request.id or None)
+    _scheduling(parameters(request.parameters), priority_levels, req)
+    if request.outputs:
+        for out in request.outputs:
+            _refuse_unsupported(out.parameters, f"output {out.name!r}")
+        _requested_outputs([{"name": out.name} for out in request.outputs], output_specs, req)
+    _check_against_specs(model, specs, tensors, datatypes, req)
+    return req
+
+
+def encode_response(model: str, version: str, req: InferRequest,
+                    result: dict[str, np.ndarray] | list[dict[str, np.ndarray]],
+                    output_specs: Sequence[TensorSpec]) -> Message:
+    """The ``ModelInferResponse`` of ``req``: every output asked for (default all) in
+    ``raw_output_contents``. ``result`` is the one item's outputs, or the list of every
+    item's outputs of a request of several items, stacked here in order."""
+    specs = {s.name: s for s in output_specs}
+    stacked = isinstance(result, list)
+    names = req.outputs if req.outputs is not None else list(result[0] if stacked else result)
+    if stacked:
+        result = _stacked(model, result, names)
+    lead = (1,) if req.batched and not stacked else ()
+    response = ModelInferResponse(model_name=model, model_version=version, id=req.id or "")
+    for name in names:
+        arr = np.asarray(result[name])
+        datatype = _datatype(arr, specs.get(name))
+        response.outputs.add(name=name, datatype=datatype, shape=lead + arr.shape)
+        response.raw_output_contents.append(_binary_data(arr, datatype))
+    return response

@@ -1,0 +1,156 @@
+"""``POST /v1/embeddings``: OpenAI's embeddings API over the request engine.
+
+    {model, input, encoding_format, dimensions, user, priority*, timeout_ms*}
+
+A request model is served here when it names its ``embedding_output``
+(``runtime.api.model.ModelAPI``). ``input`` is a string, a list of token ids, or a
+list of up to ``MAX_INPUTS`` of either. Each input becomes the model's inputs through
+``embedding_inputs``, and the call goes to the ``Engine`` as one request of that many
+items (``Engine.infer_items``): every input is checked before any is queued, then
+each is queued on its own, so the inputs of one call, and those of concurrent calls,
+are batched together like any other requests of the model (same queue, same batching
+settings, one record each).
+
+``encoding_format`` "float" (the default) answers lists of numbers, "base64" the
+little-endian float32 bytes in base64 (what the ``openai`` client asks for unless
+told otherwise, and decodes itself). ``dimensions`` may only repeat the model's own.
+``priority`` (0 = most urgent, as on ``/v1/completions``) and ``timeout_ms`` are
+extensions. ``usage`` counts the tokens of every input. If one input fails (queue
+full, expired, invalid), the call answers that error and the inputs still queued are
+withdrawn; a client that goes away withdraws them too.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from runtime.api.errors import BatchScopeError, ClientError
+from runtime.server.openai_errors import InvalidParam, error_response, model_not_found
+from runtime.server.openai_http import (GONE_STATUS, ClientGone, json_response, read_object,
+                                        until_disconnected)
+
+MAX_INPUTS = 2048
+_WHERE = "POST /v1/embeddings"
+#: token ids above this belong to no vocabulary (and would not fit the arrays)
+_MAX_TOKEN_ID = 2 ** 31
+
+
+def embedding_models(engine: Any) -> list[str]:
+    """The engine's models that name an ``embedding_output``."""
+    return [name for name in engine.model_names()
+            if getattr(engine.model(name), "embedding_output", None) is not None]
+
+
+def _is_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _MAX_TOKEN_ID
+        for t in value))
+
+
+def parse_inputs(value: Any) -> list[str | list[int]]:
+    """``input`` as a list of texts and token-id lists, one embedding each."""
+    if isinstance(value, str):
+        return [value]
+    if _is_ids(value):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, str) or _is_ids(v)
+                                                 for v in value):
+        if len(value) > MAX_INPUTS:
+            raise InvalidParam("input", f"input has {len(value)} items; at most {MAX_INPUTS} "
+                                        "are embedded per request")
+        return value
+    raise InvalidParam("input", "input must be a string, a non-empty list of token ids "
+                                "(integers from 0), or a non-empty list of either")
+
+
+def _embedding_dim(model: Any) -> int | None:
+    for spec in model.outputs:
+        if spec.name == model.embedding_output and len(spec.shape) == 1 and spec.shape[0] > 0:
+            return int(spec.shape[0])
+    return None
+
+
+def _encode(vector: np.ndarray, fmt: str) -> Any:
+    vector = np.asarray(vector, dtype="<f4").reshape(-1)
+    if fmt == "base64":
+        return base64.b64encode(vector.tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+def _prepared(model: Any, name: str, values: list[str | list[int]]
+              ) -> list[tuple[dict[str, np.ndarray], int]]:
+    out = []
+    for i, value in enumerate(values):
+        try:
+            out.append(model.embedding_inputs(value))
+        except BatchScopeError:
+            raise
+        except Exception as exc:  # a model's own check that is not one of ours
+            raise ClientError(f"input[{i}] could not be read by model {name!r}: "
+                              f"{type(exc).__name__}: {exc}"[:500]) from None
+    return out
+
+
+def _options(body: dict[str, Any], dim: int | None) -> tuple[str, int | None, float | None]:
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise InvalidParam("encoding_format", f"encoding_format={fmt!r} must be \"float\" or "
+                                              "\"base64\"")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and dimensions != dim:
+        raise InvalidParam("dimensions", f"dimensions={dimensions!r}: this model's embeddings "
+                                         f"have {dim} dimensions and cannot be shortened; leave "
+                                         "dimensions out")
+    priority = body.get("priority")
+    if priority is not None and not (isinstance(priority, int) and not isinstance(priority, bool)):
+        raise InvalidParam("priority", f"priority={priority!r} must be an integer (0 is most "
+                                       "urgent)")
+    timeout_ms = body.get("timeout_ms")
+    if timeout_ms is not None and (isinstance(timeout_ms, bool)
+                                   or not isinstance(timeout_ms, (int, float))):
+        raise InvalidParam("timeout_ms", f"timeout_ms={timeout_ms!r} must be a number of "
+                                         "milliseconds")
+    return fmt, priority, timeout_ms
+
+
+def embedding_routes(engine: Any) -> list[Route]:
+    """``POST /v1/embeddings`` for ``engine``'s embedding models (``embedding_models``)."""
+
+    async def embeddings(request: Request) -> Response:
+        try:
+            body = read_object(await request.body())
+            name = body.get("model")
+            served = embedding_models(engine)
+            if not isinstance(name, str):
+                raise InvalidParam("model", "model is required: the name of an embedding "
+                                            f"model, one of {served}")
+            if name not in served:
+                raise model_not_found(name, served, "embedding model")
+            model = engine.model(name)
+            fmt, priority, timeout_ms = _options(body, _embedding_dim(model))
+            prepared = _prepared(model, name, parse_inputs(body.get("input")))
+        except Exception as exc:
+            return error_response(exc, _WHERE)
+        try:
+            results = await until_disconnected(request, engine.infer_items(
+                name, [inputs for inputs, _ in prepared], priority=priority,
+                timeout_ms=timeout_ms))
+        except ClientGone:
+            return Response(status_code=GONE_STATUS)
+        except Exception as exc:
+            return error_response(exc, _WHERE)
+        tokens = sum(n for _, n in prepared)
+        return json_response({
+            "object": "list", "model": name,
+            "data": [{"object": "embedding", "index": i,
+                      "embedding": _encode(r[model.embedding_output], fmt)}
+                     for i, r in enumerate(results)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    return [Route("/v1/embeddings", embeddings, methods=["POST"])]

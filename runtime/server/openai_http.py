@@ -1,0 +1,93 @@
+"""What every OpenAI-style route (``/v1/...``) shares: the JSON body, JSON answers, the
+model list, and noticing a client that went away.
+
+* ``read_object(raw)``: the request body as a JSON object, or ``InvalidParam`` (400).
+* ``until_disconnected(request, work)``: awaits ``work`` unless the client closes its
+  connection first; then ``work`` is cancelled (so what it queued is given up and its
+  resources freed) and ``ClientGone`` raised. Streamed answers need no such wrapper
+  once they started: the response notices the client leaving itself.
+* ``model_routes(names)``: ``GET /v1/models`` and ``GET /v1/models/{model}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, TypeVar
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from runtime.server.openai_errors import InvalidParam, error_response, model_not_found
+
+T = TypeVar("T")
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def read_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidParam(None, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidParam(None, "the request body must be a JSON object")
+    return body
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
+
+
+#: what a handler answers a client that is gone (nobody reads it; nginx's number for it)
+GONE_STATUS = 499
+
+
+async def _disconnected(request: Request) -> None:
+    # shielded: the ASGI server's disconnect future may be shared with a streamed
+    # response's own listener, and cancelling this waiter must not cancel it
+    while (await asyncio.shield(request.receive()))["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, unless the client goes away first: then ``work`` is cancelled
+    and ``ClientGone`` raised. The request body must have been read."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # let it unwind before the caller goes on
+    raise ClientGone()
+
+
+def model_routes(names: Callable[[], list[str]]) -> list[Route]:
+    """``GET /v1/models`` and ``/v1/models/{model}`` for the models ``names()`` gives."""
+
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "batchscope"}
+
+    async def list_models(request: Request) -> Response:
+        return json_response({"object": "list", "data": [card(n) for n in names()]})
+
+    async def get_model(request: Request) -> Response:
+        name, served = request.path_params["model"], names()
+        if name not in served:
+            return error_response(model_not_found(name, served, "model"),
+                                  f"GET /v1/models/{name}")
+        return json_response(card(name))
+
+    return [Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model}", get_model, methods=["GET"])]

@@ -1,0 +1,339 @@
+"""The autopilot's ``Controller`` on a fake clock with synthetic window figures, and the
+``OutcomeWindow`` it is fed from."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from runtime.autopilot.controller import (FALLBACK, LOWERING, RAISING, REVERTED, SETTLING,
+                                          VIOLATING, WATCHING, Controller, Knobs, Observation,
+                                          Tuning)
+from runtime.autopilot.cost import BatchTimes, fit
+from runtime.autopilot.window import (BOUNDS_S, OutcomeWindow, WindowFigures, count_within,
+                                      figures, quantile_s)
+
+SLO = 100.0
+START = Knobs(max_batch_size=16, max_queue_delay_ms=None)
+#: batch times by size, (batches, summed ms): 1 ms per item + 4 ms per batch
+OVERHEAD = {1: (50.0, 250.0), 8: (50.0, 600.0)}
+#: 0.5 ms per item + 4 ms per batch
+CHEAP = {1: (50.0, 225.0), 8: (50.0, 400.0)}
+#: 10 ms per item, nothing per batch: bigger batches save nothing
+PER_ITEM = {1: (50.0, 500.0), 8: (50.0, 4000.0)}
+
+
+def window(p99_ms: float | None, *, ok: int = 200, failed: int = 0, duration_s: float = 1.0,
+           mean_batch: float = 4.0, good: int | None = None) -> WindowFigures:
+    if good is None:
+        good = ok if p99_ms is not None and p99_ms <= SLO else int(ok * 0.9)
+    return WindowFigures(duration_s, ok, failed, max(1, round(ok / mean_batch)),
+                         None if p99_ms is None else p99_ms / 2, p99_ms, good)
+
+
+def obs(now: float, knobs: Knobs, p99_ms: float | None, *, depth: int = 0, util: float = 0.3,
+        compute_ms: float | None = 5.0, effective: int | None = None, times=OVERHEAD,
+        **kw) -> Observation:
+    return Observation(now, window(p99_ms, **kw), depth, util, compute_ms,
+                       knobs.max_batch_size if effective is None else effective, knobs, times)
+
+
+class Run:
+    """A controller and its fake clock; ``step`` advances time and feeds one window."""
+
+    def __init__(self, start: Knobs = START, **tuning) -> None:
+        self.now = 100.0
+        self.knobs = start
+        self.c = Controller(SLO, start, self.now, tuning=Tuning(**tuning))
+
+    def step(self, p99_ms, dt: float = 1.0, **kw):
+        self.now += dt
+        step = self.c.observe(obs(self.now, self.knobs, p99_ms, **kw))
+        if step.decision is not None:
+            self.knobs = step.decision.knobs
+        return step
+
+
+# -- when to judge -------------------------------------------------------------------------
+def test_a_window_with_too_few_samples_is_not_judged_and_is_dropped_when_too_long():
+    run = Run()
+    step = run.step(500.0, ok=50)
+    assert not step.window_done and step.decision is None
+    step = run.step(500.0, dt=10.0, ok=50, duration_s=10.0)
+    assert step.window_done and step.decision is None and "too few" in run.c.note
+    assert run.knobs == START
+
+
+def test_a_short_window_waits_even_with_enough_samples():
+    step = Run().step(500.0, ok=500, duration_s=0.5)
+    assert not step.window_done and step.decision is None
+
+
+# -- the moves -----------------------------------------------------------------------------
+def test_raises_the_delay_when_under_the_slo_and_the_queue_builds_with_small_batches():
+    run = Run(room_windows=2)
+    # the first window with room: no move yet
+    assert run.step(20.0, util=0.9, mean_batch=2.0, depth=3).decision is None
+    step = run.step(20.0, util=0.9, mean_batch=2.0, depth=3)
+    d = step.decision
+    assert d is not None and d.state == RAISING
+    assert d.changes == {"max_queue_delay_ms": 5.0}  # 5 % of the SLO per step
+    assert "max_queue_delay_ms null -> 5" in d.reason and "3 queued, device 90% busy" in d.reason
+    assert "about 3.0 would take 22% less device time per request" in d.reason
+    # it keeps raising in bounded steps up to a quarter of the SLO, never beyond, while
+    # each longer delay saves device time per request
+    util, delays = 0.9 * 0.95, []
+    for _ in range(40):
+        step = run.step(20.0, dt=2.0, util=util, mean_batch=2.0, depth=3)
+        if step.decision is not None:
+            delays.append(step.decision.knobs.max_queue_delay_ms)
+            util *= 0.95
+    assert delays == [10.0, 15.0, 20.0, 25.0] and run.knobs.max_queue_delay_ms == 25.0
+
+
+def test_does_not_raise_the_delay_when_bigger_batches_save_no_device_time():
+    run = Run()
+    for _ in range(6):
+        assert run.step(20.0, util=0.9, mean_batch=2.0, depth=3, times=PER_ITEM).decision is None
+
+
+def test_a_longer_delay_that_saves_no_device_time_is_undone():
+    run = Run()
+    run.step(20.0, util=0.9, mean_batch=2.0, depth=3)
+    assert run.step(20.0, util=0.9, mean_batch=2.0, depth=3).decision is not None
+    step = run.step(25.0, dt=2.0, util=0.9, mean_batch=2.0, depth=3)  # the same device time
+    assert step.decision.state == REVERTED and step.decision.changes == {"max_queue_delay_ms": None}
+
+
+def test_does_not_raise_the_delay_for_a_device_that_is_mostly_idle_or_an_empty_queue():
+    run = Run()
+    for _ in range(5):
+        assert run.step(20.0, util=0.1, mean_batch=1.0, depth=3).decision is None
+        assert run.step(20.0, util=0.9, mean_batch=1.0, depth=0).decision is None
+    assert run.c.state == WATCHING
+
+
+def test_raises_the_batch_size_when_batches_run_full_and_a_full_one_waits():
+    run = Run()
+    run.step(20.0, depth=40, mean_batch=16.0, util=0.95, times=CHEAP)
+    d = run.step(20.0, depth=40, mean_batch=16.0, util=0.95, times=CHEAP).decision
+    assert d is not None and d.changes == {"max_batch_size": 24} and d.state == RAISING
+    assert "40 queued and full batches (capacity about 1333 -> 1500 req/s)" in d.reason
+    # not when a batch of the new size would take more than a quarter of the SLO
+    run = Run()
+    for _ in range(3):
+        assert run.step(20.0, depth=40, mean_batch=16.0, util=0.95).decision is None
+
+
+def test_never_raises_the_batch_size_while_the_oom_governor_holds_it_lower():
+    run = Run()
+    for _ in range(4):
+        step = run.step(20.0, dt=2.0, depth=40, mean_batch=8.0, util=0.95, effective=8,
+                        times=CHEAP)
+        assert step.decision is None or "max_batch_size" not in step.decision.changes
+    # the same figures with the governor out of the way do raise it
+    run = Run()
+    steps = [run.step(20.0, dt=2.0, depth=40, mean_batch=16.0, util=0.95, times=CHEAP)
+             for _ in range(2)]
+    assert steps[1].decision.changes == {"max_batch_size": 24}
+
+
+def test_backs_off_on_violation_the_delay_first_then_the_batch_size():
+    run = Run(Knobs(32, 40.0), fallback_after=100)
+    d = run.step(150.0, times=PER_ITEM).decision
+    assert d.state == LOWERING and d.changes == {"max_queue_delay_ms": 20.0}
+    assert d.reason.startswith("p99 150 ms > SLO 100 ms")
+    delays = [run.step(150.0, dt=2.0, times=PER_ITEM).decision.knobs.max_queue_delay_ms
+              for _ in range(5)]
+    # halved each time, work-conserving (null) once below min_delay_ms
+    assert delays == [10.0, 5.0, 2.5, 1.25, 0.625]
+    while run.knobs.max_queue_delay_ms is not None:
+        run.step(150.0, dt=2.0, times=PER_ITEM)
+    # then a full batch that takes more than a quarter of the SLO makes the batch smaller,
+    # by at most half a step, down to the largest batch within that quarter (10 ms each)
+    sizes = []
+    for _ in range(6):
+        d = run.step(150.0, dt=2.0, times=PER_ITEM).decision
+        if d is not None:
+            sizes.append(d.knobs.max_batch_size)
+            if len(sizes) == 1:
+                assert "a batch of 32 takes about 320 ms" in d.reason
+    assert sizes == [16, 8, 4, 2]
+    # with a per-batch cost the line says where to stop at once: 1 ms x 21 + 4 <= 25
+    run = Run(Knobs(32, None))
+    assert run.step(150.0).decision.changes == {"max_batch_size": 21}
+
+
+def test_violation_with_a_saturated_model_grows_the_batch_for_throughput():
+    run = Run(Knobs(8, 10.0))
+    d = run.step(300.0, depth=100, mean_batch=8.0, util=1.0).decision
+    assert d.changes == {"max_batch_size": 12} and d.state == RAISING
+    assert "(capacity about 667 -> 750 req/s)" in d.reason
+
+
+def test_a_saturated_model_whose_batches_cost_per_item_is_not_grown():
+    # bigger batches serve no more: halve the delay instead, then shrink the batches,
+    # which costs no capacity and lowers the latency
+    run = Run(Knobs(32, 10.0), fallback_after=100)
+    d = run.step(300.0, depth=100, mean_batch=32.0, util=1.0, times=PER_ITEM).decision
+    assert d.changes == {"max_queue_delay_ms": 5.0}
+    while run.knobs.max_queue_delay_ms is not None:
+        run.step(300.0, dt=2.0, depth=100, mean_batch=32.0, util=1.0, times=PER_ITEM)
+    d = run.step(300.0, dt=2.0, depth=100, mean_batch=32.0, util=1.0, times=PER_ITEM).decision
+    assert d.changes == {"max_batch_size": 16}
+
+
+def test_no_move_inside_the_hysteresis_band():
+    run = Run(Knobs(16, 10.0))
+    for p99 in (75.0, 95.0, 71.0, 99.0):
+        step = run.step(p99, dt=2.0, util=0.9, mean_batch=2.0, depth=40)
+        assert step.window_done and step.decision is None
+    assert run.c.state == WATCHING and run.knobs == Knobs(16, 10.0)
+
+
+def test_never_below_the_smallest_batch_size_allowed():
+    run = Run(Knobs(4, None))
+    run.c = Controller(SLO, Knobs(4, None), run.now, min_batch_size=4)
+    step = run.step(300.0, compute_ms=90.0)
+    assert step.decision is None and run.c.state == VIOLATING
+
+
+# -- guard rails -----------------------------------------------------------------------------
+def test_cooldown_after_a_move_discards_the_windows_that_start_during_it():
+    run = Run(Knobs(16, 40.0), cooldown_s=3.0)
+    assert run.step(150.0).decision is not None
+    for _ in range(2):
+        step = run.step(150.0)
+        assert step.window_done and step.decision is None and run.c.state == SETTLING
+    assert run.step(150.0).decision is not None  # 3 s later
+
+
+def test_a_move_that_made_things_worse_is_undone_and_not_tried_again_for_a_while():
+    run = Run(block_s=30.0)
+    run.step(20.0, util=0.9, mean_batch=2.0, depth=3)
+    d = run.step(20.0, util=0.9, mean_batch=2.0, depth=3).decision
+    assert d.changes == {"max_queue_delay_ms": 5.0}
+    # same load, goodput down by a quarter: back to work-conserving
+    step = run.step(60.0, dt=2.0, util=0.9, mean_batch=2.0, depth=3, good=150)
+    assert step.decision.state == REVERTED and step.decision.changes == {"max_queue_delay_ms": None}
+    assert "after delay up" in step.decision.reason
+    # the direction is blocked: windows with room do not raise the delay again for 30 s
+    for _ in range(10):
+        assert run.step(20.0, dt=2.0, util=0.9, mean_batch=2.0, depth=3).decision is None
+    later = [run.step(20.0, dt=2.0, util=0.9, mean_batch=2.0, depth=3).decision for _ in range(6)]
+    assert any(d is not None and d.changes == {"max_queue_delay_ms": 5.0} for d in later)
+
+
+def test_a_move_is_not_judged_worse_when_the_load_changed():
+    run = Run()
+    run.step(20.0, util=0.9, mean_batch=2.0, depth=3)
+    assert run.step(20.0, util=0.9, mean_batch=2.0, depth=3).decision is not None
+    step = run.step(60.0, dt=2.0, ok=100, util=0.9, mean_batch=2.0, depth=3)  # half the load
+    assert step.decision is None or step.decision.state != REVERTED
+
+
+def test_growing_a_saturated_model_that_serves_no_more_is_undone():
+    run = Run(Knobs(16, None))
+    d = run.step(300.0, depth=100, mean_batch=16.0, util=1.0).decision
+    assert d.changes == {"max_batch_size": 24}
+    step = run.step(320.0, dt=2.0, ok=202, depth=120, mean_batch=24.0, util=1.0)
+    assert step.decision.state == REVERTED and step.decision.changes == {"max_batch_size": 16}
+
+
+def test_falls_back_to_the_starting_settings_when_it_cannot_hold_the_slo():
+    run = Run(Knobs(16, 40.0), fallback_after=3, hold_s=20.0)
+    run.step(150.0)  # delay 40 -> 20: p99 150 -> 150, no better
+    assert run.knobs == Knobs(16, 20.0)
+    run.step(150.0, dt=2.0)
+    d = run.step(150.0, dt=2.0).decision
+    assert d.state == FALLBACK and d.knobs == Knobs(16, 40.0)
+    assert "back to the starting settings" in d.reason
+    # held: no move for hold_s, however bad the windows
+    for _ in range(8):
+        step = run.step(400.0, dt=2.0)
+        assert step.decision is None and run.c.state == FALLBACK
+    assert run.step(400.0, dt=6.0).decision is not None  # the hold is over
+
+
+def test_improving_windows_do_not_fall_back():
+    run = Run(Knobs(16, 40.0), fallback_after=2)
+    for p99 in (400.0, 320.0, 256.0, 205.0, 164.0, 131.0, 105.0):
+        step = run.step(p99, dt=2.0)
+        assert step.decision is None or step.decision.state != FALLBACK
+    # the queue going down counts as improving too
+    for depth in (100, 80, 60, 45, 30):
+        step = run.step(150.0, dt=2.0, depth=depth)
+        assert step.decision is None or step.decision.state != FALLBACK
+
+
+def test_the_slo_must_be_positive():
+    with pytest.raises(ValueError, match="slo_p99_ms"):
+        Controller(0.0, START, 0.0)
+
+
+# -- the outcome window ---------------------------------------------------------------------
+def test_window_percentiles_are_within_the_bucket_width():
+    rng = random.Random(3)
+    win = OutcomeWindow()
+    before = win.snapshot()
+    latencies = [rng.lognormvariate(math.log(0.02), 0.6) for _ in range(5000)]
+    for i in range(0, len(latencies), 10):
+        win.add_ok(100.0, [100.0 - x for x in latencies[i:i + 10]])
+    win.add_request("expired", 100.0, 99.0)
+    win.add_request("cancelled", 100.0, 99.0)
+    after = win.snapshot()
+    exact = sorted(latencies)
+    f = figures(before, after, 2.0, slo_ms=30.0)
+    assert f.ok == 5000 and f.failed == 1 and f.batches == 500 and f.mean_batch_size == 10.0
+    assert f.p99_ms == pytest.approx(exact[int(0.99 * 5000)] * 1000, rel=0.05)
+    assert f.p50_ms == pytest.approx(exact[2500] * 1000, rel=0.05)
+    within = sum(1 for x in latencies if x <= 0.030)
+    assert f.good == pytest.approx(within, rel=0.02)
+    assert f.goodput_rps == pytest.approx(f.good / 2.0) and f.settled_rps == 5001 / 2.0
+    # the memory is fixed: the same histogram after many more requests
+    assert len(after.latency_counts) == len(BOUNDS_S) + 1
+
+
+def test_window_of_nothing_and_of_the_extremes():
+    win = OutcomeWindow()
+    snap = win.snapshot()
+    f = figures(snap, snap, 1.0, 50.0)
+    assert (f.ok, f.p99_ms, f.good, f.mean_batch_size) == (0, None, 0, None)
+    win.add_ok(10.0, [10.0, 10.0 - 1e-6, 10.0 - 10_000.0])  # 0 s, 1 us, 10000 s
+    f = figures(snap, win.snapshot(), 1.0)
+    assert f.ok == 3 and f.good == 3 and f.p99_ms > 600_000.0
+    assert quantile_s([0] * 5, 0.5) is None and count_within([0, 0], 1.0) == 0
+    # a request settled on its own counts with its latency, once
+    before = win.snapshot()
+    win.add_request("ok", 11.0, 10.99)
+    f = figures(before, win.snapshot(), 1.0, 50.0)
+    assert (f.ok, f.good, f.batches) == (1, 1, 0) and f.p99_ms == pytest.approx(10.0, rel=0.05)
+
+
+# -- the batch cost line ----------------------------------------------------------------------
+def test_the_batch_cost_line_fits_the_measured_batch_times():
+    cost = fit({1: (10, 10 * 5.0), 4: (10, 10 * 8.0), 16: (5, 5 * 20.0)})
+    assert cost.per_item_ms == pytest.approx(1.0) and cost.per_batch_ms == pytest.approx(4.0)
+    assert cost.sizes == 3 and cost.ms(32) == pytest.approx(36.0)
+    assert cost.capacity_rps(4) == pytest.approx(500.0) and cost.per_request_ms(4) == 2.0
+    assert cost.largest_within(25.0) == 21 and cost.largest_within(3.0) == 0
+    # one size seen: only "in proportion" can be said
+    one = fit({8: (3, 3 * 40.0)})
+    assert (one.per_item_ms, one.per_batch_ms, one.sizes) == (5.0, 0.0, 1)
+    # a line that would cross below zero goes through the origin; a falling one is flat
+    assert fit({1: (5, 5.0), 10: (5, 5 * 30.0)}).per_batch_ms == 0.0
+    flat = fit({1: (5, 5 * 9.0), 10: (5, 5 * 8.0)})
+    assert flat.per_item_ms == 0.0 and flat.per_batch_ms == pytest.approx(8.5)
+    assert flat.largest_within(10.0) > 1000 and flat.largest_within(5.0) == 0
+    assert fit({}) is None
+
+
+def test_batch_times_fade_so_the_line_follows_the_model():
+    times = BatchTimes()
+    times.add({1: (100.0, 500.0), 8: (100.0, 4000.0)})  # 5 ms per item
+    assert times.cost().per_item_ms == pytest.approx(5.0)
+    for _ in range(20):  # the model got twice as fast
+        times.add({1: (100.0, 250.0), 8: (100.0, 2000.0)})
+    assert times.cost().per_item_ms == pytest.approx(2.5, rel=0.01)
