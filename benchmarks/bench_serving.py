@@ -46,7 +46,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_offline import run_offline  # noqa: E402
-from runtime.tools.loadgen import run_load  # noqa: E402
+from batchscope.load.loadgen import run_load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 #: on/off slices of the recording comparison (each side gets this many)

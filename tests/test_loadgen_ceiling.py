@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.tools.loadgen import measure_ceiling
+from batchscope.load.loadgen import measure_ceiling
 
 pytestmark = pytest.mark.slow
 

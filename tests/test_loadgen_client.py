@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from runtime.tools.loadgen import run_load
+from batchscope.load.loadgen import run_load
 
 
 class _Awkward(asyncio.Protocol):

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from runtime.api.config import BatchingConfig, ServerConfig
-from runtime.tools.loadgen import LoadError, build_payloads, parse_lengths, parse_priority, run_load
+from batchscope.load.loadgen import LoadError, build_payloads, parse_lengths, parse_priority, run_load
 from runtime.models.toys import DoubleModel, VarLenModel
 from runtime.server.service import Service, ServiceThread
 

@@ -1,15 +1,25 @@
-"""The Tuning page: change a model's settings, follow the change, revert one.
+"""The Tuning page: change a model's settings, follow the change, revert one, or let a
+tuning session find the best settings.
 
 Apply queues a command in the control table (``control.request_change``) with only the
 settings that changed; the runtime polls it, applies or refuses it and publishes the new
 settings. The status of the last command refreshes on its own until it is settled. The
 history lists every settings change with a revert button and a before/after comparison
 of the headline numbers around it.
+
+"Find best settings" runs the same session as ``batchscope tune``
+(``batchscope.tuning.runner.TuningJob``, on a thread of its own) against the URL the
+selected model's instance registered (``runtime_instances.url``): trials fill a
+throughput-vs-p99 chart as they finish, the starting settings are put back at the end,
+and Apply sends the recommendation through the normal control path (a command
+requested by ``tuner``, acknowledged by the runtime, marked on every chart). Control
+requests to a server with a token send ``$BATCHSCOPE_CONTROL_TOKEN``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pandas as pd
@@ -20,12 +30,24 @@ from batchscope import settings
 from batchscope.analysis import queries
 from batchscope.dashboard import settings_form
 from batchscope.dashboard.scope import Scope, engine_for, fmt_time
+from batchscope.load.replay import recorded_lengths
 from batchscope.presentation import charts
 from batchscope.storage import control
+from batchscope.tuning.client import ENV_TOKEN
+from batchscope.tuning.runner import TuneOptions, TuningJob
+from batchscope.tuning.space import format_point
 
 #: seconds between refreshes of the last command's status while live
 STATUS_EVERY_S = 1.0
 _LAST_COMMAND = "last_command"
+#: seconds between refreshes of a running tuning session's chart and table
+TUNE_EVERY_S = 1.0
+_JOBS = "tuning_jobs"
+_SHOWN = "tuning_jobs_shown"
+LOADS = {"synthetic, closed loop": "closed", "synthetic, open loop": "open",
+         "replay of recorded traffic": "replay", "live traffic (measure only)": "live"}
+#: the requester a tuner recommendation is applied under
+TUNER = "tuner"
 
 
 def render(scope: Scope) -> None:
@@ -36,6 +58,7 @@ def render(scope: Scope) -> None:
     settings_section(engine, scope)
     run_every = STATUS_EVERY_S if scope.refresh_s is not None else None
     st.fragment(run_every=run_every)(command_status)(engine)
+    find_best_settings(engine, scope)
     history_and_revert(engine, scope)
 
 
@@ -140,3 +163,117 @@ def history_and_revert(engine: Engine, scope: Scope) -> None:
                f"(after covers {after.duration_s / 60:.1f} min so far)")
     st.plotly_chart(charts.compare(queries.headline(engine, before),
                                    queries.headline(engine, after)), key="before-after")
+
+
+# -- find best settings ------------------------------------------------------------------------
+def instance_url(engine: Engine, scope: Scope) -> tuple[str | None, str | None]:
+    """``(instance, url)`` of a live instance serving the scope's model that registered a
+    URL: the scope's instance, else the first such one; ``(None, None)`` when none."""
+    for inst in control.live_instances(engine, now=time.time()):
+        if scope.model in inst.models and inst.url and scope.instance in (None, inst.id):
+            return inst.id, inst.url
+    return None, None
+
+
+def find_best_settings(engine: Engine, scope: Scope) -> None:
+    model = scope.model
+    if model is None:
+        return
+    st.subheader("Find best settings")
+    inst_id, url = instance_url(engine, scope)
+    if url is None:
+        st.caption(f"A tuning session needs a live runtime serving {model!r} that registered "
+                   "its URL; none does now.")
+        return
+    key = f"{inst_id}/{model}"
+    jobs: dict[str, TuningJob] = st.session_state.setdefault(_JOBS, {})
+    job = jobs.get(key)
+    if job is None or not job.running:
+        options = tuning_form(engine, scope, inst_id, url, model)
+        if options is not None:
+            job = jobs[key] = TuningJob(options).start()
+            st.session_state.setdefault(_SHOWN, set()).discard(key)
+    if job is not None:
+        every = TUNE_EVERY_S if job.running else None
+        st.fragment(run_every=every)(session_view)(engine, job, inst_id, key)
+
+
+def tuning_form(engine: Engine, scope: Scope, inst_id: str | None, url: str,
+                model: str) -> TuneOptions | None:
+    """The session's options once the form is sent, else None."""
+    seen = recorded_lengths(engine, model, since=time.time() - 3600, instance_id=inst_id)
+    with st.form(f"tune-{inst_id}-{model}"):
+        st.caption(f"Tunes {model!r} on {url} through its control API, under load, and puts "
+                   "the starting settings back at the end; Apply keeps the recommendation.")
+        c1, c2, c3 = st.columns(3)
+        slo = c1.number_input("SLO: p99 at most (ms)", min_value=0.1, value=float(scope.slo_ms),
+                              key=f"tune-slo-{model}")
+        budget = c2.number_input("Budget (s)", min_value=10.0, max_value=3600.0, value=120.0,
+                                 step=10.0, key=f"tune-budget-{model}")
+        load = c3.selectbox("Load", list(LOADS), key=f"tune-load-{model}")
+        c4, c5, c6 = st.columns(3)
+        concurrency = c4.number_input("Connections (closed loop)", min_value=1, value=64,
+                                      key=f"tune-conc-{model}")
+        rate = c5.number_input("Requests/s (open loop, or the target rate)", min_value=0.1,
+                               value=100.0, key=f"tune-rate-{model}")
+        lengths = c6.text_input("Input lengths (variable-length models)",
+                                value=f"uniform:{seen[0]}:{seen[1]}" if seen else "",
+                                help="uniform:8:128, fixed:64 or choice:16,64; taken from the "
+                                     "recorded requests when there are some",
+                                key=f"tune-lengths-{model}")
+        objective = st.radio("Objective", ["most goodput under the SLO",
+                                           "lowest p99 at the target rate"], horizontal=True,
+                             key=f"tune-objective-{model}")
+        sent = st.form_submit_button("Find best settings", type="primary")
+    if not sent:
+        return None
+    mode = LOADS[load]
+    options = TuneOptions(
+        url=url, model=model, slo_p99_ms=float(slo), budget_s=float(budget),
+        load="synthetic" if mode in ("closed", "open") else mode,
+        concurrency=int(concurrency) if mode == "closed" else None,
+        rate=float(rate) if mode == "open" or objective.startswith("lowest") else None,
+        lengths=lengths.strip() or None, db_url=scope.db_url if mode == "replay" else None,
+        replay_window_s=3600.0, objective="latency" if objective.startswith("lowest") else "goodput",
+        token=os.environ.get(ENV_TOKEN) or None)
+    try:
+        return options.check()
+    except ValueError as exc:  # TuningError, SpaceError
+        st.error(str(exc))
+        return None
+
+
+def session_view(engine: Engine, job: TuningJob, inst_id: str | None, key: str) -> None:
+    """A session's progress, trials and result; Cancel while it runs, Apply after."""
+    progress, result = job.progress, job.result
+    if progress is not None:
+        st.progress(progress.fraction, text=f"{progress.message} - {progress.elapsed_s:.0f} s "
+                                            f"of {job.options.budget_s:.0f} s")
+    if job.running and st.button("Cancel the session", key=f"tune-cancel-{key}"):
+        job.cancel()
+    rows = pd.DataFrame(progress.rows if progress is not None else [])
+    best = result.best.number if result is not None and result.best is not None else None
+    if len(rows):
+        st.plotly_chart(charts.tuning_trials(rows, slo_ms=job.options.slo_p99_ms,
+                                             recommended=best), key=f"tune-chart-{key}")
+        st.dataframe(rows[["trial", "status", "changed", "goodput_rps", "throughput_rps",
+                           "p99_ms", "windows", "problem"]], hide_index=True, width="stretch")
+    if job.error:
+        st.error(f"The tuning session stopped: {job.error}")
+    if result is not None:
+        st.success(result.sentence())
+        st.caption(f"Stopped: {result.stop_reason}; {result.outcome}.")
+        if result.recommended and st.button(f"Apply {format_point(result.recommended)}",
+                                            key=f"tune-apply-{key}", type="primary"):
+            cid = control.request_change(engine, model=job.options.model,
+                                         changes=result.recommended, requested_by=TUNER,
+                                         instance_id=inst_id)
+            st.session_state[_LAST_COMMAND] = cid
+            st.toast(f"Requested change #{cid}: {json.dumps(result.recommended)}")
+    if job.lines:
+        with st.expander("Session log"):
+            st.code("\n".join(job.lines[-200:]), language=None)
+    shown: set = st.session_state.setdefault(_SHOWN, set())
+    if not job.running and key not in shown:
+        shown.add(key)  # once: rebuild the page, whose fragment then has no timer
+        st.rerun()

@@ -322,3 +322,64 @@ def build_all(bundle: dict[str, pd.DataFrame], *, slo_ms: float | None = None) -
         figs["generation"] = generation(bundle["generation_t"], ev)
         figs["generation_latency"] = generation_latency(bundle["generation"])
     return figs
+
+
+# -- tuning sessions ---------------------------------------------------------------------------
+TUNING_TITLE = "Tuning trials: throughput vs p99"
+
+
+def pareto_front(points: pd.DataFrame, x: str = "p99_ms", y: str = "throughput_rps") -> pd.DataFrame:
+    """The rows no other row beats on both counts (lower ``x`` and higher ``y``), by ``x``."""
+    known = points.dropna(subset=[x, y]).sort_values([x, y], ascending=[True, False])
+    best_y = float("-inf")
+    keep = []
+    for index, value in known[y].items():
+        if value > best_y:
+            keep.append(index)
+            best_y = value
+    return known.loc[keep]
+
+
+def tuning_trials(trials: pd.DataFrame, *, slo_ms: float | None = None,
+                  current: int | None = 0, recommended: int | None = None) -> go.Figure:
+    """Each trial of a tuning session as a point (x: p99, y: throughput; hover: goodput
+    and the settings it changed), feasible and infeasible apart, the Pareto front as a
+    line, the SLO as a vertical line, the current (``current``: a trial number) and the
+    recommended settings marked. ``trials``: rows of ``Trial.row``."""
+    fig = _base(TUNING_TITLE, height=380, closest=True)
+    if not len(trials) or trials["p99_ms"].isna().all():
+        return _empty(fig, "no trial measured yet")
+    shown = trials.dropna(subset=["p99_ms", "throughput_rps"])
+    hover = ("trial %{customdata[0]}<br>%{customdata[1]}<br>p99 %{x:.1f} ms<br>"
+             "throughput %{y:.1f} req/s<br>goodput %{customdata[2]:.1f} req/s<br>%{customdata[3]}"
+             "<extra></extra>")
+
+    def points(rows: pd.DataFrame, name: str, color: str, symbol: str = "circle",
+               size: int = 9) -> None:
+        if not len(rows):
+            return
+        custom = rows[["trial", "changed", "goodput_rps"]].assign(
+            note=rows["problem"].fillna(rows["status"]))
+        fig.add_trace(go.Scatter(x=rows["p99_ms"], y=rows["throughput_rps"], mode="markers",
+                                 name=name, customdata=custom.to_numpy(), hovertemplate=hover,
+                                 marker=dict(color=color, symbol=symbol, size=size,
+                                             line=dict(width=1, color="#333"))))
+
+    feasible = shown["feasible"].astype(bool)
+    points(shown[feasible], "feasible", "#1f77b4")
+    points(shown[~feasible], "infeasible / unsettled", "#bbbbbb")
+    front = pareto_front(shown)
+    if len(front) > 1:
+        fig.add_trace(go.Scatter(x=front["p99_ms"], y=front["throughput_rps"], mode="lines",
+                                 name="Pareto front", line=dict(color="#2ca02c", shape="hv"),
+                                 hoverinfo="skip"))
+    for number, name, color, symbol in ((current, "current settings", "#ff7f0e", "star"),
+                                        (recommended, "recommended", "#d62728", "diamond")):
+        if number is not None:
+            points(shown[shown["trial"] == number], name, color, symbol, 16)
+    if slo_ms:
+        fig.add_vline(x=float(slo_ms), line=dict(color="#d62728", dash="dash"),
+                      annotation_text=f"SLO {slo_ms:g} ms", annotation_position="top")
+    fig.update_xaxes(title_text="p99 latency ms", rangemode="tozero")
+    fig.update_yaxes(title_text="throughput req/s", rangemode="tozero")
+    return fig

@@ -44,7 +44,7 @@ if __package__ in (None, ""):
 
 from benchmarks.bench_serving import serve_cmd  # noqa: E402
 from benchmarks.reliability.server import Server  # noqa: E402
-from runtime.tools.loadgen import build_payloads, fetch_metadata, run_async  # noqa: E402
+from batchscope.load.loadgen import build_payloads, fetch_metadata, run_async  # noqa: E402
 
 #: a client gives up on an answer after this long (it then counts as unanswered)
 CLIENT_TIMEOUT_S = 40.0

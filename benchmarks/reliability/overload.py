@@ -47,7 +47,7 @@ if __package__ in (None, ""):
 
 from benchmarks.bench_serving import serve_cmd  # noqa: E402
 from benchmarks.reliability.server import Server  # noqa: E402
-from runtime.tools.loadgen import build_payloads, fetch_metadata, run_async, run_load  # noqa: E402
+from batchscope.load.loadgen import build_payloads, fetch_metadata, run_async, run_load  # noqa: E402
 
 #: a request with no answer this long after the last arrival counts as unanswered
 ANSWER_GRACE_S = 5.0

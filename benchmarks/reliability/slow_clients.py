@@ -42,7 +42,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_serving import process, serve_cmd  # noqa: E402
-from runtime.tools.loadgen import build_payloads, fetch_metadata, run_async, run_load  # noqa: E402
+from batchscope.load.loadgen import build_payloads, fetch_metadata, run_async, run_load  # noqa: E402
 
 #: a trickling connection sends one more header byte this often
 TRICKLE_S = 1.0

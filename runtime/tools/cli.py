@@ -1,4 +1,4 @@
-"""The ``batchscope`` command: ``serve``, ``load`` and ``snapshot``.
+"""The ``batchscope`` command: ``serve``, ``load``, ``tune`` and ``snapshot``.
 
 Input mistakes (unknown model, bad flag values, invalid settings) end with exit
 status 2 and one line on stderr saying what was wrong; no traceback.
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 from batchscope import settings as schema
+from batchscope.load.loadgen import LoadError
+from batchscope.tuning.client import TuningError
 from runtime.api.errors import BatchScopeError, ConfigError
 
 EXIT_USAGE = 2
@@ -70,6 +72,19 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
                                help=_flag_help(setting))
 
 
+def _add_token_flags(p: argparse.ArgumentParser, what: str) -> None:
+    token = p.add_argument_group(
+        f"control token ({what} send 'Authorization: Bearer <token>'; required beyond "
+        "loopback, optional on it)")
+    token.add_argument("--control-token-file", default=None, metavar="PATH",
+                       help="read the token from PATH, a file only its owner may read "
+                            "(chmod 600)")
+    token.add_argument("--control-token", default=None, metavar="TOKEN",
+                       help="the token itself (other local users can see it in the process "
+                            "list: prefer --control-token-file or $BATCHSCOPE_CONTROL_TOKEN, "
+                            "which is read when neither flag is given)")
+
+
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve models over HTTP (KServe v2)")
     p.add_argument("--model", action="append", dest="models", metavar="SPEC",
@@ -80,16 +95,7 @@ def _add_serve(sub: Any) -> None:
                    help="address to listen on (default 127.0.0.1); any other than loopback "
                         "needs a control token")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    token = p.add_argument_group(
-        "control token (settings changes over HTTP send 'Authorization: Bearer <token>'; "
-        "required beyond loopback, optional on it)")
-    token.add_argument("--control-token-file", default=None, metavar="PATH",
-                       help="read the token from PATH, a file only its owner may read "
-                            "(chmod 600)")
-    token.add_argument("--control-token", default=None, metavar="TOKEN",
-                       help="the token itself (other local users can see it in the process "
-                            "list: prefer --control-token-file or $BATCHSCOPE_CONTROL_TOKEN, "
-                            "which is read when neither flag is given)")
+    _add_token_flags(p, "settings changes over HTTP")
     p.add_argument("--db", default=None, metavar="URL",
                    help="SQLAlchemy URL, e.g. sqlite:////abs/path/file.db (default "
                         "$BATCHSCOPE_DB_URL or sqlite:///data/batchscope.db)")
@@ -360,7 +366,7 @@ def _add_load(sub: Any) -> None:
 
 
 def _load(args: argparse.Namespace) -> int:
-    from runtime.tools.loadgen import measure_ceiling, run_load
+    from batchscope.load.loadgen import measure_ceiling, run_load
 
     if args.ceiling:
         report = measure_ceiling(duration_s=args.duration_s, concurrency=args.concurrency)
@@ -371,6 +377,135 @@ def _load(args: argparse.Namespace) -> int:
                           timeout_ms=args.timeout_ms, bypass=args.bypass, seed=args.seed)
     print(json.dumps(report.to_dict()) if args.json else report.summary(), flush=True)
     return 0
+
+
+# -- tune ---------------------------------------------------------------------------------
+def _add_tune(sub: Any) -> None:
+    p = sub.add_parser("tune", help="find the settings that serve a model best under an SLO, "
+                                    "on a running server")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the running server")
+    p.add_argument("--model", required=True, help="the served model to tune")
+    p.add_argument("--slo-p99-ms", type=float, required=True, metavar="MS",
+                   help="the latency SLO: p99 at most this many milliseconds")
+    p.add_argument("--budget-s", type=float, default=120.0, metavar="S",
+                   help="the session's time budget in seconds (default 120)")
+    p.add_argument("--load", choices=("synthetic", "replay", "live"), default="synthetic",
+                   help="synthetic: the session's own closed loop (--concurrency) or open "
+                        "loop (--rate); replay: the model's recorded traffic from --db; "
+                        "live: measure the traffic the server gets (default synthetic)")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--concurrency", type=int, default=None,
+                      help="closed loop: connections (default 64)")
+    rate.add_argument("--rate", type=float, default=None,
+                      help="open loop: Poisson arrivals per second; the target rate of "
+                           "--objective latency")
+    p.add_argument("--lengths", default=None,
+                   help="synthetic input lengths: uniform:8:128, fixed:64 or choice:16,64 "
+                        "(variable-length models)")
+    p.add_argument("--db", default=None, metavar="URL",
+                   help="replay: the recording database (SQLAlchemy URL)")
+    p.add_argument("--replay-window-s", type=float, default=None, metavar="S",
+                   help="replay: the last S seconds of recorded traffic (default: the newest "
+                        "100000 requests)")
+    p.add_argument("--replay-speed", type=float, default=1.0,
+                   help="replay: this many times as fast as recorded (default 1)")
+    p.add_argument("--objective", choices=("goodput", "latency"), default="goodput",
+                   help="goodput: most requests per second within the SLO (default); "
+                        "latency: the lowest p99 at --rate")
+    p.add_argument("--apply", action="store_true",
+                   help="keep the best settings at the end (default: put the starting ones "
+                        "back)")
+    p.add_argument("--grid", action="store_true",
+                   help="measure every point of the space instead of searching it (slow)")
+    space = p.add_argument_group("search space (the starting values are always included)")
+    space.add_argument("--policies", default=None, metavar="P,P",
+                       help="default dynamic,adaptive,static")
+    space.add_argument("--max-batch-sizes", default=None, metavar="N,N",
+                       help="default 4,8,16,32,64,128")
+    space.add_argument("--queue-delays-ms", default=None, metavar="MS,MS",
+                       help="none = work-conserving; default none,1,2,5,10")
+    space.add_argument("--preferred", default=None, metavar="OPT,OPT",
+                       help="preferred batch sizes: none, powers_of_two (default both)")
+    space.add_argument("--edge-steps", default=None, metavar="N,N",
+                       help="bucket edges every N tokens (variable-length models; default "
+                            "8,16,32)")
+    trial = p.add_argument_group("trials")
+    trial.add_argument("--window-s", type=float, default=1.0,
+                       help="one measurement window (default 1 s)")
+    trial.add_argument("--settle-s", type=float, default=0.5,
+                       help="discarded after each change (default 0.5 s)")
+    trial.add_argument("--warmup-s", type=float, default=2.0,
+                       help="the session's load runs this long before the first trial "
+                            "(default 2 s)")
+    trial.add_argument("--seed", type=int, default=0, help="the optimizer's seed")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_token_flags(p, "settings changes")
+
+
+def _space_options(args: argparse.Namespace) -> Any:
+    from batchscope.tuning.space import SpaceError, SpaceOptions, parse_values
+
+    given: dict[str, Any] = {}
+    try:
+        for flag, field_name, kind in (("--policies", "policies", "word"),
+                                       ("--max-batch-sizes", "max_batch_sizes", "int"),
+                                       ("--queue-delays-ms", "queue_delays_ms", "delay"),
+                                       ("--preferred", "preferred", "word"),
+                                       ("--edge-steps", "edge_steps", "int")):
+            text = getattr(args, field_name)
+            if text is not None:
+                given[field_name] = parse_values(text, kind, flag)
+        return SpaceOptions(**given).check()
+    except SpaceError as exc:
+        raise UsageError(f"batchscope tune: {exc}") from None
+
+
+def tune_options(args: argparse.Namespace, environ: Any = None) -> Any:
+    """The session's ``TuneOptions`` from the command line; ``UsageError`` for a mistake."""
+    from batchscope.tuning.client import TuningError
+    from batchscope.tuning.runner import TuneOptions
+    from runtime.server.auth import token_from
+
+    try:
+        token = token_from(args.control_token, args.control_token_file, environ)
+    except ConfigError as exc:
+        raise UsageError(f"batchscope tune: {exc.message}") from None
+    if args.concurrency is not None and args.concurrency < 1:
+        raise UsageError(f"batchscope tune: --concurrency {args.concurrency} must be at least 1")
+    if args.load == "live" and (args.concurrency or args.rate) and args.objective != "latency":
+        raise UsageError("batchscope tune: --load live sends no load of its own; leave out "
+                         "--concurrency and --rate")
+    if args.db is not None:
+        check_database_url(args.db, "--db")
+    options = TuneOptions(
+        url=args.url, model=args.model, slo_p99_ms=args.slo_p99_ms, budget_s=args.budget_s,
+        load=args.load, concurrency=args.concurrency or (None if args.rate else 64),
+        rate=args.rate, lengths=args.lengths, db_url=args.db,
+        replay_window_s=args.replay_window_s, replay_speed=args.replay_speed,
+        objective=args.objective, apply=args.apply, grid=args.grid, seed=args.seed,
+        token=token, window_s=args.window_s, settle_s=args.settle_s, warmup_s=args.warmup_s,
+        space=_space_options(args))
+    try:
+        return options.check()
+    except TuningError as exc:
+        raise UsageError(f"batchscope tune: {exc.message}") from None
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from batchscope.load.loadgen import parse_lengths
+    from batchscope.tuning.runner import run_tuning
+
+    options = tune_options(args)
+    parse_lengths(options.lengths)  # a LoadError before anything is sent
+    say = (lambda text: None) if args.json else (lambda text: print(text, flush=True))
+    result = run_tuning(options, say=say)
+    if args.json:
+        print(json.dumps(result.to_dict()), flush=True)
+    else:
+        print(f"stopped: {result.stop_reason}", flush=True)
+        print(result.sentence(), flush=True)
+        print(f"settings: {result.outcome}", flush=True)
+    return 130 if result.stop_reason == "cancelled" else 0
 
 
 # -- snapshot -------------------------------------------------------------------------------
@@ -396,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_serve(sub)
     _add_load(sub)
+    _add_tune(sub)
     sub.add_parser("snapshot", help="diagnostic snapshots: batchscope snapshot export ...",
                    add_help=False)
     return parser
@@ -417,10 +553,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if args.command == "serve":
             return _serve(args)
+        if args.command == "tune":
+            return _tune(args)
         return _load(args)
     except UsageError as exc:
         return _fail(str(exc))
-    except BatchScopeError as exc:  # ConfigError from the loader, LoadError, ...
+    except BatchScopeError as exc:  # ConfigError from the loader, ...
+        return _fail(f"batchscope: {exc.message}")
+    except (LoadError, TuningError) as exc:  # bad load options, unreachable server, ...
         return _fail(f"batchscope: {exc.message}")
     except KeyboardInterrupt:
         return 130

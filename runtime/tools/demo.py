@@ -113,7 +113,7 @@ async def completions(url: str, flow: Flow, rate_rps: float, duration_s: float,
 async def run_phase(url: str, phase: Phase, *, intensity: float = 1.0, seed: int = 0,
                     models: Sequence[str] = ("mlp", "encoder", "decoder")) -> list[Any]:
     """Run every flow of ``phase`` on ``models`` at once; returns their reports."""
-    from runtime.tools.loadgen import run_load_async
+    from batchscope.load.loadgen import run_load_async
 
     runs = []
     for k, f in enumerate(phase.flows):
@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from batchscope.storage.db import default_url
     from runtime.tools.cli import load_models
-    from runtime.tools.loadgen import run_async
+    from batchscope.load.loadgen import run_async
     from runtime.server.service import Service, ServiceThread
 
     torch.set_num_threads(max(1, args.torch_threads))

@@ -1,41 +1,55 @@
 """``batchscope load``: a closed- or open-loop load generator for the KServe v2 API.
 
 Closed loop: ``concurrency`` connections, each sends its next request as soon as
-the previous answer arrives. Open loop: Poisson arrivals at ``rate`` per second;
-each arrival takes an idle keep-alive connection (or opens one, up to
-``max_connections``) and its latency counts from its scheduled arrival, so a slow
-server cannot hide queueing from the numbers. Runs are bounded by ``duration_s``
-and ``max_requests``.
+the previous answer arrives. Open loop: arrivals on a schedule (Poisson at ``rate``
+per second, or a recorded one: ``batchscope.load.replay``); each arrival takes an
+idle keep-alive connection (or opens one, up to ``max_connections``) and its latency
+counts from its scheduled arrival, so a slow server cannot hide queueing from the
+numbers. Runs are bounded by ``duration_s`` and ``max_requests``.
 
 The client is a minimal HTTP/1.1 keep-alive client (an ``asyncio.Protocol`` per
 connection, one future per request) with request bytes prepared up front (a pool of
 payloads drawn from the model's metadata), so the generator itself costs little per
 request (about 10 us of CPU against a trivial server). ``measure_ceiling()`` runs it
 against a trivial server to tell how fast the generator alone can go.
+
+Every outcome is kept in a ``Tally`` with the time it finished, so the same loops serve
+a bounded run (one ``LoadReport``) and a load that runs until stopped and is read
+window by window (``batchscope.load.background``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 import socket
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
 import orjson
 
-from runtime.api.errors import ClientError
-
 PAYLOAD_POOL = 256
 DRAIN_GRACE_S = 10.0
+#: the status kept for a request whose connection failed, and for one still open at the end
+CONNECTION_FAILED = 0
+UNFINISHED = -1
+_STATUS_NAMES = {CONNECTION_FAILED: "connection", UNFINISHED: "unfinished"}
 
 
-class LoadError(ClientError):
-    """The load could not be set up (bad option, unreachable server, unknown model)."""
+class LoadError(ValueError):
+    """The load could not be set up (bad option, unreachable server, unknown model).
+    The text says what was wrong and what to do; callers answer it as a usage error."""
+
+    http_status = 400
+
+    @property
+    def message(self) -> str:
+        return str(self)
 
 
 # -- options parsing ------------------------------------------------------------------
@@ -55,6 +69,12 @@ def parse_lengths(spec: str | None) -> tuple[str, tuple[int, ...]] | None:
         raise LoadError(f"--lengths {spec!r} is not understood; write uniform:8:128, fixed:64 "
                         "or choice:16,64,128 (positive token counts)")
     return kind, nums
+
+
+def longest_length(spec: str | None) -> int | None:
+    """The longest length ``spec`` (as ``parse_lengths`` reads it) can draw; None without one."""
+    parsed = parse_lengths(spec)
+    return None if parsed is None else max(parsed[1])
 
 
 def parse_priority(spec: str | int | None) -> list[tuple[int, float]] | None:
@@ -77,7 +97,8 @@ def parse_priority(spec: str | int | None) -> list[tuple[int, float]] | None:
 
 
 # -- payloads -------------------------------------------------------------------------
-def _tensor_data(datatype: str, shape: list[int], rng: np.random.Generator) -> list:
+def _tensor_data(datatype: str, shape: list[int], rng: np.random.Generator,
+                 words: int | None) -> list:
     n = math.prod(shape)
     if datatype.startswith("FP"):
         return np.round(rng.standard_normal(n), 3).tolist()
@@ -85,7 +106,39 @@ def _tensor_data(datatype: str, shape: list[int], rng: np.random.Generator) -> l
         return rng.integers(1, 100, n).tolist()
     if datatype == "BOOL":
         return rng.integers(0, 2, n).astype(bool).tolist()
-    return ["x"] * n
+    # text: a drawn length is the number of words of each element
+    return [" ".join(["word"] * words) if words else "x"] * n
+
+
+def infer_body(metadata: dict, length: int | None, rng: np.random.Generator, *,
+               priority: int | None = None, timeout_ms: float | None = None,
+               bypass: bool = False) -> bytes:
+    """One JSON ``/infer`` body for the model of ``metadata``: every variable dimension
+    (``-1``) is ``length`` (64 when None), text elements hold ``length`` words."""
+    inputs = metadata.get("inputs") or []
+    if not inputs:
+        raise LoadError(f"model {metadata.get('name')!r} lists no inputs in its metadata")
+    tensors = []
+    for spec in inputs:
+        shape = [(length or 64) if d == -1 else d for d in spec["shape"]]
+        tensors.append({"name": spec["name"], "shape": shape, "datatype": spec["datatype"],
+                        "data": _tensor_data(spec["datatype"], shape, rng, length)})
+    params: dict[str, Any] = {}
+    if priority is not None:
+        params["priority"] = priority
+    if timeout_ms is not None:
+        params["timeout"] = int(timeout_ms * 1000)
+    if bypass:
+        params["realtime"] = True
+    doc: dict[str, Any] = {"inputs": tensors}
+    if params:
+        doc["parameters"] = params
+    return orjson.dumps(doc)
+
+
+def is_variable_length(metadata: dict) -> bool:
+    """Whether some input of the model of ``metadata`` has a variable dimension."""
+    return any(-1 in spec.get("shape", ()) for spec in metadata.get("inputs") or [])
 
 
 def build_payloads(metadata: dict, *, lengths: str | None = None, priority: str | int | None = None,
@@ -96,34 +149,20 @@ def build_payloads(metadata: dict, *, lengths: str | None = None, priority: str 
     pick = random.Random(seed)
     length_spec = parse_lengths(lengths)
     mix = parse_priority(priority)
-    inputs = metadata.get("inputs") or []
-    if not inputs:
+    if not metadata.get("inputs"):
         raise LoadError(f"model {metadata.get('name')!r} lists no inputs in its metadata")
-    variable = any(-1 in spec["shape"] for spec in inputs)
+    variable = is_variable_length(metadata) or length_spec is not None
     count = pool if (variable or (mix and len(mix) > 1)) else min(pool, 16)
     bodies = []
     for _ in range(count):
-        length = 64
+        length = None
         if length_spec is not None:
             kind, nums = length_spec
             length = (pick.randint(nums[0], nums[1]) if kind == "uniform"
                       else nums[0] if kind == "fixed" else pick.choice(nums))
-        tensors = []
-        for spec in inputs:
-            shape = [length if d == -1 else d for d in spec["shape"]]
-            tensors.append({"name": spec["name"], "shape": shape, "datatype": spec["datatype"],
-                            "data": _tensor_data(spec["datatype"], shape, rng)})
-        params: dict[str, Any] = {}
-        if mix:
-            params["priority"] = pick.choices([lv for lv, _ in mix], [w for _, w in mix])[0]
-        if timeout_ms is not None:
-            params["timeout"] = int(timeout_ms * 1000)
-        if bypass:
-            params["realtime"] = True
-        doc: dict[str, Any] = {"inputs": tensors}
-        if params:
-            doc["parameters"] = params
-        bodies.append(orjson.dumps(doc))
+        level = pick.choices([lv for lv, _ in mix], [w for _, w in mix])[0] if mix else None
+        bodies.append(infer_body(metadata, length, rng, priority=level, timeout_ms=timeout_ms,
+                                 bypass=bypass))
     return bodies
 
 
@@ -240,33 +279,60 @@ async def _exchange(conn: _Conn | None, host: str, port: int,
     return conn, status
 
 
-def _request_bytes(method: str, host: str, port: int, path: str, body: bytes) -> bytes:
+def request_bytes(method: str, host: str, port: int, path: str, body: bytes) -> bytes:
     head = (f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
     return head.encode() + body
 
 
-def _split_url(url: str) -> tuple[str, int]:
+def split_url(url: str) -> tuple[str, int]:
     parts = urlsplit(url if "://" in url else "http://" + url)
     if parts.scheme != "http" or not parts.hostname:
         raise LoadError(f"--url {url!r} must look like http://127.0.0.1:8000")
     return parts.hostname, parts.port or 80
 
 
+def item_metadata(metadata: dict, config: dict | None) -> dict:
+    """``metadata`` with each tensor's shape that of one item. A server that also
+    answers Triton's ``/config`` with ``max_batch_size > 0`` leads every metadata shape
+    with the batch dimension (-1), as Triton does: that dimension is dropped, so the
+    ``-1`` left are variable lengths."""
+    if not config or not isinstance(config.get("max_batch_size"), int) \
+            or config["max_batch_size"] <= 0:
+        return metadata
+    out = dict(metadata)
+    for key in ("inputs", "outputs"):
+        out[key] = [{**t, "shape": list(t.get("shape", ()))[1:]} for t in metadata.get(key) or []]
+    return out
+
+
 async def fetch_metadata(url: str, model: str) -> dict:
-    host, port = _split_url(url)
-    try:
+    """The model's v2 metadata, shapes of one item (see ``item_metadata``)."""
+    host, port = split_url(url)
+
+    async def get(path: str) -> tuple[int, bytes]:
         conn = await asyncio.wait_for(_Conn.open(host, port), 10)
-        status, body = await asyncio.wait_for(
-            conn.send(_request_bytes("GET", host, port, f"/v2/models/{model}", b"")), 30)
-        conn.close()
+        try:
+            return await asyncio.wait_for(
+                conn.send(request_bytes("GET", host, port, path, b"")), 30)
+        finally:
+            conn.close()
+
+    try:
+        status, body = await get(f"/v2/models/{model}")
+        config_status, config = await get(f"/v2/models/{model}/config") if status == 200 \
+            else (0, b"")
     except (OSError, asyncio.TimeoutError) as exc:
         raise LoadError(f"cannot reach {url} ({type(exc).__name__}: {exc}); is "
                         "`batchscope serve` running there?") from None
     if status != 200:
         raise LoadError(f"model {model!r} is not served at {url} (HTTP {status}: "
                         f"{body.decode(errors='replace')[:200]})")
-    return orjson.loads(body)
+    try:
+        config_doc = orjson.loads(config) if config_status == 200 else None
+    except orjson.JSONDecodeError:
+        config_doc = None
+    return item_metadata(orjson.loads(body), config_doc if isinstance(config_doc, dict) else None)
 
 
 # -- report -----------------------------------------------------------------------------
@@ -305,109 +371,147 @@ class LoadReport:
                 f"max {ms(self.latency_max_ms)}\nerrors by status: {errors}")
 
 
-class _Tally:
-    __slots__ = ("latencies", "errors", "sent")
+def status_name(status: int) -> str:
+    """``"503"``, or ``"connection"`` / ``"unfinished"`` for the two kept without an answer."""
+    return _STATUS_NAMES.get(status, str(status))
+
+
+class Tally:
+    """Every outcome of a run in the order they finished: when (``time.perf_counter``),
+    the latency in seconds and the status (200, another HTTP status, ``CONNECTION_FAILED``
+    or ``UNFINISHED``). Appended on the load's event loop only; other threads may read."""
+
+    __slots__ = ("done_at", "latency_s", "status", "sent")
 
     def __init__(self) -> None:
-        self.latencies: list[float] = []
-        self.errors: dict[str, int] = {}
+        self.done_at: list[float] = []
+        self.latency_s: list[float] = []
+        self.status: list[int] = []
         self.sent = 0
 
-    def error(self, key: str) -> None:
-        self.errors[key] = self.errors.get(key, 0) + 1
+    def record(self, status: int, latency_s: float, now: float) -> None:
+        self.latency_s.append(latency_s)
+        self.status.append(status)
+        self.done_at.append(now)  # last: a reader bounded by done_at sees whole entries
 
     def report(self, mode: str, model: str, duration_s: float, **extra: Any) -> LoadReport:
-        lat = np.asarray(self.latencies) * 1000.0
+        status = np.asarray(self.status[:len(self.done_at)], dtype=np.int64)
+        lat = np.asarray(self.latency_s[:len(status)]) * 1000.0
+        ok = lat[status == 200]
+        errors: dict[str, int] = {}
+        for code in status[status != 200].tolist():
+            errors[status_name(code)] = errors.get(status_name(code), 0) + 1
         rep = LoadReport(mode=mode, model=model, duration_s=duration_s, sent=self.sent,
-                         ok=len(self.latencies), errors_by_status=dict(self.errors),
-                         throughput_rps=len(self.latencies) / duration_s if duration_s > 0 else 0.0,
-                         **extra)
-        if lat.size:
-            p50, p95, p99 = np.percentile(lat, [50, 95, 99])
+                         ok=int(ok.size), errors_by_status=errors,
+                         throughput_rps=ok.size / duration_s if duration_s > 0 else 0.0, **extra)
+        if ok.size:
+            p50, p95, p99 = np.percentile(ok, [50, 95, 99])
             rep.latency_p50_ms, rep.latency_p95_ms, rep.latency_p99_ms = float(p50), float(p95), float(p99)
-            rep.latency_mean_ms, rep.latency_max_ms = float(lat.mean()), float(lat.max())
+            rep.latency_mean_ms, rep.latency_max_ms = float(ok.mean()), float(ok.max())
         return rep
 
 
+class Until:
+    """When a loop stops sending: ``at`` in ``time.perf_counter`` seconds (movable)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+
 # -- the two loops -------------------------------------------------------------------
-async def _closed(host: str, port: int, requests: Sequence[bytes], concurrency: int,
-                  deadline: float, max_requests: int, tally: _Tally) -> None:
+async def closed_loop(host: str, port: int, requests: Sequence[bytes], concurrency: int,
+                      until: Until, max_requests: int, tally: Tally) -> None:
+    """``concurrency`` connections, each sending its next request when its answer came."""
+    clock = time.perf_counter
+
     async def worker(offset: int) -> None:
         conn: _Conn | None = None
         i = offset
-        while tally.sent < max_requests and time.perf_counter() < deadline:
-            tally.sent += 1
-            req = requests[i % len(requests)]
-            i += 1
-            t0 = time.perf_counter()
-            try:
-                conn, status = await _exchange(conn, host, port, req)
-            except _TRANSPORT_ERRORS:
-                tally.error("connection")
-                conn = None
-                await asyncio.sleep(0.01)
-                continue
-            if status == 200:
-                tally.latencies.append(time.perf_counter() - t0)
-            else:
-                tally.error(str(status))
-        if conn is not None:
-            conn.close()
+        try:
+            while tally.sent < max_requests and clock() < until.at:
+                tally.sent += 1
+                req = requests[i % len(requests)]
+                i += 1
+                t0 = clock()
+                try:
+                    conn, status = await _exchange(conn, host, port, req)
+                except _TRANSPORT_ERRORS:
+                    now = clock()
+                    tally.record(CONNECTION_FAILED, now - t0, now)
+                    conn = None
+                    await asyncio.sleep(0.01)
+                    continue
+                now = clock()
+                tally.record(status, now - t0, now)
+        finally:
+            if conn is not None:
+                conn.close()
 
     await asyncio.gather(*(worker(k * 7) for k in range(concurrency)))
 
 
-async def _open(host: str, port: int, requests: Sequence[bytes], rate: float, deadline: float,
-                max_requests: int, max_connections: int, tally: _Tally, seed: int) -> None:
+def poisson_arrivals(requests: Sequence[bytes], rate: float,
+                     seed: int = 0) -> Iterator[tuple[bytes, float]]:
+    """``(request, seconds to the next arrival)`` forever: Poisson arrivals at ``rate``/s."""
+    rng = random.Random(seed)
+    for i in itertools.count():
+        yield requests[i % len(requests)], rng.expovariate(rate)
+
+
+async def open_loop(host: str, port: int, arrivals: Iterator[tuple[bytes, float]],
+                    until: Until, max_requests: int, max_connections: int, tally: Tally,
+                    drain_grace_s: float = DRAIN_GRACE_S) -> None:
+    """Send each arrival at its time on an idle connection (or a new one, up to
+    ``max_connections``); its latency counts from when it was due."""
     idle: list[_Conn] = []
     slot = asyncio.Semaphore(max_connections)
-    rng = random.Random(seed)
     tasks: set[asyncio.Task] = set()
+    clock = time.perf_counter
 
     async def one(req: bytes, scheduled: float) -> None:
         async with slot:
             try:
                 conn, status = await _exchange(idle.pop() if idle else None, host, port, req)
             except _TRANSPORT_ERRORS:
-                tally.error("connection")
+                now = clock()
+                tally.record(CONNECTION_FAILED, now - scheduled, now)
                 return
             idle.append(conn)
-        if status == 200:
-            tally.latencies.append(time.perf_counter() - scheduled)
-        else:
-            tally.error(str(status))
+        now = clock()
+        tally.record(status, now - scheduled, now)
 
-    next_at = time.perf_counter()
-    i = 0
-    while tally.sent < max_requests:
-        now = time.perf_counter()
-        if next_at >= deadline:
-            break
-        while next_at <= now and tally.sent < max_requests:
-            task = asyncio.ensure_future(one(requests[i % len(requests)], next_at))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            tally.sent += 1
-            i += 1
-            next_at += rng.expovariate(rate)
-        await asyncio.sleep(max(0.0, min(next_at, deadline) - time.perf_counter()))
-    if tasks:
-        done, pending = await asyncio.wait(set(tasks), timeout=DRAIN_GRACE_S)
-        for task in pending:
+    next_at = clock()
+    try:
+        while tally.sent < max_requests:
+            now = clock()
+            if next_at >= until.at:
+                break
+            while next_at <= now and tally.sent < max_requests:
+                req, gap_s = next(arrivals)
+                task = asyncio.ensure_future(one(req, next_at))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                tally.sent += 1
+                next_at += gap_s
+            await asyncio.sleep(max(0.0, min(next_at, until.at) - clock()))
+        if tasks:
+            _, pending = await asyncio.wait(set(tasks), timeout=drain_grace_s)
+            for task in pending:
+                task.cancel()
+                tally.record(UNFINISHED, 0.0, clock())
+    finally:
+        for task in list(tasks):
             task.cancel()
-            tally.error("unfinished")
-    for conn in idle:
-        conn.close()
+        for conn in idle:
+            conn.close()
 
 
-async def run_load_async(url: str, model: str, *, concurrency: int | None = 16,
-                         rate: float | None = None, duration_s: float = 10.0,
-                         max_requests: int = 1_000_000, lengths: str | None = None,
-                         priority: str | int | None = None, timeout_ms: float | None = None,
-                         bypass: bool = False, seed: int = 0, max_connections: int = 512,
-                         payloads: Sequence[bytes] | None = None,
-                         path: str | None = None) -> LoadReport:
-    """Drive ``model`` at ``url``; ``rate`` selects the open loop, else ``concurrency``."""
+def check_options(*, duration_s: float = 1.0, max_requests: int = 1, rate: float | None = None,
+                  concurrency: int | None = 1, lengths: str | None = None,
+                  priority: str | int | None = None) -> None:
+    """A ``LoadError`` naming the first option that cannot work."""
     if not (duration_s > 0 and math.isfinite(duration_s)):
         raise LoadError(f"--duration-s {duration_s!r} must be a positive number of seconds")
     if max_requests < 1:
@@ -418,20 +522,33 @@ async def run_load_async(url: str, model: str, *, concurrency: int | None = 16,
         raise LoadError(f"--concurrency {concurrency!r} must be at least 1")
     parse_lengths(lengths)
     parse_priority(priority)
-    host, port = _split_url(url)
+
+
+async def run_load_async(url: str, model: str, *, concurrency: int | None = 16,
+                         rate: float | None = None, duration_s: float = 10.0,
+                         max_requests: int = 1_000_000, lengths: str | None = None,
+                         priority: str | int | None = None, timeout_ms: float | None = None,
+                         bypass: bool = False, seed: int = 0, max_connections: int = 512,
+                         payloads: Sequence[bytes] | None = None,
+                         path: str | None = None) -> LoadReport:
+    """Drive ``model`` at ``url``; ``rate`` selects the open loop, else ``concurrency``."""
+    check_options(duration_s=duration_s, max_requests=max_requests, rate=rate,
+                  concurrency=concurrency, lengths=lengths, priority=priority)
+    host, port = split_url(url)
     if payloads is None:
         meta = await fetch_metadata(url, model)
         payloads = build_payloads(meta, lengths=lengths, priority=priority,
                                   timeout_ms=timeout_ms, bypass=bypass, seed=seed)
     target = path or f"/v2/models/{model}/infer"
-    requests = [_request_bytes("POST", host, port, target, body) for body in payloads]
-    tally = _Tally()
+    requests = [request_bytes("POST", host, port, target, body) for body in payloads]
+    tally = Tally()
     start = time.perf_counter()
-    deadline = start + duration_s
+    until = Until(start + duration_s)
     if rate is None:
-        await _closed(host, port, requests, int(concurrency or 1), deadline, max_requests, tally)
+        await closed_loop(host, port, requests, int(concurrency or 1), until, max_requests, tally)
         return tally.report("closed", model, time.perf_counter() - start, concurrency=concurrency)
-    await _open(host, port, requests, rate, deadline, max_requests, max_connections, tally, seed)
+    await open_loop(host, port, poisson_arrivals(requests, rate, seed), until, max_requests,
+                    max_connections, tally)
     return tally.report("open", model, time.perf_counter() - start, offered_rps=rate)
 
 

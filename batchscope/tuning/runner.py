@@ -1,0 +1,331 @@
+"""Run one tuning session end to end: the thin shell around ``TuningSession``.
+
+``run_tuning(options)`` reads the model's settings and metadata from the server, builds
+the search space, starts the load (synthetic, replayed, or none for live traffic), and
+then loops: send a trial's settings through the control API, let them settle, measure
+windows until the session has a verdict. At the end, and on cancel or any error, the
+starting settings are put back, unless ``apply`` asks for the best point to stay.
+``batchscope tune`` and the dashboard's "Find best settings" panel both call it; the
+dashboard runs it on a thread and passes ``cancel`` and ``on_update``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from batchscope.load.background import BackgroundLoad
+from batchscope.load.loadgen import LoadError, longest_length
+from batchscope.load.replay import RecordedTraffic, read_traffic
+from batchscope.storage.db import DatabaseNotFound, make_engine
+from batchscope.tuning.client import ControlClient, SettingsRefused, TuningError
+from batchscope.tuning.figures import GOODPUT, LATENCY, Objective, Stability
+from batchscope.tuning.measure import LiveMeter, LoadMeter, Meter
+from batchscope.tuning.search import GridSearch, OptunaSearch
+from batchscope.tuning.session import Stopping, TuningSession, Verdict
+from batchscope.tuning.space import (SearchSpace, SpaceError, SpaceOptions, changes_between,
+                                     format_point)
+from batchscope.tuning.trials import Trial, TuningResult
+
+log = logging.getLogger("batchscope.tuning")
+
+LOADS = ("synthetic", "replay", "live")
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    url: str
+    model: str
+    slo_p99_ms: float
+    budget_s: float = 120.0
+    #: synthetic (closed loop at ``concurrency``, or open loop at ``rate``), replay, live
+    load: str = "synthetic"
+    concurrency: int | None = 64
+    rate: float | None = None
+    lengths: str | None = None
+    #: replay: the recording database, how far back (seconds) and how fast
+    db_url: str | None = None
+    replay_window_s: float | None = None
+    replay_speed: float = 1.0
+    #: goodput, or latency (lowest p99 at ``rate``)
+    objective: str = GOODPUT
+    apply: bool = False
+    grid: bool = False
+    seed: int = 0
+    token: str | None = None
+    window_s: float = 1.0
+    settle_s: float = 0.5
+    #: the session's own load runs this long before the first trial (not in the budget)
+    warmup_s: float = 2.0
+    stability: Stability = field(default_factory=Stability)
+    min_trials: int = 16
+    patience: int = 10
+    min_gain: float = 0.02
+    #: a window lasts until this many requests finished in it (up to 3 x window_s)
+    min_requests: int = 50
+    space: SpaceOptions = field(default_factory=SpaceOptions)
+
+    def check(self) -> "TuneOptions":
+        """A ``TuningError`` naming the first option that cannot work."""
+        if self.load not in LOADS:
+            raise TuningError(f"--load {self.load!r}: use one of {', '.join(LOADS)}")
+        for name, value in (("--slo-p99-ms", self.slo_p99_ms), ("--budget-s", self.budget_s),
+                            ("--window-s", self.window_s)):
+            if not (isinstance(value, (int, float)) and value > 0 and value < float("inf")):
+                raise TuningError(f"{name} {value!r} must be a positive number")
+        if self.settle_s < 0 or self.warmup_s < 0:
+            raise TuningError(f"--settle-s {self.settle_s!r} and --warmup-s {self.warmup_s!r} "
+                              "must be 0 or more")
+        if self.load == "replay" and not self.db_url:
+            raise TuningError("--load replay reads the recorded traffic from a database: give "
+                              "--db URL (e.g. sqlite:////abs/path/batchscope.db)")
+        if self.objective == LATENCY and not self.rate and self.load == "synthetic":
+            raise TuningError("--objective latency tunes for the lowest p99 at a target rate: "
+                              "give --rate R")
+        try:
+            Objective(self.slo_p99_ms, self.objective, self.target_rps)
+            self.space.check()
+        except (ValueError, SpaceError) as exc:
+            raise TuningError(str(exc)) from None
+        return self
+
+    def describe_goal(self) -> str:
+        goal = (f"the most goodput at p99 <= {self.slo_p99_ms:g} ms" if self.objective == GOODPUT
+                else f"the lowest p99 at {self.rate:g} req/s (SLO {self.slo_p99_ms:g} ms)")
+        return f"goal {goal}, budget {self.budget_s:g} s" + (" (grid)" if self.grid else "")
+
+    @property
+    def target_rps(self) -> float | None:
+        return self.rate if self.objective == LATENCY else None
+
+
+@dataclass
+class Progress:
+    """What a session looks like now, for a live view (the dashboard)."""
+
+    fraction: float
+    elapsed_s: float
+    message: str
+    #: the trials so far, as ``Trial.row`` gives them
+    rows: list[dict]
+    result: TuningResult | None = None
+
+
+def _load_for(options: TuneOptions, traffic: RecordedTraffic | None) -> BackgroundLoad:
+    if traffic is not None:
+        return BackgroundLoad(options.url, options.model, traffic=traffic,
+                              speed=options.replay_speed, seed=options.seed)
+    return BackgroundLoad(options.url, options.model, concurrency=options.concurrency,
+                          rate=options.rate, lengths=options.lengths, seed=options.seed)
+
+
+def _recorded(options: TuneOptions) -> RecordedTraffic:
+    """The model's recorded traffic in ``options.db_url`` (the database must exist)."""
+    try:
+        engine = make_engine(options.db_url, create=False)
+    except DatabaseNotFound as exc:
+        raise TuningError(f"--db {options.db_url!r}: {exc}") from None
+    try:
+        since = (time.time() - options.replay_window_s) if options.replay_window_s else None
+        return read_traffic(engine, options.model, since=since)
+    finally:
+        engine.dispose()
+
+
+def run_tuning(options: TuneOptions, *, cancel: threading.Event | None = None,
+               on_update: Callable[[Progress], None] | None = None,
+               say: Callable[[str], None] | None = None) -> TuningResult:
+    """Run a session; the starting settings are back on the server when it returns,
+    unless ``options.apply`` (then the best point runs). ``TuningError`` /
+    ``LoadError`` for what stops a session before it begins."""
+    options.check()
+    cancel = cancel or threading.Event()
+    say = say or (lambda text: log.info("%s", text))
+    client = ControlClient(options.url, options.model, token=options.token)
+    doc = client.batching()
+    if doc.get("kind", "request") != "request":
+        raise TuningError(f"model {options.model!r} is a {doc.get('kind')} model; tuning "
+                          "sessions cover request models (KServe /infer)")
+    metadata = client.metadata()
+    say(f"tuning {options.model!r} at {client.url}: " + options.describe_goal())
+    traffic = _recorded(options) if options.load == "replay" else None
+    longest = (traffic.max_length if traffic is not None else longest_length(options.lengths))
+    try:
+        space = SearchSpace.for_model(doc, metadata, longest_length=longest,
+                                      options=options.space)
+    except SpaceError as exc:
+        raise TuningError(str(exc)) from None
+    objective = Objective(options.slo_p99_ms, options.objective, options.target_rps)
+    stopping = Stopping(budget_s=options.budget_s, min_trials=options.min_trials,
+                        patience=None if options.grid else options.patience,
+                        min_gain=options.min_gain, max_repeats=30)
+    search = GridSearch(space) if options.grid else OptunaSearch(space, seed=options.seed)
+    load = None
+    if options.load != "live":
+        load = _load_for(options, traffic).start()
+        meter: Meter = LoadMeter(load, client, options.slo_p99_ms)
+        clock = load.now
+        say(f"load: {load.describe()}; warming up for {options.warmup_s:g} s")
+        if cancel.wait(options.warmup_s):
+            load.stop()
+            raise TuningError("the session was cancelled before its first trial")
+    else:
+        live = LiveMeter(client, options.slo_p99_ms)
+        live.check()
+        meter, clock = live, time.perf_counter
+        say("load: the live traffic (measured from the server's stats and metrics)")
+    say(f"space: {space.describe()}")
+    session = TuningSession(space, search, objective, now=clock(), stopping=stopping,
+                            stability=options.stability, settle_s=options.settle_s,
+                            window_s=options.window_s, live=options.load == "live")
+
+    def update(message: str, result: TuningResult | None = None) -> None:
+        if on_update is not None:
+            now = clock()
+            on_update(Progress(fraction=session.progress(now), elapsed_s=session.elapsed_s(now),
+                               message=message, rows=[t.row(session.start) for t in session.trials],
+                               result=result))
+
+    def send(changes: dict) -> None:
+        if changes:
+            client.change(changes)
+
+    try:
+        update("measuring the starting settings")
+        drive(session, send=send, meter=meter, clock=clock,
+              wait=lambda seconds: cancel.wait(max(0.0, seconds)),
+              min_requests=options.min_requests, say=say, update=update)
+    finally:
+        if load is not None:
+            load.stop()
+        result = finish(session, send, apply=options.apply, now=clock(), model=options.model)
+    update("done", result)
+    return result
+
+
+def drive(session: TuningSession, *, send: Callable[[dict], None], meter: Meter,
+          clock: Callable[[], float], wait: Callable[[float], bool], min_requests: int = 0,
+          say: Callable[[str], None] = lambda text: None,
+          update: Callable[[str], None] = lambda message: None) -> None:
+    """Run ``session``'s trials until it is over: send each trial's changes (a refusal
+    makes it infeasible), wait ``settle_s``, then measure windows until a verdict; on
+    ``RESTORE`` send the starting settings at once. ``wait(seconds)`` sleeps and says
+    whether the session was cancelled meanwhile (then it stops; so does Ctrl-C)."""
+
+    def wait_window() -> bool:
+        # window_s, longer (up to 3 x) while fewer than min_requests finished in it
+        if wait(session.window_s):
+            return True
+        longest = clock() + 2 * session.window_s
+        count = getattr(meter, "finished_since_mark", None)
+        while count is not None and count(clock()) < min_requests and clock() < longest:
+            if wait(session.window_s / 4):
+                return True
+        return False
+
+    try:
+        while (trial := session.next_trial(clock())) is not None:
+            try:
+                send(trial.changes)
+            except SettingsRefused as exc:
+                session.refused(trial, exc.message, clock())
+                say(_trial_line(trial))
+                continue
+            session.started(trial, clock())
+            if wait(session.settle_s):
+                session.cancel(clock())
+                return
+            meter.mark(clock())
+            verdict = Verdict.MORE
+            while verdict is Verdict.MORE:
+                if wait_window():
+                    session.cancel(clock())
+                    return
+                verdict = session.add_window(trial, meter.read(clock()), clock())
+                update(f"trial {trial.number}: {len(trial.windows)} window(s)")
+            if verdict is Verdict.RESTORE:
+                send(session.restore_changes())
+                session.restored()
+            say(_trial_line(trial))
+    except KeyboardInterrupt:
+        session.cancel(clock())
+
+
+def finish(session: TuningSession, send: Callable[[dict], None], *, apply: bool, now: float,
+           model: str = "") -> TuningResult:
+    """The session's result, with the server left on the starting settings, or on the
+    best point when ``apply`` (never after a cancel); ``result.outcome`` says which."""
+    result = session.result(now, model=model)
+    keep = apply and result.best is not None and session.stop_reason != "cancelled"
+    target = result.best.point if keep and result.best is not None else session.start
+    changes = changes_between(session.applied, target)
+    try:
+        send(changes)
+    except TuningError as exc:
+        result.outcome = (f"could not put the settings back ({exc.message}); set them by "
+                          f"hand: {format_point(target)}")
+        return result
+    session.applied = dict(target)
+    if not keep:
+        result.outcome = "restored the starting settings"
+    elif not changes_between(session.start, target):
+        result.outcome = "kept the starting settings: they are the best found"
+    else:
+        result.outcome = f"applied {format_point(changes_between(session.start, target))}"
+    return result
+
+
+def _trial_line(trial: Trial) -> str:
+    f = trial.figures
+    figures = ("" if f is None else
+               f"goodput {f.goodput_rps:.1f} req/s, p99 "
+               f"{'-' if f.p99_ms is None else f'{f.p99_ms:.1f}'} ms, ")
+    verdict = "feasible" if trial.feasible else (trial.problem or trial.status)
+    return (f"trial {trial.number}: {format_point(trial.point)} -> {figures}"
+            f"{len(trial.windows)} windows, {trial.status}: {verdict}")
+
+
+class TuningJob:
+    """A session on a thread of its own, for a UI that polls it: the latest
+    ``progress``, then ``result`` or ``error`` (the message of what stopped it)."""
+
+    def __init__(self, options: TuneOptions) -> None:
+        self.options = options
+        self.progress: Progress | None = None
+        self.result: TuningResult | None = None
+        self.error: str | None = None
+        self.lines: list[str] = []
+        self._cancel = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="batchscope-tuning", daemon=True)
+
+    def start(self) -> "TuningJob":
+        self._thread.start()
+        return self
+
+    def cancel(self) -> None:
+        """Ask the session to stop; it puts the starting settings back."""
+        self._cancel.set()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _update(self, progress: Progress) -> None:
+        self.progress = progress
+
+    def _run(self) -> None:
+        try:
+            self.result = run_tuning(self.options, cancel=self._cancel, on_update=self._update,
+                                     say=self.lines.append)
+        except (TuningError, LoadError) as exc:
+            self.error = exc.message
+        except Exception as exc:  # shown to the user; the trace goes to the log
+            log.exception("the tuning session of %r failed", self.options.model)
+            self.error = f"the session failed: {type(exc).__name__}: {exc}"
