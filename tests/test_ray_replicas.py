@@ -107,3 +107,19 @@ def test_two_replicas_serve_record_and_acknowledge_a_fleet_wide_change(ray_clust
         assert settings["max_batch_size"] == 8 and version >= 2
     serve.delete(APP_NAME)
     db.dispose()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--replicas", "0"], "replicas=0 must be a positive integer"),
+    (["--min-replicas", "2"], "give both --min-replicas and --max-replicas"),
+    (["--min-replicas", "3", "--max-replicas", "2"], "need 0 <= min <= max"),
+    (["--ray-address", "auto"], "--ray-address goes with --replicas"),
+    (["--replicas", "2", "--port", "0"], "needs a fixed --port"),
+    (["--replicas", "2", "--grpc-port", "8001"], "--grpc-port is not served by replicas"),
+])
+def test_fleet_flags_are_checked_before_ray_starts(argv, says, capsys):
+    from runtime.tools.cli import main
+
+    assert main(["serve", "--model", "mlp", "--no-record", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err

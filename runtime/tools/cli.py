@@ -1,4 +1,4 @@
-"""The ``batchscope`` command: ``serve``, ``load``, ``tune`` and ``snapshot``.
+"""The ``batchscope`` command: ``serve``, ``load``, ``tune``, ``snapshot`` and ``k8s``.
 
 Input mistakes (unknown model, bad flag values, invalid settings) end with exit
 status 2 and one line on stderr saying what was wrong; no traceback.
@@ -95,7 +95,21 @@ def _add_serve(sub: Any) -> None:
                    help="address to listen on (default 127.0.0.1); any other than loopback "
                         "needs a control token")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--grpc-port", type=int, default=None, metavar="PORT",
+                   help="also serve the KServe v2 / Triton gRPC API on PORT (0 picks a free "
+                        "port; default: no gRPC server)")
     _add_token_flags(p, "settings changes over HTTP")
+    fleet = p.add_argument_group(
+        "replicas behind Ray Serve's router (the fleet extra: pip install 'batchscope[fleet]')")
+    fleet.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="serve N replicas, each the whole engine recording to --db (use a "
+                            "database every replica reaches: PostgreSQL across machines)")
+    fleet.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                       help="autoscale with Ray Serve between --min-replicas and --max-replicas")
+    fleet.add_argument("--max-replicas", type=int, default=None, metavar="N")
+    fleet.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                       help="join this Ray cluster ('auto': the one this machine belongs to); "
+                            "default: start Ray on this machine for the fleet")
     p.add_argument("--db", default=None, metavar="URL",
                    help="SQLAlchemy URL, e.g. sqlite:////abs/path/file.db (default "
                         "$BATCHSCOPE_DB_URL or sqlite:///data/batchscope.db)")
@@ -296,6 +310,10 @@ def _serve(args: argparse.Namespace) -> int:
         database_url = check_database_url(database_url, f"${ENV_URL}")
     args.device = check_device(args.device)
     specs = args.models or ["mlp", "encoder"]
+    if args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None:
+        return _serve_fleet(args, specs, None if args.no_record else database_url, auth)
+    if args.ray_address is not None:
+        raise UsageError("--ray-address goes with --replicas N (or --min/--max-replicas)")
     server = ServerConfig(host=args.host, port=args.port, database_url=database_url,
                           record=not args.no_record, torch_threads=args.torch_threads,
                           heartbeat_interval_s=args.heartbeat_interval_s,
@@ -303,7 +321,7 @@ def _serve(args: argparse.Namespace) -> int:
                           retention_raw_s=args.retention_raw_s, models=tuple(specs),
                           device_process=device_process_default(args.device_process,
                                                                 args.device),
-                          recorder_process=args.recorder_process)
+                          recorder_process=args.recorder_process, grpc_port=args.grpc_port)
     if args.torch_threads is not None:
         import torch
 
@@ -315,6 +333,32 @@ def _serve(args: argparse.Namespace) -> int:
                        generation=generation, auth=auth)
 
 
+def _serve_fleet(args: argparse.Namespace, specs: Sequence[str], database_url: str | None,
+                 auth: Any) -> int:
+    """``serve --replicas N``: the same models and settings on Ray Serve replicas."""
+    try:
+        from runtime.fleet.launch import serve_fleet
+        from runtime.fleet.ray_serve import FleetSpec, Replicas
+    except ImportError:
+        raise UsageError("batchscope serve --replicas needs Ray Serve: pip install "
+                         "'batchscope[fleet]'") from None
+    if args.grpc_port is not None:
+        raise UsageError("--grpc-port is not served by replicas yet; Ray Serve's proxy "
+                         "serves HTTP (drop --grpc-port or --replicas)")
+    replicas = Replicas(count=1 if args.replicas is None else args.replicas,
+                        min_count=args.min_replicas, max_count=args.max_replicas)
+    models, generation = load_models(specs)
+    model_settings(args, models, generation)  # every setting checked here, before Ray starts
+    changes = _per_model_changes(args, list(models) + list(generation), list(models))
+    spec = FleetSpec(models=tuple(specs), settings={k: v for k, v in changes.items() if v},
+                     database_url=database_url, device=args.device,
+                     torch_threads=args.torch_threads or 1, control_token=auth.token,
+                     listen_host=args.host, heartbeat_interval_s=args.heartbeat_interval_s,
+                     control_poll_interval_s=args.control_poll_interval_s)
+    return serve_fleet(spec, replicas, host=args.host, port=args.port,
+                       ray_address=args.ray_address)
+
+
 def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu",
                 instance_id: str | None = None, generation: dict | None = None,
                 auth: Any = None) -> int:
@@ -324,7 +368,8 @@ def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu"
     def announce(service: Service) -> None:
         where = server.database_url if server.record else "not recording"
         names = list(models) + list(generation or {})
-        print(f"batchscope serving on {service.url}  models: {', '.join(names)}  "
+        grpc = "" if service.grpc_port is None else f"  grpc: {server.host}:{service.grpc_port}"
+        print(f"batchscope serving on {service.url}{grpc}  models: {', '.join(names)}  "
               f"device: {device}  database: {where}  {service.auth.describe()}", flush=True)
 
     service = Service(models, configs, server, device=device, instance_id=instance_id,
@@ -534,6 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tune(sub)
     sub.add_parser("snapshot", help="diagnostic snapshots: batchscope snapshot export ...",
                    add_help=False)
+    sub.add_parser("k8s", help="Kubernetes manifests for one model: batchscope k8s --model "
+                               "NAME ...", add_help=False)
     return parser
 
 
@@ -548,6 +595,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv[:1] == ["snapshot"]:
             return _snapshot(argv[1:])
+        if argv[:1] == ["k8s"]:
+            from batchscope.deploy import k8s
+
+            return k8s.main(argv[1:])
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
