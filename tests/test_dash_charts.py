@@ -95,6 +95,16 @@ def test_settings_marker_hover_survives_bad_details():
     assert fig.data[0].hovertext[1] == "policy: static → dynamic<br>by dashboard"
 
 
+def test_autopilot_reasons_are_markers_of_their_own():
+    reason = "p99 480 ms > SLO 400 ms, a batch of 32 takes about 384 ms: max_batch_size 32 -> 16"
+    ev = pd.DataFrame([{"at": END, "kind": "autopilot", "message": reason, "details_json": "{}"},
+                       {"at": END, "kind": "rejected", "message": "12 rejected",
+                        "details_json": "{}"}])
+    fig = charts.add_event_markers(charts._base("t"), ev, y=1.0)
+    assert names(fig) == [charts.AUTOPILOT_MARKER]
+    assert list(fig.data[0].hovertext) == [reason]
+
+
 def test_compare_is_relative_to_before(bundle):
     h = bundle["headline"]
     fig = charts.compare(h, h)

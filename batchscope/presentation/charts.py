@@ -18,6 +18,7 @@ GIB = 1024 ** 3
 SETTINGS_MARKER = "settings changes"
 FAULT_MARKER = "OOM / errors"
 FAULT_KINDS = ("oom", "oom_failed", "model_error")
+AUTOPILOT_MARKER = "autopilot decisions"
 
 #: chart key -> title (keys are what diagnosis flags point at)
 CHARTS: dict[str, str] = {
@@ -77,7 +78,8 @@ def _describe_change(message: str, details_json: str) -> str:
 
 def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float | None = None,
                       row: int | None = None, col: int | None = None) -> go.Figure:
-    """Mark settings changes and OOM / error events on a time chart."""
+    """Mark settings changes, the autopilot's reasons and OOM / error events on a time
+    chart."""
     if events is None or not len(events):
         return fig
     if y is None:
@@ -87,6 +89,7 @@ def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float |
     where = {} if row is None else {"row": row, "col": col or 1}
     for name, kinds, symbol, color in (
             (SETTINGS_MARKER, ("settings_change",), "diamond", "#6a3d9a"),
+            (AUTOPILOT_MARKER, ("autopilot",), "triangle-up", "#2ca02c"),
             (FAULT_MARKER, FAULT_KINDS, "x", "#d62728")):
         sel = events[events["kind"].isin(kinds)]
         if not len(sel):
