@@ -1,4 +1,4 @@
-"""Goodput and deadlines under overload: ``mlp`` at 3x its capacity, then back at 1x.
+"""Goodput and deadlines under overload: ``mlp`` at 3x its capacity, then back below it.
 
 One command, bounded in time, loopback only::
 
@@ -11,7 +11,8 @@ recording into a temporary SQLite database unless ``--no-record``), then:
 1. capacity: closed loop, 64 clients, for ``--capacity-s`` (after a 1 s warm-up);
 2. overload: open-loop Poisson arrivals at ``--factor`` x capacity for ``--overload-s``,
    each request with a ``--timeout-ms`` deadline;
-3. recovery: the same at 1x capacity for ``--recovery-s``.
+3. recovery: the same at ``--recovery-factor`` x capacity (0.8 by default: an open loop at
+   exactly 1x has no steady state, its queue never drains) for ``--recovery-s``.
 
 Every request's send time, answer time and status are kept, and it prints: goodput
 during the overload (200 answers per second / capacity), the answers by status, the
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import sys
@@ -300,7 +302,7 @@ async def overload_phases(url: str, capacity: float, args: argparse.Namespace,
 
     sampler = asyncio.get_running_loop().create_task(sample())
     starts = await loop.run([(capacity * args.factor, args.overload_s),
-                             (capacity, args.recovery_s)])
+                             (capacity * args.recovery_factor, args.recovery_s)])
     await loop.settle(ANSWER_GRACE_S)
     sampling = False
     await sampler
@@ -315,16 +317,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--capacity-s", type=float, default=5.0)
     ap.add_argument("--overload-s", type=float, default=20.0)
     ap.add_argument("--recovery-s", type=float, default=5.0)
+    ap.add_argument("--recovery-factor", type=float, default=0.8,
+                    help="offered load after the overload / capacity")
     ap.add_argument("--factor", type=float, default=3.0, help="offered load / capacity")
     ap.add_argument("--timeout-ms", type=float, default=200.0)
     ap.add_argument("--capacity", type=float, default=None,
                     help="skip the capacity run and use this many req/s")
     ap.add_argument("--no-record", action="store_true", help="serve with --no-record")
     ap.add_argument("--json", default=None, help="write the figures to this file")
+    ap.add_argument("--pin", action="store_true",
+                    help="server (with its children) on CPU 0, this load generator on CPU 1, in "
+                         "every phase: the generator's own cost then takes nothing from the server")
     args = ap.parse_args(argv)
+    cmd_prefix: list[str] = []
+    if args.pin:
+        if len(os.sched_getaffinity(0)) < 2:
+            ap.error("--pin needs two CPUs")
+        cmd_prefix = ["taskset", "-c", "0"]
+        os.sched_setaffinity(0, {1})
     with tempfile.TemporaryDirectory() as tmp:
         db = None if args.no_record else f"sqlite:///{tmp}/overload.db"
-        server = Server(serve_cmd(db=db, models=("mlp",)))
+        server = Server(cmd_prefix + serve_cmd(db=db, models=("mlp",)))
         try:
             url = server.url
             assert url is not None
@@ -360,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for status, body in f["refusal_samples"].items():
         print(f"  first {status} said: {body}")
     rec = f["recovery_s"]
-    print(f"recovery at 1x for {args.recovery_s:g} s: "
+    print(f"recovery at {args.recovery_factor:g}x for {args.recovery_s:g} s: "
           f"{'never' if rec is None else f'{rec:.1f} s'} (target < 1 s), "
           f"{f['recovery_good_fraction']:.1%} answered 200 within the deadline")
     if args.json:
