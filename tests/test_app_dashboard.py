@@ -197,3 +197,31 @@ def test_the_demo_runtime_is_named_as_such(app_db):
     assert any("bundled demo runtime" in i.value for i in at.info)
     assert not any("Attached to live runtime" in c.value for c in at.caption)
 
+
+
+def test_a_change_for_every_instance_shows_each_instance_s_outcome(app_db):
+    now = time.time()
+    for name in ("replica-a", "replica-b", "replica-c"):
+        control.register_instance(app_db, instance_id=name, host="node", pid=1, models=["mlp"],
+                                  url=None, device="cpu", version="t", now=now)
+    cid = control.request_change(app_db, model="mlp", changes={"max_batch_size": 8},
+                                 requested_by="dashboard")
+    control.ack_command(app_db, cid, applied_version=3, now=now, instance_id="replica-a")
+    control.refuse_command(app_db, cid, reason="max_batch_size=8 is below the floor",
+                           now=now, instance_id="replica-b")
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.session_state["last_command"] = cid
+    at.run()
+    at.switch_page(f"{PAGES}/tuning.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    summary = [e.value for e in at.error if f"Change #{cid}" in e.value]
+    # the synthetic runtime reports mlp too, and has not answered either
+    waiting = {i.id for i in control.live_instances(app_db, now=time.time())
+               if "mlp" in i.models} - {"replica-a", "replica-b"}
+    assert "replica-c" in waiting
+    assert summary and f"1 applied, 1 refused, {len(waiting)} waiting" in summary[0], summary
+    table = next(d.value for d in at.dataframe if "outcome" in d.value.columns)
+    outcomes = dict(zip(table["instance"], table["outcome"]))
+    assert outcomes == {"replica-a": "applied", "replica-b": "refused",
+                        **{i: "waiting" for i in waiting}}
+    assert "below the floor" in " ".join(table["reason"])

@@ -127,12 +127,36 @@ def command_status(engine: Engine) -> None:
         st.warning(str(exc))
         return
     text = json.dumps(cmd.changes)
+    if cmd.instance_id is None:
+        broadcast_status(engine, cmd, text)
+        return
     if cmd.status == control.PENDING:
         st.info(f"Change #{cmd.id} {text}: pending — waiting for the runtime to apply it.")
     elif cmd.status == control.APPLIED:
         st.success(f"Change #{cmd.id} {text}: applied as settings version {cmd.applied_version}.")
     else:
         st.error(f"Change #{cmd.id} {text}: refused — {cmd.reason}")
+
+
+def broadcast_status(engine: Engine, cmd: control.Command, text: str) -> None:
+    """A change sent to every instance of a model: each instance's own outcome, and the
+    live instances serving the model that have not answered yet."""
+    acks = {a.instance_id: a for a in cmd.acks}
+    serving = [i.id for i in control.live_instances(engine, now=time.time())
+               if cmd.model in i.models]
+    waiting = [i for i in serving if i not in acks]
+    refused = [a for a in acks.values() if a.status != control.APPLIED]
+    summary = (f"Change #{cmd.id} {text} for every instance of {cmd.model}: "
+               f"{len(acks) - len(refused)} applied, {len(refused)} refused, "
+               f"{len(waiting)} waiting")
+    (st.error if refused else st.info if waiting else st.success)(summary)
+    rows = [{"instance": a.instance_id, "outcome": a.status,
+             "settings version": a.applied_version, "reason": a.reason or "",
+             "when": fmt_time(a.handled_at)} for a in acks.values()]
+    rows += [{"instance": i, "outcome": "waiting", "settings version": None, "reason": "",
+              "when": ""} for i in waiting]
+    if rows:
+        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
 
 
 def history_and_revert(engine: Engine, scope: Scope) -> None:
