@@ -15,6 +15,29 @@ if [ ! -x /usr/bin/chromium ]; then
   fi
 fi
 
+# The storage, query and dashboard tests also run against a throw-away PostgreSQL server
+# that the suite starts with Debian's server binaries (tests/conftest.py finds pg_ctl in
+# /usr/lib/postgresql/*/bin; as root it runs the server as the postgres user).
+if ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 && ! command -v pg_ctl >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  else
+    echo "note: PostgreSQL server binaries are missing; install them (apt-get install postgresql)," \
+         "or the PostgreSQL tests fail (BATCHSCOPE_TEST_BACKENDS=sqlite leaves them out)" >&2
+  fi
+fi
+
+# promtool (Debian's prometheus package) checks and unit-tests the shipped alert rules.
+if ! command -v promtool >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+  else
+    echo "note: promtool is missing; install it (apt-get install prometheus) to test the alert rules" >&2
+  fi
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

@@ -14,10 +14,12 @@ from batchscope.analysis.queries import Window, nearest_rank
 
 END = 2_000_000_000.0
 
+pytestmark = pytest.mark.both_backends
+
 
 @pytest.fixture(scope="module")
-def filled(tmp_path_factory):
-    engine = make_engine(f"sqlite:///{tmp_path_factory.mktemp('q') / 'q.db'}")
+def filled(backend, new_database_url):
+    engine = make_engine(new_database_url(backend))
     mlp = synthetic.generate(engine, synthetic.HEALTHY.with_(
         duration_s=120, batches_per_s=5, rejected_per_s=0.5, expired_per_s=0.25), end_s=END, seed=1)
     enc = synthetic.generate(engine, synthetic.SCENARIOS["padding"].with_(
@@ -112,3 +114,38 @@ def test_window_bucket_is_round():
     assert Window(0, 900).bucket_s() == 15
     assert Window(0, 60).bucket_s() == 1
     assert Window.last(5, now=1000.0).start_s == 700.0
+
+
+@pytest.mark.both_backends
+def test_windows_older_than_the_raw_rows_read_the_rollups(db):
+    from batchscope.analysis import diagnosis
+    from batchscope.presentation import charts
+    from batchscope.storage.retention import LATENCY_BOUNDS_S, run_retention
+
+    end = 1_999_999_980.0  # a whole minute
+    gen = synthetic.generate(db, synthetic.HEALTHY.with_(duration_s=1200, batches_per_s=2,
+                                                         rejected_per_s=0.1), end_s=end, seed=4)
+    everything = Window(end - 1200, end + 1, "mlp")
+    old = Window(end - 1080, end - 780, "mlp")  # whole minutes, all of them rolled up below
+    before = {"all": queries.headline(db, everything).iloc[0], "old": queries.headline(db, old).iloc[0]}
+    assert before["all"]["source"] == "raw" and before["all"]["resolution_s"] == 0
+
+    run_retention(db, now=end, raw_keep_s=600)  # the first 10 minutes become roll-ups
+    bundle = queries.live_bundle(db, everything)
+    head = bundle["headline"].iloc[0]
+    assert head["source"] == "rollups" and head["resolution_s"] == 60 and "roll-ups" in head["resolution"]
+    for key in ("requests", "ok", "rejected", "batches", "batched_items"):
+        assert head[key] == before["all"][key], key
+    assert head["requests"] == gen.requests
+    exact = before["all"]["latency_p99"]  # within the histogram bucket that holds it
+    assert head["latency_p99"] >= exact > max(b for b in LATENCY_BOUNDS_S if b < head["latency_p99"])
+    assert bundle["requests_t"]["requests"].sum() == gen.requests
+    assert (bundle["requests_t"]["t"] % 60 == 0).all()
+    assert bundle["batch_sizes"]["batches"].sum() == gen.batches
+    old_head = queries.headline(db, old).iloc[0]
+    assert old_head["source"] == "rollups"
+    assert (old_head["requests"], old_head["batches"]) == (before["old"]["requests"], before["old"]["batches"])
+    recent = queries.headline(db, Window(end - 300, end + 1, "mlp")).iloc[0]
+    assert recent["source"] == "raw"
+    diagnosis.diagnose(bundle)  # every rule copes with what roll-ups leave out
+    assert "latency" in charts.build_all(bundle, slo_ms=50)

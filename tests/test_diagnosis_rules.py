@@ -30,12 +30,14 @@ EXPECTED = {
 }
 
 
+pytestmark = pytest.mark.both_backends
+
+
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
+def bundles(backend, new_database_url):
     out = {}
-    base = tmp_path_factory.mktemp("diag")
     for name in EXPECTED:
-        engine = make_engine(f"sqlite:///{base / name}.db")
+        engine = make_engine(new_database_url(backend))
         sc = synthetic.SCENARIOS[name]
         synthetic.generate(engine, sc.with_(duration_s=120, batches_per_s=min(sc.batches_per_s, 8)),
                            end_s=END)
@@ -106,7 +108,7 @@ def test_thresholds_are_respected(bundles):
     assert diagnosis.rule_tail_latency(bundles["tail_latency"], loose) is None
 
 
-def test_rules_tolerate_an_empty_window(tmp_path):
-    engine = make_engine(f"sqlite:///{tmp_path / 'empty.db'}")
+def test_rules_tolerate_an_empty_window(db):
+    engine = db
     bundle = queries.live_bundle(engine, queries.Window(END - 60, END))
     assert diagnosis.diagnose(bundle) == []

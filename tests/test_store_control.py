@@ -12,6 +12,8 @@ from batchscope.storage.db import make_engine
 from batchscope.storage.records import EventRow
 from batchscope.storage.schema import EventRecord
 
+pytestmark = pytest.mark.both_backends
+
 
 def register(db, instance_id="rt-1", models=("mlp",), now=100.0):
     control.register_instance(db, instance_id=instance_id, host="h", pid=42, models=list(models),

@@ -44,6 +44,7 @@ def short_busy_timeout(db, ms: int = 20):
     db.dispose()
 
 
+@pytest.mark.both_backends
 def test_everything_put_is_written(db):
     rec = Recorder(db, flush_interval_s=0.01, max_rows_per_flush=500)
     rec.start()
@@ -66,6 +67,7 @@ def test_everything_put_is_written(db):
     assert row.cuda_graph is True and row.peak_memory_bytes == 2**33 and row.bucket is None
 
 
+@pytest.mark.both_backends
 def test_full_buffer_drops_are_counted_exactly(db):
     rec = Recorder(db, buffer_size=100)  # writer not started: nothing drains the buffer
     for i in range(130):
@@ -82,6 +84,7 @@ def test_full_buffer_drops_are_counted_exactly(db):
     assert rec.dropped == 51
 
 
+@pytest.mark.both_backends
 def test_close_flushes_what_is_left(db):
     rec = Recorder(db, flush_interval_s=60.0, max_rows_per_flush=64)
     rec.start()
@@ -123,6 +126,10 @@ def test_locked_database_drops_then_recovers(db_url, db):
     details = json.loads(events[0].details_json)
     assert events[0].instance_id == "rt-9" and details["dropped"] == rec.dropped
     assert details["by_kind"] == {"requests": rec.dropped}
+    # the event says why: the writes failed (the buffer never filled), naming the error
+    assert details["dropped_write_failed"] == rec.dropped and details["dropped_buffer_full"] == 0
+    assert "locked" in details["last_failure"] and "writing failed" in events[0].message
+    assert "buffer was full" not in events[0].message
 
 
 def test_locked_database_with_synchronous_flush(db_url, db):
@@ -181,6 +188,7 @@ def generation_request(i: int) -> RequestRow:
                       output_tokens=2 * i)
 
 
+@pytest.mark.both_backends
 def test_rows_read_back_exactly_as_put(db):
     """Mixed groups: None and bool values, all-None columns, partial statements."""
     plain = [request(i) for i in range(1000)]  # ttft/tpot/tokens None in every row
@@ -231,7 +239,7 @@ def test_a_flush_uses_few_statements(db):
     for i in range(1000):
         rec.put(request(i))
     assert rec.flush() == 1000
-    inserts = [s for s in statements if s.startswith("INSERT")]
+    inserts = [s for s in statements if s.startswith('INSERT INTO "requests"')]
     # 3 statements of 256 rows, then 128 + 64 + 32 + 8 for the remaining 232
     assert len(inserts) == 7
     assert count(db, RequestRecord) == 1000
@@ -254,6 +262,7 @@ def test_small_parameter_limit_splits_statements(db):
     assert stored(db, RequestRecord, RequestRow) == rows
 
 
+@pytest.mark.both_backends
 def test_a_refused_group_is_dropped_alone(db):
     """One table's rows failing (an unbindable value) loses only that table's rows."""
     rec = Recorder(db)
@@ -283,6 +292,7 @@ def test_tee_keeps_feeding_after_a_broken_target(db):
     assert len(memory.records) == 4
 
 
+@pytest.mark.both_backends
 def test_put_many_keeps_order_and_counts_what_does_not_fit(db):
     rec = Recorder(db, buffer_size=100)  # writer not started
     rec.put_many([request(i) for i in range(60)])

@@ -53,6 +53,7 @@ def test_rows_are_exactly_the_per_request_rows():
 
 
 @pytest.mark.parametrize("writer_process", [False, True])
+@pytest.mark.both_backends
 def test_database_rows_match_and_drops_count_requests(db_url, writer_process):
     engine = make_engine(db_url)
     rec = Recorder(engine, buffer_size=4, writer_process=writer_process)

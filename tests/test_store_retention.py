@@ -19,6 +19,8 @@ from batchscope.storage.schema import BatchRecord, DeviceSample, EventRecord, Ge
 T0 = 28_333_333 * 60.0  # a whole minute, near 2023-11
 OUTCOMES = ("ok", "ok", "ok", "rejected", "ok", "expired", "ok", "error")
 
+pytestmark = pytest.mark.both_backends
+
 
 def traffic(start: float, seconds: int, instance_id: str = "rt", models=("mlp", "enc")):
     """One request per model per second and a batch every 4 s, with known values."""

@@ -259,7 +259,8 @@ def rule_padding_waste(bundle: dict, th: Thresholds) -> Flag | None:
 
 def rule_diminishing_returns(bundle: dict, th: Thresholds) -> Flag | None:
     sizes = bundle.get("batch_sizes")
-    if sizes is None or not len(sizes):
+    if sizes is None or not len(sizes) or sizes.get("items_per_compute_s") is None \
+            or sizes["items_per_compute_s"].isna().all():  # roll-ups keep no compute per size
         return None
     ok = sizes[sizes["batches"] >= th.diminishing_min_batches_per_size]
     if len(ok) < 3:

@@ -48,7 +48,7 @@ from sqlalchemy.schema import CreateIndex, CreateTable
 
 from batchscope.analysis import diagnosis, queries
 from batchscope.presentation import report
-from batchscope.storage.db import init_schema, make_engine
+from batchscope.storage.db import make_engine, stamp_schema
 from batchscope.analysis.queries import Window
 from batchscope.storage.schema import SCHEMA_VERSION, Base
 
@@ -653,7 +653,7 @@ def _load_tables(zf: zipfile.ZipFile, members: dict[str, zipfile.ZipInfo], limit
         raw.commit()
     finally:
         raw.close()
-    init_schema(engine)
+    stamp_schema(engine)
 
 
 def report_html(source: bytes) -> str:

@@ -13,6 +13,12 @@ a flush of thousands of rows binds its parameters in C and lets go of the interp
 lock only a few times, while SQLite does the work. Other databases get one SQLAlchemy
 Core ``insert`` per table and call.
 
+``requests`` and ``batches`` rows are also added to the summaries the live dashboard
+reads (``batchscope.storage.summaries``) in the same transaction, by SQL over the rows
+just inserted: on SQLite the range of rowids they got (consecutive: the transaction
+holds the write lock from its first insert), on PostgreSQL the ids drawn for them from
+the table's sequence before the insert (instances writing at once interleave it).
+
 Errors are not handled here: a failed insert is rolled back and its exception goes to
 the caller, which decides what a failure costs (the recorder drops and counts the
 rows, the writer process reports it to its parent).
@@ -25,8 +31,9 @@ from itertools import chain, repeat
 from operator import attrgetter
 from typing import Any
 
-from sqlalchemy import Boolean, Engine, Table, insert
+from sqlalchemy import Boolean, Engine, Table, insert, text
 
+from batchscope.storage import summaries
 from batchscope.storage.records import BatchRow, DeviceRow, EventRow, GenStepRow, RequestRow
 from batchscope.storage.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord
 
@@ -38,6 +45,9 @@ ROW_TABLES: dict[type, Table] = {
     DeviceRow: DeviceSample.__table__,
     GenStepRow: GenerationStep.__table__,
 }
+
+#: the tables whose rows are summarised as they are written
+SUMMARISED = frozenset(summaries.STATEMENTS)
 
 #: most rows in one multi-row SQLite INSERT (a power of two); fewer when the
 #: connection's limit on bound parameters calls for it
@@ -148,6 +158,8 @@ class BulkInserts:
         self.sqlite = is_pysqlite(engine)
         self._sqlite: dict[type, SqliteInserts] = {}
         self._getters: dict[type, Any] = {}
+        self._summaries: dict[tuple[str, str], list[str]] = {}
+        self._sequences: dict[str, str] = {}
 
     def insert_sqlite(self, raw: Any, cls: type, rows: list, *, tuples: bool = False) -> None:
         """One transaction on the pooled DBAPI connection ``raw``; rolled back (or, if that
@@ -158,6 +170,10 @@ class BulkInserts:
         cursor = raw.cursor()
         try:
             inserts.run(cursor, rows, tuples=tuples)
+            if inserts.table in SUMMARISED and rows:
+                hi = cursor.execute("SELECT last_insert_rowid()").fetchone()[0]
+                for sql in self._summary_sql(inserts.table, summaries.ID_RANGE):
+                    cursor.execute(sql, {"lo": hi - len(rows) + 1, "hi": hi})
             raw.commit()
         except BaseException:
             try:
@@ -176,5 +192,37 @@ class BulkInserts:
             if getter is None:
                 getter = self._getters[cls] = attrgetter(*names)
             rows = map(getter, rows)
+        table = ROW_TABLES[cls]
+        params = [dict(zip(names, r)) for r in rows]
         with self.engine.begin() as conn:
-            conn.execute(insert(ROW_TABLES[cls]), [dict(zip(names, r)) for r in rows])
+            if table.name not in SUMMARISED or not params:
+                conn.execute(insert(table), params)
+                return
+            if conn.dialect.name == "postgresql":
+                # ids drawn from the table's sequence first: a plain bulk insert is several
+                # times faster than one with RETURNING
+                ids = conn.execute(text("SELECT nextval(:seq) FROM generate_series(1, :n)"),
+                                   {"seq": self._sequence(conn, table.name), "n": len(params)}).scalars().all()
+                for row, row_id in zip(params, ids):
+                    row["id"] = row_id
+                conn.execute(insert(table), params)
+                summaries.add_rows(conn, table.name, summaries.ID_LIST,
+                                   {"lo": min(ids), "hi": max(ids), "ids": ids})
+                return
+            ids = conn.execute(insert(table).returning(table.c.id), params).scalars().all()
+            # one writer at a time: consecutive ids
+            summaries.add_rows(conn, table.name, summaries.ID_RANGE, {"lo": min(ids), "hi": max(ids)})
+
+    def _sequence(self, conn, table: str) -> str:
+        name = self._sequences.get(table)
+        if name is None:
+            name = self._sequences[table] = conn.execute(
+                text("SELECT pg_get_serial_sequence(:t, 'id')"), {"t": table}).scalar_one()
+        return name
+
+    def _summary_sql(self, table: str, where: str) -> list[str]:
+        key = (table, where)
+        sql = self._summaries.get(key)
+        if sql is None:
+            sql = self._summaries[key] = summaries.STATEMENTS[table](where)
+        return sql

@@ -124,6 +124,8 @@ class Recorder:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._failing: set[str] = set()
+        #: the last write failure's message, named in the ``recorder_drops`` event
+        self._last_failure: str | None = None
         self._unknown_types: set[type] = set()
         self._reported_dropped = 0
         self._last_report_at = float("-inf")
@@ -355,6 +357,7 @@ class Recorder:
 
     def _note_failure(self, key: str, message: str) -> None:
         self.failures += 1
+        self._last_failure = message[:300]
         if key not in self._failing:
             log.warning("recorder: %s (further failures of this kind are counted, not logged)", message)
             self._failing.add(key)
@@ -441,11 +444,20 @@ class Recorder:
         now = time.monotonic()
         if new <= 0 or now - self._last_report_at < DROP_REPORT_INTERVAL_S:
             return
+        causes = []
+        if self._dropped_full:
+            causes.append(f"{self._dropped_full} because the buffer was full")
+        if self._dropped_write:
+            causes.append(f"{self._dropped_write} because writing failed"
+                          + (f" (last: {self._last_failure})" if self._last_failure else ""))
         event = EventRow(instance_id=self.instance_id, model=None, at=self._clock(), kind="recorder_drops",
                          severity="warning",
-                         message=f"the recorder dropped {new} rows (buffer full or database unavailable); "
-                                 f"{dropped} since start",
+                         message=f"the recorder dropped {new} rows; {dropped} since start: "
+                                 + "; ".join(causes),
                          details_json=json.dumps({"dropped": new, "dropped_total": dropped,
+                                                  "dropped_buffer_full": self._dropped_full,
+                                                  "dropped_write_failed": self._dropped_write,
+                                                  "last_failure": self._last_failure,
                                                   "by_kind": self.dropped_by_kind}))
         try:
             self._inserts.insert_core(EventRow, [event])

@@ -5,7 +5,8 @@
 every row is counted exactly once: either raw or in a roll-up. Rows inside the raw
 window are never touched, so percentiles there stay exact. Events (except
 ``settings_change``, kept for the settings history), device samples and generation
-steps older than the cutoff are deleted.
+steps older than the cutoff are deleted, and so are the live summaries of that time
+(``batchscope.storage.summaries``).
 
 What a roll-up row holds:
 
@@ -32,13 +33,15 @@ from __future__ import annotations
 import json
 import math
 from bisect import bisect_left
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Mapping
+from typing import Mapping
 
-from sqlalchemy import Connection, Engine, Integer, case, cast, delete, func, insert, select, update
+from sqlalchemy import Connection, Engine, Integer, case, cast, delete, func, insert, select, text, update
 
-from batchscope.storage.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord, Rollup
+from batchscope.storage import summaries
+from batchscope.storage.db import locked_transaction
+from batchscope.storage.schema import (BatchRecord, DeviceSample, EventRecord, GenerationStep, LatencySummary,
+                                       RequestRecord, Rollup, ShapeSummary, StatsSummary)
 
 #: Upper bounds (seconds) of the latency histogram: 8 per decade from 0.1 ms to 100 s.
 LATENCY_BOUNDS_S: tuple[float, ...] = tuple(float(f"{1e-4 * 10 ** (i / 8):.4g}") for i in range(49))
@@ -60,6 +63,8 @@ class RollupStats:
     device_samples_deleted: int = 0
     generation_steps_deleted: int = 0
     rollups_deleted: int = 0
+    #: rows of the live summaries (batchscope.storage.summaries) of the rolled-up time
+    summary_rows_deleted: int = 0
     #: chunks summarised again because their rows changed meanwhile
     chunks_retried: int = 0
 
@@ -83,8 +88,8 @@ class RetentionPolicy:
 
 
 @dataclass(slots=True)
-class _Acc:
-    """A roll-up row being built."""
+class Totals:
+    """What one roll-up row holds (one instance, model and interval), being built or read."""
 
     requests: int = 0
     requests_ok: int = 0
@@ -137,19 +142,10 @@ def hist_quantile(hist: Mapping[str, int] | str, q: float) -> float | None:
 
 # ------------------------------------------------------------------ transactions
 
-@contextmanager
-def _write_transaction(engine: Engine) -> Iterator[Connection]:
+def _write_transaction(engine: Engine):
     """A transaction that holds the write lock from its first statement on SQLite, so
     rows read for the summary cannot change before they are deleted."""
-    with engine.connect() as conn:
-        if conn.dialect.name == "sqlite":
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-        try:
-            yield conn
-            conn.commit()
-        except BaseException:
-            conn.rollback()
-            raise
+    return locked_transaction(engine)
 
 
 def _interval_index(conn: Connection, column, interval_s: float):
@@ -196,8 +192,10 @@ def roll_up(engine: Engine, *, older_than: float, interval_s: float = 60.0,
             EventRecord.at < cutoff, EventRecord.kind.not_in(KEPT_EVENT_KINDS))).rowcount
         samples = conn.execute(delete(DeviceSample).where(DeviceSample.at < cutoff)).rowcount
         steps = conn.execute(delete(GenerationStep).where(GenerationStep.at < cutoff)).rowcount
+        summary_rows = summaries.delete_before(conn, cutoff)
     return RollupStats(cutoff=cutoff, events_deleted=events, device_samples_deleted=samples,
-                       generation_steps_deleted=steps, chunks_retried=retries, **totals)
+                       generation_steps_deleted=steps, summary_rows_deleted=summary_rows,
+                       chunks_retried=retries, **totals)
 
 
 class RowsChanged(RuntimeError):
@@ -237,7 +235,17 @@ def _summarise(conn: Connection, *, before: float, interval_s: float) -> _Summar
     bat_max = conn.execute(select(func.max(bat.id))).scalar() or 0
     req_where = (req.finished_at < before, req.id <= req_max)
     bat_where = (bat.ended_at < before, bat.id <= bat_max)
-    accs: dict[tuple[str, str, int], _Acc] = {}
+    accs, requests, batches = _aggregate(conn, req_where, bat_where, interval_s)
+    return _Summary(accs=accs, requests=requests, batches=batches, request_filter=req_where,
+                    batch_filter=bat_where)
+
+
+def _aggregate(conn: Connection, req_where: tuple, bat_where: tuple,
+               interval_s: float) -> tuple[dict[tuple[str, str, int], Totals], int, int]:
+    """The raw rows matching the filters summarised per (instance, model, interval
+    index), and how many requests and batches that was."""
+    req, bat = RequestRecord, BatchRecord
+    accs: dict[tuple[str, str, int], Totals] = {}
 
     k = _interval_index(conn, req.finished_at, interval_s).label("k")
     bucket = case((req.outcome != "ok", -1),
@@ -248,7 +256,7 @@ def _summarise(conn: Connection, *, before: float, interval_s: float) -> _Summar
                         .where(*req_where).group_by(*groups))
     requests = 0
     for instance_id, model, idx, outcome, b, n, wait_s, latency_s in rows:
-        acc = accs.setdefault((instance_id, model, int(idx)), _Acc())
+        acc = accs.setdefault((instance_id, model, int(idx)), Totals())
         acc.requests += n
         acc.outcomes[outcome] = acc.outcomes.get(outcome, 0) + n
         requests += n
@@ -265,7 +273,7 @@ def _summarise(conn: Connection, *, before: float, interval_s: float) -> _Summar
                                func.sum(bat.compute_s)).where(*bat_where).group_by(*groups))
     batches = 0
     for instance_id, model, idx, size, n, real, padded, compute_s in rows:
-        acc = accs.setdefault((instance_id, model, int(idx)), _Acc())
+        acc = accs.setdefault((instance_id, model, int(idx)), Totals())
         acc.batches += n
         acc.batch_size_sum += n * size
         acc.real_elements += real or 0
@@ -273,12 +281,10 @@ def _summarise(conn: Connection, *, before: float, interval_s: float) -> _Summar
         acc.compute_sum_s += compute_s or 0.0
         acc.batch_size_hist[str(size)] = acc.batch_size_hist.get(str(size), 0) + n
         batches += n
-
-    return _Summary(accs=accs, requests=requests, batches=batches, request_filter=req_where,
-                    batch_filter=bat_where)
+    return accs, requests, batches
 
 
-def _store(conn: Connection, accs: dict[tuple[str, str, int], _Acc], interval_s: float) -> tuple[int, int]:
+def _store(conn: Connection, accs: dict[tuple[str, str, int], Totals], interval_s: float) -> tuple[int, int]:
     if not accs:
         return 0, 0
     starts = [idx * interval_s for _, _, idx in accs]
@@ -302,7 +308,7 @@ def _store(conn: Connection, accs: dict[tuple[str, str, int], _Acc], interval_s:
     return len(new_rows), merged
 
 
-def _values(acc: _Acc) -> dict:
+def _values(acc: Totals) -> dict:
     return {"requests": acc.requests, "requests_ok": acc.requests_ok,
             "requests_failed": acc.requests - acc.requests_ok, "batches": acc.batches,
             "batch_size_sum": acc.batch_size_sum, "real_elements": acc.real_elements,
@@ -322,6 +328,119 @@ def _merge(old, values: dict) -> dict:
         else:
             merged[name] = (getattr(old, name) or 0) + value
     return merged
+
+
+# ------------------------------------------------------------------ reading
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """The totals of one instance and model over ``[start_s, start_s + interval_s)``."""
+
+    instance_id: str
+    model: str
+    start_s: float
+    interval_s: float
+    totals: Totals
+
+
+def rolled_until(conn: Connection) -> float | None:
+    """Where the raw rows begin: the end of the newest roll-up (older raw rows were
+    rolled up and deleted); None when nothing was rolled up yet."""
+    row = conn.execute(select(Rollup.interval_start, Rollup.interval_s)
+                       .order_by(Rollup.interval_start.desc()).limit(1)).first()
+    return None if row is None else row[0] + row[1]
+
+
+def intervals(conn: Connection, *, start_s: float, end_s: float, model: str | None = None,
+              instance_id: str | None = None, default_interval_s: float = 60.0) -> list[Interval]:
+    """Per-interval totals over ``[start_s, end_s)``, oldest first: the stored roll-ups
+    before :func:`rolled_until`, and the raw rows after it summarised the same way
+    (in intervals as long as the roll-ups', ``default_interval_s`` when there are
+    none). Intervals are whole: those overlapping the window's edges count entirely."""
+    boundary = rolled_until(conn)
+    out: list[Interval] = []
+    interval_s = default_interval_s
+    if boundary is not None and start_s < boundary:
+        query = select(Rollup.__table__).where(Rollup.interval_start < min(end_s, boundary),
+                                               Rollup.interval_start + Rollup.interval_s > start_s)
+        if model is not None:
+            query = query.where(Rollup.model == model)
+        if instance_id is not None:
+            query = query.where(Rollup.instance_id == instance_id)
+        for r in conn.execute(query.order_by(Rollup.interval_start)):
+            interval_s = r.interval_s
+            out.append(Interval(r.instance_id, r.model, r.interval_start, r.interval_s, _read(r)))
+    raw_start = start_s if boundary is None else max(start_s, boundary)
+    if raw_start < end_s:
+        accs = _from_summaries(conn, math.floor(raw_start / interval_s) * interval_s, end_s,
+                               interval_s, model, instance_id)
+        out += [Interval(inst, m, idx * interval_s, interval_s, acc)
+                for (inst, m, idx), acc in sorted(accs.items(), key=lambda kv: kv[0][2])]
+    return out
+
+
+def rollup_key(bucket: int) -> str:
+    """The roll-up histogram key holding the live summaries' latency ``bucket`` (every
+    4th of their bounds is one of :data:`LATENCY_BOUNDS_S`)."""
+    if bucket >= summaries.OVERFLOW_BUCKET:
+        return "inf"
+    return _LATENCY_KEYS[-(-bucket // 4)]
+
+
+def _from_summaries(conn: Connection, start_s: float, end_s: float, interval_s: float,
+                    model: str | None, instance_id: str | None) -> dict[tuple[str, str, int], Totals]:
+    """The live summaries over ``[start_s, end_s)`` as per-interval roll-up totals."""
+    accs: dict[tuple[str, str, int], Totals] = {}
+
+    s0, s1 = math.floor(start_s), math.ceil(end_s)
+    minutes = interval_s % summaries.MINUTE_S == 0
+
+    def grouped(table, keys: tuple, *sums):
+        """``table``'s rows in the window: per instance, model, interval and ``keys``."""
+        k = func.floor(table.start_s / interval_s).label("k")
+        where, params = summaries.span_where(table.__tablename__, s0, s1, minutes=minutes)
+        query = select(table.instance_id, table.model, k, *keys, *map(func.sum, sums)).where(
+            text(where).bindparams(**params))
+        if model is not None:
+            query = query.where(table.model == model)
+        if instance_id is not None:
+            query = query.where(table.instance_id == instance_id)
+        return conn.execute(query.group_by(table.instance_id, table.model, k, *keys))
+
+    sec = StatsSummary
+    for inst, m, k, req, ok, wait, lat, bat, items, real, padded, compute in grouped(
+            sec, (), sec.requests, sec.ok, sec.ok_queue_wait_sum_s, sec.ok_latency_sum_s, sec.batches,
+            sec.batch_items, sec.real_elements, sec.padded_elements, sec.batch_compute_sum_s):
+        acc = accs.setdefault((inst, m, int(k)), Totals())
+        acc.requests, acc.requests_ok, acc.queue_wait_sum_s, acc.latency_sum_s = int(req), int(ok), wait, lat
+        acc.batches, acc.batch_size_sum, acc.real_elements, acc.padded_elements = (
+            int(bat), int(items), int(real), int(padded))
+        acc.compute_sum_s = compute
+    slot = LatencySummary
+    for inst, m, k, outcome, bucket, n in grouped(slot, (slot.outcome, slot.bucket), slot.n):
+        acc = accs.setdefault((inst, m, int(k)), Totals())
+        acc.outcomes[outcome] = acc.outcomes.get(outcome, 0) + int(n)
+        if outcome == "ok":
+            key = rollup_key(int(bucket))
+            acc.latency_hist[key] = acc.latency_hist.get(key, 0) + int(n)
+    shape = ShapeSummary
+    for inst, m, k, size, n in grouped(shape, (shape.batch_size,), shape.n):
+        acc = accs.setdefault((inst, m, int(k)), Totals())
+        acc.batch_size_hist[str(size)] = acc.batch_size_hist.get(str(size), 0) + int(n)
+    return accs
+
+
+def _read(row) -> Totals:
+    """A stored roll-up row as ``Totals`` (histograms decoded)."""
+    def hist(raw: str | None) -> dict:
+        return {k: int(n) for k, n in json.loads(raw or "{}").items()}
+
+    return Totals(requests=row.requests or 0, requests_ok=row.requests_ok or 0,
+                  outcomes=hist(row.outcomes_json), queue_wait_sum_s=row.queue_wait_sum_s or 0.0,
+                  latency_sum_s=row.latency_sum_s or 0.0, latency_hist=hist(row.latency_hist_json),
+                  batches=row.batches or 0, batch_size_sum=row.batch_size_sum or 0,
+                  real_elements=row.real_elements or 0, padded_elements=row.padded_elements or 0,
+                  compute_sum_s=row.compute_sum_s or 0.0, batch_size_hist=hist(row.batch_size_hist_json))
 
 
 # ------------------------------------------------------------------ policy

@@ -2,17 +2,28 @@
 
 Times are wall-clock seconds since the epoch (float) so that rows from several
 processes line up; durations are seconds, sizes are bytes. Names carry units.
-Bump ``SCHEMA_VERSION`` whenever a table or column changes.
+
+Sizes in bytes, row ids and counts that grow without bound are 64-bit (``BigInteger``;
+a GPU's memory passes 2**31 bytes, a fleet's request ids pass 2**31 in weeks). Ids are
+``ID``: ``BIGINT`` on PostgreSQL, ``INTEGER`` on SQLite, where only an ``INTEGER PRIMARY
+KEY`` is the 64-bit rowid that numbers rows by itself.
+
+A change to a table or column is a new migration in ``batchscope/storage/migrations``
+(``tests/test_migrations.py`` checks that the migrations build exactly these tables) and
+a new ``SCHEMA_VERSION``.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from sqlalchemy import Boolean, Float, Index, Integer, String, Text
+from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 4
+
+#: an autoincrementing row id: 64-bit everywhere (SQLite's rowid is 64-bit already)
+ID = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class Base(DeclarativeBase):
@@ -42,18 +53,18 @@ class RuntimeInstance(Base):
     last_seen_at: Mapped[float] = mapped_column(Float, index=True)
     stopped_at: Mapped[Optional[float]] = mapped_column(Float)
     #: recorder drops reported with the heartbeat (cumulative since start)
-    records_dropped: Mapped[int] = mapped_column(Integer, default=0)
+    records_dropped: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class BatchRecord(Base):
     """One executed batch (or one attempt, when an OOM split it)."""
 
     __tablename__ = "batches"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
     instance_id: Mapped[str] = mapped_column(String(64))
     model: Mapped[str] = mapped_column(String(128))
     #: per-instance sequence number; requests point at it with ``batch_seq``
-    seq: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(BigInteger)
     policy: Mapped[str] = mapped_column(String(16))
     settings_version: Mapped[int] = mapped_column(Integer)
     max_batch_size: Mapped[int] = mapped_column(Integer)
@@ -71,7 +82,7 @@ class BatchRecord(Base):
     ended_at: Mapped[float] = mapped_column(Float)
     #: ok | error | oom (the attempt that ran out of memory and was split)
     outcome: Mapped[str] = mapped_column(String(16), default="ok")
-    peak_memory_bytes: Mapped[Optional[int]] = mapped_column(Integer)
+    peak_memory_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
     cuda_graph: Mapped[bool] = mapped_column(Boolean, default=False)
     queue_depth: Mapped[Optional[int]] = mapped_column(Integer)
 
@@ -85,10 +96,10 @@ class RequestRecord(Base):
     """One request's single outcome and latency."""
 
     __tablename__ = "requests"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
     instance_id: Mapped[str] = mapped_column(String(64))
     model: Mapped[str] = mapped_column(String(128))
-    batch_seq: Mapped[Optional[int]] = mapped_column(Integer)
+    batch_seq: Mapped[Optional[int]] = mapped_column(BigInteger)
     priority: Mapped[int] = mapped_column(Integer)
     bypass: Mapped[bool] = mapped_column(Boolean, default=False)
     length: Mapped[Optional[int]] = mapped_column(Integer)
@@ -114,7 +125,7 @@ class EventRecord(Base):
     """Something worth a marker on the timeline."""
 
     __tablename__ = "events"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
     instance_id: Mapped[str] = mapped_column(String(64))
     model: Mapped[Optional[str]] = mapped_column(String(128))
     at: Mapped[float] = mapped_column(Float, index=True)
@@ -130,7 +141,7 @@ class DeviceSample(Base):
     """A periodic sample of the device (GPU through NVML, or the CPU fallback)."""
 
     __tablename__ = "device_samples"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
     instance_id: Mapped[str] = mapped_column(String(64))
     at: Mapped[float] = mapped_column(Float, index=True)
     #: "cuda:0", "cpu"...
@@ -138,21 +149,21 @@ class DeviceSample(Base):
     #: gpu | cpu
     kind: Mapped[str] = mapped_column(String(8))
     utilization_pct: Mapped[Optional[float]] = mapped_column(Float)
-    memory_used_bytes: Mapped[Optional[int]] = mapped_column(Integer)
-    memory_total_bytes: Mapped[Optional[int]] = mapped_column(Integer)
+    memory_used_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
+    memory_total_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
     power_w: Mapped[Optional[float]] = mapped_column(Float)
     sm_clock_mhz: Mapped[Optional[float]] = mapped_column(Float)
     temperature_c: Mapped[Optional[float]] = mapped_column(Float)
-    torch_allocated_bytes: Mapped[Optional[int]] = mapped_column(Integer)
-    torch_reserved_bytes: Mapped[Optional[int]] = mapped_column(Integer)
-    process_rss_bytes: Mapped[Optional[int]] = mapped_column(Integer)
+    torch_allocated_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
+    torch_reserved_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
+    process_rss_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
 
 
 class GenerationStep(Base):
     """One scheduler step of a continuous-batching (generation) model."""
 
     __tablename__ = "generation_steps"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
     instance_id: Mapped[str] = mapped_column(String(64))
     model: Mapped[str] = mapped_column(String(128))
     at: Mapped[float] = mapped_column(Float)
@@ -190,7 +201,7 @@ class ControlCommand(Base):
     """
 
     __tablename__ = "control_commands"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
     instance_id: Mapped[Optional[str]] = mapped_column(String(64))
     model: Mapped[str] = mapped_column(String(128))
     changes_json: Mapped[str] = mapped_column(Text)
@@ -211,7 +222,7 @@ class CommandAck(Base):
     """
 
     __tablename__ = "command_acks"
-    command_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    command_id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     instance_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     #: applied | refused
     status: Mapped[str] = mapped_column(String(16))
@@ -224,18 +235,18 @@ class Rollup(Base):
     """Per-interval summary of raw rows older than the retention window."""
 
     __tablename__ = "rollups"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
     instance_id: Mapped[str] = mapped_column(String(64))
     model: Mapped[str] = mapped_column(String(128))
     interval_start: Mapped[float] = mapped_column(Float)
     interval_s: Mapped[float] = mapped_column(Float)
-    requests: Mapped[int] = mapped_column(Integer, default=0)
-    requests_ok: Mapped[int] = mapped_column(Integer, default=0)
-    requests_failed: Mapped[int] = mapped_column(Integer, default=0)
-    batches: Mapped[int] = mapped_column(Integer, default=0)
-    batch_size_sum: Mapped[int] = mapped_column(Integer, default=0)
-    real_elements: Mapped[int] = mapped_column(Integer, default=0)
-    padded_elements: Mapped[int] = mapped_column(Integer, default=0)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    requests_ok: Mapped[int] = mapped_column(BigInteger, default=0)
+    requests_failed: Mapped[int] = mapped_column(BigInteger, default=0)
+    batches: Mapped[int] = mapped_column(BigInteger, default=0)
+    batch_size_sum: Mapped[int] = mapped_column(BigInteger, default=0)
+    real_elements: Mapped[int] = mapped_column(BigInteger, default=0)
+    padded_elements: Mapped[int] = mapped_column(BigInteger, default=0)
     queue_wait_sum_s: Mapped[float] = mapped_column(Float, default=0.0)
     compute_sum_s: Mapped[float] = mapped_column(Float, default=0.0)
     latency_sum_s: Mapped[float] = mapped_column(Float, default=0.0)
@@ -248,4 +259,103 @@ class Rollup(Base):
     __table_args__ = (
         Index("ix_rollups_model_start", "model", "interval_start"),
         Index("ix_rollups_key", "instance_id", "model", "interval_s", "interval_start"),
+        #: where the raw rows begin (the newest roll-up), read by every dashboard refresh
+        Index("ix_rollups_start", "interval_start"),
     )
+
+
+# -- summaries kept up to date as rows arrive (batchscope.storage.summaries) -------------
+def _count() -> Mapped[int]:
+    return mapped_column(BigInteger, nullable=False, server_default=text("0"))
+
+
+def _sum() -> Mapped[float]:
+    return mapped_column(Float, nullable=False, server_default=text("0"))
+
+
+def _span() -> Mapped[int]:
+    """How long the row's time span is, seconds: the fine span or the minute."""
+    return mapped_column(Integer, primary_key=True)
+
+
+def _start() -> Mapped[int]:
+    """The span's first second (epoch; a multiple of ``span_s``)."""
+    return mapped_column(BigInteger, primary_key=True)
+
+
+class StatsSummary(Base):
+    """Per second (``span_s`` 1) and per minute (60), instance and model: the counts and
+    sums of the requests that finished and the batches that ended in it. What the live
+    dashboard counts; written in the same transaction as the rows."""
+
+    __tablename__ = "summary_stats"
+    span_s: Mapped[int] = _span()
+    start_s: Mapped[int] = _start()
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    instance_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    requests: Mapped[int] = _count()
+    ok: Mapped[int] = _count()
+    rejected: Mapped[int] = _count()
+    expired: Mapped[int] = _count()
+    #: error and oom
+    failed: Mapped[int] = _count()
+    ok_latency_sum_s: Mapped[float] = _sum()
+    ok_queue_wait_sum_s: Mapped[float] = _sum()
+    batches: Mapped[int] = _count()
+    batch_items: Mapped[int] = _count()
+    batch_compute_sum_s: Mapped[float] = _sum()
+    #: the sum of the batches' mean queue waits
+    batch_queue_wait_sum_s: Mapped[float] = _sum()
+    queue_depth_sum: Mapped[int] = _count()
+    #: how many batches reported a queue depth
+    queue_depth_count: Mapped[int] = _count()
+    queue_depth_max: Mapped[Optional[int]] = mapped_column(Integer)
+    max_batch_size_max: Mapped[Optional[int]] = mapped_column(Integer)
+    oom_batches: Mapped[int] = _count()
+    real_elements: Mapped[int] = _count()
+    padded_elements: Mapped[int] = _count()
+
+    __table_args__ = {"sqlite_with_rowid": False}
+
+
+class LatencySummary(Base):
+    """Per 5 seconds (``span_s`` 5) and per minute (60), instance, model, priority and
+    outcome: how many requests, and for completed ones a latency histogram (``bucket``
+    per ``summaries.latency_bucket``; -1 for the other outcomes) with latency and queue
+    wait sums per bucket."""
+
+    __tablename__ = "summary_latency"
+    span_s: Mapped[int] = _span()
+    start_s: Mapped[int] = _start()
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    instance_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    priority: Mapped[int] = mapped_column(Integer, primary_key=True)
+    outcome: Mapped[str] = mapped_column(String(16), primary_key=True)
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True)
+    n: Mapped[int] = _count()
+    latency_sum_s: Mapped[float] = _sum()
+    queue_wait_sum_s: Mapped[float] = _sum()
+
+    __table_args__ = {"sqlite_with_rowid": False}
+
+
+class ShapeSummary(Base):
+    """Per 5 seconds (``span_s`` 5) and per minute (60), instance and model: batches by
+    size, length bucket (-2 for fixed-size inputs) and outcome, with their compute time
+    and elements."""
+
+    __tablename__ = "summary_shapes"
+    span_s: Mapped[int] = _span()
+    start_s: Mapped[int] = _start()
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    instance_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    batch_size: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True)
+    outcome: Mapped[str] = mapped_column(String(16), primary_key=True)
+    n: Mapped[int] = _count()
+    compute_sum_s: Mapped[float] = _sum()
+    real_elements: Mapped[int] = _count()
+    padded_elements: Mapped[int] = _count()
+    max_batch_size_max: Mapped[Optional[int]] = mapped_column(Integer)
+
+    __table_args__ = {"sqlite_with_rowid": False}

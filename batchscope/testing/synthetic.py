@@ -4,7 +4,7 @@ A ``Scenario`` describes one model's traffic and behaviour (arrival of batches,
 batch sizes, compute cost per batch size, queue waits, priorities, lengths,
 failures). ``generate`` turns it into rows of every recorded table with numpy
 (vectorised, so a million batches take seconds) and writes them with plain
-``executemany``. ``SCENARIOS`` holds one preset per problem the diagnosis
+``executemany`` on SQLite and ``COPY`` on PostgreSQL. ``SCENARIOS`` holds one preset per problem the diagnosis
 rules look for, plus a healthy baseline; tests rely on the numbers being
 exactly reproducible for a given ``seed``.
 """
@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from sqlalchemy import Engine
 
+from batchscope.storage import summaries
 from batchscope.storage.schema import (BatchRecord, DeviceSample, EventRecord, GenerationStep,
                                ModelSettings, RequestRecord, RuntimeInstance)
 
@@ -111,10 +112,44 @@ def _settings_dict(sc: Scenario, overrides: dict | None = None) -> dict:
     return out
 
 
-def _insert(conn, table, columns: Sequence[str], rows: Iterable[tuple]) -> None:
-    cols = ", ".join(columns)
-    marks = ", ".join("?" for _ in columns)
-    conn.executemany(f"INSERT INTO {table.__tablename__} ({cols}) VALUES ({marks})", rows)
+class _Cursor:
+    """A DBAPI cursor of SQLite (``?`` parameters, ``executemany``) or of psycopg
+    (``%s`` parameters, rows streamed with ``COPY``)."""
+
+    def __init__(self, cursor) -> None:
+        self.cursor = cursor
+        self.copy = hasattr(cursor, "copy")  # psycopg 3
+
+    def execute(self, sql: str, params: tuple = ()) -> None:
+        self.cursor.execute(sql.replace("?", "%s") if self.copy else sql, params)
+
+    def summarise(self, table: str, after_id: int) -> None:
+        """Add the rows of ``table`` with ids above ``after_id`` to the live summaries,
+        as the recorder's inserts do."""
+        for sql in summaries.STATEMENTS[table]("id > :after"):
+            self.cursor.execute(sql.replace(":after", "%(after)s") if self.copy else sql,
+                                {"after": after_id})
+
+    def max_id(self, table: str) -> int:
+        self.cursor.execute(f"SELECT COALESCE(MAX(id), 0) FROM {table}")
+        return int(self.cursor.fetchone()[0])
+
+    def fetchone(self):
+        return self.cursor.fetchone()
+
+    def insert(self, table: str, columns: Sequence[str], rows: Iterable[tuple]) -> None:
+        cols = ", ".join(columns)
+        if self.copy:
+            with self.cursor.copy(f"COPY {table} ({cols}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+            return
+        marks = ", ".join("?" for _ in columns)
+        self.cursor.executemany(f"INSERT INTO {table} ({cols}) VALUES ({marks})", rows)
+
+
+def _insert(cur: _Cursor, table, columns: Sequence[str], rows: Iterable[tuple]) -> None:
+    cur.insert(table.__tablename__, columns, rows)
 
 
 def _py(values: np.ndarray) -> list:
@@ -130,10 +165,13 @@ def generate(engine: Engine, scenario: Scenario, *, end_s: float, seed: int = 0,
     out = Generated(start_s=start_s, end_s=end_s)
     raw = engine.raw_connection()
     try:
-        cur = raw.cursor()
+        cur = _Cursor(raw.cursor())
         if write_instance:
             _write_instance(cur, sc, start_s, end_s)
+        before = {table: cur.max_id(table) for table in summaries.STATEMENTS}
         _write_batches_and_requests(cur, sc, rng, start_s, out)
+        for table, after_id in before.items():
+            cur.summarise(table, after_id)
         _write_events(cur, sc, rng, start_s, out)
         _write_device(cur, sc, rng, start_s, out)
         if sc.generation:

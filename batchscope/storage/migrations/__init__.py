@@ -1,0 +1,41 @@
+"""The schema's migrations (Alembic), run by ``batchscope.storage.db.init_schema``.
+
+``env.py`` is Alembic's entry point; ``versions/`` holds one revision per schema version:
+
+* ``0001_schema_v2``: the tables of BatchScope 0.1 (schema version 2), created where
+  missing, so that a database of that release (which had no migrations, only
+  ``schema_meta``) and an empty one both start from here;
+* ``0002_wide_integers``: byte sizes, ids and growing counts become 64-bit, roll-ups
+  are indexed by time (schema version 3);
+* ``0003_live_summaries``: the summaries the live dashboard reads
+  (``batchscope.storage.summaries``; schema version 4), filled from the raw rows there.
+
+A new revision: a file here with the next number, ``down_revision`` the last one, its
+``upgrade`` written against the tables as the previous revisions left them (never
+against ``schema.py``, which moves on), ending with ``set_schema_version``; then the
+same change in ``schema.py`` and its ``SCHEMA_VERSION``. ``tests/test_migrations.py``
+checks that both agree.
+
+Each revision also writes its schema version into ``schema_meta``, which releases before
+migrations read to refuse a database newer than themselves.
+"""
+
+from pathlib import Path
+
+#: the folder Alembic reads (``script_location``)
+SCRIPT_LOCATION = str(Path(__file__).resolve().parent)
+#: Alembic's table of the applied revision; named for BatchScope so that a PostgreSQL
+#: database shared with another application's Alembic history keeps both apart
+VERSION_TABLE = "batchscope_alembic_version"
+
+
+def set_schema_version(version: int) -> None:
+    """Within a revision: write ``version`` into ``schema_meta`` (the row that releases
+    before migrations read, so that they refuse a database newer than themselves)."""
+    import sqlalchemy as sa
+    from alembic import op
+
+    meta = sa.table("schema_meta", sa.column("key", sa.String), sa.column("value", sa.Text))
+    bind = op.get_bind()
+    bind.execute(sa.delete(meta).where(meta.c.key == "schema_version"))
+    bind.execute(sa.insert(meta).values(key="schema_version", value=str(version)))
