@@ -4,8 +4,11 @@ Generates ``--batches`` batch rows (default one million) spread over ``--hours``
 of history, with their requests (mean batch size ``--mean-batch``), device
 samples and events, into a SQLite file with ``batchscope.testing.synthetic``; then
 times one live refresh = every query of the live fragment
-(``queries.live_bundle``), plus the diagnosis rules and building the charts,
-for several window lengths ending at the newest data.
+(``queries.live_bundle``, which reads the live summaries), plus the diagnosis rules and
+building the charts, for several window lengths ending at the newest data. ``--raw``
+times the same frames aggregated from the raw rows instead (``queries.raw_bundle``).
+For ten replicas sharing a database, on SQLite and PostgreSQL, see
+``bench_fleet_queries.py``.
 
     python benchmarks/bench_dashboard.py                 # 1M batches, ~4M requests
     python benchmarks/bench_dashboard.py --batches 100000 --db /tmp/small.db
@@ -41,16 +44,18 @@ def build(db_path: Path, batches: int, hours: float, mean_batch: float) -> dict:
             "requests": out.requests, "device_samples": out.device_samples, "end_s": out.end_s}
 
 
-def refresh_once(engine, w: queries.Window) -> dict:
+def refresh_once(engine, w: queries.Window, raw: bool = False) -> dict:
     t0 = time.perf_counter()
-    bundle = queries.live_bundle(engine, w)
+    bundle = queries.raw_bundle(engine, w) if raw else queries.live_bundle(engine, w)
     t1 = time.perf_counter()
     flags = diagnosis.diagnose(bundle)
     t2 = time.perf_counter()
     charts.build_all(bundle, slo_ms=50)
     t3 = time.perf_counter()
+    head = bundle["headline"].iloc[0]
     return {"queries_s": t1 - t0, "diagnosis_s": t2 - t1, "charts_s": t3 - t2, "total_s": t3 - t0,
-            "flags": len(flags), "requests_in_window": int(bundle["headline"].iloc[0]["requests"])}
+            "flags": len(flags), "requests_in_window": int(head["requests"]),
+            "resolution": head.get("resolution")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--windows", default="1,5,15,60", help="window lengths in minutes")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--raw", action="store_true", help="aggregate the raw rows, not the summaries")
     args = p.parse_args(argv)
 
     db_path = args.db or Path(tempfile.mkdtemp(prefix="bench-dash-")) / "bench.db"
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     result["refresh"] = {}
     for minutes in [float(m) for m in args.windows.split(",")]:
         w = queries.Window.last(minutes, now=end + 1, model="mlp")
-        runs = [refresh_once(engine, w) for _ in range(args.repeat)]
+        runs = [refresh_once(engine, w, args.raw) for _ in range(args.repeat)]
         summary = {k: round(statistics.median(r[k] for r in runs), 4)
                    for k in ("queries_s", "diagnosis_s", "charts_s", "total_s")}
         summary["requests_in_window"] = runs[0]["requests_in_window"]

@@ -36,10 +36,12 @@ from typing import Iterator
 
 if __package__ in (None, ""):
     import common  # noqa: F401  (puts the repository root on sys.path)
+    from bench_dashboard import refresh_once
+else:
+    from benchmarks.bench_dashboard import refresh_once
 from sqlalchemy import text
 
-from batchscope.analysis import diagnosis, queries
-from batchscope.presentation import charts
+from batchscope.analysis import queries
 from batchscope.storage import inserts as inserts_module
 from batchscope.storage.db import make_engine
 from batchscope.storage.inserts import BulkInserts
@@ -136,20 +138,6 @@ def has_batches(url: str) -> bool:
     return has_rows(url, "batches")
 
 
-def refresh(engine, w: queries.Window, *, raw: bool = False) -> dict:
-    t0 = time.perf_counter()
-    bundle = queries.raw_bundle(engine, w) if raw else queries.live_bundle(engine, w)
-    t1 = time.perf_counter()
-    flags = diagnosis.diagnose(bundle)
-    t2 = time.perf_counter()
-    charts.build_all(bundle, slo_ms=50)
-    t3 = time.perf_counter()
-    head = bundle["headline"].iloc[0]
-    return {"queries_s": t1 - t0, "diagnosis_s": t2 - t1, "charts_s": t3 - t2,
-            "requests_in_window": int(head["requests"]), "flags": len(flags),
-            "resolution": head.get("resolution")}
-
-
 def measure(url: str, windows: list[float], repeat: int, raw: bool) -> dict:
     engine = make_engine(url)
     with engine.connect() as conn:
@@ -161,14 +149,14 @@ def measure(url: str, windows: list[float], repeat: int, raw: bool) -> dict:
     out: dict = {"rows": rows, "refresh": {}}
     for minutes in windows:
         w = queries.Window.last(minutes, now=end + 1, model="mlp")
-        first = refresh(engine, w)
-        runs = [refresh(engine, w) for _ in range(repeat)]
+        first = refresh_once(engine, w)
+        runs = [refresh_once(engine, w) for _ in range(repeat)]
         summary = {k: round(statistics.median(r[k] for r in runs), 4)
                    for k in ("queries_s", "diagnosis_s", "charts_s")}
         summary.update(first_queries_s=round(first["queries_s"], 4),
                        requests_in_window=runs[0]["requests_in_window"], resolution=runs[0]["resolution"])
         if raw:
-            summary["raw_queries_s"] = round(refresh(engine, w, raw=True)["queries_s"], 4)
+            summary["raw_queries_s"] = round(refresh_once(engine, w, raw=True)["queries_s"], 4)
         out["refresh"][f"{minutes:g}min"] = summary
         print(f"  window {minutes:g} min: {json.dumps(summary)}", flush=True)
     engine.dispose()

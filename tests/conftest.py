@@ -17,8 +17,9 @@ Without PostgreSQL binaries the PostgreSQL tests fail, naming what to install
 purpose: ``BATCHSCOPE_TEST_BACKENDS=sqlite``.
 
 PostgreSQL refuses to run as root. Run as root (a CI container), ``pg_ctl`` is
-started through a small wrapper that runs it as the ``postgres`` user and gives that
-user its data folder and log file.
+started through a small wrapper that runs it as the ``postgres`` user (``runuser``),
+gives that user its data folder and log file, and lets it through the folders above
+them (``o+x`` on the session's temporary folders).
 """
 
 from __future__ import annotations
@@ -44,16 +45,16 @@ PG_CTL_ENV = "BATCHSCOPE_TEST_PG_CTL"
 
 
 def find_pg_ctl() -> str | None:
-    """The PostgreSQL server's ``pg_ctl``: $BATCHSCOPE_TEST_PG_CTL, then PATH, then the
-    newest of Debian's /usr/lib/postgresql/<version>/bin."""
+    """The PostgreSQL server's ``pg_ctl``: $BATCHSCOPE_TEST_PG_CTL, then the newest of
+    Debian's /usr/lib/postgresql/<version>/bin, then PATH."""
     given = os.environ.get(PG_CTL_ENV)
     if given:
         return given if os.access(given, os.X_OK) else None
-    found = shutil.which("pg_ctl")
-    if found:
-        return os.path.realpath(found)
     debian = glob.glob("/usr/lib/postgresql/*/bin/pg_ctl")
-    return max(debian, key=_major_version) if debian else None
+    if debian:
+        return max(debian, key=_major_version)
+    found = shutil.which("pg_ctl")
+    return os.path.realpath(found) if found else None
 
 
 def _major_version(pg_ctl: str) -> int:

@@ -251,3 +251,36 @@ def test_rows_changed_between_summary_and_delete_are_summarised_again(tmp_path):
     assert stats.requests_rolled == 119 and count(db, RequestRecord) == 0
     assert sum(r.requests for r in rollup_rows(db)) == 119
     db.dispose()
+
+
+def test_instances_running_retention_at_once_roll_every_row_up_once(db_url):
+    """Every instance of a fleet runs retention on the shared database: at the same
+    moment, they take turns (SQLite's write lock, PostgreSQL's advisory lock)."""
+    db = make_engine(db_url)
+    rows = traffic(T0, 1200, models=("mlp",))
+    store(db, rows)
+    barrier = threading.Barrier(4)
+    results, errors = [], []
+
+    def instance():
+        engine = make_engine(db_url)
+        barrier.wait(timeout=30)
+        try:
+            results.append(roll_up(engine, older_than=T0 + 900, interval_s=60.0, chunk_intervals=2))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            engine.dispose()
+
+    threads = [threading.Thread(target=instance) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    with db.connect() as conn:
+        rolled = conn.execute(select(func.sum(Rollup.requests))).scalar_one()
+    assert rolled == sum(r.requests_rolled for r in results) == 900
+    assert rolled + count(db, RequestRecord) == sum(isinstance(r, RequestRow) for r in rows)
+    assert count(db, Rollup) == 15
+    db.dispose()

@@ -25,7 +25,10 @@ the recorder writes, is safe. Work is cut into chunks of ``chunk_intervals`` int
 Each chunk is summarised by plain reads (writers go on), bounded by the highest row id
 seen, then stored and deleted in one short write transaction (on SQLite it takes the
 write lock up front, ``BEGIN IMMEDIATE``) that checks it deletes exactly the rows it
-summarised, and otherwise rolls back and summarises again.
+summarised, and otherwise rolls back and summarises again. Instances sharing a database
+may all run retention at the same moment: their write transactions take turns (on
+PostgreSQL under an advisory lock), and a chunk another instance rolled up first is
+skipped.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ _LATENCY_KEYS: tuple[str, ...] = tuple(f"{b:g}" for b in LATENCY_BOUNDS_S) + ("i
 KEPT_EVENT_KINDS: tuple[str, ...] = ("settings_change",)
 #: how many times a chunk is summarised again when its rows changed meanwhile
 MAX_RETRIES = 3
+#: the PostgreSQL advisory lock of retention's write transactions
+RETENTION_LOCK_KEY = 0x6261_7463_6872_6574  # "batchret"
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +149,10 @@ def hist_quantile(hist: Mapping[str, int] | str, q: float) -> float | None:
 
 def _write_transaction(engine: Engine):
     """A transaction that holds the write lock from its first statement on SQLite, so
-    rows read for the summary cannot change before they are deleted."""
-    return locked_transaction(engine)
+    rows read for the summary cannot change before they are deleted; on PostgreSQL an
+    advisory lock, so the instances of a fleet (each runs retention) take turns instead
+    of rolling up the same rows at once and undoing each other."""
+    return locked_transaction(engine, advisory_key=RETENTION_LOCK_KEY)
 
 
 def _interval_index(conn: Connection, column, interval_s: float):
@@ -180,6 +187,8 @@ def roll_up(engine: Engine, *, older_than: float, interval_s: float = 60.0,
         chunk_end = min(cutoff, (math.floor(min(oldest) / interval_s) + chunk_intervals) * interval_s)
         try:
             done = _roll_chunk(engine, before=chunk_end, interval_s=interval_s)
+        except ChunkTaken:  # another instance rolled these rows up meanwhile: go on from there
+            continue
         except RowsChanged:
             retries += 1
             if retries > MAX_RETRIES:
@@ -202,6 +211,11 @@ class RowsChanged(RuntimeError):
     """Raw rows changed between their summary and their deletion (another roll-up ran)."""
 
 
+class ChunkTaken(RowsChanged):
+    """Every row summarised was gone by the time of the deletion: another instance's
+    retention rolled the same chunk up first."""
+
+
 @dataclass(slots=True)
 class _Summary:
     accs: dict
@@ -220,6 +234,8 @@ def _roll_chunk(engine: Engine, *, before: float, interval_s: float) -> dict[str
         inserted, merged = _store(conn, summary.accs, interval_s)
         deleted = (conn.execute(delete(RequestRecord).where(*summary.request_filter)).rowcount,
                    conn.execute(delete(BatchRecord).where(*summary.batch_filter)).rowcount)
+        if deleted == (0, 0) and summary.requests + summary.batches:
+            raise ChunkTaken("another instance rolled these rows up first")  # rolled back
         if deleted != (summary.requests, summary.batches):
             # rolled back: nothing is lost or counted twice
             raise RowsChanged(f"retention summarised {summary.requests} requests/{summary.batches} batches "
