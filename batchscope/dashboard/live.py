@@ -36,7 +36,8 @@ def live_region(engine: Engine, scope: Scope) -> None:
     head = bundle["headline"].iloc[0]
     st.caption(f"Window {fmt_time(w.start_s)} → {fmt_time(w.end_s)} · model "
                f"{w.model or 'all'} · {int(head['requests'])} requests, "
-               f"{int(head['batches'])} batches · refreshed {fmt_time(now)}")
+               f"{int(head['batches'])} batches · {head.get('resolution', '')} · "
+               f"refreshed {fmt_time(now)}")
     render_headline(bundle)
     flags = diagnosis.diagnose(bundle)
     chart_tab, flag_tab = st.tabs(["Charts", f"Diagnosis ({len(flags)})"])

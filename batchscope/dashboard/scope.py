@@ -94,11 +94,16 @@ def engine_for(url: str) -> Engine:
     """One engine per database URL and Streamlit server process. The configured database
     is created when missing (as a runtime would); any other URL only reaches here once
     :func:`vet_database_url` accepted it, and is opened without creating anything."""
-    if url == default_db_url():
-        return db.make_engine(url)
-    engine = db.make_engine(url, create=False)
-    db.init_schema(engine)  # a BatchScope database of an older version: add its new tables
-    return engine
+    try:
+        if url == default_db_url():
+            return db.make_engine(url)
+        engine = db.make_engine(url, create=False)
+        db.init_schema(engine)  # a BatchScope database of an older version: upgrade it
+        return engine
+    except db.SchemaTooNew as exc:  # written by a newer release: say so, touch nothing
+        st.error(str(exc))
+        st.stop()
+        raise
 
 
 def vet_database_url(url: str, *, create: bool = False) -> str | None:
