@@ -45,4 +45,8 @@ fi
 .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[dashboard,test,minilm]"
 
 export PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# a temporary folder of this run's own: pytest prunes old folders under its shared default
+# root, which would pull the data folder from under the PostgreSQL server of a run going on
+# beside this one
+BASETEMP=$(mktemp -d -t batchscope-tests-XXXXXX)
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp="$BASETEMP" "$@"
