@@ -39,6 +39,10 @@ from pytest_postgresql.janitor import DatabaseJanitor
 
 from batchscope.storage.db import make_engine
 
+#: no test may start the real demo runtime by opening the app (it would keep running and
+#: recording into data/batchscope.db); the test of the demo's start removes this itself
+os.environ.setdefault("BATCHSCOPE_NO_DEMO", "1")
+
 BACKENDS_ENV = "BATCHSCOPE_TEST_BACKENDS"
 BACKENDS = tuple(b for b in os.environ.get(BACKENDS_ENV, "sqlite,postgresql").split(",") if b)
 PG_CTL_ENV = "BATCHSCOPE_TEST_PG_CTL"
