@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
@@ -83,6 +84,7 @@ def samples(metrics) -> dict:
 # -- model sources for the device process (loaded from a file path in the child) ------------
 SLOW_MODEL = '''
 import time
+from typing import Any
 import numpy as np
 import torch
 from runtime.api.model import ModelAPI, TensorSpec
@@ -178,3 +180,33 @@ class Reader:
     def closed(self) -> bool:
         """True when the server closed the connection (and sent nothing more)."""
         return not self.buf and not self._fill()
+
+
+class RecordingTransport:
+    """The parts of ``asyncio.Transport`` a connection uses; records reading and writes."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.paused = False
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed

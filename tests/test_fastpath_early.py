@@ -97,6 +97,27 @@ def test_early_answers_429_with_retry_after_when_the_queue_is_full_and_records_i
     run(main())
 
 
+def test_edge_gives_the_early_answer_for_raw_targets_and_records_each_refusal():
+    async def main():
+        held = Held()
+        await held.engine.start()
+        hook = held.hook
+        assert hook.edge(PATH.encode()) is None  # room in the queue: nothing to refuse
+        await held.fill()
+        early = hook.early(b"POST", PATH, HEADS)
+        assert hook.edge(PATH.encode()) == early
+        assert hook.edge(b"/v2/models/double/versions/1/infer")[0] == 429
+        for target in (b"/v2/models/nope/infer", b"/v2/models/double/versions/7/infer",
+                       b"/v2/models/double/ready", b"/v2/models//infer"):
+            assert hook.edge(target) is None, target  # the full path says what is wrong
+        assert len(held.rejected_rows()) == 3
+        assert held.engine.stats("double")["requests_by_outcome"] == {"rejected": 3}
+        held.hold.set()
+        await held.engine.stop()
+
+    run(main())
+
+
 def test_early_answers_503_while_loading_and_while_shutting_down():
     async def main():
         held = Held()

@@ -14,41 +14,12 @@ from typing import Any
 import pytest
 
 from runtime.server.http1 import HttpServer, _Connection
+from tests.factories import RecordingTransport as Transport
 
 BODY = b'{"x":1}'
 REQUEST = (b"POST /v2/models/m/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
            b"Content-Length: %d\r\n\r\n%b" % (len(BODY), BODY))
 HEADERS = [(b"content-type", b"application/json")]
-
-
-class Transport:
-    """The parts of ``asyncio.Transport`` a connection uses; records reading and writes."""
-
-    def __init__(self) -> None:
-        self.written = b""
-        self.paused = False
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def pause_reading(self) -> None:
-        self.paused = True
-
-    def resume_reading(self) -> None:
-        self.paused = False
-
-    def can_write_eof(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
 
 
 class Hook:

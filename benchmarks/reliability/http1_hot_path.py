@@ -11,7 +11,9 @@ the dispatch and the response head, with no model, no engine and no kernel.
 
 ``--module-file`` loads another copy of ``http1.py`` (e.g. the one before a change) so
 both are measured by the same loop, in the same process run. ``--early`` gives the fast
-hook an ``early`` method that always returns None (the cost of the early call point).
+hook an ``early`` method that always returns None (the cost of the early call point);
+``--refuse`` one that refuses every request, with an ``edge`` method too (so the server
+refuses before the parser, as it does while shedding) unless ``--no-edge``.
 Prints the best of ``--repeats`` runs, in requests per second and microseconds each.
 """
 
@@ -86,10 +88,18 @@ REFUSAL = (429, [(b"content-type", b"application/json"), (b"retry-after", b"1")]
            b'{"error":"model \'mlp\' has 1024 requests waiting; retry later"}')
 
 
-class RefusingHook(Hook):
+class HeadRefusingHook(Hook):
     """Refuses every request on its head, as the inference hook does when the queue is full."""
 
     def early(self, method, path, headers):
+        return REFUSAL
+
+
+class RefusingHook(HeadRefusingHook):
+    """... and has an ``edge`` method, so that once shedding the server refuses requests
+    before they reach the parser."""
+
+    def edge(self, target):
         return REFUSAL
 
 
@@ -104,11 +114,13 @@ def load_module(path: str | None) -> ModuleType:
     return module
 
 
-def measure(http1: ModuleType, *, n: int, early: bool, refuse: bool = False) -> float:
+def measure(http1: ModuleType, *, n: int, early: bool, refuse: bool = False,
+            edge: bool = True) -> float:
     """Seconds for ``n`` requests through one connection."""
     loop = asyncio.new_event_loop()
     try:
-        hook = RefusingHook() if refuse else EarlyHook() if early else Hook()
+        refusing = RefusingHook if edge else HeadRefusingHook
+        hook = refusing() if refuse else EarlyHook() if early else Hook()
         server = http1.HttpServer(None, fast=hook)
         server.loop = loop
         conn = http1._Connection(server)
@@ -140,14 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--early", action="store_true", help="the fast hook has an early method")
     ap.add_argument("--refuse", action="store_true",
                     help="the early method refuses every request (the cost of shedding)")
+    ap.add_argument("--no-edge", action="store_true",
+                    help="with --refuse: the hook has no edge method, so every refused request "
+                         "goes through the parser")
     args = ap.parse_args(argv)
     http1 = load_module(args.module_file)
-    kw = {"early": args.early, "refuse": args.refuse}
+    kw = {"early": args.early, "refuse": args.refuse, "edge": not args.no_edge}
     measure(http1, n=2000, **kw)  # warm up
     best = min(measure(http1, n=args.requests, **kw) for _ in range(args.repeats))
     per_us = best / args.requests * 1e6
+    mode = (" (refusing on the head, no edge)" if args.refuse and args.no_edge else
+            " (refusing at the edge)" if args.refuse else " (early hook)" if args.early else "")
     print(f"{args.module_file or 'runtime.server.http1'}"
-          f"{' (refusing on the head)' if args.refuse else ' (early hook)' if args.early else ''}: "
+          f"{mode}: "
           f"{args.requests / best:,.0f} req/s, {per_us:.2f} us per request "
           f"(best of {args.repeats} x {args.requests})")
     return 0

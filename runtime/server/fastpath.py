@@ -55,6 +55,8 @@ COMPRESSED_RATIO = 16
 #: threads that parse large bodies (the total in-flight body budget of the HTTP server
 #: bounds how much waits for them)
 PARSER_THREADS = 1
+#: at most this many distinct request targets are remembered by ``InferHook.edge``
+MAX_EDGE_PATHS = 256
 
 Answer = Callable[[int, list[tuple[bytes, bytes]], bytes], None]
 
@@ -82,6 +84,8 @@ class InferHook:
         self.large_parses = 0
         #: the last refusal ``early`` answered, and its answer
         self._refused: tuple[BaseException, tuple[int, list[tuple[bytes, bytes]], bytes]] | None = None
+        #: raw ``/infer`` request targets seen while shedding -> the model they name
+        self._edge_paths: dict[bytes, Any] = {}
 
     def early(self, method: bytes, path: str,
               headers: list[tuple[bytes, bytes]]) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
@@ -94,12 +98,39 @@ class InferHook:
         request, as one refused after parsing."""
         if method != b"POST" or not path.endswith(_SUFFIX):
             return None
+        served = self._served_at(path)
+        if served is None:
+            return None
+        return self._refusal(served, path)
+
+    def edge(self, target: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """``early`` for ``POST target``, asked by the HTTP server with the request
+        target's raw bytes while it sheds (see ``runtime.server.http1``): the same
+        answer, found through a dict of the paths seen so far."""
+        served = self._edge_paths.get(target)
+        if served is None:
+            path = target.decode("latin-1")
+            if not path.endswith(_SUFFIX):
+                return None
+            served = self._served_at(path)
+            if served is None:
+                return None
+            if len(self._edge_paths) < MAX_EDGE_PATHS:
+                self._edge_paths[target] = served
+        return self._refusal(served, served.name)
+
+    def _served_at(self, path: str) -> Any:
+        """The served model an ``/infer`` path names (and a version it serves), else None."""
         target = infer_target(path)
         if target is None:
             return None
         served = self.models.get(target[0])
         if served is None or target[1] not in (None, MODEL_VERSION):
             return None
+        return served
+
+    def _refusal(self, served: Any,
+                 path: str) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
         refusal = self.engine.admission_refusal(served.name)
         if refusal is None:
             return None

@@ -61,6 +61,14 @@ dropped when it is small and the connection stays open, else the connection is
 closed after the answer (a body over ``EARLY_DRAIN_BYTES``, a chunked one, ``Expect:
 100-continue`` or ``Connection: close``). None lets the request go on as usual.
 
+Shedding. Once ``early`` has answered, the server sheds: a read that holds exactly one
+plain request (see ``HttpServer.shed``) on a connection between requests is framed
+from its bytes and its target handed to the hook's ``edge`` method, which refuses it
+as ``early`` would; the answer goes out without the parser's callbacks, an exchange or
+the body's round trip through the parser, so a refusal costs a fraction of a parsed
+one (``benchmarks/reliability/http1_hot_path.py --refuse``). The first request
+``edge`` lets through ends the shedding; anything not plain goes to the parser.
+
 Work per loop pass. Under overload thousands of connections are readable in the same
 pass of the event loop, and taking in all of their requests would hold back what else
 waits on the loop (batch completions, expiry timers) for as long as that takes. So the
@@ -141,6 +149,8 @@ FastHook = Callable[[Any, bytes, str, list[tuple[bytes, bytes]], bytes, Answer],
 #: the optional ``early`` method of a fast hook: (method, path, headers) -> answer or None
 EarlyHook = Callable[[bytes, str, list[tuple[bytes, bytes]]],
                      "tuple[int, list[tuple[bytes, bytes]], bytes] | None"]
+#: the optional ``edge`` method: (raw request target of a POST) -> answer or None
+EdgeHook = Callable[[bytes], "tuple[int, list[tuple[bytes, bytes]], bytes] | None"]
 
 
 def default_max_connections() -> int:
@@ -328,7 +338,13 @@ class _Connection(asyncio.Protocol):
         if self.closing:
             return
         self.last_active_s = self.loop.time()
-        if self.server.budget <= 0 or self.held:
+        server = self.server
+        if server.shedding and self.current is None and not self.queue and not self.held:
+            answer = server.shed(data)
+            if answer is not None:
+                self.transport.write(answer)
+                return
+        if server.budget <= 0 or self.held:
             if self.server.hold(self, data):
                 return
         try:
@@ -418,6 +434,7 @@ class _Connection(asyncio.Protocol):
         if reply is None:
             return False
         self.server.counts["early_answers"] += 1
+        self.server.shedding = self.server.edge is not None
         if (not ex.keep_alive or ex.expect_continue or declared > EARLY_DRAIN_BYTES
                 or (not declared and self._chunked(ex))):
             self._end_with(ex, *reply)
@@ -873,6 +890,12 @@ class HttpServer:
         self.fast = fast
         #: the fast hook's ``early`` method, asked when a request head is complete
         self.early: EarlyHook | None = getattr(fast, "early", None)
+        #: the fast hook's ``edge`` method: ``early`` asked with a request target's bytes
+        self.edge: EdgeHook | None = getattr(fast, "edge", None)
+        #: True from an early answer until ``edge`` lets a request through (see ``shed``)
+        self.shedding = False
+        #: (reply, date header, response bytes) of the last refusal ``shed`` sent
+        self._shed_bytes: tuple[Any, bytes, bytes] | None = None
         self.max_body_bytes = max_body_bytes
         self.keep_alive_s = keep_alive_s
         self.header_timeout_s = header_timeout_s
@@ -896,7 +919,7 @@ class HttpServer:
         self.counts: dict[str, int] = dict.fromkeys(
             ("header_timeouts", "body_timeouts", "write_timeouts", "evicted_idle", "evicted_mid_request",
              "refused_at_connection_limit", "refused_body_budget", "early_answers",
-             "held_reads"), 0)
+             "held_reads", "shed_answers"), 0)
         self.clock = _Clock()
         self.connections: set[_Connection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -953,6 +976,56 @@ class HttpServer:
             return False
         victim.evict()
         return True
+
+    # -- shedding ---------------------------------------------------------------------------
+    def shed(self, data: bytes) -> bytes | None:
+        """The whole response to ``data`` when it is one complete request, plain
+        enough to frame without the parser, that the hook's ``edge`` refuses now;
+        None (nothing counted) to parse it as usual. Asked only while shedding, for
+        a connection between requests.
+
+        Plain enough: ``POST`` over HTTP/1.1, the read holding exactly the head and
+        the ``Content-Length`` bytes it declares, and no header that changes the
+        framing or the connection (``Transfer-Encoding``, ``Expect``, a second
+        ``Content-Length``, anything saying ``close`` or ``upgrade``). Anything else
+        goes to the parser, which is always right; this only spares a refused
+        request the parser's callbacks, the exchange and the dropped body."""
+        if data[:5] != b"POST " or self.stopping:
+            return None
+        sp = data.find(b" ", 5, 5 + 512)
+        if sp < 0 or data[sp:sp + 11] != b" HTTP/1.1\r\n":
+            return None
+        end = data.find(b"\r\n\r\n", sp + 9)
+        if end < 0:
+            return None
+        head = data[sp + 11:end + 2].lower()
+        at = head.find(b"content-length:")
+        if at < 0 or (at and head[at - 2:at] != b"\r\n"):
+            return None
+        stop = head.find(b"\r\n", at)
+        try:
+            declared = int(head[at + 15:stop])
+        except ValueError:
+            return None
+        if (end + 4 + declared != len(data) or b"transfer-encoding" in head
+                or b"expect" in head or b"close" in head or b"upgrade" in head
+                or b"content-length:" in head[stop:]):
+            return None
+        reply = self.edge(data[5:sp])
+        if reply is None:
+            self.shedding = False  # the model takes requests again: the usual path
+            return None
+        self.counts["shed_answers"] += 1
+        header = self.clock.header
+        cached = self._shed_bytes
+        if cached is not None and cached[0] is reply and cached[1] is header:
+            return cached[2]
+        status, headers, body = reply
+        out = b"".join([status_line(status), header,
+                        *(k + b": " + v + b"\r\n" for k, v in headers),
+                        b"content-length: %d\r\n\r\n" % len(body), body])
+        self._shed_bytes = (reply, header, out)
+        return out
 
     # -- work per loop pass ------------------------------------------------------------------
     def hold(self, conn: _Connection, data: bytes) -> bool:
