@@ -2,7 +2,11 @@
 
 Requests reach both replicas through Ray Serve's router, each replica registers as its
 own instance and records into the shared database, and a change sent to every instance
-of a model is acknowledged by each replica on its own.
+of a model is acknowledged by each replica on its own. The database is the one a fleet
+shares, PostgreSQL: the suite's throw-away server, which every replica process reaches by
+its URL over TCP on 127.0.0.1. This is the slowest test of the suite, so it runs on that
+one database (on a SQLite file instead when the run leaves PostgreSQL out on purpose,
+``BATCHSCOPE_TEST_BACKENDS=sqlite``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import time
 
 import httpx
 import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from batchscope.storage import control
 from batchscope.storage.db import make_engine
@@ -29,10 +35,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 BODY = json.dumps({"inputs": [{"name": "INPUT0", "shape": [256], "datatype": "FP32",
                                "data": [0.01] * 256}]})
+REQUESTS = 200
+#: the database the replicas share (see the module's docstring)
+FLEET_BACKEND = ("postgresql" if "postgresql" in os.environ.get(
+    "BATCHSCOPE_TEST_BACKENDS", "sqlite,postgresql").split(",") else "sqlite")
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def proxy_port():
+    """A local Ray cluster of two nodes with Ray Serve's proxy on 127.0.0.1: its port."""
     # every node of this cluster is this machine: let the proxy route to both nodes
     saved = {k: os.environ.get(k) for k in SPREAD_ON_ONE_MACHINE}
     os.environ.update(SPREAD_ON_ONE_MACHINE)
@@ -42,7 +53,9 @@ def ray_cluster():
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     try:
         cluster.wait_for_nodes()
-        yield cluster
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
     finally:
         try:
             serve.shutdown()
@@ -56,57 +69,87 @@ def ray_cluster():
                     os.environ[k] = v
 
 
-def test_two_replicas_serve_record_and_acknowledge_a_fleet_wide_change(ray_cluster, tmp_path):
-    url = f"sqlite:///{tmp_path / 'fleet.db'}"
-    db = make_engine(url)  # the schema exists before the replicas start
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+@pytest.fixture
+def fleet_db(db_url, backend, request):
+    """The shared database (schema created before the replicas start) and its URL."""
+    if backend == "postgresql":  # the replicas reach the suite's server over TCP
+        server = request.getfixturevalue("postgresql_proc")
+        where = make_url(db_url)
+        assert (where.host, where.port) == ("127.0.0.1", int(server.port)), db_url
+    db = make_engine(db_url)
+    yield db, db_url
+    db.dispose()
+
+
+@pytest.fixture
+def fleet_url(proxy_port, fleet_db):
+    """Two replicas recording into ``fleet_db`` behind the proxy: its URL. The replicas
+    are deleted before the database goes."""
+    db, url = fleet_db
     spec = with_public_url(FleetSpec(models=("mlp",), database_url=url,
                                      heartbeat_interval_s=0.5, control_poll_interval_s=0.2),
-                           "127.0.0.1", port)
+                           "127.0.0.1", proxy_port)
     serve.run(build_application(spec, Replicas(count=2)), name=APP_NAME, route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
+    try:
+        yield f"http://127.0.0.1:{proxy_port}"
+    finally:
+        serve.delete(APP_NAME)
+
+
+def counts_by_instance(db, table: str) -> dict[str, int]:
+    with db.connect() as conn:
+        return dict(conn.execute(text(
+            f"SELECT instance_id, COUNT(*) FROM {table} GROUP BY instance_id")).all())
+
+
+@pytest.mark.parametrize("backend", [FLEET_BACKEND], indirect=True, scope="module")
+def test_two_replicas_serve_record_and_acknowledge_a_fleet_wide_change(fleet_url, fleet_db):
+    db, _ = fleet_db
 
     def two_live() -> bool:
         return len(control.live_instances(db, now=time.time())) == 2
     assert wait_until(two_live, limit=480, interval_s=0.25), "two replicas registered"
-    instances = {i.id for i in control.live_instances(db, now=time.time())}
+    live = control.live_instances(db, now=time.time())
+    instances = {i.id for i in live}
     nodes = {i.split("-")[-2] for i in instances}
     assert len(nodes) == 2, f"one replica per node expected, got {instances}"
+    pids = {i.pid for i in live}
+    assert len(pids) == 2 and os.getpid() not in pids, f"two replica processes expected: {pids}"
 
-    with httpx.Client(base_url=base, timeout=30) as client:
+    with httpx.Client(base_url=fleet_url, timeout=30) as client:
         meta = client.get("/v2/models/mlp")
         assert meta.status_code == 200, meta.text
         answers = [client.post("/v2/models/mlp/infer", content=BODY,
                                headers={"content-type": "application/json"})
-                   for _ in range(200)]
+                   for _ in range(REQUESTS)]
     assert all(a.status_code == 200 for a in answers), {a.status_code for a in answers}
 
-    from sqlalchemy import text
-
-    def rows_by_instance() -> dict[str, int]:
-        with db.connect() as conn:
-            return dict(conn.execute(text(
-                "SELECT instance_id, COUNT(*) FROM requests GROUP BY instance_id")).all())
-    assert wait_until(lambda: sum(rows_by_instance().values()) >= 200, limit=240,
-                      interval_s=0.25), rows_by_instance()
-    counts = rows_by_instance()
-    assert set(counts) == instances and all(n > 0 for n in counts.values()), counts
+    # every answered request is a row, written by the replica that answered it
+    assert wait_until(lambda: sum(counts_by_instance(db, "requests").values()) >= REQUESTS,
+                      limit=240, interval_s=0.25), counts_by_instance(db, "requests")
+    requests = counts_by_instance(db, "requests")
+    assert set(requests) == instances and all(n > 0 for n in requests.values()), requests
+    assert sum(requests.values()) == REQUESTS, requests
+    # each replica samples its device into the same database (every 1 s)
+    assert wait_until(lambda: set(counts_by_instance(db, "device_samples")) == instances,
+                      limit=240, interval_s=0.25), counts_by_instance(db, "device_samples")
 
     command = control.request_change(db, model="mlp", changes={"max_batch_size": 8},
                                      requested_by="test")
 
-    def acked_by_both() -> bool:
-        return len(control.command_status(db, command).acks) == 2
-    assert wait_until(acked_by_both, limit=240, interval_s=0.25), control.command_status(db, command)
+    def acks() -> dict[str, tuple[str, int | None]]:
+        with db.connect() as conn:
+            return {row[0]: (row[1], row[2]) for row in conn.execute(text(
+                "SELECT instance_id, status, applied_version FROM command_acks "
+                "WHERE command_id = :id"), {"id": command})}
+    assert wait_until(lambda: set(acks()) == instances, limit=240, interval_s=0.25), \
+        control.command_status(db, command)
+    assert all(status == "applied" for status, _ in acks().values()), acks()
     status = control.command_status(db, command)
     assert {a.instance_id for a in status.acks} == instances
-    assert all(a.status == "applied" for a in status.acks), status.acks
     for instance in instances:
         version, settings = control.current_settings(db, instance, "mlp")
-        assert settings["max_batch_size"] == 8 and version >= 2
-    serve.delete(APP_NAME)
-    db.dispose()
+        assert settings["max_batch_size"] == 8 and version == acks()[instance][1] >= 2
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import orjson
 import pytest
 
 from runtime.api.errors import ClientError, ValidationError
 from runtime.api.model import TensorSpec
-from runtime.server.kserve import encode_infer, parse_infer
+from runtime.engine.engine import Engine
+from runtime.models.toys import DoubleModel
+from runtime.server.kserve import encode_infer, parse_infer, run_infer, submit_infer
 
 INPUTS = (TensorSpec("INPUT0", "FP32", (4,)),)
 OUTPUTS = (TensorSpec("OUTPUT0", "FP32", (2,)),)
@@ -132,3 +136,40 @@ def test_bytes_tensors_in_json_and_binary():
                                      "parameters": {"binary_data_size": len(blob)}}]})
     req = parse_infer(head + blob, str(len(head)), "m", specs, specs, 3)
     assert list(req.inputs["TEXT"]) == [b"xy", b""]
+
+
+def test_one_item_and_a_batch_of_items_reach_the_engine_the_same_way_in_both_forms():
+    """``run_infer`` and ``submit_infer`` send one item through ``Engine.infer`` and a
+    batch dimension of k through ``Engine.infer_items`` (the toy model refuses a whole
+    [k, 4] array), and both forms answer alike."""
+    model = DoubleModel()
+    specs, outputs = model.inputs, model.outputs
+    one = parse_infer(body([fp32([1, 2, 3, 4])]), None, "double", specs, outputs, 3)
+    three = parse_infer(body([fp32([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]],
+                                   shape=(3, 4))]), None, "double", specs, outputs, 3)
+    assert one.items is None and len(three.items) == 3
+
+    async def both(req) -> tuple[bytes, bytes]:
+        engine = Engine({"double": model})
+        await engine.start()
+        try:
+            awaited = await run_infer(engine, "double", req)
+            answer: asyncio.Future = asyncio.get_running_loop().create_future()
+            submit_infer(engine, "double", req,
+                         lambda result, error: answer.set_result((result, error)))
+            called, error = await asyncio.wait_for(answer, 10.0)
+            assert error is None, error
+        finally:
+            await engine.stop()
+        return (encode_infer("double", "1", req, awaited, outputs)[0],
+                encode_infer("double", "1", req, called, outputs)[0])
+
+    awaited, called = asyncio.run(both(one))
+    assert awaited == called
+    assert orjson.loads(awaited)["outputs"][0] == {"name": "OUTPUT0", "datatype": "FP32",
+                                                   "shape": [4], "data": [2, 4, 6, 8]}
+    awaited, called = asyncio.run(both(three))
+    assert awaited == called
+    out = orjson.loads(awaited)["outputs"][0]
+    assert out["shape"] == [3, 4] and out["data"] == [2.0 * v for v in range(1, 13)]
+    assert sum(model.batch_sizes) == 2 + 2 * 3  # one item twice, then three items twice

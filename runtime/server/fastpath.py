@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from runtime.api.errors import ModelNotReady, error_answer
-from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer
+from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, submit_infer
 from runtime.server.routes import MODEL_VERSION, find_model
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -226,10 +226,7 @@ class InferHook:
             else:
                 answer(*error_answer(error, f"POST /v2/models/{name}/infer"))
 
-        if req.items is None:
-            engine.submit(name, req.inputs, req.priority, req.timeout_ms, req.bypass, done)
-        else:
-            engine.submit_items(name, req.items, req.priority, req.timeout_ms, req.bypass, done)
+        submit_infer(engine, name, req, done)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

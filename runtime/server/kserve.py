@@ -1,10 +1,10 @@
 """Open Inference Protocol (KServe v2 REST) codec: bytes <-> numpy tensors.
 
-Pure functions, no I/O. The request side turns an ``/infer`` body (JSON, or JSON
-followed by raw tensor bytes when the client uses the binary tensor extension)
-into one request's named numpy arrays plus its scheduling parameters, checking
-every tensor against the model's ``TensorSpec``s. The response side turns the
-model's output arrays back into a v2 response body.
+Pure functions, no I/O (the two engine calls at the end aside). The request side
+turns an ``/infer`` body (JSON, or JSON followed by raw tensor bytes when the client
+uses the binary tensor extension) into one request's named numpy arrays plus its
+scheduling parameters, checking every tensor against the model's ``TensorSpec``s. The
+response side turns the model's output arrays back into a v2 response body.
 
 Scheduling parameters follow Triton's schedule-policy extension: ``priority`` is
 1 (most urgent) .. ``priority_levels``, with 0 or absent meaning the model's
@@ -28,6 +28,13 @@ a shape is a list of at most ``MAX_DIMS`` non-negative integers describing at mo
 size matches the shape (strings for BYTES, true/false for BOOL); binary tensors
 (``binary_data_size``) have exactly the bytes their shape and datatype need, and
 together use every byte after the JSON header, no more and no less.
+
+The gRPC codec (``runtime.server.grpc.tensors``) decodes and encodes through the same
+public functions (``shape_of``, ``bytes_from_binary``, ``apply_scheduling``,
+``apply_requested_outputs``, ``check_against_specs``, ``response_tensors``,
+``binary_data``), so both transports refuse the same requests with the same messages.
+``run_infer`` (and ``submit_infer``, its callback form) hand a decoded request to the
+engine: ``Engine.infer`` for one item, ``Engine.infer_items`` for several.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import orjson
@@ -83,8 +90,23 @@ class InferRequest:
         return self.batch_size is not None
 
 
+#: what a request's engine call answers: one item's outputs, or every item's in order
+Result = dict[str, np.ndarray] | list[dict[str, np.ndarray]]
+
+
+class OutputTensor(NamedTuple):
+    """One output as it goes back: its name, Open Inference Protocol datatype, shape
+    (led by the batch dimension when the request had one) and values."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    array: np.ndarray
+
+
 # -- request ------------------------------------------------------------------------
-def _shape_of(name: str, shape: Any) -> tuple[int, ...]:
+def shape_of(name: str, shape: Any) -> tuple[int, ...]:
+    """Input ``name``'s shape as sent (a list of non-negative integers), checked."""
     if type(shape) is list and len(shape) <= MAX_DIMS:
         span = 1
         for d in shape:
@@ -111,7 +133,7 @@ def _quote(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _bytes_from_binary(name: str, raw: bytes, count: int) -> np.ndarray:
+def bytes_from_binary(name: str, raw: bytes, count: int) -> np.ndarray:
     """BYTES tensors in binary form: each element is a 4-byte little-endian length + bytes."""
     items: list[bytes] = []
     pos = 0
@@ -144,7 +166,7 @@ def _tensor(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple
     name = t.get("name")
     if not isinstance(name, str) or not name:
         raise ClientError(f"inputs[{index}] needs a 'name' string")
-    shape = _shape_of(name, t.get("shape"))
+    shape = shape_of(name, t.get("shape"))
     datatype = t.get("datatype")
     np_dtype = DATATYPES.get(datatype) if isinstance(datatype, str) else None
     if np_dtype is None:
@@ -172,7 +194,7 @@ def _tensor(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple
         raw = bytearray(binary[offset:offset + size])  # writable: torch.from_numpy wants that
         offset += size
         if datatype == "BYTES":
-            arr = _bytes_from_binary(name, raw, count)
+            arr = bytes_from_binary(name, raw, count)
         else:
             itemsize = np.dtype(np_dtype).itemsize
             if size != count * itemsize:
@@ -218,7 +240,9 @@ def _tensor(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple
     return name, (arr if arr.shape == shape else arr.reshape(shape)), offset
 
 
-def _scheduling(params: dict, priority_levels: int, req: InferRequest) -> None:
+def apply_scheduling(params: dict, priority_levels: int, req: InferRequest) -> None:
+    """Set ``req``'s priority, timeout, bypass lane and ``binary_data_output`` from the
+    request's parameters (plain values), checked against the model's ``priority_levels``."""
     pr = params.get("priority")
     if pr is not None:
         if not isinstance(pr, int) or isinstance(pr, bool):
@@ -245,7 +269,10 @@ def _scheduling(params: dict, priority_levels: int, req: InferRequest) -> None:
         req.binary_all = True
 
 
-def _requested_outputs(outputs: Any, specs: Sequence[TensorSpec], req: InferRequest) -> None:
+def apply_requested_outputs(outputs: Any, specs: Sequence[TensorSpec],
+                            req: InferRequest) -> None:
+    """Set ``req.outputs`` (and the ones asked for as binary) from the request's
+    ``outputs`` list of ``{name, parameters}``; None leaves every output."""
     if outputs is None:
         return
     if not isinstance(outputs, list):
@@ -274,8 +301,10 @@ def _shape_text(shape: Sequence[Any]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _check_against_specs(model: str, specs: Sequence[TensorSpec], tensors: dict[str, np.ndarray],
-                         datatypes: dict[str, str], req: InferRequest) -> None:
+def check_against_specs(model: str, specs: Sequence[TensorSpec], tensors: dict[str, np.ndarray],
+                        datatypes: dict[str, str], req: InferRequest) -> None:
+    """Check the decoded ``tensors`` (with the ``datatypes`` they were sent as) against
+    the model's input specs, and set ``req``'s batch from a leading batch dimension."""
     complete = len(tensors) == len(specs)
     if complete:
         for spec in specs:
@@ -439,9 +468,9 @@ def parse_infer(body: bytes, header_length: str | None, model: str,
     if params is not None:
         if not isinstance(params, dict):
             raise ClientError("'parameters' must be a JSON object")
-        _scheduling(params, priority_levels, req)
-    _requested_outputs(doc.get("outputs"), output_specs, req)
-    _check_against_specs(model, specs, tensors, datatypes, req)
+        apply_scheduling(params, priority_levels, req)
+    apply_requested_outputs(doc.get("outputs"), output_specs, req)
+    check_against_specs(model, specs, tensors, datatypes, req)
     return req
 
 
@@ -464,7 +493,9 @@ def _json_data(arr: np.ndarray, datatype: str) -> Any:
     return np.ascontiguousarray(arr).reshape(-1)
 
 
-def _binary_data(arr: np.ndarray, datatype: str) -> bytes:
+def binary_data(arr: np.ndarray, datatype: str) -> bytes:
+    """An output's values in the binary tensor form (BYTES: a 4-byte little-endian length
+    before each element)."""
     if datatype == "BYTES":
         parts = []
         for v in arr.reshape(-1).tolist():
@@ -491,32 +522,40 @@ def _stacked(model: str, results: list[dict[str, np.ndarray]],
     return out
 
 
-def encode_infer(model: str, version: str, req: InferRequest,
-                 result: dict[str, np.ndarray] | list[dict[str, np.ndarray]],
-                 output_specs: Sequence[TensorSpec]) -> tuple[bytes, dict[str, str]]:
-    """The response body and extra headers (``Inference-Header-Content-Length`` if binary).
-
-    ``result``: the one item's outputs, or the list of every item's outputs of a request
-    of several items (``req.items``), stacked here in order."""
+def response_tensors(model: str, req: InferRequest, result: Result,
+                     output_specs: Sequence[TensorSpec]) -> list[OutputTensor]:
+    """The outputs ``req`` asked for (default all), in order, as they go back on any
+    transport. ``result`` is the one item's outputs, or the list of every item's outputs
+    of a request of several items (``req.items``), stacked here in order; one item sent
+    with a batch dimension of 1 gets that dimension back."""
     specs = {s.name: s for s in output_specs}
-    stacked = isinstance(result, list)
-    names = req.outputs if req.outputs is not None else list(result[0] if stacked else result)
-    if stacked:
+    several = isinstance(result, list)
+    names = req.outputs if req.outputs is not None else list(result[0] if several else result)
+    if several:
         result = _stacked(model, result, names)
-    lead = [1] if req.batched and not stacked else []
-    outputs = []
-    blobs: list[bytes] = []
+    lead = [1] if req.batched and not several else []
+    tensors = []
     for name in names:
         arr = np.asarray(result[name])
-        datatype = _datatype(arr, specs.get(name))
-        shape = lead + list(arr.shape)
-        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
-        if req.binary_all or name in req.binary_outputs:
-            blob = _binary_data(arr, datatype)
+        tensors.append(OutputTensor(name, _datatype(arr, specs.get(name)),
+                                    lead + list(arr.shape), arr))
+    return tensors
+
+
+def encode_infer(model: str, version: str, req: InferRequest, result: Result,
+                 output_specs: Sequence[TensorSpec]) -> tuple[bytes, dict[str, str]]:
+    """The response body and extra headers (``Inference-Header-Content-Length`` if binary);
+    ``result`` as ``response_tensors`` takes it."""
+    outputs = []
+    blobs: list[bytes] = []
+    for out in response_tensors(model, req, result, output_specs):
+        entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": out.shape}
+        if req.binary_all or out.name in req.binary_outputs:
+            blob = binary_data(out.array, out.datatype)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            entry["data"] = _json_data(arr, datatype)
+            entry["data"] = _json_data(out.array, out.datatype)
         outputs.append(entry)
     doc: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": outputs}
     if req.id is not None:
@@ -525,3 +564,27 @@ def encode_infer(model: str, version: str, req: InferRequest,
     if not blobs:
         return head, {}
     return head + b"".join(blobs), {"Inference-Header-Content-Length": str(len(head))}
+
+
+# -- engine -------------------------------------------------------------------------
+async def run_infer(engine: Any, model: str, req: InferRequest) -> Result:
+    """Run a decoded request through ``engine`` (the ``Engine`` contract): one item
+    through ``Engine.infer``, several (``req.items``) through ``Engine.infer_items``.
+    The answer is what ``encode_infer`` and ``response_tensors`` take."""
+    if req.items is None:
+        return await engine.infer(model, req.inputs, priority=req.priority,
+                                  timeout_ms=req.timeout_ms, bypass=req.bypass)
+    return await engine.infer_items(model, req.items, priority=req.priority,
+                                    timeout_ms=req.timeout_ms, bypass=req.bypass)
+
+
+def submit_infer(engine: Any, model: str, req: InferRequest,
+                 on_done: Callable[[Result | None, BaseException | None], None]) -> None:
+    """``run_infer`` in the engine's callback form (``Engine.submit`` /
+    ``Engine.submit_items``): admission errors are raised here, then exactly one
+    ``on_done(result, None)`` or ``on_done(None, error)``."""
+    if req.items is None:
+        engine.submit(model, req.inputs, req.priority, req.timeout_ms, req.bypass, on_done)
+    else:
+        engine.submit_items(model, req.items, req.priority, req.timeout_ms, req.bypass,
+                            on_done)

@@ -38,7 +38,7 @@ from runtime.server import openai_errors, triton
 from runtime.server.auth import AuthConfig, Unauthorized
 from runtime.server.control_api import (DEFAULT_AUTH, control_routes, json_response,
                                         model_directory)
-from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer
+from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, run_infer
 from runtime.server.metrics import CONTENT_TYPE, MetricsRecorder
 from runtime.server.triton import MODEL_VERSION
 
@@ -135,12 +135,7 @@ async def answer_infer(state: Any, name: str, version: str | None, body: bytes,
     model = served.model
     req = parse_infer(body, header_length, served.name, model.inputs, model.outputs,
                       config.priority_levels, content_encoding)
-    if req.items is None:
-        result: Any = await engine.infer(served.name, req.inputs, priority=req.priority,
-                                         timeout_ms=req.timeout_ms, bypass=req.bypass)
-    else:
-        result = await engine.infer_items(served.name, req.items, priority=req.priority,
-                                          timeout_ms=req.timeout_ms, bypass=req.bypass)
+    result = await run_infer(engine, served.name, req)
     return encode_infer(served.name, MODEL_VERSION, req, result, model.outputs)
 
 

@@ -41,7 +41,7 @@ from runtime.server import triton
 from runtime.server.grpc.protocol import SERVICE, SERVICE_NAME, message
 from runtime.server.grpc.status import refusal
 from runtime.server.grpc.tensors import decode_request, encode_response
-from runtime.server.kserve import InferRequest
+from runtime.server.kserve import InferRequest, run_infer
 from runtime.server.routes import EXTENSIONS, SERVER_NAME, ServedModel, find_model
 
 #: answers of one stream that may be outstanding (queued, running, or ready and not
@@ -196,13 +196,7 @@ class InferenceHandlers:
 
     async def _infer(self, request: Message) -> Message:
         served, req = self._admit(request)
-        engine = self.engine
-        if req.items is None:
-            result: Any = await engine.infer(served.name, req.inputs, priority=req.priority,
-                                             timeout_ms=req.timeout_ms, bypass=req.bypass)
-        else:
-            result = await engine.infer_items(served.name, req.items, priority=req.priority,
-                                              timeout_ms=req.timeout_ms, bypass=req.bypass)
+        result = await run_infer(self.engine, served.name, req)
         return encode_response(served.name, triton.MODEL_VERSION, req, result,
                                served.model.outputs)
 

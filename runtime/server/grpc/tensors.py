@@ -29,9 +29,9 @@ from google.protobuf.message import Message
 from runtime.api.errors import ClientError
 from runtime.api.model import DATATYPES, TensorSpec
 from runtime.server.grpc.protocol import message
-from runtime.server.kserve import (InferRequest, _binary_data, _bytes_from_binary,
-                                   _check_against_specs, _datatype, _requested_outputs,
-                                   _scheduling, _shape_of, _stacked)
+from runtime.server.kserve import (InferRequest, Result, apply_requested_outputs,
+                                   apply_scheduling, binary_data, bytes_from_binary,
+                                   check_against_specs, response_tensors, shape_of)
 
 #: the ``InferTensorContents`` field that carries each datatype's values (FP16: none)
 CONTENTS_FIELD = {
@@ -68,7 +68,7 @@ def _refuse_unsupported(params: Any, what: str) -> None:
 
 def _from_raw(name: str, datatype: str, raw: bytes, count: int) -> np.ndarray:
     if datatype == "BYTES":
-        return _bytes_from_binary(name, raw, count)
+        return bytes_from_binary(name, raw, count)
     itemsize = np.dtype(DATATYPES[datatype]).itemsize
     if len(raw) != count * itemsize:
         raise ClientError(f"input {name!r}: {count} {datatype} values need {count * itemsize} "
@@ -120,7 +120,7 @@ def decode_request(request: Message, model: str, specs: Sequence[TensorSpec],
         if name in tensors:
             raise ClientError(f"input {name!r} appears more than once")
         _refuse_unsupported(tensor.parameters, f"input {name!r}")
-        shape = _shape_of(name, list(tensor.shape))
+        shape = shape_of(name, list(tensor.shape))
         datatype = tensor.datatype
         if datatype not in DATATYPES:
             raise ClientError(f"input {name!r}: datatype {datatype!r} is not supported; use "
@@ -137,31 +137,22 @@ def decode_request(request: Message, model: str, specs: Sequence[TensorSpec],
         tensors[name] = arr.reshape(shape)
         datatypes[name] = datatype
     req = InferRequest(inputs=tensors, id=request.id or None)
-    _scheduling(parameters(request.parameters), priority_levels, req)
+    apply_scheduling(parameters(request.parameters), priority_levels, req)
     if request.outputs:
         for out in request.outputs:
             _refuse_unsupported(out.parameters, f"output {out.name!r}")
-        _requested_outputs([{"name": out.name} for out in request.outputs], output_specs, req)
-    _check_against_specs(model, specs, tensors, datatypes, req)
+        apply_requested_outputs([{"name": out.name} for out in request.outputs], output_specs, req)
+    check_against_specs(model, specs, tensors, datatypes, req)
     return req
 
 
-def encode_response(model: str, version: str, req: InferRequest,
-                    result: dict[str, np.ndarray] | list[dict[str, np.ndarray]],
+def encode_response(model: str, version: str, req: InferRequest, result: Result,
                     output_specs: Sequence[TensorSpec]) -> Message:
     """The ``ModelInferResponse`` of ``req``: every output asked for (default all) in
     ``raw_output_contents``. ``result`` is the one item's outputs, or the list of every
     item's outputs of a request of several items, stacked here in order."""
-    specs = {s.name: s for s in output_specs}
-    stacked = isinstance(result, list)
-    names = req.outputs if req.outputs is not None else list(result[0] if stacked else result)
-    if stacked:
-        result = _stacked(model, result, names)
-    lead = (1,) if req.batched and not stacked else ()
     response = ModelInferResponse(model_name=model, model_version=version, id=req.id or "")
-    for name in names:
-        arr = np.asarray(result[name])
-        datatype = _datatype(arr, specs.get(name))
-        response.outputs.add(name=name, datatype=datatype, shape=lead + arr.shape)
-        response.raw_output_contents.append(_binary_data(arr, datatype))
+    for out in response_tensors(model, req, result, output_specs):
+        response.outputs.add(name=out.name, datatype=out.datatype, shape=out.shape)
+        response.raw_output_contents.append(binary_data(out.array, out.datatype))
     return response
