@@ -22,10 +22,13 @@ and the recovery time: from the end of the overload to the start of the first 20
 window of arrivals from which on every window has at least 95 % answered 200 within
 the deadline.
 
-The client is a lean open loop (one callback per answer, no task per request, a
-connection per outstanding request, opened ahead), so it can offer a few times the
-server's capacity from one process. Server and client share this machine: on a
-small machine they compete for the cores, so the figures are a lower bound.
+The open loop is ``openloop.c`` (compiled on the spot with the machine's C compiler; a
+keep-alive connection per outstanding request, opened ahead, epoll, every answer read
+and timed the moment it arrives), so the load generator's own lag does not count as
+the server's: a Python open loop fell behind by up to seconds at 3x on this machine.
+``--client python`` uses the Python one (also the fallback when no compiler works).
+Server and client share this machine: on a small machine they compete for the cores,
+so the figures are a lower bound (``--pin`` gives each its own core).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import json
 import os
 import random
 import socket
+import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -282,6 +287,106 @@ def analyse(loop: OpenLoop, starts: list[float], capacity: float, timeout_s: flo
     }
 
 
+# -- the C open loop ----------------------------------------------------------------------
+C_SOURCE = Path(__file__).with_name("openloop.c")
+
+
+def build_c_client(folder: str) -> Path | None:
+    """Compile ``openloop.c`` into ``folder``; None when no C compiler works here."""
+    exe = Path(folder) / "openloop"
+    for cc in ("cc", "gcc", "clang"):
+        try:
+            done = subprocess.run([cc, "-O2", "-o", str(exe), str(C_SOURCE), "-lm"],
+                                  capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0:
+            return exe
+    return None
+
+
+class Recorded:
+    """What the C open loop wrote: the same per-arrival lists as ``OpenLoop`` keeps."""
+
+    def __init__(self, path: Path) -> None:
+        raw = path.read_bytes()
+        if raw[:4] != b"OLG1":
+            raise RuntimeError(f"{path} is not an open-loop record")
+        n, phases = struct.unpack_from("<QI", raw, 4)
+        at = 16
+        self.starts = list(struct.unpack_from(f"<{phases + 1}d", raw, at))
+        at += 8 * (phases + 1)
+        rows = np.frombuffer(raw, dtype=np.dtype([("scheduled", "<f8"), ("sent", "<f8"),
+                                                  ("done", "<f8"), ("status", "<i4"),
+                                                  ("conn", "<i4")]), count=n, offset=at)
+        at += rows.nbytes
+        self.scheduled, self.sent = rows["scheduled"], rows["sent"].copy()
+        self.done, self.status = rows["done"].copy(), rows["status"]
+        self.conn = rows["conn"]
+        unsent = self.status == 0
+        self.sent[unsent & (self.sent == 0)] = np.nan
+        self.done[unsent] = np.nan
+        self.samples: dict[int, bytes] = {}
+        while at + 8 <= len(raw):
+            status, size = struct.unpack_from("<iI", raw, at)
+            self.samples[status] = raw[at + 8:at + 8 + size]
+            at += 8 + size
+        self.open = MAX_CONNECTIONS
+
+
+def run_c_client(exe: Path, host: str, port: int, requests: list[bytes],
+                 phases: Sequence[tuple[float, float]], server: Server, folder: str,
+                 rss: list[float]) -> Recorded:
+    """Offer ``phases`` with the C open loop; samples the server's memory meanwhile."""
+    req_file, out_file = Path(folder) / "requests.bin", Path(folder) / "answers.bin"
+    req_file.write_bytes(b"".join(struct.pack("<I", len(r)) + r for r in requests))
+    cmd = [str(exe), host, str(port), str(req_file), str(out_file), str(MAX_CONNECTIONS),
+           str(PREOPEN), str(ANSWER_GRACE_S), "1"]
+    for rate, seconds in phases:
+        cmd += [f"{rate:.3f}", f"{seconds:.3f}"]
+    proc = subprocess.Popen(cmd)
+    limit = time.monotonic() + sum(s for _, s in phases) + ANSWER_GRACE_S + 60.0
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > limit:
+                raise RuntimeError("the C open loop did not finish in time")
+            rss.append(server.rss_mb())
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the C open loop failed (exit {proc.returncode})")
+    return Recorded(out_file)
+
+
+def request_bytes(url: str, timeout_ms: float) -> tuple[str, int, list[bytes]]:
+    """(host, port, raw HTTP requests) for ``mlp`` with a ``timeout_ms`` deadline each."""
+    host, port = url.removeprefix("http://").split(":")
+    meta = asyncio.run(fetch_metadata(url, "mlp"))
+    bodies = build_payloads(meta, timeout_ms=timeout_ms, seed=3)
+    head = f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: {host}:{port}\r\n" \
+           "Content-Type: application/json\r\n"
+    return host, int(port), [(head + f"Content-Length: {len(b)}\r\n\r\n").encode() + b
+                             for b in bodies]
+
+
+def overload_with_c(exe: Path, url: str, capacity: float, args: argparse.Namespace,
+                    server: Server, folder: str) -> dict:
+    host, port, requests = request_bytes(url, args.timeout_ms)
+    rss: list[float] = []
+    phases = [(capacity * args.factor, args.overload_s),
+              (capacity * args.recovery_factor, args.recovery_s)]
+    recorded = run_c_client(exe, host, port, requests, phases, server, folder, rss)
+    out = analyse(recorded, recorded.starts, capacity, args.timeout_ms / 1000.0)
+    out["rss_during_max_mb"] = max(rss) if rss else None
+    return out
+
+
 async def overload_phases(url: str, capacity: float, args: argparse.Namespace,
                           server: Server) -> dict:
     host, port = url.removeprefix("http://").split(":")
@@ -328,6 +433,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pin", action="store_true",
                     help="server (with its children) on CPU 0, this load generator on CPU 1, in "
                          "every phase: the generator's own cost then takes nothing from the server")
+    ap.add_argument("--client", choices=("c", "python"), default="c",
+                    help="the open loop: openloop.c, compiled here (the default; the Python one "
+                         "when no compiler works), or the Python one")
     args = ap.parse_args(argv)
     cmd_prefix: list[str] = []
     if args.pin:
@@ -336,6 +444,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd_prefix = ["taskset", "-c", "0"]
         os.sched_setaffinity(0, {1})
     with tempfile.TemporaryDirectory() as tmp:
+        exe = build_c_client(tmp) if args.client == "c" else None
+        if args.client == "c" and exe is None:
+            print("no C compiler here: the Python open loop offers the load", flush=True)
         db = None if args.no_record else f"sqlite:///{tmp}/overload.db"
         server = Server(cmd_prefix + serve_cmd(db=db, models=("mlp",)))
         try:
@@ -349,7 +460,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 capacity = report.throughput_rps
             print(f"capacity (closed loop, 64 clients): {capacity:.0f} req/s", flush=True)
             rss_before = server.rss_mb()
-            figures = run_async(overload_phases(url, capacity, args, server))
+            if exe is not None:
+                figures = overload_with_c(exe, url, capacity, args, server, tmp)
+            else:
+                figures = run_async(overload_phases(url, capacity, args, server))
+            figures["client"] = "c" if exe is not None else "python"
             time.sleep(1.0)
             figures["rss_before_mb"] = rss_before
             figures["rss_after_mb"] = server.rss_mb()
@@ -357,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.stop()
     f = figures
     print(f"overload: {args.factor:g}x for {args.overload_s:g} s, offered {f['offered_rps']:.0f}/s, "
-          f"timeout {args.timeout_ms:g} ms")
+          f"timeout {args.timeout_ms:g} ms, {f['client']} open loop")
     print(f"  goodput {f['goodput_rps']:.0f}/s = {f['goodput_fraction_of_capacity']:.1%} of "
           "capacity (target >= 90 %)")
     print("  answers by status: " + ", ".join(f"{k}: {v}" for k, v in
