@@ -243,7 +243,7 @@ def test_raw_deflate_and_bad_compressed_bodies(url):
         r = http.post("/v2/models/double/infer", content=body, headers={"Content-Encoding": "gzip"})
         assert r.status_code == 400 and "not valid gzip data" in r.json()["error"]
         r = http.post("/v2/models/double/infer", content=body, headers={"Content-Encoding": "br"})
-        assert r.status_code == 400 and "'br' is not supported" in r.json()["error"]
+        assert r.status_code == 415 and "'br' is not supported" in r.json()["error"]
 
 
 def test_a_body_inflating_past_the_limit_is_a_413(url):

@@ -106,6 +106,13 @@ class RequestTooLarge(BatchScopeError):
     reason = "too_large"
 
 
+class UnsupportedEncoding(BatchScopeError):
+    """The request body is compressed with a coding the server cannot undo."""
+
+    http_status = 415
+    reason = "unsupported_encoding"
+
+
 class UrlTooLong(BatchScopeError):
     """The request target is over the server's limit."""
 

@@ -47,7 +47,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 import orjson
 
-from runtime.api.errors import ClientError, ModelError, RequestTooLarge, ValidationError
+from runtime.api.errors import (ClientError, ModelError, RequestTooLarge, UnsupportedEncoding,
+                                ValidationError)
 from runtime.api.model import DATATYPES, TensorSpec
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -385,8 +386,8 @@ def decoded_body(body: bytes, content_encoding: str | None,
             body = _inflate(body, zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS,
                             "deflate", limit)
         else:
-            raise ClientError(f"Content-Encoding {coding!r} is not supported; send the body "
-                              "uncompressed, or compressed with gzip or deflate")
+            raise UnsupportedEncoding(f"Content-Encoding {coding!r} is not supported; send the "
+                                      "body uncompressed, or compressed with gzip or deflate")
     return body
 
 

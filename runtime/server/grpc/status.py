@@ -9,7 +9,7 @@ answered with the status code of the same meaning and the very message the HTTP 
     429 (queue full), 413 (too large), 507 (OOM)    RESOURCE_EXHAUSTED
     503 queue timeout passed (RequestExpired), 408  DEADLINE_EXCEEDED
     503 otherwise (not ready, stopping, busy)       UNAVAILABLE
-    405, 505                                        UNIMPLEMENTED
+    405, 415 (unknown compression), 505             UNIMPLEMENTED
     500 (the model failed) and anything else        INTERNAL
 
 An error that is not a ``BatchScopeError`` is a bug: ``internal_error`` logs it once
@@ -36,6 +36,7 @@ _BY_HTTP_STATUS = {
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     414: grpc.StatusCode.INVALID_ARGUMENT,
+    415: grpc.StatusCode.UNIMPLEMENTED,
     422: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     500: grpc.StatusCode.INTERNAL,
