@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from runtime.api.config import BatchingConfig
-from runtime.api.errors import ClientError, ModelError, RequestTooLarge
+from runtime.api.errors import ClientError, ModelError, RequestTooLarge, UnsupportedEncoding
 from runtime.api.model import TensorSpec
 from runtime.engine.engine import Engine
 from runtime.models.toys import DoubleModel
@@ -96,13 +96,13 @@ def test_compressed_bodies_inflate_in_every_accepted_form():
     (zlib.compress(b"{}") + b"junk", "deflate", ClientError, "4 bytes after its deflate stream"),
     (b"{}", "gzip", ClientError, "not valid gzip data"),
     (b"", "gzip", ClientError, "ends before"),
-    (b"{}", "compress", ClientError, "'compress' is not supported"),
+    (b"{}", "compress", UnsupportedEncoding, "'compress' is not supported"),
 ])
 def test_bad_or_oversized_compressed_bodies_are_refused(data, encoding, error, fragment):
     with pytest.raises(error) as info:
         decoded_body(data, encoding, limit=100)
     assert fragment in info.value.message
-    assert info.value.http_status == (413 if error is RequestTooLarge else 400)
+    assert info.value.http_status == {RequestTooLarge: 413, UnsupportedEncoding: 415}.get(error, 400)
     assert decoded_body(gzip.compress(b"x" * 100), "gzip", limit=100) == b"x" * 100
 
 

@@ -182,7 +182,23 @@ def init_schema(engine: Engine) -> None:
     BatchScope raises ``SchemaTooNew`` and is left as it is. The check is one read when
     the database is current. Creating and upgrading run under a lock (a PostgreSQL
     advisory lock; SQLite's write lock, ``BEGIN IMMEDIATE``), so instances started at
-    the same moment against a fresh database wait for each other instead of racing."""
+    the same moment against a fresh database wait for each other instead of racing.
+    On SQLite a wait longer than the busy timeout (the first connection to a fresh file
+    switching it to WAL while another holds the write lock for a migration on a busy
+    machine) is tried again, for up to ``SCHEMA_LOCK_WAIT_S`` in all."""
+    deadline = time.monotonic() + SCHEMA_LOCK_WAIT_S
+    while True:
+        try:
+            _init_schema_once(engine)
+            return
+        except OperationalError as exc:
+            if ("locked" not in str(exc) or engine.dialect.name != "sqlite"
+                    or time.monotonic() > deadline):
+                raise
+            time.sleep(0.05)
+
+
+def _init_schema_once(engine: Engine) -> None:
     with engine.connect() as conn:
         if _revision(conn) == _head():
             return
