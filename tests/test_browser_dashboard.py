@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -28,19 +26,10 @@ from batchscope.presentation import snapshot
 from batchscope.storage.db import make_engine
 from sqlalchemy import text
 
-CHROMIUM = "/usr/bin/chromium"
-ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS = Path(os.environ.get("BATCHSCOPE_BROWSER_ARTIFACTS", ROOT / "benchmarks" / "results" / "browser"))
+from tests.browser import ARTIFACTS, MARKS, ROOT, opened_page, settle, stop
+from tests.factories import free_port
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow,
-              pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                 reason=f"{CHROMIUM} is absent (install Debian's chromium)")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = MARKS
 
 
 def wait_for(check, timeout_s: float, what: str, step_s: float = 0.25):
@@ -51,16 +40,6 @@ def wait_for(check, timeout_s: float, what: str, step_s: float = 0.25):
             return value
         time.sleep(step_s)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
 
 
 @pytest.fixture(scope="module")
@@ -96,40 +75,8 @@ def _batches(engine, model: str, after: float = 0.0, max_size: int | None = None
 
 @pytest.fixture(scope="module")
 def page(stack):
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        pg = browser.new_page(viewport={"width": 1500, "height": 1800}, accept_downloads=True)
-        pg.set_default_timeout(30_000)
-        wait_for(lambda: _try_goto(pg, stack["url"]), 60, "the Streamlit server")
-        settle(pg)
+    with opened_page(stack["url"], height=1800, end_shot="dashboard-end.png") as pg:
         yield pg
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        pg.screenshot(path=str(ARTIFACTS / "dashboard-end.png"))
-        browser.close()
-
-
-def _try_goto(pg, url: str) -> bool:
-    try:
-        pg.goto(url, timeout=5_000)
-        return True
-    except Exception:  # the server is still starting
-        return False
-
-
-#: true when no script or fragment run is in progress and no element of an older run is left
-SETTLED = """() => {
-    const app = document.querySelector('[data-testid="stApp"]');
-    return app !== null && app.getAttribute("data-test-script-state") === "notRunning"
-        && document.querySelector('[data-stale="true"]') === null;
-}"""
-
-
-def settle(page, timeout_s: float = 60) -> None:
-    """Wait until Streamlit finished its current run and nothing stale is shown."""
-    page.wait_for_function(SETTLED, timeout=timeout_s * 1000, polling=100)
 
 
 def go_to(page, title: str, shows) -> None:

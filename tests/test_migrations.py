@@ -4,19 +4,25 @@ database do not race, and the migrations build exactly the tables the code descr
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
+from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, func, inspect, select, text
 
 from batchscope.storage import db as storage_db
 from batchscope.storage.db import SchemaTooNew, make_engine, schema_revision, schema_version
-from batchscope.storage.migrations import VERSION_TABLE
-from batchscope.storage.records import DeviceRow
+from batchscope.storage import control
+from batchscope.storage.migrations import SCRIPT_LOCATION, VERSION_TABLE
+from batchscope.storage.records import DeviceRow, RequestRow
 from batchscope.storage.recorder import Recorder
-from batchscope.storage.schema import SCHEMA_VERSION, Base, DeviceSample, RequestRecord, Rollup, StatsSummary
+from batchscope.storage.schema import (SCHEMA_VERSION, Base, DeviceSample, RequestRecord, Rollup,
+                                       RuntimeInstance, StatsSummary, TuningSessionRecord,
+                                       TuningTrialRecord)
 from tests.factories import count
 
 pytestmark = pytest.mark.both_backends
@@ -162,6 +168,69 @@ def test_a_database_of_the_previous_release_upgrades_in_place(db_url, backend, v
         # a second start finds it current and changes nothing
         make_engine(db_url).dispose()
         assert count(engine, DeviceSample) == 2
+    finally:
+        engine.dispose()
+
+
+def write_revision(url: str, revision: str) -> None:
+    """A database as the migrations up to ``revision`` left it (a release of that schema)."""
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        config = Config()
+        config.set_main_option("script_location", SCRIPT_LOCATION)
+        config.attributes["connection"] = conn
+        command.upgrade(config, revision)
+    engine.dispose()
+
+
+#: rows as a release at revision 0003 (schema version 4) wrote them
+REVISION_0003_ROWS = """
+INSERT INTO runtime_instances (id, host, pid, models_json, url, device, version, started_at,
+  last_seen_at, stopped_at, records_dropped) VALUES ('rt-1', 'h', 7, '["mlp"]', 'http://h:8000',
+  'cpu', '0.2.0', 10.0, 20.0, NULL, 0);
+INSERT INTO requests (instance_id, model, batch_seq, priority, bypass, length, arrived_at, finished_at,
+  queue_wait_s, latency_s, outcome) VALUES ('rt-1', 'mlp', 1, 0, FALSE, 12, 10.0, 10.5, 0.1, 0.5, 'ok'),
+  ('rt-1', 'mlp', NULL, 1, TRUE, NULL, 11.0, 11.0, 0.0, 0.0, 'rejected');
+INSERT INTO summary_stats (span_s, start_s, model, instance_id, requests, ok)
+  VALUES (1, 10, 'mlp', 'rt-1', 2, 1);
+"""
+
+
+def test_a_database_of_schema_version_4_upgrades_in_place_with_its_rows(db_url):
+    """Revision 0003 -> 0004: the tuning tables appear, the new columns read NULL for the
+    rows already there, and nothing else moves (its summaries are not rebuilt)."""
+    write_revision(db_url, "0003")
+    plain = create_engine(db_url)
+    with plain.begin() as conn:
+        for statement in REVISION_0003_ROWS.split(";"):
+            if statement.strip():
+                conn.exec_driver_sql(statement)
+    assert not inspect(plain).has_table(TuningSessionRecord.__tablename__)
+    plain.dispose()
+    engine = make_engine(db_url)
+    try:
+        assert schema_version(engine) == SCHEMA_VERSION == 5 and schema_revision(engine) == "0004"
+        with engine.connect() as conn:
+            req = conn.execute(select(RequestRecord.id, RequestRecord.outcome, RequestRecord.length,
+                                      RequestRecord.input_shape_json, RequestRecord.timeout_ms)
+                               .order_by(RequestRecord.id)).all()
+            inst = conn.execute(select(RuntimeInstance.url, RuntimeInstance.cpu_count)).one()
+            summed = conn.execute(select(func.sum(StatsSummary.requests))).scalar()
+        assert [tuple(r) for r in req] == [(1, "ok", 12, None, None), (2, "rejected", None, None, None)]
+        assert tuple(inst) == ("http://h:8000", None) and summed == 2
+        assert count(engine, TuningSessionRecord) == 0 and count(engine, TuningTrialRecord) == 0
+        # the new columns and tables take rows, and ids go on from the old ones
+        rec = Recorder(engine)
+        rec.put(RequestRow("rt-1", "mlp", 2, 0, 12.0, 12.1, 0.0, 0.1, "ok", length=5,
+                           input_shape_json='{"X":[5]}', timeout_ms=250.0))
+        assert rec.flush() == 1
+        control.register_instance(engine, instance_id="rt-1", host="h", pid=8, models=["mlp"],
+                                  url="http://h:8000", device="cpu", version="x", now=30.0)
+        with engine.connect() as conn:
+            row = conn.execute(select(RequestRecord.id, RequestRecord.input_shape_json,
+                                      RequestRecord.timeout_ms).where(RequestRecord.id == 3)).one()
+            cpus = conn.execute(select(RuntimeInstance.cpu_count)).scalar()
+        assert tuple(row) == (3, '{"X":[5]}', 250.0) and cpus == os.cpu_count()
     finally:
         engine.dispose()
 

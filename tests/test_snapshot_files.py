@@ -10,12 +10,17 @@ import zipfile
 import pandas as pd
 import pytest
 
+from sqlalchemy import text
+
 from batchscope.analysis import queries
 from batchscope.presentation import snapshot
 from batchscope.testing import synthetic
 from batchscope.storage.db import make_engine, schema_revision, schema_version
 from batchscope.storage.schema import SCHEMA_VERSION
 from batchscope.presentation.snapshot import Limits, SnapshotError
+from batchscope.tuning import store
+from batchscope.tuning.figures import Objective, Window
+from batchscope.tuning.trials import COUNTED, REFUSED, Trial, TuningResult
 
 END = 2_000_000_000.0
 
@@ -190,3 +195,114 @@ def test_an_opened_snapshot_leaves_no_temporary_files_behind(source, tmp_path):
     del dropped   # never closed: a dashboard session that just ended
     gc.collect()
     assert list(tmp_path.iterdir()) == []
+
+
+# -- tuning sessions, fleet flags and resource recommendations ---------------------------------
+START = {"policy": "dynamic", "max_batch_size": 8, "max_queue_delay_ms": None}
+
+
+def stored_session(engine, *, model: str, started_at: float, trials: int) -> int:
+    """A finished session of ``trials`` trials (the last one refused), the best the one
+    with the largest max batch size that was measured."""
+    writer = store.SessionWriter.begin(engine, store.SessionStart(
+        model=model, url="http://h:8000", instance_id="synthetic-1", objective="goodput",
+        slo_p99_ms=50.0, budget_s=60.0, load_kind="synthetic", start_settings=START,
+        requested_by="cli", started_at=started_at,
+        hardware=store.hardware_of(engine, "synthetic-1")))
+    done = []
+    for i in range(trials):
+        point = {**START, "max_batch_size": 8 * 2 ** i}
+        refused = i == trials - 1 and i > 0
+        figures = None if refused else Window(duration_s=3.0, ok=300 * (i + 1), good=300 * (i + 1),
+                                              failed=0, p50_ms=5.0 + i, p99_ms=10.0 + i)
+        trial = Trial(number=i, point=point, changes={"max_batch_size": point["max_batch_size"]},
+                      started_s=started_at + 4 * i, status=REFUSED if refused else COUNTED,
+                      windows=[] if refused else [figures], figures=figures,
+                      problem="refused by the server: too big" if refused else None,
+                      ended_s=started_at + 4 * i + 3)
+        writer.trial(trial, START)
+        done.append(trial)
+    best = [t for t in done if t.feasible][-1]
+    writer.end(TuningResult(model=model, objective=Objective(50.0), start=START, trials=done,
+                            best=best, baseline=done[0], elapsed_s=4.0 * trials,
+                            stop_reason="the budget of 60 s was used",
+                            outcome="restored the starting settings"),
+               state=store.SESSION_FINISHED, now=started_at + 4 * trials)
+    return writer.session_id
+
+
+@pytest.mark.both_backends
+def test_tuning_sessions_fleet_flags_and_recommendations_round_trip(db):
+    synthetic.generate(db, synthetic.SCENARIOS["oom"].with_(duration_s=120, batches_per_s=4),
+                       end_s=END)
+    with db.begin() as conn:
+        conn.execute(text("UPDATE runtime_instances SET cpu_count = 8"))
+    inside = [stored_session(db, model="mlp", started_at=END - 100, trials=3),
+              stored_session(db, model="mlp", started_at=END - 50, trials=2)]
+    stored_session(db, model="mlp", started_at=END - 500, trials=2)      # before the window
+    stored_session(db, model="encoder", started_at=END - 60, trials=2)   # another model
+    w = queries.Window(END - 120, END + 1, "mlp")
+    data = snapshot.export_bytes(db, w, slo_ms=25, now=END + 600)
+    snap = snapshot.load_snapshot(data)
+    try:
+        manifest = snap.manifest
+        assert manifest["tables"]["tuning_sessions"]["rows"] == 2
+        assert manifest["tables"]["tuning_trials"]["rows"] == 5
+        back = store.sessions(snap.engine)
+        assert [s.id for s in back] == inside[::-1] == [s.id for s in store.sessions(db, model="mlp",
+                                                                                        since=w.start_s)]
+        assert back == store.sessions(db, model="mlp", since=w.start_s)
+        assert store.trials_of(snap.engine, inside) == store.trials_of(db, inside)
+        assert back[1].best_settings["max_batch_size"] == 16 and back[1].hardware.startswith("GPU cuda:0, 16 GiB on ")
+        # the fleet's flags: the instance stopped reporting 10 minutes before the export
+        assert [f["rule"] for f in manifest["fleet_flags"]] == ["stopped_reporting"]
+        assert manifest["fleet_flags"][0]["evidence"]["instance"] == "synthetic-1"
+        # recommendations for the model and its instance, CPU counted on 8 CPUs
+        recs = {(r["scope"], r["key"]): r for r in manifest["recommendations"]}
+        assert set(recs) == {("model", "mlp"), ("instance", "synthetic-1")}
+        assert recs[("model", "mlp")]["host_cpus"] == 8
+        assert recs[("model", "mlp")]["gpu_memory"]["target"] > 0
+        html = snapshot.report_html(data)
+        assert "Golden parameters" in html and "Published rules of thumb" in html
+        for sid in inside:
+            assert f'id="tuning-{sid}"' in html
+        assert "Fleet diagnosis" in html and "stopped reporting" in html
+        assert "Resource recommendations" in html and "model mlp" in html
+    finally:
+        snap.close()
+
+
+def test_a_snapshot_from_before_tuning_sessions_still_opens(source):
+    """Written at schema version 4: no tuning tables, no new request columns, no fleet
+    flags or recommendations in the manifest."""
+    _, _, data = source
+
+    def old(name, payload):
+        if name.startswith("tables/tuning_"):
+            return None
+        doc = json.loads(payload) if name.endswith(".json") else None
+        if name == "manifest.json":
+            doc.update(schema_version=4)
+            for key in ("fleet_flags", "recommendations"):
+                doc.pop(key)
+            for key in ("tuning_sessions", "tuning_trials"):
+                doc["tables"].pop(key)
+        elif name == "tables/requests.json":
+            keep = [i for i, c in enumerate(doc["columns"]) if c not in ("input_shape_json", "timeout_ms")]
+            doc = {"columns": [doc["columns"][i] for i in keep],
+                   "rows": [[r[i] for i in keep] for r in doc["rows"]]}
+        return payload if doc is None else json.dumps(doc)
+
+    snap = snapshot.load_snapshot(rebuild(data, old))
+    try:
+        assert store.sessions(snap.engine) == []
+        assert snap.manifest["tables"]["requests"]["rows"] > 0
+    finally:
+        snap.close()
+
+
+@pytest.mark.parametrize("key", ["fleet_flags", "recommendations"])
+def test_manifest_lists_must_hold_objects(source, key):
+    _, _, data = source
+    with pytest.raises(SnapshotError, match=f"{key} in manifest.json must be a list of objects"):
+        snapshot.load_snapshot(edit_json(data, "manifest.json", lambda m: m.update({key: ["x"]})))

@@ -14,6 +14,13 @@ throughput-vs-p99 chart as they finish, the starting settings are put back at th
 and Apply sends the recommendation through the normal control path (a command
 requested by ``tuner``, acknowledged by the runtime, marked on every chart). Control
 requests to a server with a token send ``$BATCHSCOPE_CONTROL_TOKEN``.
+
+Every session is stored in the dashboard's database as it runs
+(``batchscope.tuning.store``). "Tuning sessions" lists the stored ones, newest first,
+each with its trials chart, and the golden-parameter table (``batchscope.tuning.golden``:
+the best settings per session on its hardware, beside the published rules of thumb),
+downloadable as CSV or Markdown. Browsing a snapshot, the page shows the sessions the
+snapshot holds.
 """
 
 from __future__ import annotations
@@ -29,11 +36,13 @@ from sqlalchemy import Engine
 from batchscope import settings
 from batchscope.analysis import queries
 from batchscope.dashboard import settings_form
-from batchscope.dashboard.scope import Scope, engine_for, fmt_time
+from batchscope.dashboard.scope import Scope, data_engine, engine_for, fmt_time
 from batchscope.load.replay import recorded_lengths
 from batchscope.presentation import charts
 from batchscope.storage import control
+from batchscope.tuning import golden, store
 from batchscope.tuning.client import ENV_TOKEN
+from batchscope.tuning.figures import Stability
 from batchscope.tuning.runner import TuneOptions, TuningJob
 from batchscope.tuning.space import format_point
 
@@ -52,13 +61,16 @@ TUNER = "tuner"
 
 def render(scope: Scope) -> None:
     if scope.snapshot is not None:
-        st.caption("Tuning acts on the live database; switch Data back to it.")
+        st.caption("Tuning acts on the live database; switch Data back to it. Below: the "
+                   "tuning sessions stored in the snapshot.")
+        stored_sessions(data_engine(scope), scope)
         return
     engine = engine_for(scope.db_url)
     settings_section(engine, scope)
     run_every = STATUS_EVERY_S if scope.refresh_s is not None else None
     st.fragment(run_every=run_every)(command_status)(engine)
     find_best_settings(engine, scope)
+    stored_sessions(engine, scope)
     history_and_revert(engine, scope)
 
 
@@ -248,6 +260,17 @@ def tuning_form(engine: Engine, scope: Scope, inst_id: str | None, url: str,
         objective = st.radio("Objective", ["most goodput under the SLO",
                                            "lowest p99 at the target rate"], horizontal=True,
                              key=f"tune-objective-{model}")
+        with st.expander("Trial options"):
+            t1, t2, t3 = st.columns(3)
+            window = t1.number_input("Measurement window (s)", min_value=0.1, max_value=60.0,
+                                     value=1.0, key=f"tune-window-{model}")
+            settle = t2.number_input("Settle after a change (s)", min_value=0.0, max_value=60.0,
+                                     value=0.5, key=f"tune-settle-{model}")
+            tolerance = t3.number_input(
+                "Windows agree within (%)", min_value=1.0, max_value=99.0, value=10.0,
+                help="a trial counts once its last three windows' throughput and p99 are each "
+                     "within this of their mean; widen it on a noisy machine",
+                key=f"tune-tolerance-{model}")
         sent = st.form_submit_button("Find best settings", type="primary")
     if not sent:
         return None
@@ -257,9 +280,11 @@ def tuning_form(engine: Engine, scope: Scope, inst_id: str | None, url: str,
         load="synthetic" if mode in ("closed", "open") else mode,
         concurrency=int(concurrency) if mode == "closed" else None,
         rate=float(rate) if mode == "open" or objective.startswith("lowest") else None,
-        lengths=lengths.strip() or None, db_url=scope.db_url if mode == "replay" else None,
-        replay_window_s=3600.0, objective="latency" if objective.startswith("lowest") else "goodput",
-        token=os.environ.get(ENV_TOKEN) or None)
+        lengths=lengths.strip() or None, db_url=scope.db_url, replay_window_s=3600.0,
+        objective="latency" if objective.startswith("lowest") else "goodput",
+        token=os.environ.get(ENV_TOKEN) or None, instance_id=inst_id, requested_by="dashboard",
+        window_s=float(window), settle_s=float(settle),
+        stability=Stability(tolerance=float(tolerance) / 100.0))
     try:
         return options.check()
     except ValueError as exc:  # TuningError, SpaceError
@@ -277,6 +302,9 @@ def session_view(engine: Engine, job: TuningJob, inst_id: str | None, key: str) 
         job.cancel()
     rows = pd.DataFrame(progress.rows if progress is not None else [])
     best = result.best.number if result is not None and result.best is not None else None
+    if progress is not None:
+        ended = sum(r["status"] != "running" for r in progress.rows)
+        st.caption(f"{ended} trial(s) measured; {progress.stored or 'not stored'}")
     if len(rows):
         st.plotly_chart(charts.tuning_trials(rows, slo_ms=job.options.slo_p99_ms,
                                              recommended=best), key=f"tune-chart-{key}")
@@ -301,3 +329,70 @@ def session_view(engine: Engine, job: TuningJob, inst_id: str | None, key: str) 
     if not job.running and key not in shown:
         shown.add(key)  # once: rebuild the page, whose fragment then has no timer
         st.rerun()
+
+
+# -- stored sessions and the golden-parameter table --------------------------------------------
+#: the most sessions the page lists
+SESSIONS_SHOWN = 50
+
+
+def session_label(s: store.StoredSession) -> str:
+    return f"#{s.id} · {s.model} · {fmt_time(s.started_at)} · {s.state}"
+
+
+def stored_sessions(engine: Engine, scope: Scope) -> None:
+    """The stored sessions of the scope's model (newest first) with the chosen one's
+    trials, and the golden-parameter table over every stored session."""
+    st.subheader("Tuning sessions")
+    found = store.sessions(engine, model=scope.model, instance_id=scope.instance,
+                           limit=SESSIONS_SHOWN)
+    if not found:
+        st.caption("No tuning session is stored" + (f" for {scope.model}" if scope.model else "")
+                   + " yet; Find best settings (or `batchscope tune --db URL`) stores each one.")
+    else:
+        st.caption(f"{len(found)} stored session(s)" +
+                   (f" of {scope.model}" if scope.model else "") + ", newest first.")
+        table = pd.DataFrame([{
+            "session": s.id, "started": fmt_time(s.started_at), "model": s.model,
+            "instance": s.instance_id or "", "hardware": s.hardware or "", "state": s.state,
+            "trials": s.trials, "SLO p99 ms": s.slo_p99_ms, "load": s.load_description or s.load_kind,
+            "best": "" if s.recommended is None else (format_point(s.recommended) or "(starting)"),
+            "result": s.sentence or s.stop_reason or ""} for s in found])
+        st.dataframe(table, hide_index=True, width="stretch")
+        labels = {session_label(s): s for s in found}
+        chosen = labels[st.selectbox("Session", list(labels), key="stored-session")]
+        trials = store.trials_of(engine, [chosen.id])[chosen.id]
+        rows = pd.DataFrame([t.row() for t in trials])
+        if len(rows):
+            st.plotly_chart(charts.tuning_trials(rows, slo_ms=chosen.slo_p99_ms,
+                                                 recommended=chosen.best_trial),
+                            key=f"stored-chart-{chosen.id}")
+            st.dataframe(rows[["trial", "status", "changed", "goodput_rps", "throughput_rps",
+                               "p99_ms", "windows", "problem"]], hide_index=True, width="stretch")
+        else:
+            st.caption("No trial of this session is stored.")
+    golden_table(engine)
+
+
+def golden_table(engine: Engine) -> None:
+    st.subheader("Golden parameters")
+    found = store.sessions(engine, limit=store.MAX_SESSIONS)
+    rows = golden.golden_rows(found, store.best_trials(engine, found))
+    mine, theirs = st.columns([3, 1])
+    with mine:
+        st.caption("The best settings of each stored session on its hardware (timeout: "
+                   "max_queue_delay_ms of the dynamic policy, 0 = work-conserving).")
+        if rows:
+            st.dataframe(pd.DataFrame([golden.cells(r) for r in rows], columns=golden.COLUMNS),
+                         hide_index=True, width="stretch")
+        else:
+            st.caption("No stored session found a setting that meets its SLO yet.")
+    with theirs:
+        st.caption("Published rules of thumb")
+        st.dataframe(pd.DataFrame(golden.article_cells(), columns=golden.ARTICLE_COLUMNS),
+                     hide_index=True, width="stretch")
+    c1, c2 = st.columns(2)
+    c1.download_button("Download CSV", golden.to_csv(rows), file_name="golden-parameters.csv",
+                       mime="text/csv", key="golden-csv")
+    c2.download_button("Download Markdown", golden.to_markdown(rows),
+                       file_name="golden-parameters.md", mime="text/markdown", key="golden-md")

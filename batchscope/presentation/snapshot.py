@@ -2,9 +2,16 @@
 
 Layout of the file::
 
-    manifest.json            format, version, window, row counts, environment, flags
+    manifest.json            format, version, window, row counts, environment, flags,
+                             fleet flags, resource recommendations
     tables/<table>.json      {"columns": [...], "rows": [[...], ...]}
     report.html              the offline report (Plotly inlined)
+
+The tables are the window's rows (``TABLES``), the tuning sessions started in it and
+their trials among them. The manifest also holds what the fleet rules
+(``analysis.fleet_rules``) found over the window and the resource recommendations
+(``analysis.recommend.for_snapshot``, CPU in cores when the instances registered one
+CPU count).
 
 ``export_snapshot`` writes one; ``load_snapshot`` checks one thoroughly (size
 limits, member names, compression method and ratio, manifest format/version and
@@ -46,11 +53,12 @@ from typing import BinaryIO
 from sqlalchemy import Boolean, Engine, Float, Integer, String, Text, text
 from sqlalchemy.schema import CreateIndex, CreateTable
 
-from batchscope.analysis import diagnosis, queries
+from batchscope.analysis import diagnosis, fleet, fleet_rules, queries, recommend
 from batchscope.presentation import report
 from batchscope.storage.db import make_engine, stamp_schema
 from batchscope.analysis.queries import Window
 from batchscope.storage.schema import SCHEMA_VERSION, Base
+from batchscope.tuning import store
 
 FORMAT = "batchscope-snapshot"
 FORMAT_VERSION = 1
@@ -67,7 +75,17 @@ TABLES: dict[str, tuple[str | None, bool]] = {
     "model_settings": (None, True),
     "runtime_instances": (None, False),
     "control_commands": ("requested_at", True),
+    "tuning_sessions": ("started_at", True),
+    #: the trials of the sessions above (see ``CHILDREN``)
+    "tuning_trials": (None, False),
 }
+#: table -> (its column naming the parent row, the parent table, the parent's key): the
+#: rows of the parents exported, whatever the window
+CHILDREN: dict[str, tuple[str, str, str]] = {
+    "tuning_trials": ("session_id", "tuning_sessions", "id"),
+}
+#: manifest keys that hold lists of objects
+LISTS = ("flags", "fleet_flags", "recommendations")
 
 
 class SnapshotError(ValueError):
@@ -132,9 +150,13 @@ def environment(engine: Engine) -> dict:
             "machine": platform.machine(), "versions": versions, "devices": devices}
 
 
-def _table_rows(engine: Engine, name: str, w: Window) -> tuple[list[str], list[list]]:
+def _where(name: str, w: Window) -> tuple[str, dict]:
+    """The ``WHERE`` clause (with its leading space, or empty) that cuts ``name`` to ``w``."""
+    if name in CHILDREN:
+        column, parent, key = CHILDREN[name]
+        where, params = _where(parent, w)
+        return f" WHERE {column} IN (SELECT {key} FROM {parent}{where})", params
     time_col, by_model = TABLES[name]
-    columns = [c.name for c in Base.metadata.tables[name].columns]
     parts, params = [], {}
     if time_col:
         parts += [f"{time_col} >= :t0", f"{time_col} < :t1"]
@@ -145,10 +167,53 @@ def _table_rows(engine: Engine, name: str, w: Window) -> tuple[list[str], list[l
     if w.instance_id is not None:
         parts.append(("id" if name == "runtime_instances" else "instance_id") + " = :inst")
         params["inst"] = w.instance_id
-    where = (" WHERE " + " AND ".join(parts)) if parts else ""
+    return ((" WHERE " + " AND ".join(parts)) if parts else ""), params
+
+
+def _table_rows(engine: Engine, name: str, w: Window) -> tuple[list[str], list[list]]:
+    columns = [c.name for c in Base.metadata.tables[name].columns]
+    where, params = _where(name, w)
     with engine.connect() as conn:
         rows = conn.execute(text(f"SELECT {', '.join(columns)} FROM {name}{where}"), params)
         return columns, [list(r) for r in rows]
+
+
+def _json_safe(value):
+    """``value`` with every float that JSON cannot hold (NaN, infinities) as null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def host_cpus(engine: Engine, w: Window) -> int | None:
+    """The CPU count the window's instances registered, when they all registered the
+    same one (the recommendations turn CPU utilization into cores with it)."""
+    where, params = ("WHERE id = :inst", {"inst": w.instance_id}) if w.instance_id else ("", {})
+    with engine.connect() as conn:
+        counts = {r[0] for r in conn.execute(text(
+            f"SELECT DISTINCT cpu_count FROM runtime_instances {where}"), params) if r[0]}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def fleet_flags(engine: Engine, w: Window, now: float) -> list[dict]:
+    """What the fleet rules find over ``w`` (instances compared), as manifest entries."""
+    return [_json_safe(f.to_dict()) for f in fleet_rules.diagnose(fleet.bundle(engine, w, now=now))]
+
+
+def recommendations(engine: Engine, w: Window) -> list[dict]:
+    """The resource recommendations over ``w``, as manifest entries."""
+    return _json_safe(recommend.for_snapshot(engine, w, host_cpus=host_cpus(engine, w)))
+
+
+def tuning_sessions(engine: Engine, w: Window) -> tuple[list, dict]:
+    """The stored tuning sessions started in ``w`` (newest first) and their trials."""
+    found = store.sessions(engine, model=w.model, instance_id=w.instance_id, since=w.start_s,
+                           until=w.end_s, limit=store.MAX_SESSIONS)
+    return found, store.trials_of(engine, [s.id for s in found])
 
 
 def export_snapshot(engine: Engine, w: Window, out: str | Path | BinaryIO, *,
@@ -156,13 +221,16 @@ def export_snapshot(engine: Engine, w: Window, out: str | Path | BinaryIO, *,
     """Write the window ``w`` of ``engine``'s data to ``out``; returns the manifest."""
     bundle = queries.live_bundle(engine, w)
     flags = diagnosis.diagnose(bundle)
+    created = time.time() if now is None else now
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "schema_version": SCHEMA_VERSION,
-        "created_at": time.time() if now is None else now,
+        "created_at": created,
         "window": {"start_s": w.start_s, "end_s": w.end_s, "model": w.model,
                    "instance_id": w.instance_id},
         "slo_ms": slo_ms, "tables": {}, "environment": environment(engine),
         "flags": [f.to_dict() for f in flags],
+        "fleet_flags": fleet_flags(engine, w, created),
+        "recommendations": recommendations(engine, w),
     }
     payloads = {}
     for name in TABLES:
@@ -170,7 +238,9 @@ def export_snapshot(engine: Engine, w: Window, out: str | Path | BinaryIO, *,
         manifest["tables"][name] = {"rows": len(rows), "columns": columns}
         payloads[f"tables/{name}.json"] = json.dumps({"columns": columns, "rows": rows},
                                                      separators=(",", ":"), allow_nan=False)
-    html = report.render_html(bundle, flags, manifest=manifest, slo_ms=slo_ms)
+    sessions, trials = tuning_sessions(engine, w)
+    html = report.render_html(bundle, flags, manifest=manifest, slo_ms=slo_ms,
+                              sessions=sessions, trials=trials)
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
         zf.writestr(MANIFEST, json.dumps(manifest, indent=1, allow_nan=False))
         for name, payload in payloads.items():
@@ -303,9 +373,10 @@ def _check_manifest(raw: bytes, limits: Limits) -> dict:
             or not all(w.get(k) is None or isinstance(w.get(k), str) for k in ("model", "instance_id")):
         raise SnapshotError(f"{MANIFEST} has no valid window (start_s, end_s numbers; model, "
                             "instance_id strings or null)")
-    flags = manifest.get("flags", [])
-    if not isinstance(flags, list) or not all(isinstance(f, dict) for f in flags):
-        raise SnapshotError(f"flags in {MANIFEST} must be a list of objects")
+    for key in LISTS:
+        entries = manifest.get(key, [])
+        if not isinstance(entries, list) or not all(isinstance(f, dict) for f in entries):
+            raise SnapshotError(f"{key} in {MANIFEST} must be a list of objects")
     for key in ("environment", "tables"):
         if not isinstance(manifest.get(key, {}), dict):
             raise SnapshotError(f"{key} in {MANIFEST} must be an object")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -97,8 +98,10 @@ class SettingsChange:
 
 def register_instance(engine: Engine, *, instance_id: str, host: str, pid: int, models: list[str],
                       url: Optional[str], device: Optional[str], version: Optional[str],
-                      now: float) -> None:
-    """Insert or refresh the row of a starting runtime (its start time becomes ``now``)."""
+                      now: float, cpu_count: Optional[int] = None) -> None:
+    """Insert or refresh the row of a starting runtime (its start time becomes ``now``).
+    ``cpu_count``: the host's logical CPUs (default ``os.cpu_count()`` of this process,
+    which runs on the instance's host)."""
     with Session(engine) as session, session.begin():
         row = session.get(RuntimeInstance, instance_id)
         if row is None:
@@ -114,6 +117,7 @@ def register_instance(engine: Engine, *, instance_id: str, host: str, pid: int, 
         row.last_seen_at = now
         row.stopped_at = None
         row.records_dropped = 0
+        row.cpu_count = cpu_count if cpu_count is not None else os.cpu_count()
 
 
 def heartbeat(engine: Engine, instance_id: str, now: float, records_dropped: int = 0) -> bool:

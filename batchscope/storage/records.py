@@ -7,7 +7,9 @@ few attribute stores; nothing here touches the database.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import repeat, starmap
 from typing import Any, Callable, Optional, Protocol
 
@@ -53,6 +55,48 @@ class RequestRow:
     tpot_s: Optional[float] = None
     prompt_tokens: Optional[int] = None
     output_tokens: Optional[int] = None
+    #: JSON {input name: shape} (see ``shapes_json``) and the timeout it ran under, ms
+    input_shape_json: Optional[str] = None
+    timeout_ms: Optional[float] = None
+
+
+#: ``((input name, shape), ...)``: a model's declared per-request input shapes, ``-1``
+#: for the variable dimension
+InputShapes = tuple
+
+
+#: id(specs) -> (specs, their InputShapes): a model's specs are one long-lived object
+_DECLARED: dict[int, tuple[Any, InputShapes]] = {}
+
+
+def declared_shapes(specs: Any) -> InputShapes:
+    """``InputShapes`` of a model's input specs (anything with ``name`` and ``shape``),
+    worked out once per specs object (the engine asks once per batch)."""
+    known = _DECLARED.get(id(specs))
+    if known is not None and known[0] is specs:
+        return known[1]
+    shapes = tuple((str(s.name), tuple(int(d) for d in s.shape)) for s in specs)
+    if len(_DECLARED) < 1024:
+        _DECLARED[id(specs)] = (specs, shapes)
+    return shapes
+
+
+@lru_cache(maxsize=4096)
+def shapes_json(shapes: InputShapes | None, length: Optional[int]) -> Optional[str]:
+    """One request's input shapes as JSON, ``{"INPUT_IDS": [37], "MASK": [37]}``: the
+    declared shapes with every variable dimension at ``length`` (kept ``-1`` when the
+    length is unknown). None without declared shapes."""
+    if not shapes:
+        return None
+    at = -1 if length is None else int(length)
+    return json.dumps({name: [at if d == -1 else d for d in dims] for name, dims in shapes},
+                      separators=(",", ":"))
+
+
+def timeout_of(deadline_s: Optional[float], arrived_s: float) -> Optional[float]:
+    """The timeout a request with this deadline ran under, ms (as the float difference of
+    the two times: a reader rounds it, e.g. to the microsecond)."""
+    return None if deadline_s is None else (deadline_s - arrived_s) * 1000.0
 
 
 @dataclass(slots=True)
@@ -75,6 +119,11 @@ class RequestBatch:
     arrived_s: list
     bypass: list
     lengths: Optional[list] = None
+    #: each request's deadline (monotonic seconds, None for none): its ``timeout_ms``
+    deadlines_s: Optional[list] = None
+    #: the model's declared input shapes (``declared_shapes``): each row's
+    #: ``input_shape_json`` at its length
+    input_shapes: Optional[InputShapes] = None
 
     def __len__(self) -> int:
         return len(self.arrived_s)
@@ -85,9 +134,20 @@ class RequestBatch:
         finished_at = finished + off
         inst, model, seq, outcome = self.instance_id, self.model, self.batch_seq, self.outcome
         lengths = self.lengths if self.lengths is not None else repeat(None)
+        arrived, shapes, deadlines = self.arrived_s, self.input_shapes, self.deadlines_s
+        if shapes is None:
+            shaped: Any = repeat(None)
+        elif self.lengths is None:
+            shaped = repeat(shapes_json(shapes, None))
+        else:  # one JSON text per distinct length
+            by_length = {n: shapes_json(shapes, n) for n in set(self.lengths)}
+            shaped = map(by_length.__getitem__, self.lengths)
+        timeouts: Any = repeat(None) if deadlines is None else [
+            None if d is None else (d - a) * 1000.0 for d, a in zip(deadlines, arrived)]
         return [(inst, model, seq, p, a + off, finished_at, started - a, finished - a, outcome,
-                 b, n, None, None, None, None)
-                for p, a, b, n in zip(self.priorities, self.arrived_s, self.bypass, lengths)]
+                 b, n, None, None, None, None, j, t)
+                for p, a, b, n, j, t in zip(self.priorities, arrived, self.bypass, lengths, shaped,
+                                            timeouts)]
 
     def rows(self) -> list[RequestRow]:
         return list(starmap(RequestRow, self.tuples()))

@@ -20,7 +20,7 @@ from typing import Optional
 from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 #: an autoincrementing row id: 64-bit everywhere (SQLite's rowid is 64-bit already)
 ID = BigInteger().with_variant(Integer(), "sqlite")
@@ -54,6 +54,8 @@ class RuntimeInstance(Base):
     stopped_at: Mapped[Optional[float]] = mapped_column(Float)
     #: recorder drops reported with the heartbeat (cumulative since start)
     records_dropped: Mapped[int] = mapped_column(BigInteger, default=0)
+    #: the host's logical CPUs when the instance registered (``os.cpu_count()``)
+    cpu_count: Mapped[Optional[int]] = mapped_column(Integer)
 
 
 class BatchRecord(Base):
@@ -114,6 +116,11 @@ class RequestRecord(Base):
     tpot_s: Mapped[Optional[float]] = mapped_column(Float)
     prompt_tokens: Mapped[Optional[int]] = mapped_column(Integer)
     output_tokens: Mapped[Optional[int]] = mapped_column(Integer)
+    #: JSON {input name: shape} of one request (no batch dimension): the model's declared
+    #: shapes with each variable dimension at the request's ``length``; None: not recorded
+    input_shape_json: Mapped[Optional[str]] = mapped_column(Text)
+    #: the timeout the request ran under (its own, or the model's default), ms; None: none
+    timeout_ms: Mapped[Optional[float]] = mapped_column(Float)
 
     __table_args__ = (
         Index("ix_requests_model_finished", "model", "finished_at"),
@@ -359,3 +366,72 @@ class ShapeSummary(Base):
     max_batch_size_max: Mapped[Optional[int]] = mapped_column(Integer)
 
     __table_args__ = {"sqlite_with_rowid": False}
+
+
+# -- tuning sessions (batchscope.tuning.store) ----------------------------------------------
+class TuningSessionRecord(Base):
+    """One tuning session (``batchscope tune`` or the dashboard's "Find best settings"):
+    what it tuned, how, and what it found. Written when it starts, updated when it ends."""
+
+    __tablename__ = "tuning_sessions"
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
+    #: the runtime instance tuned (None: no registered instance has the session's URL)
+    instance_id: Mapped[Optional[str]] = mapped_column(String(64))
+    url: Mapped[str] = mapped_column(String(255))
+    model: Mapped[str] = mapped_column(String(128))
+    started_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[Optional[float]] = mapped_column(Float)
+    #: running | finished | cancelled | failed
+    state: Mapped[str] = mapped_column(String(16))
+    #: goodput | latency
+    objective: Mapped[str] = mapped_column(String(16))
+    slo_p99_ms: Mapped[float] = mapped_column(Float)
+    #: the latency objective's target rate, requests per second
+    target_rps: Mapped[Optional[float]] = mapped_column(Float)
+    budget_s: Mapped[float] = mapped_column(Float)
+    #: synthetic | replay | live, and the load in words ("closed loop, 64 connections")
+    load_kind: Mapped[str] = mapped_column(String(16))
+    load_description: Mapped[Optional[str]] = mapped_column(Text)
+    #: the tuned settings the session started from, and the best feasible point found
+    start_settings_json: Mapped[str] = mapped_column(Text)
+    best_settings_json: Mapped[Optional[str]] = mapped_column(Text)
+    best_trial: Mapped[Optional[int]] = mapped_column(Integer)
+    #: the result sentence, why the session stopped, and what became of the settings
+    sentence: Mapped[Optional[str]] = mapped_column(Text)
+    stop_reason: Mapped[Optional[str]] = mapped_column(Text)
+    outcome: Mapped[Optional[str]] = mapped_column(Text)
+    #: the device it ran on, in words, from the instance's registration and its device
+    #: telemetry; the telemetry's kind (gpu | cpu) and the device's total memory, bytes
+    hardware: Mapped[Optional[str]] = mapped_column(String(255))
+    device_kind: Mapped[Optional[str]] = mapped_column(String(8))
+    device_memory_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
+    #: cli | dashboard
+    requested_by: Mapped[str] = mapped_column(String(32))
+
+    __table_args__ = (Index("ix_tuning_sessions_model_started", "model", "started_at"),
+                      Index("ix_tuning_sessions_started", "started_at"))
+
+
+class TuningTrialRecord(Base):
+    """One trial of a tuning session: the point measured and its figures; written as the
+    trial ends."""
+
+    __tablename__ = "tuning_trials"
+    session_id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    #: the trial's number in its session (0: the starting settings)
+    number: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    #: the point (the tuned settings) and what differs from the starting ones
+    settings_json: Mapped[str] = mapped_column(Text)
+    changed_json: Mapped[str] = mapped_column(Text)
+    #: counted | unstable | refused | aborted | cancelled
+    status: Mapped[str] = mapped_column(String(16))
+    feasible: Mapped[bool] = mapped_column(Boolean)
+    throughput_rps: Mapped[Optional[float]] = mapped_column(Float)
+    goodput_rps: Mapped[Optional[float]] = mapped_column(Float)
+    p50_ms: Mapped[Optional[float]] = mapped_column(Float)
+    p99_ms: Mapped[Optional[float]] = mapped_column(Float)
+    #: why the point is infeasible (None: feasible, or not decided)
+    reason: Mapped[Optional[str]] = mapped_column(Text)
+    windows: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[Optional[float]] = mapped_column(Float)

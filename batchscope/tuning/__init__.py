@@ -14,6 +14,10 @@ it measures is what will serve. The pieces, each one concept:
   figures for live traffic.
 - ``runner``: the thin shell that runs a session end to end (used by ``batchscope
   tune`` and the dashboard), restoring the starting settings unless asked to apply.
+- ``store``: sessions and their trials in the database, written as they run and read
+  back for the Tuning page, snapshots and the offline report.
+- ``golden``: the golden-parameter table (the best settings per stored session on its
+  hardware, beside the published rules of thumb), as CSV or Markdown.
 
 Nothing here imports ``runtime``.
 """

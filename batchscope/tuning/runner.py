@@ -7,6 +7,12 @@ windows until the session has a verdict. At the end, and on cancel or any error,
 starting settings are put back, unless ``apply`` asks for the best point to stay.
 ``batchscope tune`` and the dashboard's "Find best settings" panel both call it; the
 dashboard runs it on a thread and passes ``cancel`` and ``on_update``.
+
+With a database URL (``db_url``) the session is stored as it runs
+(``batchscope.tuning.store``): its row when it starts, each trial as it ends, the
+result at the end, with the instance tuned (the one registered at the URL, unless
+``instance_id`` names it) and its hardware. Without one, or when the database cannot be
+reached, the session runs all the same and says it is not stored.
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from batchscope.load.background import BackgroundLoad
 from batchscope.load.loadgen import LoadError, longest_length
 from batchscope.load.replay import RecordedTraffic, read_traffic
 from batchscope.storage.db import DatabaseNotFound, make_engine
+from batchscope.tuning import store
 from batchscope.tuning.client import ControlClient, SettingsRefused, TuningError
 from batchscope.tuning.figures import GOODPUT, LATENCY, Objective, Stability
 from batchscope.tuning.measure import LiveMeter, LoadMeter, Meter
@@ -46,7 +55,8 @@ class TuneOptions:
     concurrency: int | None = 64
     rate: float | None = None
     lengths: str | None = None
-    #: replay: the recording database, how far back (seconds) and how fast
+    #: the database: replay reads the recorded traffic from it, and the session is stored
+    #: in it; replay: how far back (seconds) and how fast
     db_url: str | None = None
     replay_window_s: float | None = None
     replay_speed: float = 1.0
@@ -67,6 +77,11 @@ class TuneOptions:
     #: a window lasts until this many requests finished in it (up to 3 x window_s)
     min_requests: int = 50
     space: SpaceOptions = field(default_factory=SpaceOptions)
+    #: the runtime instance tuned, stored with the session (None: the one registered at
+    #: ``url`` in the database, if any)
+    instance_id: str | None = None
+    #: who started the session (cli | dashboard), stored with it
+    requested_by: str = "cli"
 
     def check(self) -> "TuneOptions":
         """A ``TuningError`` naming the first option that cannot work."""
@@ -112,6 +127,8 @@ class Progress:
     #: the trials so far, as ``Trial.row`` gives them
     rows: list[dict]
     result: TuningResult | None = None
+    #: where the session is stored, or why it is not
+    stored: str = ""
 
 
 def _load_for(options: TuneOptions, traffic: RecordedTraffic | None) -> BackgroundLoad:
@@ -181,39 +198,106 @@ def run_tuning(options: TuneOptions, *, cancel: threading.Event | None = None,
     session = TuningSession(space, search, objective, now=clock(), stopping=stopping,
                             stability=options.stability, settle_s=options.settle_s,
                             window_s=options.window_s, live=options.load == "live")
+    writer, stored = open_writer(options, session.start,
+                                 load.describe() if load is not None else "the live traffic",
+                                 wall_offset_s=time.time() - clock())
+    say(f"session: {stored}")
 
     def update(message: str, result: TuningResult | None = None) -> None:
         if on_update is not None:
             now = clock()
             on_update(Progress(fraction=session.progress(now), elapsed_s=session.elapsed_s(now),
                                message=message, rows=[t.row(session.start) for t in session.trials],
-                               result=result))
+                               result=result, stored=writer.note if writer else stored))
 
     def send(changes: dict) -> None:
         if changes:
             client.change(changes)
 
+    error: BaseException | None = None
     try:
         update("measuring the starting settings")
         drive(session, send=send, meter=meter, clock=clock,
               wait=lambda seconds: cancel.wait(max(0.0, seconds)),
-              min_requests=options.min_requests, say=say, update=update)
+              min_requests=options.min_requests, say=say, update=update,
+              done=(lambda trial: writer.trial(trial, session.start)) if writer else _nothing)
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
         if load is not None:
             load.stop()
-        result = finish(session, send, apply=options.apply, now=clock(), model=options.model)
+        result = None
+        try:
+            result = finish(session, send, apply=options.apply, now=clock(), model=options.model)
+        finally:
+            store_end(writer, result, error)
+    result.stored_as = writer.session_id if writer is not None else None
+    result.storage = writer.note if writer is not None else stored
+    if writer is not None and writer.problem is not None:
+        say(f"session: {writer.note}")
     update("done", result)
     return result
+
+
+def _nothing(trial: Trial) -> None:
+    pass
+
+
+def open_writer(options: TuneOptions, start: dict, load: str, *,
+                wall_offset_s: float) -> tuple[store.SessionWriter | None, str]:
+    """The writer of a session that starts now from the settings ``start`` under the load
+    described by ``load``, and where it is stored; ``(None, why not)`` without a database
+    to store it in."""
+    if not options.db_url:
+        return None, "not stored (no database given; --db URL stores it with its trials)"
+    try:
+        engine = store.open_database(options.db_url)
+    except store.StoreUnavailable as exc:
+        return None, f"not stored: {exc}"
+    try:
+        instance = options.instance_id or store.instance_for_url(engine, options.url,
+                                                                 options.model)
+        hardware = store.hardware_of(engine, instance) if instance else None
+        writer = store.SessionWriter.begin(engine, store.SessionStart(
+            model=options.model, url=options.url, instance_id=instance,
+            objective=options.objective, slo_p99_ms=options.slo_p99_ms,
+            target_rps=options.target_rps, budget_s=options.budget_s, load_kind=options.load,
+            load_description=load, start_settings=dict(start),
+            requested_by=options.requested_by, started_at=time.time(),
+            hardware=hardware), wall_offset_s=wall_offset_s)
+        return writer, writer.note
+    except (SQLAlchemyError, OSError) as exc:
+        where = engine.url.render_as_string(hide_password=True)
+        engine.dispose()
+        return None, f"not stored: writing to {where} failed ({type(exc).__name__}: {exc})"[:500]
+
+
+def store_end(writer: store.SessionWriter | None, result: TuningResult | None,
+              error: BaseException | None) -> None:
+    """Write how the session ended (failed: ``error``, or no result) and let go of the
+    database."""
+    if writer is None:
+        return
+    if error is None and result is not None:
+        writer.end(result, state=store.state_of(result), now=time.time())
+    else:
+        why = (f"{type(error).__name__}: {error}" if error is not None
+               else "the session ended without a result")
+        writer.end(result, state=store.SESSION_FAILED, now=time.time(), reason=why)
+    writer.engine.dispose()
 
 
 def drive(session: TuningSession, *, send: Callable[[dict], None], meter: Meter,
           clock: Callable[[], float], wait: Callable[[float], bool], min_requests: int = 0,
           say: Callable[[str], None] = lambda text: None,
-          update: Callable[[str], None] = lambda message: None) -> None:
+          update: Callable[[str], None] = lambda message: None,
+          done: Callable[[Trial], None] = lambda trial: None) -> None:
     """Run ``session``'s trials until it is over: send each trial's changes (a refusal
     makes it infeasible), wait ``settle_s``, then measure windows until a verdict; on
-    ``RESTORE`` send the starting settings at once. ``wait(seconds)`` sleeps and says
-    whether the session was cancelled meanwhile (then it stops; so does Ctrl-C)."""
+    ``RESTORE`` send the starting settings at once. ``done(trial)`` follows each trial
+    that ended (refused or measured). ``wait(seconds)`` sleeps and says whether the
+    session was cancelled meanwhile (then it stops; so does Ctrl-C)."""
 
     def wait_window() -> bool:
         # window_s, longer (up to 3 x) while fewer than min_requests finished in it
@@ -233,6 +317,7 @@ def drive(session: TuningSession, *, send: Callable[[dict], None], meter: Meter,
             except SettingsRefused as exc:
                 session.refused(trial, exc.message, clock())
                 say(_trial_line(trial))
+                done(trial)
                 continue
             session.started(trial, clock())
             if wait(session.settle_s):
@@ -250,6 +335,7 @@ def drive(session: TuningSession, *, send: Callable[[dict], None], meter: Meter,
                 send(session.restore_changes())
                 session.restored()
             say(_trial_line(trial))
+            done(trial)
     except KeyboardInterrupt:
         session.cancel(clock())
 

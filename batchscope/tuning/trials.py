@@ -75,6 +75,10 @@ class TuningResult:
     stop_reason: str
     #: what became of the server's settings at the end: "restored", "applied", ...
     outcome: str = ""
+    #: the stored session's id (``batchscope.tuning.store``), and where it is stored or
+    #: why it is not
+    stored_as: int | None = None
+    storage: str = ""
 
     @property
     def measured(self) -> int:
@@ -154,4 +158,5 @@ class TuningResult:
                 "baseline": None if self.baseline is None else self.baseline.row(self.start),
                 "trials": [t.row(self.start) for t in self.trials], "elapsed_s": self.elapsed_s,
                 "stop_reason": self.stop_reason, "outcome": self.outcome,
+                "stored_as": self.stored_as, "storage": self.storage,
                 "sentence": self.sentence()}

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchscope.storage.records import (BatchRow, EventRow, ListRecorder, RecorderLike,
-                                        RequestBatch, RequestRow, put_many_of)
+                                        RequestBatch, RequestRow, declared_shapes, put_many_of,
+                                        shapes_json, timeout_of)
 from runtime.api.errors import (BatchScopeError, ModelError, ModelNotReady, ModelTimedOut,
                                 OutOfMemory, RequestExpired)
 from runtime.core.batcher import Batch, pad_length
@@ -129,6 +130,8 @@ class Booking:
         #: the number of the last ``BatchRow``, across models
         self.batch_seq = 0
         self.failures = FailureLog()
+        #: model name -> its declared input shapes (see ``_shapes_of``)
+        self._declared: dict[str, tuple] = {}
 
     # -- a batch back from the device ---------------------------------------------------
     def batch_back(self, model: ServedModel, batch: Batch, attempts: list[Attempt],
@@ -222,6 +225,7 @@ class Booking:
         priorities: list[int] = []
         arrived: list[float] = []
         bypass: list[bool] = []
+        deadlines: list[float | None] = []
         lengths: list[int] | None = [] if model.variable else None
         for i in range(start, a.stop):
             req = reqs[i]
@@ -232,12 +236,14 @@ class Booking:
             priorities.append(req.priority)
             arrived.append(req.arrived_s)
             bypass.append(req.bypass)
+            deadlines.append(req.deadline_s)
             if lengths is not None:
                 lengths.append(req.length)
         answered = len(arrived)
         if answered:
             block = RequestBatch(self.instance_id, model.name, seq, "ok", a.started_s, now,
-                                 self.clock.to_wall(0.0), priorities, arrived, bypass, lengths)
+                                 self.clock.to_wall(0.0), priorities, arrived, bypass, lengths,
+                                 deadlines, self._shapes_of(model))
             if self._request_batches:
                 self.recorder.put(block)
             else:
@@ -385,10 +391,19 @@ class Booking:
         else:
             totals.fail += 1
             totals.fail_s += now - arrived
+        length = req.length if model.variable else None
         self.recorder.put(RequestRow(
             self.instance_id, model.name, batch_seq, req.priority, to_wall(arrived), to_wall(now),
             (started_s if started_s is not None else now) - arrived, now - arrived, outcome,
-            req.bypass, req.length if model.variable else None))
+            req.bypass, length, input_shape_json=shapes_json(self._shapes_of(model), length),
+            timeout_ms=timeout_of(req.deadline_s, arrived)))
+
+    def _shapes_of(self, model: ServedModel) -> tuple:
+        """The model's declared input shapes (``declared_shapes``), worked out once."""
+        shapes = self._declared.get(model.name)
+        if shapes is None:
+            shapes = self._declared[model.name] = declared_shapes(model.api.inputs)
+        return shapes
 
     def rejected(self, model: ServedModel, req: PendingRequest, now: float) -> None:
         """A request refused because the queue is full (the caller raises ``QueueFull``)."""

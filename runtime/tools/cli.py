@@ -448,7 +448,8 @@ def _add_tune(sub: Any) -> None:
                    help="synthetic input lengths: uniform:8:128, fixed:64 or choice:16,64 "
                         "(variable-length models)")
     p.add_argument("--db", default=None, metavar="URL",
-                   help="replay: the recording database (SQLAlchemy URL)")
+                   help="the database (SQLAlchemy URL): replay reads the recorded traffic from "
+                        "it, and the session and its trials are stored in it")
     p.add_argument("--replay-window-s", type=float, default=None, metavar="S",
                    help="replay: the last S seconds of recorded traffic (default: the newest "
                         "100000 requests)")

@@ -8,7 +8,9 @@
 * ``0002_wide_integers``: byte sizes, ids and growing counts become 64-bit, roll-ups
   are indexed by time (schema version 3);
 * ``0003_live_summaries``: the summaries the live dashboard reads
-  (``batchscope.storage.summaries``; schema version 4), filled from the raw rows there.
+  (``batchscope.storage.summaries``; schema version 4), filled from the raw rows there;
+* ``0004_tuning_sessions``: tuning sessions and their trials, the requests' input shapes
+  and timeouts, the hosts' CPU count (schema version 5).
 
 A new revision: a file here with the next number, ``down_revision`` the last one, its
 ``upgrade`` written against the tables as the previous revisions left them (never
