@@ -24,6 +24,7 @@ from runtime.api.config import BatchingConfig
 from runtime.api.errors import ClientError, ModelError, QueueFull, RequestExpired, ValidationError
 from runtime.engine.engine import Engine
 from runtime.models.toys import DoubleModel, FailingModel
+from runtime.server import triton
 from tests.factories import wait_for
 
 LIMIT_S = 30.0
@@ -66,6 +67,16 @@ def test_items_batch_with_other_requests_and_come_back_in_order():
         assert list(totals.by_batch_size) == [5] and totals.by_batch_size[5][0] == 1
         assert totals.compute_s == pytest.approx(5 * totals.by_batch_size[5][1])
         assert totals.queue_s >= 0.0 and totals.success_s >= totals.queue_s
+        # the device time split into collate, forward pass and split, as Triton reports it
+        n, compute_s, input_s, output_s = totals.by_batch_size[5]
+        assert input_s > 0.0 and output_s > 0.0 and input_s + output_s < compute_s
+        assert totals.input_s == pytest.approx(5 * input_s)
+        stats = triton.model_statistics(engine, ["double"])["model_stats"][0]
+        inference, batch = stats["inference_stats"], stats["batch_stats"][0]
+        parts = [inference[k]["ns"] for k in ("compute_input", "compute_infer", "compute_output")]
+        assert all(ns > 0 for ns in parts)
+        assert sum(parts) == pytest.approx(totals.compute_s * 1e9, abs=3)
+        assert batch["compute_input"]["ns"] == round(input_s * 1e9)
 
     run(main)
 

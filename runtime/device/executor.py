@@ -71,10 +71,12 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
             check_budget(model, n, pad, cfg.memory_budget_mb)
             with torch.inference_mode():
                 inputs = model.collate(part, pad)
+                collated = clock.now()
                 if graphs is None:
                     output = model.predict(inputs)
                 else:
                     output, used_graph = graphs.run(inputs, n)
+                predicted = clock.now()
                 outputs = model.split(output, n)
                 del inputs, output
             if outputs is None or len(outputs) != n:
@@ -97,7 +99,8 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
         ended = clock.now()
         return Attempt(lo, hi, "ok", started, ended, ended - started, outputs=outputs,
                        peak_memory_bytes=devicemem.peak_bytes(device) if on_cuda else None,
-                       cuda_graph=used_graph)
+                       cuda_graph=used_graph, input_s=collated - started,
+                       output_s=ended - predicted)
 
     return run_splitting(whole, attempt, recover=cfg.oom_recovery,
                          free=lambda: devicemem.free_cached(device),

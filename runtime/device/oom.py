@@ -71,6 +71,10 @@ class Attempt:
     cuda_graph: bool = False
     #: memory figures at the moment of an OOM
     memory: dict = field(default_factory=dict)
+    #: of ``compute_s``: the time in ``collate`` (with the memory-budget check) and in
+    #: ``split``; the rest is ``predict`` (on a GPU, split also waits for the kernels)
+    input_s: float = 0.0
+    output_s: float = 0.0
 
     @property
     def size(self) -> int:

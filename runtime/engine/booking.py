@@ -155,10 +155,12 @@ class Booking:
                 totals.executions += 1
                 by_size = totals.by_batch_size.get(a.size)
                 if by_size is None:
-                    totals.by_batch_size[a.size] = [1, a.compute_s]
+                    totals.by_batch_size[a.size] = [1, a.compute_s, a.input_s, a.output_s]
                 else:
                     by_size[0] += 1
                     by_size[1] += a.compute_s
+                    by_size[2] += a.input_s
+                    by_size[3] += a.output_s
                 continue
             clean = False
             if outcome == "oom":
@@ -259,6 +261,8 @@ class Booking:
             totals.success_s += answered * now - arrived_s
             totals.queue_s += answered * a.started_s - arrived_s
             totals.compute_s += answered * a.compute_s
+            totals.input_s += answered * a.input_s
+            totals.output_s += answered * a.output_s
             totals.last_success_at = self.clock.to_wall(now)
 
     def _record_batch(self, model: ServedModel, batch: Batch, a: Attempt) -> int:

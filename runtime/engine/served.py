@@ -66,7 +66,11 @@ class InferenceTotals:
     #: and their batches' summed compute time (each request counted with its whole batch's)
     queue_s: float = 0.0
     compute_s: float = 0.0
-    #: batches that ran without error, by batch size: [batches, summed compute seconds]
+    #: of ``compute_s``: the part in ``collate`` and the part in ``split``
+    input_s: float = 0.0
+    output_s: float = 0.0
+    #: batches that ran without error, by batch size: [batches, summed compute seconds,
+    #: of which in collate, of which in split]
     executions: int = 0
     by_batch_size: dict[int, list] = field(default_factory=dict)
     #: wall-clock time (seconds since the epoch) of the last successful request

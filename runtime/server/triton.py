@@ -21,8 +21,9 @@ can fill Triton's protobuf messages from them (``google.protobuf.json_format``).
   milliseconds since the epoch. Every item the engine queued counts as one
   request (a request sent with a batch dimension of k counts k times, where Triton
   counts it once in ``inference_stats`` and k times in ``inference_count``).
-  ``compute_infer`` holds a batch's whole device time (collate, forward pass and
-  split); ``compute_input`` and ``compute_output`` count the same batches with 0 ns.
+  ``compute_input`` is the time in the model's ``collate``, ``compute_output`` in its
+  ``split``, ``compute_infer`` the rest of the batch's device time (the forward pass; on
+  a GPU the wait for its kernels falls in ``split``, which copies the outputs back).
 * ``repository_index``: ``RepositoryIndexResponse.models``: name, version, state
   (``READY`` or ``UNAVAILABLE``) and reason of every request model.
 """
@@ -124,17 +125,18 @@ def _model_statistics(name: str, totals: Any) -> dict[str, Any]:
             "success": _duration(ok, totals.success_s),
             "fail": _duration(totals.fail, totals.fail_s),
             "queue": _duration(ok, totals.queue_s),
-            "compute_input": _duration(ok, 0.0),
-            "compute_infer": _duration(ok, totals.compute_s),
-            "compute_output": _duration(ok, 0.0),
+            "compute_input": _duration(ok, totals.input_s),
+            "compute_infer": _duration(ok, totals.compute_s - totals.input_s - totals.output_s),
+            "compute_output": _duration(ok, totals.output_s),
             "cache_hit": _duration(0, 0.0),
             "cache_miss": _duration(0, 0.0),
         },
         "batch_stats": [{"batch_size": size,
-                         "compute_input": _duration(n, 0.0),
-                         "compute_infer": _duration(n, compute_s),
-                         "compute_output": _duration(n, 0.0)}
-                        for size, (n, compute_s) in sorted(totals.by_batch_size.items())],
+                         "compute_input": _duration(n, input_s),
+                         "compute_infer": _duration(n, compute_s - input_s - output_s),
+                         "compute_output": _duration(n, output_s)}
+                        for size, (n, compute_s, input_s, output_s)
+                        in sorted(totals.by_batch_size.items())],
         "memory_usage": [],
         "response_stats": {},
     }
