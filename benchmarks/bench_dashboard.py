@@ -3,9 +3,10 @@
 Generates ``--batches`` batch rows (default one million) spread over ``--hours``
 of history, with their requests (mean batch size ``--mean-batch``), device
 samples and events, into a SQLite file with ``batchscope.testing.synthetic``; then
-times one live refresh = every query of the live fragment
-(``queries.live_bundle``, which reads the live summaries), plus the diagnosis rules and
-building the charts, for several window lengths ending at the newest data. ``--raw``
+times one live refresh as the Live page runs it: every query of the live fragment
+(``queries.live_bundle``, which reads the live summaries), the diagnosis rules, building
+the charts and turning them into the JSON ``st.plotly_chart`` sends (what Streamlit does
+with each figure), for several window lengths ending at the newest data. ``--raw``
 times the same frames aggregated from the raw rows instead (``queries.raw_bundle``).
 For ten replicas sharing a database, on SQLite and PostgreSQL, see
 ``bench_fleet_queries.py``.
@@ -25,6 +26,9 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     import common  # noqa: F401  (puts the repository root on sys.path)
+import plotly.io as pio
+import plotly.tools
+
 from batchscope.presentation import charts
 from batchscope.analysis import diagnosis, queries
 from batchscope.testing import synthetic
@@ -44,17 +48,31 @@ def build(db_path: Path, batches: int, hours: float, mean_batch: float) -> dict:
             "requests": out.requests, "device_samples": out.device_samples, "end_s": out.end_s}
 
 
+#: the parts of one refresh, in the order they run
+PARTS = ("queries_s", "diagnosis_s", "charts_s", "to_json_s", "total_s")
+
+
+def to_json(figs: dict) -> None:
+    """What ``st.plotly_chart`` does with each figure before it leaves the server."""
+    for fig in figs.values():
+        pio.to_json(plotly.tools.return_figure_from_figure_or_data(fig, validate_figure=True),
+                    validate=False)
+
+
 def refresh_once(engine, w: queries.Window, raw: bool = False) -> dict:
+    """One refresh of the Live page: its queries, the diagnosis, the charts and their JSON."""
     t0 = time.perf_counter()
     bundle = queries.raw_bundle(engine, w) if raw else queries.live_bundle(engine, w)
     t1 = time.perf_counter()
     flags = diagnosis.diagnose(bundle)
     t2 = time.perf_counter()
-    charts.build_all(bundle, slo_ms=50)
+    figs = charts.build_all(bundle, slo_ms=50)
     t3 = time.perf_counter()
+    to_json(figs)
+    t4 = time.perf_counter()
     head = bundle["headline"].iloc[0]
-    return {"queries_s": t1 - t0, "diagnosis_s": t2 - t1, "charts_s": t3 - t2, "total_s": t3 - t0,
-            "flags": len(flags), "requests_in_window": int(head["requests"]),
+    return {"queries_s": t1 - t0, "diagnosis_s": t2 - t1, "charts_s": t3 - t2, "to_json_s": t4 - t3,
+            "total_s": t4 - t0, "flags": len(flags), "requests_in_window": int(head["requests"]),
             "resolution": head.get("resolution")}
 
 
@@ -86,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     for minutes in [float(m) for m in args.windows.split(",")]:
         w = queries.Window.last(minutes, now=end + 1, model="mlp")
         runs = [refresh_once(engine, w, args.raw) for _ in range(args.repeat)]
-        summary = {k: round(statistics.median(r[k] for r in runs), 4)
-                   for k in ("queries_s", "diagnosis_s", "charts_s", "total_s")}
+        summary = {k: round(statistics.median(r[k] for r in runs), 4) for k in PARTS}
         summary["requests_in_window"] = runs[0]["requests_in_window"]
         result["refresh"][f"{minutes:g}min"] = summary
         print(f"window {minutes:g} min: {json.dumps(summary)}", flush=True)

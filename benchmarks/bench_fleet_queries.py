@@ -4,11 +4,19 @@ Generates ``--replicas`` instances (default 10) serving one model for ``--hours`
 (default 24) with ``--batches`` batches in all (default 10 million; mean batch size 4,
 so about 40 million requests), written hour by hour per instance with
 ``batchscope.testing.synthetic`` (vectorised; its inserts also fill the live summaries,
-as the recorder's do). Then times one live refresh, ``queries.live_bundle`` (every
-query of the Live page: what the Streamlit server spends per refresh on the database),
-for windows ending at the newest data, and separately the diagnosis rules and the
-charts. ``--raw`` also times the same frames aggregated from the raw rows
-(``queries.raw_bundle``, what a refresh cost before the summaries).
+as the recorder's do). Then times one refresh of each live page for windows ending at
+the newest data, the way the page runs it (what the Streamlit server spends per refresh):
+
+* Live: ``queries.live_bundle`` (every query of the page, from the summaries), the
+  diagnosis rules, the charts and their JSON (``bench_dashboard.refresh_once``);
+* Fleet: ``fleet.bundle`` (per-instance figures from the summaries, exact per-instance
+  and fleet-wide percentiles), the fleet rules, the busiest model's per-instance
+  throughput timeline, its two charts and their JSON (``fleet_refresh_once``).
+
+Each is the median of ``--repeat`` refreshes after a first one (reported apart, as
+``first_total_s``: the cache is cold then). ``--raw`` also times the Live page's frames
+aggregated from the raw rows (``queries.raw_bundle``, what a refresh cost before the
+summaries).
 
 PostgreSQL: a throw-away server started from the Debian binaries (as the ``postgres``
 user when run as root), unless ``--pg-url`` names one. Its settings are printed.
@@ -16,6 +24,7 @@ user when run as root), unless ``--pg-url`` names one. Its settings are printed.
     python benchmarks/bench_fleet_queries.py                          # both, full size
     python benchmarks/bench_fleet_queries.py --backends sqlite --batches 1000000
     python benchmarks/bench_fleet_queries.py --write-overhead         # insert cost of the summaries
+    python benchmarks/bench_fleet_queries.py --folder /data/fleet     # keep (and reuse) both databases
 """
 
 from __future__ import annotations
@@ -36,12 +45,13 @@ from typing import Iterator
 
 if __package__ in (None, ""):
     import common  # noqa: F401  (puts the repository root on sys.path)
-    from bench_dashboard import refresh_once
+    from bench_dashboard import PARTS, refresh_once, to_json
 else:
-    from benchmarks.bench_dashboard import refresh_once
+    from benchmarks.bench_dashboard import PARTS, refresh_once, to_json
 from sqlalchemy import text
 
-from batchscope.analysis import queries
+from batchscope.analysis import fleet, fleet_rules, queries
+from batchscope.presentation import fleet_charts
 from batchscope.storage import inserts as inserts_module
 from batchscope.storage.db import make_engine
 from batchscope.storage.inserts import BulkInserts
@@ -67,25 +77,31 @@ def pg_bin(name: str) -> str:
 
 @contextlib.contextmanager
 def pg_server(folder: Path) -> Iterator[str]:
-    """A PostgreSQL server on a free port with its data in ``folder``; yields a URL."""
+    """A PostgreSQL server on a free port with its data in ``folder``; yields a URL.
+    A ``folder`` that holds a server's data from an earlier run is started again as it
+    is (so a filled database is measured again without generating it anew)."""
     as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
     data = folder / "pgdata"
-    data.mkdir(parents=True)
-    if as_postgres:
-        shutil.chown(folder, "postgres")
-        shutil.chown(data, "postgres")
+    fresh = not (data / "PG_VERSION").exists()
+    if fresh:
+        data.mkdir(parents=True)
+        if as_postgres:
+            shutil.chown(folder, "postgres")
+            shutil.chown(data, "postgres")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    subprocess.run([*as_postgres, pg_bin("initdb"), "-D", str(data), "-U", "postgres", "--auth=trust"],
-                   check=True, capture_output=True)
+    if fresh:
+        subprocess.run([*as_postgres, pg_bin("initdb"), "-D", str(data), "-U", "postgres", "--auth=trust"],
+                       check=True, capture_output=True)
     options = " ".join(f"-c {k}={v}" for k, v in PG_SETTINGS.items())
     subprocess.run([*as_postgres, pg_bin("pg_ctl"), "start", "-w", "-D", str(data), "-l", str(folder / "log"),
                     "-o", f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 {options}"],
                    check=True, capture_output=True)
     try:
-        subprocess.run([*as_postgres, pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres",
-                        "bench"], check=True, capture_output=True)
+        if fresh:
+            subprocess.run([*as_postgres, pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(port), "-U",
+                            "postgres", "bench"], check=True, capture_output=True)
         yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/bench"
     finally:
         subprocess.run([*as_postgres, pg_bin("pg_ctl"), "stop", "-m", "fast", "-D", str(data)],
@@ -138,7 +154,39 @@ def has_batches(url: str) -> bool:
     return has_rows(url, "batches")
 
 
-def measure(url: str, windows: list[float], repeat: int, raw: bool) -> dict:
+def fleet_refresh_once(engine, w: queries.Window, now: float) -> dict:
+    """One refresh of the Fleet page's live region (``dashboard.fleet.fleet_region``)."""
+    t0 = time.perf_counter()
+    fb = fleet.bundle(engine, queries.Window(w.start_s, w.end_s), now=now)
+    model = fb["busiest"][1] if fb["busiest"] else w.model
+    timeline = fleet.throughput_timeline(engine, queries.Window(w.start_s, w.end_s, model))
+    t1 = time.perf_counter()
+    flags = fleet_rules.diagnose(fb)
+    t2 = time.perf_counter()
+    rows = fb["table"][fb["table"]["model"] == model]
+    per_model = fb["fleet"][fb["fleet"]["model"] == model]
+    figs = {"fleet_throughput": fleet_charts.throughput_by_instance(timeline),
+            "fleet_latency": fleet_charts.latency_by_instance(
+                rows, per_model.iloc[0].to_dict() if len(per_model) else None)}
+    t3 = time.perf_counter()
+    to_json(figs)
+    t4 = time.perf_counter()
+    return {"queries_s": t1 - t0, "diagnosis_s": t2 - t1, "charts_s": t3 - t2, "to_json_s": t4 - t3,
+            "total_s": t4 - t0, "flags": len(flags), "instances": len(rows),
+            "requests_in_window": int(rows["requests"].sum()), "latencies_read": fb["latencies_read"]}
+
+
+def timed(refresh, repeat: int) -> dict:
+    """The median of ``repeat`` refreshes per part, after a first one (``first_total_s``)."""
+    first = refresh()
+    runs = [refresh() for _ in range(repeat)]
+    out = {k: round(statistics.median(r[k] for r in runs), 4) for k in PARTS}
+    out["first_total_s"] = round(first["total_s"], 4)
+    out.update({k: v for k, v in runs[-1].items() if k not in PARTS})
+    return out
+
+
+def measure(url: str, windows: list[float], repeat: int, raw: bool, pages: tuple[str, ...]) -> dict:
     engine = make_engine(url)
     with engine.connect() as conn:
         end = conn.execute(text("SELECT MAX(ended_at) FROM batches")).scalar()
@@ -146,19 +194,20 @@ def measure(url: str, windows: list[float], repeat: int, raw: bool) -> dict:
                 for t in ("batches", "requests", "device_samples", "summary_stats", "summary_latency",
                           "summary_shapes")}
     print(f"  rows: {rows}", flush=True)
-    out: dict = {"rows": rows, "refresh": {}}
+    out: dict = {"rows": rows, "refresh": {}, "fleet_refresh": {}}
     for minutes in windows:
         w = queries.Window.last(minutes, now=end + 1, model="mlp")
-        first = refresh_once(engine, w)
-        runs = [refresh_once(engine, w) for _ in range(repeat)]
-        summary = {k: round(statistics.median(r[k] for r in runs), 4)
-                   for k in ("queries_s", "diagnosis_s", "charts_s")}
-        summary.update(first_queries_s=round(first["queries_s"], 4),
-                       requests_in_window=runs[0]["requests_in_window"], resolution=runs[0]["resolution"])
-        if raw:
-            summary["raw_queries_s"] = round(refresh_once(engine, w, raw=True)["queries_s"], 4)
-        out["refresh"][f"{minutes:g}min"] = summary
-        print(f"  window {minutes:g} min: {json.dumps(summary)}", flush=True)
+        label = f"{minutes:g}min"
+        if "live" in pages:
+            summary = timed(lambda: refresh_once(engine, w), repeat)
+            if raw:
+                summary["raw_queries_s"] = round(refresh_once(engine, w, raw=True)["queries_s"], 4)
+            out["refresh"][label] = summary
+            print(f"  Live page, {minutes:g} min: {json.dumps(summary)}", flush=True)
+        if "fleet" in pages:
+            summary = timed(lambda: fleet_refresh_once(engine, w, end + 1), repeat)
+            out["fleet_refresh"][label] = summary
+            print(f"  Fleet page, {minutes:g} min: {json.dumps(summary)}", flush=True)
     engine.dispose()
     return out
 
@@ -211,10 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", default="1,5,15,60", help="window lengths in minutes")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--raw", action="store_true", help="also time the frames from the raw rows")
+    p.add_argument("--pages", default="live,fleet", help="the pages whose refresh is timed")
     p.add_argument("--sqlite-db", type=Path, default=None, help="a SQLite file to fill (when empty) and query")
     p.add_argument("--pg-url", default=None, help="a PostgreSQL database to fill (when empty) and query")
     p.add_argument("--write-overhead", action="store_true", help="only measure the summaries' insert cost")
-    p.add_argument("--folder", type=Path, default=None, help="where data goes (default: a temporary folder)")
+    p.add_argument("--folder", type=Path, default=None,
+                   help="where the databases go, and are read again from on the next run "
+                        "(default: a temporary folder)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -239,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 entry["build"] = build(url, replicas=args.replicas, hours=args.hours, batches=args.batches,
                                        mean_batch=args.mean_batch)
                 print(f"  built: {json.dumps(entry['build'])}", flush=True)
-            entry.update(measure(url, windows, args.repeat, args.raw))
+            entry.update(measure(url, windows, args.repeat, args.raw, tuple(args.pages.split(","))))
             result[backend] = entry
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from sqlalchemy import text
 
 from batchscope.analysis import fleet
 from batchscope.analysis.queries import Window
+from batchscope.analysis.queries import exact as exact_figures
 from batchscope.storage import control
 from batchscope.storage.records import BatchRow, DeviceRow, RequestRow
 from batchscope.storage.recorder import Recorder
@@ -155,3 +157,108 @@ def test_instances_gone_before_the_window_are_left_out(fleet_db):
     assert "old" not in set(fleet.instance_table(db, W, now=NOW)["instance_id"])
     assert "old" not in set(fleet.bundle(db, W, now=NOW)["instances"]["id"])
     assert "old" in set(fleet.instances(db, now=NOW)["id"])
+
+
+# -- exact figures from the summaries -----------------------------------------------------
+EDGY = Window(NOW - 300.4, NOW - 100.7)  # edges inside a second and inside a 5-second slot
+
+
+def spread(db, iid: str, latencies, *, start: float, step: float) -> list[RequestRow]:
+    rows = requests_of(iid, "mlp", latencies, start=start)
+    for i, row in enumerate(rows):  # finishing every ``step`` s, a fraction past the second
+        row.finished_at = start + i * step
+        row.arrived_at = row.finished_at - row.latency_s
+    return rows
+
+
+@pytest.fixture
+def edgy_db(db):
+    """Two instances of mlp whose requests finish every 0.13 s / 0.29 s across EDGY and
+    beyond it, with latencies over three decades, plus batches at fractional times."""
+    rng = np.random.default_rng(11)
+    lat = {"a": rng.lognormal(-4.0, 1.2, 2000), "b": rng.lognormal(-3.0, 0.8, 900)}
+    register(db, "a", ["mlp"], started=NOW - 3600, seen=NOW - 1, host="node-1")
+    register(db, "b", ["mlp"], started=NOW - 3600, seen=NOW - 1, host="node-2")
+    rows = spread(db, "a", lat["a"], start=NOW - 330.05, step=0.13)
+    rows += spread(db, "b", lat["b"], start=NOW - 320.02, step=0.29)
+    rows += batches_of("a", "mlp", [4, 8, 12, 16, 3], [3, 5, 7, 9, 11], start=NOW - 300.9)
+    rows += batches_of("a", "mlp", [5, 6], [2, 4], start=NOW - 101.5)  # the last ends after EDGY
+    record(db, rows)
+    return db, rows
+
+
+def in_window(rows, w: Window, iid: str | None = None) -> list[RequestRow]:
+    return [r for r in rows if isinstance(r, RequestRow) and w.start_s <= r.finished_at < w.end_s
+            and (iid is None or r.instance_id == iid) and r.outcome == "ok"]
+
+
+@pytest.mark.parametrize("w", [EDGY, Window(NOW - 250.3, NOW - 247.9), W], ids=["edges", "short", "aligned"])
+def test_counts_and_percentiles_are_those_of_the_raw_rows_at_any_edges(edgy_db, w):
+    db, rows = edgy_db
+    found = fleet.figures(db, w)
+    per_pair = found.per_pair.set_index("instance_id")
+    for iid in ("a", "b"):
+        mine = in_window(rows, w, iid)
+        row = per_pair.loc[iid]
+        assert row["requests"] == row["ok"] == len(mine)
+        assert row["first_finished_at"] == min(r.finished_at for r in mine)
+        assert row["last_finished_at"] == max(r.finished_at for r in mine)
+        for p in (50, 95, 99):
+            assert row[f"latency_p{p}_s"] == exact([r.latency_s for r in mine], p)
+    every = [r.latency_s for r in in_window(rows, w)]
+    per_model = found.per_model.set_index("model")
+    for p in (50, 95, 99):
+        assert per_model.loc["mlp", f"latency_p{p}_s"] == exact(every, p)
+
+
+def test_batch_figures_and_the_newest_batch_at_fractional_edges(edgy_db):
+    db, rows = edgy_db
+    a = fleet.figures(db, EDGY).per_pair.set_index("instance_id").loc["a"]
+    mine = [r for r in rows if isinstance(r, BatchRow) and EDGY.start_s <= r.ended_at < EDGY.end_s]
+    assert a["batches"] == len(mine) == 5  # 4, 8, 12, 16, 3 and 5; 6 ends after the window
+    assert a["mean_batch_size"] == pytest.approx(np.mean([r.batch_size for r in mine]))
+    assert a["queue_depth_mean"] == pytest.approx(np.mean([r.queue_depth for r in mine]))
+    newest = max(mine, key=lambda r: r.ended_at)
+    assert (a["queue_depth_last"], a["batch_settings_version"]) == (newest.queue_depth, 1)
+
+
+def test_exact_percentiles_read_only_the_buckets_that_hold_them(edgy_db):
+    db, rows = edgy_db
+    found = fleet.figures(db, EDGY)
+    total = len(in_window(rows, EDGY))
+    assert 0 < found.latencies_read < total / 3  # a few of 32 buckets a decade, not every row
+
+
+def test_a_bucket_the_summaries_count_differently_falls_back_to_every_latency(edgy_db):
+    """Should a database put rows in other buckets than when it summarised them (another
+    build's rounding), the group's percentiles come from all its latencies, exact still."""
+    db, rows = edgy_db
+    with exact_figures.snapshot(db) as conn:
+        hist = exact_figures.latency_histogram(conn, W)
+    mine = hist[hist["instance_id"] == "b"].sort_values("bucket")
+    cum = mine["n"].cumsum().to_numpy()
+    p50_bucket = int(mine["bucket"].iloc[int(np.searchsorted(cum, (50 * cum[-1] + 99) // 100))])
+    with db.begin() as conn:  # one row of b's p50 bucket counted one bucket higher
+        for shift, bucket in ((-1, p50_bucket), (1, p50_bucket + 1)):
+            conn.execute(text(
+                "UPDATE summary_latency SET n = n + :d WHERE instance_id = 'b' AND outcome = 'ok' "
+                "AND bucket = :b AND span_s = 60 AND start_s = (SELECT MIN(start_s) FROM "
+                "summary_latency WHERE instance_id = 'b' AND outcome = 'ok' AND span_s = 60 AND "
+                "bucket = :p AND n > 1)"), {"d": shift, "b": bucket, "p": p50_bucket})
+    with exact_figures.snapshot(db) as conn:
+        found = exact_figures.window_percentiles(conn, W)
+    assert found.fallbacks == [("b", "mlp")]
+    b = found.per_instance.set_index("instance_id").loc["b"]
+    for p in (50, 95, 99):
+        assert b[f"latency_p{p}_s"] == exact([r.latency_s for r in in_window(rows, W, "b")], p)
+
+
+def test_a_snapshot_does_not_see_rows_written_after_its_first_read(edgy_db):
+    db, _ = edgy_db
+    late = requests_of("a", "mlp", [0.5] * 10, start=NOW - 200)
+    with exact_figures.snapshot(db) as conn:
+        before = exact_figures.window_sums(conn, W).set_index("instance_id").loc["a", "requests"]
+        record(db, late)  # another connection writes meanwhile, as the instances do
+        assert exact_figures.window_sums(conn, W).set_index("instance_id").loc["a", "requests"] == before
+    with db.connect() as conn:
+        assert exact_figures.window_sums(conn, W).set_index("instance_id").loc["a", "requests"] == before + 10

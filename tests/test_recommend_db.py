@@ -160,3 +160,15 @@ def test_a_replica_without_traffic_counts_for_the_models_it_registered(db):
            + cpu_rows("spare", pct=10.0, rss=GIB // 2))
     rec = by_name(recommend.recommend(db, end_s=END, host_cpus=4))["model mlp"]
     assert rec.instances == ("a", "spare")
+
+
+def test_the_host_cpu_count_comes_from_the_registered_instances(db):
+    assert recommend.registered_host_cpus(db) is None  # nobody registered yet
+    for iid, cpus in (("a", 8), ("b", 8)):
+        control.register_instance(db, instance_id=iid, host="h", pid=1, models=["mlp"], url=None,
+                                  device="cpu", version="t", now=1_700_000_000.0, cpu_count=cpus)
+    assert recommend.registered_host_cpus(db) == 8
+    control.register_instance(db, instance_id="c", host="h2", pid=2, models=["mlp"], url=None,
+                              device="cpu", version="t", now=1_700_000_000.0, cpu_count=4)
+    assert recommend.registered_host_cpus(db) is None  # hosts differ: the caller must say
+    assert recommend.registered_host_cpus(db, "c") == 4

@@ -5,18 +5,22 @@ processes on several machines). Each query is ``(engine, window) -> DataFrame`` 
 ``queries``; the window's model filter applies, its instance filter does not (the point
 is to see every instance).
 
+The per-instance figures (outcome counts, throughput, mean batch size, queue depth)
+come from the per-second summaries the recorder writes (``queries.exact.window_sums``):
+exactly the figures of every raw row of the window, the fractions of a second at its
+ends read from the raw rows. Percentiles are exact nearest-rank values (rank
+``ceil(p * n / 100)``, numpy's ``inverted_cdf``) per instance and fleet-wide, where the
+fleet's p99 is the p99 of every completed request of the model across instances ranked
+together, never an average of per-instance percentiles: the summaries' latency
+histograms say which bucket holds each rank, and only the raw latencies of those
+buckets are read (``queries.exact.window_percentiles``). The newest batch's settings
+and the first and last request of each instance are single index look-ups. Everything
+of one refresh is read in one snapshot (``figures``).
+
 Portability: the SQL runs unchanged on SQLite and PostgreSQL. Conditional counts are
 ``SUM(CASE ... THEN 1 ELSE 0 END)``, averages of integer columns are taken over
 ``CAST(... AS FLOAT)``, every subquery has an alias and every ``GROUP BY`` names all
 grouped columns.
-
-Percentiles are exact nearest-rank values (rank ``ceil(p * n / 100)``, numpy's
-``inverted_cdf``) of the latency column fetched for the window, one instance and model at
-a time through the ``(instance_id, finished_at)`` index; the fleet-wide p99 is the p99 of
-every request row of the model across instances ranked together, never an average of
-per-instance percentiles. Fetching the column costs about a quarter of what ranking the
-rows with ``ROW_NUMBER()`` in SQLite does (1.15 M requests in a 15-minute window: 1.5 s
-against 8.5 s), and its cost grows with the rows, not with their sort.
 
 An instance's state comes from its heartbeat: ``stopped`` once it marked itself stopped
 (``runtime_instances.stopped_at``), ``live`` while its last heartbeat is at most
@@ -27,14 +31,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from decimal import Decimal
 
-import numpy as np
 import pandas as pd
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
-from batchscope.analysis.queries import Window
-from batchscope.analysis.recommend import floor_sql
+from batchscope.analysis.queries import Window, exact
+from batchscope.analysis.queries.window import connection
 
 #: the heartbeat age after which an instance that did not stop counts as stale
 #: (the same default as ``control.live_instances``)
@@ -49,64 +53,14 @@ TABLE_COLUMNS = (
     "utilization_mean_pct", "device_kind", "heartbeat_age_s", "last_finished_at", "active_s")
 
 
-def _df(engine: Engine, sql: str, params: dict) -> pd.DataFrame:
-    with engine.connect() as conn:
+def _df(db: Engine | Connection, sql: str, params: dict) -> pd.DataFrame:
+    with connection(db) as conn:
         result = conn.execute(text(sql), params)
         df = pd.DataFrame(result.fetchall(), columns=list(result.keys()))
     for col in df.columns:  # PostgreSQL answers AVG/SUM of integers as Decimal
         if df[col].map(lambda v: isinstance(v, Decimal)).any():
             df[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
     return df
-
-
-def _filters(w: Window, time_col: str) -> tuple[str, dict]:
-    parts = [f"{time_col} >= :t0", f"{time_col} < :t1"]
-    params: dict = {"t0": w.start_s, "t1": w.end_s}
-    if w.model is not None:
-        parts.append("model = :model")
-        params["model"] = w.model
-    return " AND ".join(parts), params
-
-
-def nearest_rank(values: np.ndarray, pct: float) -> float:
-    """The smallest value with at least ``pct`` % of the values at or below it."""
-    if not len(values):
-        return math.nan
-    k = max(1, math.ceil(pct * len(values) / 100))
-    return float(np.partition(values, k - 1)[k - 1])
-
-
-Latencies = dict[tuple[str, str], np.ndarray]
-
-
-def latencies(engine: Engine, w: Window, pairs=None) -> Latencies:
-    """The ok requests' latencies (seconds) in the window, per (instance, model) of
-    ``pairs`` (default: every pair with ok requests)."""
-    where, params = _filters(w, "finished_at")
-    with engine.connect() as conn:
-        if pairs is None:
-            pairs = conn.execute(text(f"SELECT instance_id, model FROM requests WHERE {where} "
-                                      "AND outcome = 'ok' GROUP BY instance_id, model"),
-                                 params).all()
-        out = {}
-        for iid, model in pairs:
-            found = conn.execute(text(f"SELECT latency_s FROM requests WHERE {where} AND "
-                                      "outcome = 'ok' AND instance_id = :inst AND model = :m"),
-                                 {**params, "inst": iid, "m": model})
-            out[(str(iid), str(model))] = np.fromiter(found.scalars(), dtype=np.float64)
-    return out
-
-
-def _percentile_columns(values: np.ndarray) -> dict:
-    return {f"latency_p{p}_s": nearest_rank(values, p) for p in PCTS}
-
-
-_OUTCOMES = """COUNT(*) AS requests,
-        SUM(CASE WHEN outcome = 'ok' THEN 1 ELSE 0 END) AS ok,
-        SUM(CASE WHEN outcome = 'rejected' THEN 1 ELSE 0 END) AS rejected,
-        SUM(CASE WHEN outcome = 'expired' THEN 1 ELSE 0 END) AS expired,
-        SUM(CASE WHEN outcome IN ('error', 'oom') THEN 1 ELSE 0 END) AS errors,
-        MIN(finished_at) AS first_finished_at, MAX(finished_at) AS last_finished_at"""
 
 
 # -- instances ------------------------------------------------------------------------
@@ -171,43 +125,96 @@ def _json_object(raw) -> dict:
 
 
 # -- per instance and model -----------------------------------------------------------
-def request_stats(engine: Engine, w: Window) -> tuple[pd.DataFrame, Latencies]:
-    """Per (instance, model): outcome counts and exact latency percentiles, and the
-    latencies they come from (for the fleet-wide percentiles)."""
-    where, params = _filters(w, "finished_at")
-    counts = _df(engine, f"""
-        SELECT instance_id, model, {_OUTCOMES}
-        FROM requests WHERE {where} GROUP BY instance_id, model""", params)
-    served = counts[counts["ok"] > 0]
-    lat = latencies(engine, w, list(zip(served["instance_id"], served["model"])))
-    pcts = pd.DataFrame([{"instance_id": iid, "model": m, **_percentile_columns(v)}
-                         for (iid, m), v in lat.items()],
-                        columns=["instance_id", "model", *(f"latency_p{p}_s" for p in PCTS)])
-    return counts.merge(pcts, on=["instance_id", "model"], how="left"), lat
+#: the columns of ``Figures.per_pair`` besides instance_id and model
+PAIR_COLUMNS = ("requests", "ok", "rejected", "expired", "errors", "first_finished_at",
+                "last_finished_at", *(f"latency_p{p}_s" for p in PCTS), "batches",
+                "mean_batch_size", "items", "compute_total_s", "queue_depth_mean", "oom_batches",
+                "queue_depth_last", "max_batch_size", "batch_settings_version")
 
 
-def batch_stats(engine: Engine, w: Window) -> pd.DataFrame:
-    """Per (instance, model): batches, sizes, queue depth (mean and last), settings version."""
-    where, params = _filters(w, "ended_at")
-    agg = _df(engine, f"""
-        SELECT instance_id, model, COUNT(*) AS batches,
-               AVG(CAST(batch_size AS FLOAT)) AS mean_batch_size,
-               SUM(batch_size) AS items, SUM(compute_s) AS compute_total_s,
-               AVG(CAST(queue_depth AS FLOAT)) AS queue_depth_mean,
-               SUM(CASE WHEN outcome = 'oom' THEN 1 ELSE 0 END) AS oom_batches
-        FROM batches WHERE {where} GROUP BY instance_id, model""", params)
-    last = _df(engine, f"""
-        SELECT instance_id, model, queue_depth AS queue_depth_last,
-               max_batch_size, settings_version AS batch_settings_version
-        FROM (SELECT instance_id, model, queue_depth, max_batch_size, settings_version,
-                     ROW_NUMBER() OVER (PARTITION BY instance_id, model
-                                        ORDER BY ended_at DESC, id DESC) AS rn
-              FROM batches WHERE {where}) latest
-        WHERE rn = 1""", params)
-    return agg.merge(last, on=["instance_id", "model"], how="left")
+@dataclass
+class Figures:
+    """One window's figures per (instance, model) that recorded in it (``per_pair``:
+    ``PAIR_COLUMNS``) and per model across instances (``per_model``: the exact
+    percentiles), read in one snapshot. ``latencies_read``: the raw latencies the exact
+    percentiles took."""
+
+    per_pair: pd.DataFrame
+    per_model: pd.DataFrame
+    latencies_read: int
 
 
-def device_stats(engine: Engine, w: Window) -> pd.DataFrame:
+def figures(engine: Engine, w: Window) -> Figures:
+    """Counts, throughput inputs, batch figures and exact percentiles of the window."""
+    with exact.snapshot(engine) as conn:
+        sums = exact.window_sums(conn, w)
+        pcts = exact.window_percentiles(conn, w)
+        ends = _first_and_last(conn, w, sums)
+        last = _newest_batches(conn, w, sums)
+    df = sums.merge(ends, on=["instance_id", "model"], how="left")
+    df = df.merge(pcts.per_instance, on=["instance_id", "model"], how="left")
+    df = df.merge(last, on=["instance_id", "model"], how="left")
+    batches = df["batches"].where(df["batches"] > 0)
+    df["mean_batch_size"] = df["items"] / batches
+    depths = df["queue_depth_count"].where(df["queue_depth_count"] > 0)
+    df["queue_depth_mean"] = df["queue_depth_sum"] / depths
+    for col in ("items", "compute_total_s", "oom_batches"):  # sums over no batch: none, as in SQL
+        df[col] = df[col].where(df["batches"] > 0)
+    for col in PAIR_COLUMNS:
+        if col not in df:
+            df[col] = math.nan
+    return Figures(df[["instance_id", "model", *PAIR_COLUMNS]], pcts.per_model, pcts.read_rows)
+
+
+def _pairs_sql(pairs: pd.DataFrame, select: str, table: str, where: str, order: str,
+               params: dict) -> tuple[str, dict]:
+    """One statement: for each (instance, model) of ``pairs``, its first row of ``table``
+    by ``order`` among those matching ``where`` (``{n}`` stands for the pair's number and
+    names its parameters ``lo{n}``/``hi{n}``), each found through an index."""
+    subs = []
+    for n, (iid, model) in enumerate(zip(pairs["instance_id"], pairs["model"])):
+        params = {**params, f"i{n}": iid, f"m{n}": model}
+        subs.append(f"SELECT * FROM (SELECT instance_id, model, {select} FROM {table} "
+                    f"WHERE instance_id = :i{n} AND model = :m{n} AND {where.format(n=n)} "
+                    f"ORDER BY {order} LIMIT 1) AS q{n}")
+    return " UNION ALL ".join(subs), params
+
+
+def _first_and_last(conn: Connection, w: Window, sums: pd.DataFrame) -> pd.DataFrame:
+    """Each pair's first and last request's finish time in the window, starting the look-up
+    from the bounds ``window_sums`` gives (within a minute of the row)."""
+    served = sums[sums["requests"] > 0].reset_index(drop=True)
+    out = pd.DataFrame({"instance_id": served["instance_id"], "model": served["model"]})
+    if not len(served):
+        return out.assign(first_finished_at=[], last_finished_at=[])
+    params = {"t0": w.start_s, "t1": w.end_s,
+              **{f"lo{n}": max(w.start_s, float(v)) for n, v in enumerate(served["first_s"])},
+              **{f"hi{n}": float(v) for n, v in enumerate(served["last_s"])}}
+    for name, where, order in (
+            ("first_finished_at", "finished_at >= :lo{n} AND finished_at < :t1", "finished_at"),
+            ("last_finished_at", "finished_at <= :hi{n} AND finished_at < :t1 AND finished_at >= :t0",
+             "finished_at DESC")):
+        sql, bound = _pairs_sql(served, f"finished_at AS {name}", "requests", where, order, params)
+        out = out.merge(_df(conn, sql, bound), on=["instance_id", "model"], how="left")
+    return out
+
+
+def _newest_batches(conn: Connection, w: Window, sums: pd.DataFrame) -> pd.DataFrame:
+    """Each pair's newest batch in the window: its queue depth, max batch size and
+    settings version."""
+    batched = sums[sums["batches"] > 0].reset_index(drop=True)
+    columns = ["instance_id", "model", "queue_depth_last", "max_batch_size", "batch_settings_version"]
+    if not len(batched):
+        return pd.DataFrame(columns=columns)
+    params = {"t1": w.end_s, **{f"lo{n}": max(w.start_s, float(v))
+                                for n, v in enumerate(batched["last_batch_s"])}}
+    sql, bound = _pairs_sql(batched, "queue_depth AS queue_depth_last, max_batch_size, "
+                            "settings_version AS batch_settings_version", "batches",
+                            "ended_at >= :lo{n} AND ended_at < :t1", "ended_at DESC, id DESC", params)
+    return _df(conn, sql, bound)[columns]
+
+
+def device_stats(engine: Engine | Connection, w: Window) -> pd.DataFrame:
     """Per instance: mean device utilization and memory peaks in the window."""
     return _df(engine, """
         SELECT instance_id, AVG(utilization_pct) AS utilization_mean_pct,
@@ -235,35 +242,33 @@ def _active_s(w: Window, row) -> float:
 
 
 def instance_table(engine: Engine, w: Window, *, now: float,
-                   stale_after_s: float = STALE_AFTER_S,
-                   stats: tuple[pd.DataFrame, Latencies] | None = None) -> pd.DataFrame:
+                   stale_after_s: float = STALE_AFTER_S, found: Figures | None = None,
+                   published: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per (instance, model) that recorded in the window or, up during it,
     registered the model.
 
     Columns: ``TABLE_COLUMNS`` (throughput ``ok_per_s`` over the part of the window the
     instance was up; latencies in seconds; ``settings_version`` the one published last,
-    else the last batch's).
+    else the last batch's). ``found`` and ``published``: the window's ``figures`` and
+    ``settings`` when already read.
     """
     inst = instances(engine, now=now, stale_after_s=stale_after_s)
     up = (inst["started_at"] < w.end_s) & (inst["last_seen_at"] >= w.start_s)
-    req = (stats or request_stats(engine, w))[0]
-    bat, dev = batch_stats(engine, w), device_stats(engine, w)
-    pairs = {(i, m) for i, m in zip(req["instance_id"], req["model"])}
-    pairs |= {(i, m) for i, m in zip(bat["instance_id"], bat["model"])}
+    per_pair = (found or figures(engine, w)).per_pair
+    pairs = set(zip(per_pair["instance_id"], per_pair["model"]))
     for iid, models in zip(inst.loc[up, "id"], inst.loc[up, "models"]):
         pairs |= {(iid, m) for m in models if w.model is None or m == w.model}
     if not pairs:
         return pd.DataFrame(columns=list(TABLE_COLUMNS))
     df = pd.DataFrame(sorted(pairs), columns=["instance_id", "model"])
-    df = df.merge(req, on=["instance_id", "model"], how="left")
-    df = df.merge(bat, on=["instance_id", "model"], how="left")
-    df = df.merge(dev, on="instance_id", how="left")
+    df = df.merge(per_pair, on=["instance_id", "model"], how="left")
+    df = df.merge(device_stats(engine, w), on="instance_id", how="left")
     meta = inst.rename(columns={"id": "instance_id"})[
         ["instance_id", "node", "state", "heartbeat_age_s", "started_at", "last_seen_at",
          "stopped_at"]]
     df = df.merge(meta, on="instance_id", how="left")
     df["state"] = df["state"].fillna(UNREGISTERED)
-    pub = settings(engine, w.model)[["instance_id", "model", "version"]]
+    pub = (settings(engine, w.model) if published is None else published)[["instance_id", "model", "version"]]
     df = df.merge(pub, on=["instance_id", "model"], how="left")
     df["settings_version"] = df["version"].combine_first(df["batch_settings_version"])
     for col in ("requests", "ok", "rejected", "expired", "errors", "batches"):
@@ -274,25 +279,21 @@ def instance_table(engine: Engine, w: Window, *, now: float,
 
 
 # -- fleet-wide -----------------------------------------------------------------------
-def fleet_latency(engine: Engine, w: Window,
-                  stats: tuple[pd.DataFrame, Latencies] | None = None) -> pd.DataFrame:
+def fleet_latency(engine: Engine, w: Window, found: Figures | None = None) -> pd.DataFrame:
     """Per model across every instance: outcomes, throughput and exact percentiles.
 
     The counts add up the instances'; the percentiles are those of all ok request rows
     of the model in the window (every instance's rows ranked together), not a mean of
     per-instance percentiles.
     """
-    per_instance, lat = stats or request_stats(engine, w)
-    counts = per_instance.groupby("model", as_index=False).agg(
+    found = found or figures(engine, w)
+    served = found.per_pair[found.per_pair["requests"] > 0]
+    counts = served.groupby("model", as_index=False).agg(
         instances=("instance_id", "nunique"), requests=("requests", "sum"), ok=("ok", "sum"),
         rejected=("rejected", "sum"), expired=("expired", "sum"), errors=("errors", "sum"),
         first_finished_at=("first_finished_at", "min"),
         last_finished_at=("last_finished_at", "max"))
-    models = sorted({m for _, m in lat})
-    pcts = pd.DataFrame([{"model": m, **_percentile_columns(
-        np.concatenate([v for (_, vm), v in lat.items() if vm == m]))} for m in models],
-        columns=["model", *(f"latency_p{p}_s" for p in PCTS)])
-    df = counts.merge(pcts, on="model", how="left")
+    df = counts.merge(found.per_model, on="model", how="left")
     if len(df):
         first = df["first_finished_at"].astype("float64").clip(lower=w.start_s)
         df["ok_per_s"] = df["ok"] / (w.end_s - first).clip(lower=1.0)
@@ -302,39 +303,38 @@ def fleet_latency(engine: Engine, w: Window,
 def throughput_timeline(engine: Engine, w: Window, bucket_s: float | None = None) -> pd.DataFrame:
     """Per instance and time bucket: ok requests per second (for the fleet chart)."""
     bucket_s = bucket_s or w.bucket_s()
-    where, params = _filters(w, "finished_at")
-    params["bucket"] = bucket_s
-    bucket = floor_sql("finished_at / :bucket")
-    df = _df(engine, f"""
-        SELECT instance_id, {bucket} AS b, COUNT(*) AS ok
-        FROM requests WHERE {where} AND outcome = 'ok'
-        GROUP BY instance_id, {bucket} ORDER BY instance_id, b""", params)
+    with engine.connect() as conn:
+        sums = exact.window_sums(conn, w, bucket_s=bucket_s)
+    df = sums[sums["ok"] > 0].groupby(["instance_id", "b"], as_index=False, sort=True)["ok"].sum()
     df["t"] = df["b"].astype("float64") * bucket_s
     df["ok_per_s"] = df["ok"] / bucket_s
     return df[["instance_id", "t", "ok_per_s"]]
 
 
-def busiest(engine: Engine, w: Window) -> tuple[str, str] | None:
+def busiest(engine: Engine, w: Window, found: Figures | None = None) -> tuple[str, str] | None:
     """The (instance, model) with the most requests in the window; None without traffic."""
-    where, params = _filters(w, "finished_at")
-    df = _df(engine, f"""
-        SELECT instance_id, model, COUNT(*) AS requests FROM requests WHERE {where}
-        GROUP BY instance_id, model ORDER BY COUNT(*) DESC, instance_id, model""", params)
-    if not len(df):
+    per_pair = (found or figures(engine, w)).per_pair
+    served = per_pair[per_pair["requests"] > 0].sort_values(
+        ["requests", "instance_id", "model"], ascending=[False, True, True])
+    if not len(served):
         return None
-    return str(df.iloc[0]["instance_id"]), str(df.iloc[0]["model"])
+    return str(served.iloc[0]["instance_id"]), str(served.iloc[0]["model"])
 
 
 def bundle(engine: Engine, w: Window, *, now: float,
            stale_after_s: float = STALE_AFTER_S) -> dict:
     """Every fleet query of one refresh, keyed by name (what ``fleet_rules`` reads)."""
-    stats = request_stats(engine, w)
+    found = figures(engine, w)
+    published = settings(engine, w.model)
     return {
         "window": w,
         "now": now,
         "stale_after_s": stale_after_s,
         "instances": instances(engine, now=now, stale_after_s=stale_after_s, window=w),
-        "table": instance_table(engine, w, now=now, stale_after_s=stale_after_s, stats=stats),
-        "fleet": fleet_latency(engine, w, stats),
-        "settings": settings(engine, w.model),
+        "table": instance_table(engine, w, now=now, stale_after_s=stale_after_s, found=found,
+                                published=published),
+        "fleet": fleet_latency(engine, w, found),
+        "settings": published,
+        "busiest": busiest(engine, w, found),
+        "latencies_read": found.latencies_read,
     }

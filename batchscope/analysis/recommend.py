@@ -353,6 +353,16 @@ def _oom_figures(details_json: str | None) -> tuple[float, bool | None]:
     return number(details.get("peak_memory_bytes")), None
 
 
+def registered_host_cpus(engine: Engine, instance_id: str | None = None) -> int | None:
+    """The CPU count the instances (or ``instance_id``) registered, when they all registered
+    the same one: what turns their host-wide CPU utilization into cores."""
+    where, params = ("WHERE id = :inst", {"inst": instance_id}) if instance_id else ("", {})
+    with engine.connect() as conn:
+        counts = {r[0] for r in conn.execute(text(
+            f"SELECT DISTINCT cpu_count FROM runtime_instances {where}"), params) if r[0]}
+    return counts.pop() if len(counts) == 1 else None
+
+
 def load_usage(engine: Engine, start_s: float, end_s: float, *, options: VpaOptions,
                host_cpus: float | None, instance_id: str | None = None) -> dict[str, Usage]:
     """Every instance's usage between ``start_s`` and ``end_s``, by instance id."""

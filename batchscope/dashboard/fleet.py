@@ -26,7 +26,7 @@ from sqlalchemy import Engine
 
 from batchscope.analysis import fleet, fleet_rules, recommend
 from batchscope.analysis.queries import Window
-from batchscope.dashboard.live import render_flags
+from batchscope.dashboard.live import render_flags, reused_while_fresh
 from batchscope.dashboard.scope import Scope, data_engine, fmt_time
 from batchscope.deploy import k8s
 from batchscope.presentation import fleet_charts
@@ -68,16 +68,21 @@ def pick(options: list[str], preferred: str | None, fallback: str | None) -> int
 def fleet_region(engine: Engine, scope: Scope) -> None:
     now = _now(scope)
     w = _fleet_window(scope, now)
-    fb = fleet.bundle(engine, w, now=now)
+    if scope.live:  # a long window over a busy fleet costs a second or more: see reused_while_fresh
+        fb = reused_while_fresh("fleet_cache", (str(engine.url), w.duration_s),
+                                lambda: fleet.bundle(engine, w, now=now))
+    else:
+        fb = fleet.bundle(engine, w, now=now)
     inst, table = fb["instances"], fb["table"]
     counts = inst["state"].value_counts().to_dict() if len(inst) else {}
     states = ", ".join(f"{counts.get(s, 0)} {s}" for s in (fleet.LIVE, fleet.STALE, fleet.STOPPED))
     st.caption(f"Window {fmt_time(w.start_s)} → {fmt_time(w.end_s)} · {len(inst)} instance(s): "
-               f"{states} · stale after {fb['stale_after_s']:g} s without a heartbeat")
+               f"{states} · stale after {fb['stale_after_s']:g} s without a heartbeat · "
+               "figures from the per-second summaries, percentiles exact")
     if not len(table):
         st.info("No instance has registered or recorded anything yet.")
         return
-    busiest = fleet.busiest(engine, w)
+    busiest = fb["busiest"]
     traffic = set(table.loc[table["requests"] > 0, "model"])
     models = sorted(set(table["model"]))
     preferred = scope.model if scope.model in traffic else None
@@ -177,10 +182,13 @@ def recommendations(engine: Engine, scope: Scope) -> None:
     left, right = st.columns(2)
     history = left.radio("History", list(HISTORY), horizontal=True, key="rec_history",
                          index=2 if scope.snapshot is not None else 0)
-    host_cpus = right.number_input("CPUs per serving host", 1, 4096, os.cpu_count() or 1,
-                                   key="rec_host_cpus",
+    registered = recommend.registered_host_cpus(engine)
+    host_cpus = right.number_input("CPUs per serving host", 1, 4096,
+                                   registered or os.cpu_count() or 1, key="rec_host_cpus",
                                    help="The CPU sampler records host-wide utilization; this "
-                                        "turns it into cores")
+                                        "turns it into cores. It starts at the CPU count the "
+                                        "instances registered" + ("" if registered else
+                                        " (they differ or did not say: this machine's)"))
     end = _now(scope)
     if scope.live:  # a whole step, so reruns within it reuse the computed history
         end = math.floor(end / REUSE_S) * REUSE_S

@@ -48,20 +48,25 @@ def live_region(engine: Engine, scope: Scope) -> None:
 
 
 def cached_bundle(engine: Engine, w: queries.Window) -> dict:
-    """The live bundle, re-queried only when the last query is older than twice its cost.
+    """The live bundle, re-queried only when the last query is older than twice its cost."""
+    key = (str(engine.url), w.duration_s, w.model, w.instance_id)
+    return reused_while_fresh("bundle_cache", key, lambda: queries.live_bundle(engine, w))
+
+
+def reused_while_fresh(name: str, key: tuple, compute):
+    """``compute()``, or what it gave last time for the same ``key`` while that is younger
+    than twice what it took (kept in the session as ``name``).
 
     Short windows are re-queried on every refresh; long windows over large databases
     (a second or more per query) refresh less often so the server stays responsive.
     """
-    key = (str(engine.url), w.duration_s, w.model, w.instance_id)
-    last = st.session_state.get("bundle_cache")
+    last = st.session_state.get(name)
     now = time.monotonic()
     if last and last["key"] == key and now - last["at"] < 2.0 * last["cost_s"]:
-        return last["bundle"]
-    bundle = queries.live_bundle(engine, w)
-    st.session_state["bundle_cache"] = {"key": key, "bundle": bundle, "at": now,
-                                        "cost_s": time.monotonic() - now}
-    return bundle
+        return last["value"]
+    value = compute()
+    st.session_state[name] = {"key": key, "value": value, "at": now, "cost_s": time.monotonic() - now}
+    return value
 
 
 def render_headline(bundle: dict) -> None:

@@ -4,21 +4,34 @@ The only module that imports plotly. Every time chart carries the window's
 settings changes and OOM / error events as markers whose hover text says what
 changed. ``build_all`` makes every chart of a query bundle (``queries.live_bundle``);
 the dashboard and the offline report both use it, keyed by ``CHARTS``.
+
+Speed: a live refresh builds a dozen figures every few seconds. What costs is not the
+data (a window is about 60 points a series) but plotly's checking of the layout: the
+template alone (``plotly_white``, some 200 nested properties) took 15-45 ms a figure to
+validate, and each ``add_vline`` 7 ms. So the template and the subplot grids are made
+once (``_template``, ``_grid``) and handed to every figure without being checked again,
+and reference lines are written as the shape and annotation dicts ``add_vline`` /
+``add_hline`` would make (``_vline``, ``_hline``). Traces are still ``go`` objects,
+checked as they are built. ``tests/test_dash_charts.py`` checks that every figure passes
+plotly's full validation.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
+import plotly.io as pio
 
 GIB = 1024 ** 3
 SETTINGS_MARKER = "settings changes"
 FAULT_MARKER = "OOM / errors"
 FAULT_KINDS = ("oom", "oom_failed", "model_error")
 AUTOPILOT_MARKER = "autopilot decisions"
+GENERATION_PANELS = ("sequences", "tokens per step", "KV cache blocks used", "preemptions")
 
 #: chart key -> title (keys are what diagnosis flags point at)
 CHARTS: dict[str, str] = {
@@ -41,25 +54,89 @@ def _times(seconds) -> pd.Series:
     return pd.to_datetime(pd.Series(seconds, dtype="float64"), unit="s").dt.floor("us")
 
 
-def _base(title: str, *, height: int = 320, closest: bool = False) -> go.Figure:
-    fig = go.Figure()
-    _style(fig, title, height)
+TEMPLATE = "plotly_white"
+
+
+@functools.cache
+def _template() -> dict:
+    """The figures' template as plain data, made once (a figure copies what it is given)."""
+    return pio.templates[TEMPLATE].to_plotly_json()
+
+
+@functools.cache
+def _grid_json(kind: str) -> dict:
+    """The layout ``make_subplots`` gives a grid, without its template: ``secondary_y``
+    (one plot, a second y axis on the right) or ``generation`` (two by two, titled)."""
+    from plotly.subplots import make_subplots
+
+    if kind == "secondary_y":
+        fig = make_subplots(specs=[[{"secondary_y": True}]])
+    else:
+        fig = make_subplots(rows=2, cols=2, shared_xaxes=True, vertical_spacing=0.12,
+                            subplot_titles=GENERATION_PANELS)
+    layout = fig.layout.to_plotly_json()
+    layout.pop("template", None)
+    return layout
+
+
+def _layout(title: str, height: int = 320) -> dict:
+    return dict(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
+                template=_template(), margin=dict(l=50, r=20, t=40, b=40),
+                legend=dict(orientation="h", y=-0.2), hovermode="x unified")
+
+
+def _base(title: str, *, height: int = 320, closest: bool = False, grid: str | None = None,
+          **layout) -> go.Figure:
+    """An empty figure in the dashboard's style (``grid``: a ``_grid_json`` kind);
+    ``layout``: more layout properties (axes, bar mode). Built without checking the
+    layout again (see the module's docstring)."""
+    spec = {**(_grid_json(grid) if grid else {}), **_layout(title, height), **layout}
     if closest:  # categorical charts: hover the bar/point under the cursor
-        fig.update_layout(hovermode="closest")
-    return fig
-
-
-def _style(fig: go.Figure, title: str, height: int = 320) -> go.Figure:
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
-                      template="plotly_white", margin=dict(l=50, r=20, t=40, b=40),
-                      legend=dict(orientation="h", y=-0.2), hovermode="x unified")
-    return fig
+        spec["hovermode"] = "closest"
+    return go.Figure(layout=spec, _validate=False)
 
 
 def _empty(fig: go.Figure, what: str = "no data in this window") -> go.Figure:
-    fig.add_annotation(text=what, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
-                       font=dict(color="#888"))
+    return _annotate(fig, [dict(text=what, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
+                                font=dict(color="#888"))])
+
+
+def _annotate(fig: go.Figure, annotations: list[dict] = (), shapes: list[dict] = ()) -> go.Figure:
+    """Append ``annotations`` and ``shapes`` to the figure's own, in one layout update."""
+    update = {}
+    if annotations:
+        update["annotations"] = [*fig.layout.annotations, *annotations]
+    if shapes:
+        update["shapes"] = [*fig.layout.shapes, *shapes]
+    if update:
+        fig.update_layout(update)
     return fig
+
+
+def _vline(x, line: dict, label: str | None = None) -> list[dict]:
+    """A vertical line across the plot at ``x`` (and its label above it), as
+    ``fig.add_vline(x, line=..., annotation_text=label, annotation_position="top")``."""
+    out = [dict(type="line", x0=x, x1=x, xref="x", y0=0, y1=1, yref="y domain", line=line)]
+    if label is not None:
+        out.append(dict(showarrow=False, text=label, x=x, xanchor="center", xref="x", y=1,
+                        yanchor="bottom", yref="y domain"))
+    return out
+
+
+def _hline(y: float, line: dict, label: str | None = None) -> list[dict]:
+    """A horizontal line across the plot at ``y`` (and its label at its top left), as
+    ``fig.add_hline(y, line=..., annotation_text=label, annotation_position="top left")``."""
+    out = [dict(type="line", x0=0, x1=1, xref="x domain", y0=y, y1=y, yref="y", line=line)]
+    if label is not None:
+        out.append(dict(showarrow=False, text=label, x=0, xanchor="left", xref="x domain", y=y,
+                        yanchor="bottom", yref="y"))
+    return out
+
+
+def _lines(fig: go.Figure, items: list[list[dict]]) -> go.Figure:
+    """Add ``_vline``/``_hline`` results: shapes and annotations apart."""
+    flat = [d for item in items for d in item]
+    return _annotate(fig, [d for d in flat if "type" not in d], [d for d in flat if "type" in d])
 
 
 def _describe_change(message: str, details_json: str) -> str:
@@ -77,16 +154,17 @@ def _describe_change(message: str, details_json: str) -> str:
 
 
 def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float | None = None,
-                      row: int | None = None, col: int | None = None) -> go.Figure:
+                      axes: tuple[str, str] | None = None) -> go.Figure:
     """Mark settings changes, the autopilot's reasons and OOM / error events on a time
-    chart."""
+    chart (``axes``: the x and y axes of the markers in a grid, e.g. ``("x", "y")``)."""
     if events is None or not len(events):
         return fig
     if y is None:
-        ys = [v for tr in fig.data for v in (tr.y if tr.y is not None else ())
-              if v is not None and pd.notna(v)]
-        y = max(ys) if ys else 1.0
-    where = {} if row is None else {"row": row, "col": col or 1}
+        ys = [np.asarray(tr.y, dtype="float64") for tr in fig.data if tr.y is not None]
+        ys = np.concatenate(ys) if ys else np.empty(0)
+        y = float(np.nanmax(ys)) if (~np.isnan(ys)).any() else 1.0
+    where = {} if axes is None else {"xaxis": axes[0], "yaxis": axes[1]}
+    shapes: list[dict] = []
     for name, kinds, symbol, color in (
             (SETTINGS_MARKER, ("settings_change",), "diamond", "#6a3d9a"),
             (AUTOPILOT_MARKER, ("autopilot",), "triangle-up", "#2ca02c"),
@@ -99,17 +177,21 @@ def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float |
         x = _times(sel["at"])
         fig.add_trace(go.Scatter(x=x, y=[y] * len(sel), mode="markers", name=name,
                                  marker=dict(symbol=symbol, size=11, color=color),
-                                 hovertext=hover, hoverinfo="text+x"), **where)
-        for t in x:
-            fig.add_vline(x=t, line=dict(color=color, width=1, dash="dot"), **where)
-    return fig
+                                 hovertext=hover, hoverinfo="text+x", **where))
+        line = dict(color=color, width=1, dash="dot")
+        shapes += [shape for t in x for shape in _vline(t, line)]
+    return _annotate(fig, shapes=shapes)
+
+
+def _axis(title: str, **more) -> dict:
+    return dict(title=dict(text=title), **more)
 
 
 def latency(requests_t: pd.DataFrame, events: pd.DataFrame | None = None,
             slo_ms: float | None = None) -> go.Figure:
-    fig = _base(CHARTS["latency"])
     if not len(requests_t) or requests_t["latency_p50"].isna().all():
-        return _empty(fig)
+        return _empty(_base(CHARTS["latency"]))
+    fig = _base(CHARTS["latency"], yaxis=_axis("ms", rangemode="tozero"))
     x = _times(requests_t["t"])
     for p, color in ((50, "#1f77b4"), (95, "#ff7f0e"), (99, "#d62728")):
         fig.add_trace(go.Scatter(x=x, y=requests_t[f"latency_p{p}"] * 1000, name=f"p{p}",
@@ -117,15 +199,14 @@ def latency(requests_t: pd.DataFrame, events: pd.DataFrame | None = None,
     if slo_ms:
         fig.add_trace(go.Scatter(x=[x.iloc[0], x.iloc[-1]], y=[slo_ms, slo_ms], name="SLO",
                                  mode="lines", line=dict(color="#444", dash="dash")))
-    fig.update_yaxes(title_text="ms", rangemode="tozero")
     return add_event_markers(fig, events)
 
 
 def throughput(requests_t: pd.DataFrame, batches_t: pd.DataFrame,
                events: pd.DataFrame | None = None) -> go.Figure:
-    fig = _base(CHARTS["throughput"])
     if not len(requests_t) and not len(batches_t):
-        return _empty(fig)
+        return _empty(_base(CHARTS["throughput"]))
+    fig = _base(CHARTS["throughput"], yaxis=_axis("per second", rangemode="tozero"))
     if len(requests_t):
         x = _times(requests_t["t"])
         fig.add_trace(go.Scatter(x=x, y=requests_t["ok_per_s"], name="served req/s", mode="lines"))
@@ -134,32 +215,29 @@ def throughput(requests_t: pd.DataFrame, batches_t: pd.DataFrame,
     if len(batches_t):
         fig.add_trace(go.Scatter(x=_times(batches_t["t"]), y=batches_t["batches_per_s"],
                                  name="batches/s", mode="lines", line=dict(dash="dot")))
-    fig.update_yaxes(title_text="per second", rangemode="tozero")
     return add_event_markers(fig, events)
 
 
 def wait_vs_compute(batches_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Figure:
-    fig = _base(CHARTS["wait_compute"])
     if not len(batches_t):
-        return _empty(fig)
+        return _empty(_base(CHARTS["wait_compute"]))
+    fig = _base(CHARTS["wait_compute"], yaxis=_axis("ms per batch (mean)", rangemode="tozero"))
     x = _times(batches_t["t"])
     fig.add_trace(go.Scatter(x=x, y=batches_t["queue_wait_mean_s"] * 1000, name="queue wait",
                              stackgroup="one", mode="lines"))
     fig.add_trace(go.Scatter(x=x, y=batches_t["compute_mean_s"] * 1000, name="compute",
                              stackgroup="one", mode="lines"))
-    fig.update_yaxes(title_text="ms per batch (mean)", rangemode="tozero")
     return add_event_markers(fig, events)
 
 
 def queue_depth(batches_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Figure:
-    fig = _base(CHARTS["queue_depth"])
     if not len(batches_t) or batches_t["queue_depth_max"].isna().all():
-        return _empty(fig)
+        return _empty(_base(CHARTS["queue_depth"]))
+    fig = _base(CHARTS["queue_depth"], yaxis=_axis("waiting requests", rangemode="tozero"))
     x = _times(batches_t["t"])
     fig.add_trace(go.Scatter(x=x, y=batches_t["queue_depth_mean"], name="mean", mode="lines"))
     fig.add_trace(go.Scatter(x=x, y=batches_t["queue_depth_max"], name="max", mode="lines",
                              line=dict(dash="dot")))
-    fig.update_yaxes(title_text="waiting requests", rangemode="tozero")
     return add_event_markers(fig, events)
 
 
@@ -167,12 +245,11 @@ def batch_sizes(sizes: pd.DataFrame, max_batch_size: float | None = None) -> go.
     fig = _base(CHARTS["batch_sizes"], closest=True)
     if not len(sizes):
         return _empty(fig)
+    fig.update_layout(xaxis=_axis("batch size"), yaxis=_axis("batches"))
     fig.add_trace(go.Bar(x=sizes["batch_size"], y=sizes["batches"], name="batches"))
     if max_batch_size and pd.notna(max_batch_size):
-        fig.add_vline(x=float(max_batch_size), line=dict(color="#d62728", dash="dash"),
-                      annotation_text=f"max {int(max_batch_size)}", annotation_position="top")
-    fig.update_xaxes(title_text="batch size")
-    fig.update_yaxes(title_text="batches")
+        _lines(fig, [_vline(float(max_batch_size), dict(color="#d62728", dash="dash"),
+                            f"max {int(max_batch_size)}")])
     return fig
 
 
@@ -180,35 +257,34 @@ def batch_efficiency(sizes: pd.DataFrame) -> go.Figure:
     fig = _base(CHARTS["batch_efficiency"], closest=True)
     if not len(sizes):
         return _empty(fig)
+    fig.update_layout(xaxis=_axis("batch size"),
+                      yaxis=_axis("items per compute second", rangemode="tozero"))
     fig.add_trace(go.Scatter(x=sizes["batch_size"], y=sizes["items_per_compute_s"],
                              mode="lines+markers", name="items / compute s",
                              marker=dict(size=(sizes["batches"].clip(upper=400) ** 0.5 + 3))))
-    fig.update_xaxes(title_text="batch size")
-    fig.update_yaxes(title_text="items per compute second", rangemode="tozero")
     return fig
 
 
 def device(device_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Figure:
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
-    _style(fig, CHARTS["device"])
+    fig = _base(CHARTS["device"], grid="secondary_y")
     if not len(device_t):
         return _empty(fig)
+    fig.update_layout(yaxis=_axis("utilization %", range=[0, 105]),
+                      yaxis2=_axis("GiB", rangemode="tozero"))
     for dev, part in device_t.groupby("device"):
         x = _times(part["t"])
         fig.add_trace(go.Scatter(x=x, y=part["utilization_pct"], name=f"{dev} utilization %",
-                                 mode="lines"), secondary_y=False)
+                                 mode="lines", xaxis="x", yaxis="y"))
         mem = part["memory_used_bytes"]
         if mem.isna().all():
             mem = part["process_rss_bytes"]
         fig.add_trace(go.Scatter(x=x, y=mem / GIB, name=f"{dev} memory GiB", mode="lines",
-                                 line=dict(dash="dot")), secondary_y=True)
+                                 line=dict(dash="dot"), xaxis="x", yaxis="y2"))
         total = part["memory_total_bytes"].dropna()
         if len(total):
             fig.add_trace(go.Scatter(x=[x.iloc[0], x.iloc[-1]], y=[total.max() / GIB] * 2,
                                      name=f"{dev} memory limit", mode="lines",
-                                     line=dict(color="#999", dash="dash")), secondary_y=True)
-    fig.update_yaxes(title_text="utilization %", range=[0, 105], secondary_y=False)
-    fig.update_yaxes(title_text="GiB", rangemode="tozero", secondary_y=True)
+                                     line=dict(color="#999", dash="dash"), xaxis="x", yaxis="y2"))
     return add_event_markers(fig, events, y=100.0)
 
 
@@ -216,26 +292,25 @@ def padding(pad: pd.DataFrame) -> go.Figure:
     fig = _base(CHARTS["padding"], closest=True)
     if not len(pad):
         return _empty(fig, "no variable-length batches in this window")
+    fig.update_layout(yaxis=_axis("% of computed elements that are padding", range=[0, 100]),
+                      xaxis=_axis("length bucket", type="category"))
     labels = [("overflow" if b == -1 else f"≤{int(b)}") for b in pad["bucket"]]
     fig.add_trace(go.Bar(x=labels, y=pad["waste_fraction"] * 100, name="padding %",
                          customdata=pad[["batches", "real_elements", "padded_elements"]],
                          hovertemplate="bucket %{x}<br>waste %{y:.1f}%<br>batches %{customdata[0]}"
                                        "<br>real %{customdata[1]} / padded %{customdata[2]}"))
-    fig.update_yaxes(title_text="% of computed elements that are padding", range=[0, 100])
-    fig.update_xaxes(title_text="length bucket", type="category")
     return fig
 
 
 def priority(stats: pd.DataFrame) -> go.Figure:
-    fig = _base(CHARTS["priority"], closest=True)
-    fig.update_layout(barmode="group")
+    fig = _base(CHARTS["priority"], closest=True, barmode="group")
     if not len(stats):
         return _empty(fig)
+    fig.update_layout(yaxis=_axis("latency ms"))
     # recorded priorities are the engine's (0 = most urgent); HTTP clients send p + 1
     labels = [f"priority {int(p)} (HTTP {int(p) + 1})" for p in stats["priority"]]
     for p in (50, 95, 99):
         fig.add_trace(go.Bar(x=labels, y=stats[f"latency_p{p}"] * 1000, name=f"p{p}"))
-    fig.update_yaxes(title_text="latency ms")
     return fig
 
 
@@ -249,42 +324,39 @@ def model_share(share: pd.DataFrame) -> go.Figure:
 
 
 def generation(gen_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Figure:
-    fig = make_subplots(rows=2, cols=2, shared_xaxes=True, vertical_spacing=0.12,
-                        subplot_titles=("sequences", "tokens per step", "KV cache blocks used",
-                                        "preemptions"))
-    _style(fig, CHARTS["generation"], height=480)
+    fig = _base(CHARTS["generation"], height=480, grid="generation")
     if not len(gen_t):
         return _empty(fig)
     x = _times(gen_t["t"])
-    fig.add_trace(go.Scatter(x=x, y=gen_t["running"], name="running", mode="lines"), row=1, col=1)
-    fig.add_trace(go.Scatter(x=x, y=gen_t["waiting"], name="waiting", mode="lines"), row=1, col=1)
-    fig.add_trace(go.Scatter(x=x, y=gen_t["tokens_per_step"], name="tokens/step", mode="lines"),
-                  row=1, col=2)
-    fig.add_trace(go.Scatter(x=x, y=gen_t["blocks_used"], name="blocks used", mode="lines"),
-                  row=2, col=1)
-    fig.add_trace(go.Scatter(x=x, y=gen_t["blocks_total"], name="blocks total", mode="lines",
-                             line=dict(dash="dash", color="#999")), row=2, col=1)
-    fig.add_trace(go.Bar(x=x, y=gen_t["preemptions"], name="preemptions"), row=2, col=2)
-    return add_event_markers(fig, events, y=float(gen_t["running"].max()), row=1, col=1)
+    # the panels' axes, left to right and top to bottom: x/y, x2/y2, x3/y3, x4/y4
+    fig.add_traces([
+        go.Scatter(x=x, y=gen_t["running"], name="running", mode="lines", xaxis="x", yaxis="y"),
+        go.Scatter(x=x, y=gen_t["waiting"], name="waiting", mode="lines", xaxis="x", yaxis="y"),
+        go.Scatter(x=x, y=gen_t["tokens_per_step"], name="tokens/step", mode="lines", xaxis="x2",
+                   yaxis="y2"),
+        go.Scatter(x=x, y=gen_t["blocks_used"], name="blocks used", mode="lines", xaxis="x3",
+                   yaxis="y3"),
+        go.Scatter(x=x, y=gen_t["blocks_total"], name="blocks total", mode="lines",
+                   line=dict(dash="dash", color="#999"), xaxis="x3", yaxis="y3"),
+        go.Bar(x=x, y=gen_t["preemptions"], name="preemptions", xaxis="x4", yaxis="y4")])
+    return add_event_markers(fig, events, y=float(gen_t["running"].max()), axes=("x", "y"))
 
 
 def generation_latency(summary: pd.DataFrame) -> go.Figure:
-    fig = _base(CHARTS["generation_latency"], closest=True)
-    fig.update_layout(barmode="group")
+    fig = _base(CHARTS["generation_latency"], closest=True, barmode="group")
     if not len(summary) or pd.isna(summary.iloc[0].get("ttft_p50")):
         return _empty(fig, "no finished generation requests in this window")
+    fig.update_layout(yaxis=_axis("ms"))
     row = summary.iloc[0]
     for p in (50, 95, 99):
         fig.add_trace(go.Bar(x=["time to first token", "time per output token"],
                              y=[row[f"ttft_p{p}"] * 1000, row[f"tpot_p{p}"] * 1000], name=f"p{p}"))
-    fig.update_yaxes(title_text="ms")
     return fig
 
 
 def compare(before: pd.DataFrame, after: pd.DataFrame, *, labels=("before", "after")) -> go.Figure:
     """Key headline figures of two windows side by side (each normalised to 'before')."""
-    fig = _base("Before / after", closest=True)
-    fig.update_layout(barmode="group")
+    fig = _base("Before / after", closest=True, barmode="group")
     keys = [("ok_per_s", "served req/s"), ("mean_batch_size", "mean batch size"),
             ("latency_p50", "p50 latency"), ("latency_p99", "p99 latency"),
             ("queue_wait_mean_s", "mean queue wait")]
@@ -381,8 +453,7 @@ def tuning_trials(trials: pd.DataFrame, *, slo_ms: float | None = None,
         if number is not None:
             points(shown[shown["trial"] == number], name, color, symbol, 16)
     if slo_ms:
-        fig.add_vline(x=float(slo_ms), line=dict(color="#d62728", dash="dash"),
-                      annotation_text=f"SLO {slo_ms:g} ms", annotation_position="top")
+        _lines(fig, [_vline(float(slo_ms), dict(color="#d62728", dash="dash"), f"SLO {slo_ms:g} ms")])
     fig.update_xaxes(title_text="p99 latency ms", rangemode="tozero")
     fig.update_yaxes(title_text="throughput req/s", rangemode="tozero")
     return fig

@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from batchscope.analysis import recommend
-from batchscope.presentation.charts import _base, _empty, _times
+from batchscope.presentation.charts import _axis, _base, _empty, _hline, _lines, _times
 
 #: chart key -> title (``fleet_rules`` flags point at these keys)
 FLEET_CHARTS: dict[str, str] = {
@@ -24,36 +24,34 @@ UPPER_SHOWN = 3.0
 
 def throughput_by_instance(timeline: pd.DataFrame) -> go.Figure:
     """One line per instance (``fleet.throughput_timeline``)."""
-    fig = _base(FLEET_CHARTS["fleet_throughput"])
     if not len(timeline):
-        return _empty(fig)
-    for iid, part in timeline.groupby("instance_id", sort=True):
-        fig.add_trace(go.Scatter(x=_times(part["t"]), y=part["ok_per_s"], name=str(iid),
-                                 mode="lines"))
-    fig.update_yaxes(title_text="req/s", rangemode="tozero")
+        return _empty(_base(FLEET_CHARTS["fleet_throughput"]))
+    fig = _base(FLEET_CHARTS["fleet_throughput"], yaxis=_axis("req/s", rangemode="tozero"))
+    x, y = _times(timeline["t"]).to_numpy(), timeline["ok_per_s"].to_numpy()
+    fig.add_traces([go.Scatter(x=x[rows], y=y[rows], name=str(iid), mode="lines")
+                    for iid, rows in sorted(timeline.groupby("instance_id").indices.items())])
     return fig
 
 
 def latency_by_instance(table: pd.DataFrame, fleet_row: dict | None = None) -> go.Figure:
     """p50 and p99 bars per instance (``fleet.instance_table`` rows of one model), with the
     fleet-wide p50/p99 (exact over every instance's requests) as dashed lines."""
-    fig = _base(FLEET_CHARTS["fleet_latency"], closest=True)
     rows = table.dropna(subset=["latency_p50_s"]) if len(table) else table
     if not len(rows):
-        return _empty(fig)
+        return _empty(_base(FLEET_CHARTS["fleet_latency"], closest=True))
+    fig = _base(FLEET_CHARTS["fleet_latency"], closest=True, barmode="group",
+                yaxis=_axis("ms", rangemode="tozero"))
     names = rows["instance_id"].astype(str)
-    for col, label, color in (("latency_p50_s", "p50", "#1f77b4"),
-                              ("latency_p99_s", "p99", "#d62728")):
-        fig.add_trace(go.Bar(x=names, y=rows[col] * 1000.0, name=label, marker_color=color))
+    fig.add_traces([go.Bar(x=names, y=rows[col] * 1000.0, name=label, marker_color=color)
+                    for col, label, color in (("latency_p50_s", "p50", "#1f77b4"),
+                                              ("latency_p99_s", "p99", "#d62728"))])
+    lines = []
     for key, label, color in (("latency_p50_s", "fleet p50", "#1f77b4"),
                               ("latency_p99_s", "fleet p99", "#d62728")):
         value = (fleet_row or {}).get(key)
         if value is not None and not math.isnan(float(value)):
-            fig.add_hline(y=float(value) * 1000.0, line=dict(color=color, dash="dash"),
-                          annotation_text=label, annotation_position="top left")
-    fig.update_layout(barmode="group")
-    fig.update_yaxes(title_text="ms", rangemode="tozero")
-    return fig
+            lines.append(_hline(float(value) * 1000.0, dict(color=color, dash="dash"), label))
+    return _lines(fig, lines)
 
 
 def usage(series: dict[str, list[tuple[float, float]]], est: recommend.Estimate) -> go.Figure:
@@ -72,10 +70,9 @@ def usage(series: dict[str, list[tuple[float, float]]], est: recommend.Estimate)
         if points:
             fig.add_trace(go.Scatter(x=_times([t for t, _ in points]),
                                      y=[v * scale for _, v in points], name=iid, mode="lines"))
-    for value, label, dash in ((est.lower, "lower bound", "dot"), (est.target, "target", "solid"),
-                               (est.upper, "upper bound", "dash")):
-        if math.isfinite(value) and not (label == "upper bound" and off_chart):
-            fig.add_hline(y=value * scale, line=dict(color="#444", dash=dash),
-                          annotation_text=label, annotation_position="top left")
-    fig.update_yaxes(title_text=unit, rangemode="tozero")
-    return fig
+    fig.update_layout(yaxis=_axis(unit, rangemode="tozero"))
+    return _lines(fig, [_hline(value * scale, dict(color="#444", dash=dash), label)
+                        for value, label, dash in ((est.lower, "lower bound", "dot"),
+                                                   (est.target, "target", "solid"),
+                                                   (est.upper, "upper bound", "dash"))
+                        if math.isfinite(value) and not (label == "upper bound" and off_chart)])

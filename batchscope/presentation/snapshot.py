@@ -189,16 +189,6 @@ def _json_safe(value):
     return value
 
 
-def host_cpus(engine: Engine, w: Window) -> int | None:
-    """The CPU count the window's instances registered, when they all registered the
-    same one (the recommendations turn CPU utilization into cores with it)."""
-    where, params = ("WHERE id = :inst", {"inst": w.instance_id}) if w.instance_id else ("", {})
-    with engine.connect() as conn:
-        counts = {r[0] for r in conn.execute(text(
-            f"SELECT DISTINCT cpu_count FROM runtime_instances {where}"), params) if r[0]}
-    return counts.pop() if len(counts) == 1 else None
-
-
 def fleet_flags(engine: Engine, w: Window, now: float) -> list[dict]:
     """What the fleet rules find over ``w`` (instances compared), as manifest entries."""
     return [_json_safe(f.to_dict()) for f in fleet_rules.diagnose(fleet.bundle(engine, w, now=now))]
@@ -206,7 +196,7 @@ def fleet_flags(engine: Engine, w: Window, now: float) -> list[dict]:
 
 def recommendations(engine: Engine, w: Window) -> list[dict]:
     """The resource recommendations over ``w``, as manifest entries."""
-    return _json_safe(recommend.for_snapshot(engine, w, host_cpus=host_cpus(engine, w)))
+    return _json_safe(recommend.for_snapshot(engine, w, host_cpus=recommend.registered_host_cpus(engine, w.instance_id)))
 
 
 def tuning_sessions(engine: Engine, w: Window) -> tuple[list, dict]:

@@ -59,7 +59,7 @@ NOT_OK_BUCKET = -1
 #: what ``summary_shapes.bucket`` holds for a batch of fixed-size inputs (no length bucket)
 NO_LENGTH_BUCKET = -2
 
-_BUCKET_SQL = (f"CASE WHEN latency_s <= {MIN_LATENCY_S!r} THEN 0 "
+BUCKET_SQL = (f"CASE WHEN latency_s <= {MIN_LATENCY_S!r} THEN 0 "
                f"WHEN latency_s > {MAX_LATENCY_S!r} THEN {OVERFLOW_BUCKET} "
                f"ELSE CAST(CEIL({BUCKETS_PER_DECADE} * LN(latency_s / {MIN_LATENCY_S!r}) / LN(10.0)) "
                "AS INTEGER) END")
@@ -132,7 +132,7 @@ def request_statements(where: str) -> list[str]:
     }, "requests", where)
     latency = _upsert(LatencySummary.__tablename__, {
         **_OWNER, "priority": "priority", "outcome": "outcome",
-        "bucket": f"CASE WHEN outcome = 'ok' THEN {_BUCKET_SQL} ELSE {NOT_OK_BUCKET} END"}, {
+        "bucket": f"CASE WHEN outcome = 'ok' THEN {BUCKET_SQL} ELSE {NOT_OK_BUCKET} END"}, {
         "n": "COUNT(*)", "latency_sum_s": "SUM(latency_s)", "queue_wait_sum_s": "SUM(queue_wait_s)",
     }, "requests", where)
     return [stats, latency]
