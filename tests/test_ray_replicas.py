@@ -41,15 +41,35 @@ FLEET_BACKEND = ("postgresql" if "postgresql" in os.environ.get(
     "BATCHSCOPE_TEST_BACKENDS", "sqlite,postgresql").split(",") else "sqlite")
 
 
+#: attempts at starting the local cluster (see ``_two_node_cluster``)
+CLUSTER_ATTEMPTS = 3
+
+
+def _two_node_cluster() -> cluster_utils.Cluster:
+    """A head and one more node. Ray gives a node's raylet a fixed 30 s to register with
+    its GCS and raises otherwise; on a busy 2-core machine that start-up (not what this
+    module tests) fails now and then, so a cluster that did not come up is shut down and
+    started again, a bounded number of times."""
+    for attempt in range(1, CLUSTER_ATTEMPTS + 1):
+        cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "include_dashboard": False})
+        try:
+            cluster.add_node(num_cpus=1)
+            return cluster
+        except Exception as exc:  # Ray raises a bare Exception for the start-up timeout
+            cluster.shutdown()
+            if attempt == CLUSTER_ATTEMPTS or "timed out during startup" not in str(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def proxy_port():
     """A local Ray cluster of two nodes with Ray Serve's proxy on 127.0.0.1: its port."""
     # every node of this cluster is this machine: let the proxy route to both nodes
     saved = {k: os.environ.get(k) for k in SPREAD_ON_ONE_MACHINE}
     os.environ.update(SPREAD_ON_ONE_MACHINE)
-    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
+    cluster = _two_node_cluster()
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     try:
         cluster.wait_for_nodes()
