@@ -2,12 +2,19 @@
 
 Three servers run one after another (``batchscope serve``, torch on one thread, nothing
 recorded), each driven by the same seeded open-loop load whose rate moves through
-phases (default for ``encoder``: quiet 10/s, busy 35/s, burst 55/s, quiet 10/s, 20 s
-each, random lengths 8..128; latency counts from each request's scheduled arrival):
+phases (default for ``encoder``: quiet 20/s, busy 60/s, burst 90/s, quiet 20/s, 20 s
+each, random lengths 8..128, p99 SLO 80 ms; latency counts from each request's
+scheduled arrival):
 
 * ``defaults``: the server's default settings;
-* ``fixed``: the defaults plus ``--fixed`` (for ``encoder``: ``max_batch_size=8``);
+* ``fixed``: the defaults plus ``--fixed`` (``key=value;...``; for ``encoder`` what a
+  2-minute ``batchscope tune --rate 90 --slo-p99-ms 80`` session chose: ``max_batch_size=8``,
+  ``max_queue_delay_ms=10``, preferred sizes 2, 4, 8, bucket edges 32, 64, 96, 128);
 * ``autopilot``: the defaults plus ``autopilot_slo_p99_ms`` = the SLO.
+
+``--repeat N`` runs the three N times, interleaved (defaults, fixed, autopilot, defaults,
+...), so that a slow moment of a shared machine does not fall on one scenario only, and
+totals each scenario's figures over its runs.
 
 For each: goodput at the SLO (requests answered 200 within the SLO, per second of the
 run), throughput, and the seconds in SLO violation: seconds whose arrivals' p99 latency
@@ -46,8 +53,10 @@ except ImportError:  # pragma: no cover - older trees kept it with the runtime's
     from runtime.tools import loadgen  # type: ignore[no-redef]  # noqa: E402
 
 DEFAULTS = {
-    "encoder": {"slo_ms": 400.0, "phases": "10:20,35:20,55:20,10:20",
-                "lengths": "uniform:8:128", "fixed": "max_batch_size=8"},
+    "encoder": {"slo_ms": 80.0, "phases": "20:20,60:20,90:20,20:20",
+                "lengths": "uniform:8:128",
+                "fixed": "max_batch_size=8;max_queue_delay_ms=10;preferred_batch_sizes=2,4,8;"
+                         "bucket_edges=32,64,96,128"},
     "mlp": {"slo_ms": 20.0, "phases": "300:20,1500:20,3000:20,300:20",
             "lengths": None, "fixed": "max_batch_size=64"},
 }
@@ -172,7 +181,7 @@ def run_scenario(name: str, model: str, phases, slo_ms: float, lengths: str | No
                  fixed: str, seed: int) -> dict[str, Any]:
     extra: list[str] = []
     if name == "fixed":
-        for pair in fixed.split(","):
+        for pair in fixed.split(";"):
             extra += ["--set", f"{model}.{pair.strip()}"]
     elif name == "autopilot":
         extra += ["--set", f"{model}.autopilot_slo_p99_ms={slo_ms:g}"]
@@ -193,9 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", default="encoder", choices=sorted(DEFAULTS))
     ap.add_argument("--slo-ms", type=float, default=None, help="p99 SLO (ms)")
     ap.add_argument("--phases", default=None, help="rate:seconds,... (default per model)")
-    ap.add_argument("--fixed", default=None, help="the fixed setting, key=value,...")
+    ap.add_argument("--fixed", default=None, help="the fixed setting, key=value;...")
     ap.add_argument("--only", default=",".join(SCENARIOS), help="scenarios to run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each scenario, interleaved")
     ap.add_argument("--json", default=None, help="write the rows here too")
     args = ap.parse_args(argv)
     base = DEFAULTS[args.model]
@@ -207,28 +217,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--only {unknown}: choose from {', '.join(SCENARIOS)}")
     rows = []
-    for name in names:
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        rows.append(run_scenario(name, args.model, phases, slo_ms, base["lengths"], fixed,
-                                 args.seed))
+    for run in range(1, max(1, args.repeat) + 1):
+        for name in names:
+            print(f"running {name} ({run}/{args.repeat}) ...", file=sys.stderr, flush=True)
+            row = run_scenario(name, args.model, phases, slo_ms, base["lengths"], fixed,
+                               args.seed)
+            rows.append({"run": run, **row})
     print(f"{args.model}, p99 SLO {slo_ms:g} ms, phases (req/s x s) "
           f"{', '.join(f'{r:g}x{s:g}' for r, s in phases)}; fixed: {fixed}")
-    print(format_table(rows, ["scenario", "goodput_rps", "throughput_rps", "violation_s",
-                              "seconds", "failed", "p99_ms_by_phase"]))
+    print(format_table(rows, ["run", "scenario", "goodput_rps", "throughput_rps",
+                              "violation_s", "seconds", "failed", "p99_ms_by_phase"]))
     for row in rows:
         if row["scenario"] == "autopilot":
-            print("autopilot settings (s into the phases: settings):")
+            print(f"autopilot settings, run {row['run']} (s into the phases: settings):")
             for t, s in row["settings"]:
                 print(f"  {t:7.1f}  max_batch_size={s['max_batch_size']}  "
                       f"max_queue_delay_ms={s['max_queue_delay_ms']}")
-    by = {r["scenario"]: r for r in rows}
+    by: dict[str, dict[str, float]] = {}
+    for row in rows:
+        total = by.setdefault(row["scenario"], {"goodput_rps": 0.0, "violation_s": 0, "runs": 0})
+        total["goodput_rps"] += row["goodput_rps"]
+        total["violation_s"] += row["violation_s"]
+        total["runs"] += 1
+    for total in by.values():
+        total["goodput_rps"] /= total["runs"]
     if {"defaults", "autopilot"} <= by.keys():
         d, a = by["defaults"], by["autopilot"]
-        print(f"violation seconds autopilot/defaults: {a['violation_s']}/{d['violation_s']}")
+        print(f"violation seconds autopilot/defaults: {a['violation_s']}/{d['violation_s']}"
+              f" (over {a['runs']} run(s) each)")
     if {"fixed", "autopilot"} <= by.keys():
         f, a = by["fixed"], by["autopilot"]
         ratio = a["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] else float("nan")
-        print(f"goodput autopilot/fixed: {ratio:.2f}")
+        print(f"goodput autopilot/fixed: {ratio:.2f} (mean over runs)")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "slo_ms": slo_ms,
                                                "phases": phases, "rows": rows}, indent=2))

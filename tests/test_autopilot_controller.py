@@ -71,6 +71,14 @@ def test_a_short_window_waits_even_with_enough_samples():
     assert not step.window_done and step.decision is None
 
 
+def test_a_window_of_few_long_batches_waits_for_more_unless_most_requests_fail():
+    run = Run()
+    step = run.step(500.0, ok=200, mean_batch=32.0)  # 6 batches of 32
+    assert not step.window_done and step.decision is None
+    step = run.step(500.0, ok=20, failed=180, mean_batch=10.0)  # 2 batches, 90 % failed
+    assert step.window_done
+
+
 # -- the moves -----------------------------------------------------------------------------
 def test_raises_the_delay_when_under_the_slo_and_the_queue_builds_with_small_batches():
     run = Run(room_windows=2)
@@ -140,27 +148,22 @@ def test_never_raises_the_batch_size_while_the_oom_governor_holds_it_lower():
     assert steps[1].decision.changes == {"max_batch_size": 24}
 
 
-def test_backs_off_on_violation_the_delay_first_then_the_batch_size():
+def test_backs_off_on_violation_a_visible_delay_first_then_the_batch_size():
     run = Run(Knobs(32, 40.0), fallback_after=100)
     d = run.step(150.0, times=PER_ITEM).decision
     assert d.state == LOWERING and d.changes == {"max_queue_delay_ms": 20.0}
     assert d.reason.startswith("p99 150 ms > SLO 100 ms")
-    delays = [run.step(150.0, dt=2.0, times=PER_ITEM).decision.knobs.max_queue_delay_ms
-              for _ in range(5)]
-    # halved each time, work-conserving (null) once below min_delay_ms
-    assert delays == [10.0, 5.0, 2.5, 1.25, 0.625]
+    # 20 ms is still a tenth of the p99 or more: halved again
+    assert run.step(150.0, dt=2.0, times=PER_ITEM).decision.changes == {"max_queue_delay_ms": 10.0}
+    # a 10 ms delay is not what holds a p99 of 150 ms up while a full batch takes 320 ms:
+    # the batch shrinks, by at most half a step, down to the largest batch within a
+    # quarter of the SLO (10 ms each); then the delay is halved down to work-conserving
+    changes = []
     while run.knobs.max_queue_delay_ms is not None:
-        run.step(150.0, dt=2.0, times=PER_ITEM)
-    # then a full batch that takes more than a quarter of the SLO makes the batch smaller,
-    # by at most half a step, down to the largest batch within that quarter (10 ms each)
-    sizes = []
-    for _ in range(6):
-        d = run.step(150.0, dt=2.0, times=PER_ITEM).decision
-        if d is not None:
-            sizes.append(d.knobs.max_batch_size)
-            if len(sizes) == 1:
-                assert "a batch of 32 takes about 320 ms" in d.reason
-    assert sizes == [16, 8, 4, 2]
+        changes.append(run.step(150.0, dt=2.0, times=PER_ITEM).decision.changes)
+    assert changes == [{"max_batch_size": n} for n in (16, 8, 4, 2)] + [
+        {"max_queue_delay_ms": d} for d in (5.0, 2.5, 1.25, 0.625, None)]
+    assert run.step(150.0, dt=2.0, times=PER_ITEM).decision is None  # no step left
     # with a per-batch cost the line says where to stop at once: 1 ms x 21 + 4 <= 25
     run = Run(Knobs(32, None))
     assert run.step(150.0).decision.changes == {"max_batch_size": 21}
@@ -174,15 +177,28 @@ def test_violation_with_a_saturated_model_grows_the_batch_for_throughput():
 
 
 def test_a_saturated_model_whose_batches_cost_per_item_is_not_grown():
-    # bigger batches serve no more: halve the delay instead, then shrink the batches,
-    # which costs no capacity and lowers the latency
+    # bigger batches serve no more: shrink the batches instead, which costs no capacity
+    # and lowers the latency, then halve the delay once a batch fits
     run = Run(Knobs(32, 10.0), fallback_after=100)
-    d = run.step(300.0, depth=100, mean_batch=32.0, util=1.0, times=PER_ITEM).decision
-    assert d.changes == {"max_queue_delay_ms": 5.0}
-    while run.knobs.max_queue_delay_ms is not None:
-        run.step(300.0, dt=2.0, depth=100, mean_batch=32.0, util=1.0, times=PER_ITEM)
-    d = run.step(300.0, dt=2.0, depth=100, mean_batch=32.0, util=1.0, times=PER_ITEM).decision
+    d = run.step(300.0, depth=100, mean_batch=32.0, ok=400, util=1.0, times=PER_ITEM).decision
     assert d.changes == {"max_batch_size": 16}
+    assert "a batch of 32 takes about 320 ms" in d.reason
+    while run.knobs.max_batch_size > 2:
+        run.step(300.0, dt=2.0, depth=100, mean_batch=32.0, ok=400, util=1.0, times=PER_ITEM)
+    d = run.step(300.0, dt=2.0, depth=100, mean_batch=2.0, ok=400, util=1.0,
+                 times=PER_ITEM).decision
+    assert d.changes == {"max_queue_delay_ms": 5.0}
+
+
+def test_a_smaller_batch_must_still_serve_the_arrivals():
+    heavy = {1: (50.0, 600.0), 8: (50.0, 1300.0)}  # 2 ms per item + 10 ms per batch
+    # at 100 req/s half a step is fine: 32 -> 16 (capacity 381 req/s)
+    run = Run(Knobs(32, None))
+    assert run.step(150.0, ok=100, times=heavy).decision.changes == {"max_batch_size": 16}
+    # at 350 req/s, 16 would leave no room; 18 is the smallest that serves 0.9 x the
+    # capacity of 32 (432 req/s), since 1.2 x 350 is more than that
+    run = Run(Knobs(32, None))
+    assert run.step(150.0, ok=350, times=heavy).decision.changes == {"max_batch_size": 18}
 
 
 def test_no_move_inside_the_hysteresis_band():
@@ -238,7 +254,8 @@ def test_growing_a_saturated_model_that_serves_no_more_is_undone():
     run = Run(Knobs(16, None))
     d = run.step(300.0, depth=100, mean_batch=16.0, util=1.0).decision
     assert d.changes == {"max_batch_size": 24}
-    step = run.step(320.0, dt=2.0, ok=202, depth=120, mean_batch=24.0, util=1.0)
+    step = run.step(320.0, dt=2.0, ok=404, duration_s=2.0, depth=120, mean_batch=24.0,
+                    util=1.0)
     assert step.decision.state == REVERTED and step.decision.changes == {"max_batch_size": 16}
 
 

@@ -15,17 +15,23 @@ The controller predicts with the model's measured batch times (``BatchCost``, a 
 a full batch's time at a new size, the capacity ``n / time(n)`` and the device time per
 request.
 
-A window is judged once it holds ``min_samples`` outcomes and lasts ``min_window_s``
-(a window that reaches ``max_window_s`` with fewer is dropped: too quiet to judge).
+A window is judged once it holds ``min_samples`` outcomes and ``min_batches`` successful
+batches (a model whose batches take long serves in steps, and a window of a few of them
+says little about its rate) and lasts ``min_window_s`` (a window that reaches
+``max_window_s`` with fewer is dropped: too quiet to judge; one where most requests fail
+needs no batches).
 Then, with ``S`` the SLO:
 
 1. **Over the SLO** (p99 > S, or nothing succeeded): when the model is *saturated*
    (batches run full and a full one waits: arrivals outrun it) and a bigger batch
    would serve ``gain`` more (or too few sizes were seen to tell), ``max_batch_size``
-   grows; else a delay is halved (below ``min_delay_ms`` it becomes work-conserving);
-   else, when a full batch takes more than ``batch_share`` of S, ``max_batch_size``
-   shrinks to the largest batch that fits in it (at most by half a step) -- while
-   saturated only if that costs less than ``worse`` of the capacity.
+   grows; else, when a full batch takes more than ``batch_share`` of S,
+   ``max_batch_size`` shrinks to the largest batch that fits in it (at most by half a
+   step) -- while saturated only if that costs less than ``worse`` of the capacity, and
+   never below the size whose capacity is ``headroom`` above the arrival rate --
+   unless the delay is at least ``delay_visible`` of the p99: a delay is halved first
+   then, and whenever the batch does not shrink (below ``min_delay_ms`` it becomes
+   work-conserving).
 2. **Room** (p99 < ``room`` · S for ``room_windows`` windows in a row): when the model
    is saturated, ``max_batch_size`` grows while the bigger batch stays within
    ``batch_share`` of S and serves more; else, when the queue builds (requests wait
@@ -102,6 +108,7 @@ class Tuning:
     """The controller's constants (see the module docstring)."""
 
     min_samples: int = 100
+    min_batches: int = 10
     min_window_s: float = 1.0
     max_window_s: float = 10.0
     cooldown_s: float = 1.0
@@ -123,7 +130,12 @@ class Tuning:
     #: a longer delay must promise this much less device time per request
     delay_saving: float = 0.1
     same_load: float = 0.15
-    block_s: float = 30.0
+    block_s: float = 10.0
+    #: over the SLO, a delay of at least this share of the p99 is halved before a batch
+    #: that takes too long is made smaller
+    delay_visible: float = 0.1
+    #: a smaller batch must serve this much more than the arrival rate
+    headroom: float = 0.2
     fallback_after: int = 4
     improving: float = 0.1
     hold_s: float = 30.0
@@ -204,12 +216,14 @@ class Controller:
         if obs.now_s < self._settle_until:
             self.state = SETTLING
             return Step(True)
-        if w.samples < t.min_samples or w.duration_s < t.min_window_s:
+        if w.samples < t.min_samples or w.duration_s < t.min_window_s or (
+                w.batches < t.min_batches and w.failed <= w.ok):
             if w.duration_s >= t.max_window_s:
                 self._probe = None
                 self._last_p99 = self._last_depth = None
-                self.note = (f"{w.samples} requests in {w.duration_s:.1f} s: too few to judge "
-                             f"(needs {t.min_samples})")
+                self.note = (f"{w.samples} requests in {w.batches} batches in "
+                             f"{w.duration_s:.1f} s: too few to judge (needs {t.min_samples} "
+                             f"in {t.min_batches})")
                 return Step(True)
             return Step(False)
         self._times.add(obs.batch_ms_by_size)
@@ -293,21 +307,49 @@ class Controller:
                 return self._move(obs, replace(knobs, max_batch_size=bigger), "batch_up",
                                   RAISING, f"{head} with {obs.queue_depth} queued and full "
                                            f"batches{self._capacity(cost, size, bigger)}:")
-        if delay is not None and self._allowed("delay_down", obs.now_s):
-            half = delay / 2.0
-            new = replace(knobs, max_queue_delay_ms=half if half >= t.min_delay_ms else None)
-            return self._move(obs, new, "delay_down", LOWERING, f"{head}:")
+        halve = delay is not None and self._allowed("delay_down", obs.now_s)
         limit = t.batch_share * slo
-        if cost is None or size <= self.min_batch_size or cost.ms(size) <= limit \
-                or not self._allowed("batch_down", obs.now_s):
+        long_batch = cost is not None and size > self.min_batch_size and cost.ms(size) > limit
+        # a delay that is a visible part of the latency goes first; a short one is not what
+        # holds the p99 up while a full batch takes too long
+        if halve and (not long_batch or delay >= t.delay_visible * p99):
+            return self._halve_delay(obs, head)
+        shrink = self._shrink(obs, head, cost, size, saturated) if long_batch else None
+        if shrink is None and halve:
+            return self._halve_delay(obs, head)
+        return shrink
+
+    def _halve_delay(self, obs: Observation, head: str) -> Decision | None:
+        knobs = obs.knobs
+        half = (knobs.max_queue_delay_ms or 0.0) / 2.0
+        new = replace(knobs, max_queue_delay_ms=half if half >= self.tuning.min_delay_ms else None)
+        return self._move(obs, new, "delay_down", LOWERING, f"{head}:")
+
+    def _shrink(self, obs: Observation, head: str, cost: BatchCost, size: int,
+                saturated: bool) -> Decision | None:
+        """A smaller ``max_batch_size``: the largest batch within ``batch_share`` of the SLO,
+        at most half a step down; while saturated only if it keeps the capacity, and never
+        one whose capacity (by the fitted line) is below ``1 + headroom`` times the rate
+        requests arrive at (or ``1 - worse`` of this size's, when that is lower)."""
+        t = self.tuning
+        if not self._allowed("batch_down", obs.now_s):
             return None
         lower = max(self.min_batch_size, int(size * t.lower_floor),
-                    min(size - 1, cost.largest_within(limit)))
+                    min(size - 1, cost.largest_within(t.batch_share * self.slo_p99_ms)))
         if saturated and not (cost.sizes >= 2 and cost.capacity_rps(lower)
                               >= (1.0 - t.worse) * cost.capacity_rps(size)):
             return None
-        return self._move(obs, replace(knobs, max_batch_size=lower), "batch_down", LOWERING,
-                          f"{head}, a batch of {size} takes about {cost.ms(size):.0f} ms:")
+        rate = obs.window.settled_rps
+        if cost.sizes >= 2 and rate > 0:  # and it must still serve the arrivals, with room
+            # (or, where even this size cannot, lose at most ``worse`` of its capacity)
+            need = min((1.0 + t.headroom) * rate, (1.0 - t.worse) * cost.capacity_rps(size))
+            while lower < size and cost.capacity_rps(lower) < need:
+                lower += 1
+            if lower >= size:
+                return None
+        return self._move(obs, replace(obs.knobs, max_batch_size=lower), "batch_down",
+                          LOWERING, f"{head}, a batch of {size} takes about "
+                                    f"{cost.ms(size):.0f} ms:")
 
     def _under(self, obs: Observation, p99: float) -> Decision | None:
         t = self.tuning
