@@ -57,6 +57,8 @@ DEFAULTS = {
                 "lengths": "uniform:8:128",
                 "fixed": "max_batch_size=8;max_queue_delay_ms=10;preferred_batch_sizes=2,4,8;"
                          "bucket_edges=32,64,96,128"},
+    "wide": {"slo_ms": 300.0, "phases": "100:20,500:20,850:20,100:20", "lengths": None,
+             "fixed": "max_batch_size=128"},
     "mlp": {"slo_ms": 20.0, "phases": "300:20,1500:20,3000:20,300:20",
             "lengths": None, "fixed": "max_batch_size=64"},
 }

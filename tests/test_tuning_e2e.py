@@ -5,6 +5,7 @@ live traffic. Budgets are seconds; outcomes asserted are counts and settings, no
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from batchscope.load.background import BackgroundLoad
 from batchscope.storage.schema import RequestRecord
 from batchscope.tuning.client import ControlClient, TuningError
 from batchscope.tuning.figures import Stability
-from batchscope.tuning.runner import TuneOptions, run_tuning
+from batchscope.tuning.runner import TuneOptions, drain_backlog, run_tuning
 from batchscope.tuning.space import SpaceOptions
 from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.models.toys import DoubleModel, VarLenModel
@@ -131,3 +132,41 @@ def test_a_token_server_needs_the_token():
             run_tuning(options(runner.url, budget_s=2.0))
         result = run_tuning(options(runner.url, budget_s=2.0, token=TOKEN))
         assert result.outcome == "restored the starting settings" and result.measured >= 1
+
+
+def test_a_paused_open_loop_lets_the_server_work_off_a_backlog():
+    """A held model builds a real queue under an open loop; ``drain_backlog`` stops the
+    arrivals, the queue empties once the model runs again, and the load goes on."""
+    hold = threading.Event()
+    model = DoubleModel(hold=hold)
+    service = Service({"double": model}, {"double": BatchingConfig(max_batch_size=4)},
+                      ServerConfig(record=False))
+    with ServiceThread(service) as runner, BackgroundLoad(runner.url, "double", rate=400.0,
+                                                          seed=2) as load:
+        assert model.entered.wait(10)
+        for _ in range(200):          # at most 10 s for 40 requests to queue up
+            if load.in_flight >= 40:
+                break
+            time.sleep(0.05)
+        assert load.in_flight >= 40
+        sent_during_pause: list[int] = []
+
+        def wait(seconds: float) -> bool:
+            hold.set()                # the model runs again once the load is paused
+            sent_during_pause.append(load.tally.sent)
+            time.sleep(seconds)
+            return False
+
+        said = drain_backlog(load, slo_p99_ms=10.0, limit_s=10.0, clock=time.perf_counter,
+                             wait=wait)
+        assert said is not None and "worked off the" in said and "still open" not in said
+        assert load.in_flight == 0 and len(set(sent_during_pause)) == 1
+        sent = load.tally.sent
+        for _ in range(200):          # resumed: the arrivals are sent again
+            if load.tally.sent > sent:
+                break
+            time.sleep(0.05)
+        assert load.tally.sent > sent
+        # nothing to work off now: no pause
+        assert drain_backlog(load, slo_p99_ms=10_000.0, limit_s=10.0, clock=time.perf_counter,
+                             wait=wait) is None

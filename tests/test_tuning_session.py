@@ -103,7 +103,8 @@ def space(**options) -> SearchSpace:
 
 def run(*, search="grid", budget_s=1000.0, patience=None, live=False, refuse=lambda s: None,
         objective=None, stability=Stability(), cancel_after=None, apply=False,
-        space_options=None, **meter_options):
+        space_options=None, drain=lambda server: None, say=lambda text: None,
+        **meter_options):
     sp = space(**(space_options or {}))
     clock = FakeClock(cancel_after)
     server = FakeServer(refuse)
@@ -112,7 +113,8 @@ def run(*, search="grid", budget_s=1000.0, patience=None, live=False, refuse=lam
     session = TuningSession(sp, searcher, objective or Objective(SLO_MS), now=clock(),
                             stopping=Stopping(budget_s=budget_s, patience=patience),
                             stability=stability, live=live)
-    drive(session, send=server.send, meter=meter, clock=clock, wait=clock.wait)
+    drive(session, send=server.send, meter=meter, clock=clock, wait=clock.wait,
+          drain=lambda: drain(server), say=say)
     result = finish(session, server.send, apply=apply, now=clock(), model="m")
     return session, result, server, meter
 
@@ -152,6 +154,39 @@ def test_an_unstable_point_is_reported_but_never_the_best():
     assert all(t.status == COUNTED and len(t.windows) == 3 for t in steady)
 
 
+def test_an_overloaded_point_is_counted_as_soon_as_its_p99_keeps_rising():
+    def backlog(s, k, rps, p99):   # max batch 4 cannot keep up: its queue grows
+        return (rps, 200.0 * (k + 1)) if s["max_batch_size"] == 4 else (rps, p99)
+
+    session, result, _, _ = run(shape=backlog, space_options={"policies": ("dynamic",),
+                                                              "queue_delays_ms": (None,),
+                                                              "preferred": ("none",)})
+    small = next(t for t in session.trials if t.point["max_batch_size"] == 4)
+    assert small.status == COUNTED and len(small.windows) == 3 and not small.feasible
+    assert small.problem == "p99 600 ms > SLO 50 ms and rising for 3 windows: overloaded"
+    # over the SLO but steady (max batch 128: 74 ms every window) is not an overload
+    big = next(t for t in session.trials if t.point["max_batch_size"] == 128)
+    assert big.status == COUNTED and big.problem == "p99 74.0 ms > SLO 50 ms"
+    assert result.best.point["max_batch_size"] == 64
+
+
+def test_each_trial_lets_the_backlog_drain_before_its_windows():
+    said: list[str] = []
+    drains: list[dict] = []
+
+    def drain(server):   # what the server runs when the shell lets the backlog drain
+        drains.append(dict(server.settings))
+        return "paused the load for 1.0 s" if len(drains) == 2 else None
+
+    session, _, _, _ = run(drain=drain, say=said.append, space_options={
+        "policies": ("dynamic",), "queue_delays_ms": (None,), "preferred": ("none",)})
+    # once per measured trial, after its settings were sent
+    assert len(drains) == len(session.trials) == 6
+    assert [d["max_batch_size"] for d in drains] == [t.point["max_batch_size"]
+                                                     for t in session.trials]
+    assert "trial 1: paused the load for 1.0 s" in said
+
+
 # -- the objective and infeasible points ---------------------------------------------------
 def test_the_grid_measures_every_point_once_and_finds_the_best_feasible_one():
     session, result, server, _ = run()
@@ -187,6 +222,15 @@ def test_latency_objective_picks_the_lowest_p99_that_serves_the_target_rate():
     assert all("of the 1000 asked" in t.problem for t in small)
     assert result.sentence().startswith("`max_batch_size=16` gives 31 % lower p99 than the "
                                         "current settings at 1000 req/s")
+
+
+def test_a_goodput_within_three_percent_of_the_best_is_a_tie_the_lower_p99_wins():
+    table = {4: (300.0, 5.0), 8: (600.0, 8.0), 16: (900.0, 12.0), 32: (1350.0, 45.0),
+             64: (1300.0, 40.0), 128: (1320.0, 30.0)}
+    _, result, _, _ = run(figures=lambda s: table[s["max_batch_size"]], space_options={
+        "policies": ("dynamic",), "queue_delays_ms": (None,), "preferred": ("none",)})
+    # 1320 is within 3 % of 1350 at a third less p99; 1300 is not within 3 %
+    assert result.best.point["max_batch_size"] == 128
 
 
 # -- stopping --------------------------------------------------------------------------------

@@ -4,7 +4,9 @@
 a recorded schedule) on an event loop in a thread of its own. Every outcome is kept with
 the time it finished (``time.perf_counter``), so ``window(start, end)`` gives the
 latencies and failures of any span while the load keeps going: settings can change
-under a steady load and each span be judged on its own.
+under a steady load and each span be judged on its own. An open loop (Poisson or
+recorded) can be paused: its arrivals keep their schedule but are not sent, so a server
+left with a backlog can work it off before the next span.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class BackgroundLoad:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        self._paused = False
 
     @property
     def mode(self) -> str:
@@ -149,10 +152,32 @@ class BackgroundLoad:
                                            int(self.concurrency or 1), self._until,
                                            1 << 62, self.tally)
             arrivals = loadgen.poisson_arrivals(requests, self.rate, self.seed)
-        return loadgen.open_loop(self.host, self.port, arrivals, self._until, 1 << 62,
+        return loadgen.open_loop(self.host, self.port, self._gated(arrivals), self._until, 1 << 62,
                                  self.max_connections, self.tally, drain_grace_s=0.0)
 
+    def _gated(self, arrivals: Iterator[tuple[bytes, float]]) -> Iterator[tuple[bytes | None, float]]:
+        for request, gap in arrivals:
+            yield (None if self._paused else request), gap
+
+    # -- pausing an open loop -----------------------------------------------------------
+    @property
+    def pausable(self) -> bool:
+        return self.mode != "closed"
+
+    def pause(self) -> None:
+        """Stop sending new arrivals (an open loop; a closed loop has no backlog to work
+        off, its connections wait for their answers)."""
+        self._paused = self.pausable
+
+    def resume(self) -> None:
+        self._paused = False
+
     # -- reading ----------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not finished yet."""
+        return max(0, self.tally.sent - len(self.tally.done_at))
+
     @staticmethod
     def now() -> float:
         """The clock completions are timed with."""

@@ -460,11 +460,12 @@ def poisson_arrivals(requests: Sequence[bytes], rate: float,
         yield requests[i % len(requests)], rng.expovariate(rate)
 
 
-async def open_loop(host: str, port: int, arrivals: Iterator[tuple[bytes, float]],
+async def open_loop(host: str, port: int, arrivals: Iterator[tuple[bytes | None, float]],
                     until: Until, max_requests: int, max_connections: int, tally: Tally,
                     drain_grace_s: float = DRAIN_GRACE_S) -> None:
     """Send each arrival at its time on an idle connection (or a new one, up to
-    ``max_connections``); its latency counts from when it was due."""
+    ``max_connections``); its latency counts from when it was due. An arrival whose
+    request is ``None`` is skipped (a paused load keeps its schedule without sending)."""
     idle: list[_Conn] = []
     slot = asyncio.Semaphore(max_connections)
     tasks: set[asyncio.Task] = set()
@@ -490,6 +491,9 @@ async def open_loop(host: str, port: int, arrivals: Iterator[tuple[bytes, float]
                 break
             while next_at <= now and tally.sent < max_requests:
                 req, gap_s = next(arrivals)
+                if req is None:
+                    next_at += gap_s
+                    continue
                 task = asyncio.ensure_future(one(req, next_at))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)

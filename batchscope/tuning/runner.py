@@ -2,7 +2,8 @@
 
 ``run_tuning(options)`` reads the model's settings and metadata from the server, builds
 the search space, starts the load (synthetic, replayed, or none for live traffic), and
-then loops: send a trial's settings through the control API, let them settle, measure
+then loops: send a trial's settings through the control API, let them settle, let the
+server work off a backlog an earlier trial left (the session's open loop pauses), measure
 windows until the session has a verdict. At the end, and on cancel or any error, the
 starting settings are put back, unless ``apply`` asks for the best point to stay.
 ``batchscope tune`` and the dashboard's "Find best settings" panel both call it; the
@@ -82,6 +83,8 @@ class TuneOptions:
     instance_id: str | None = None
     #: who started the session (cli | dashboard), stored with it
     requested_by: str = "cli"
+    #: at most this long a trial waits for the backlog an earlier one left to be worked off
+    drain_limit_s: float = 20.0
 
     def check(self) -> "TuneOptions":
         """A ``TuningError`` naming the first option that cannot work."""
@@ -94,6 +97,8 @@ class TuneOptions:
         if self.settle_s < 0 or self.warmup_s < 0:
             raise TuningError(f"--settle-s {self.settle_s!r} and --warmup-s {self.warmup_s!r} "
                               "must be 0 or more")
+        if not (0 <= self.drain_limit_s <= 3600):
+            raise TuningError(f"--drain-limit-s {self.drain_limit_s!r} must be 0-3600 s")
         if self.load == "replay" and not self.db_url:
             raise TuningError("--load replay reads the recorded traffic from a database: give "
                               "--db URL (e.g. sqlite:////abs/path/batchscope.db)")
@@ -214,13 +219,20 @@ def run_tuning(options: TuneOptions, *, cancel: threading.Event | None = None,
         if changes:
             client.change(changes)
 
+    def pause_for_backlog() -> str | None:
+        if load is None:
+            return None
+        return drain_backlog(load, slo_p99_ms=options.slo_p99_ms, limit_s=options.drain_limit_s,
+                             clock=clock, wait=lambda seconds: cancel.wait(seconds))
+
     error: BaseException | None = None
     try:
         update("measuring the starting settings")
         drive(session, send=send, meter=meter, clock=clock,
               wait=lambda seconds: cancel.wait(max(0.0, seconds)),
               min_requests=options.min_requests, say=say, update=update,
-              done=(lambda trial: writer.trial(trial, session.start)) if writer else _nothing)
+              done=(lambda trial: writer.trial(trial, session.start)) if writer else _nothing,
+              drain=pause_for_backlog)
     except BaseException as exc:
         error = exc
         raise
@@ -288,13 +300,50 @@ def store_end(writer: store.SessionWriter | None, result: TuningResult | None,
     writer.engine.dispose()
 
 
+#: a backlog this small is never worth a pause
+MIN_BACKLOG = 16
+
+
+def drain_backlog(load: BackgroundLoad, *, slo_p99_ms: float, limit_s: float,
+                  clock: Callable[[], float], wait: Callable[[float], bool]) -> str | None:
+    """Pause an open-loop ``load`` until what it has in flight is answered (at most
+    ``limit_s``) when it holds more than twice what a server meeting the SLO would hold at
+    the load's rate (Little's law: rate x SLO); what was done, in words, or None.
+
+    A trial whose setting cannot keep up leaves a queue behind it. Measured through that
+    queue, the next trial's latency is the backlog's, not its own, and every later
+    trial inherits a longer one; paused, the server works the queue off under the new
+    setting and the trial starts from an empty one."""
+    if not load.pausable or limit_s <= 0:
+        return None
+    now = clock()
+    rate = load.rate or load.count(now - 1.0, now)
+    allowed = max(MIN_BACKLOG, 2.0 * rate * slo_p99_ms / 1000.0)
+    backlog = load.in_flight
+    if backlog <= allowed:
+        return None
+    load.pause()
+    try:
+        while load.in_flight > 0 and clock() - now < limit_s:
+            if wait(0.05):
+                break
+    finally:
+        load.resume()
+    left = load.in_flight
+    return (f"paused the load for {clock() - now:.1f} s while the server worked off the "
+            f"{backlog} requests an earlier trial left"
+            + (f" ({left} still open after {limit_s:g} s)" if left else ""))
+
+
 def drive(session: TuningSession, *, send: Callable[[dict], None], meter: Meter,
           clock: Callable[[], float], wait: Callable[[float], bool], min_requests: int = 0,
           say: Callable[[str], None] = lambda text: None,
           update: Callable[[str], None] = lambda message: None,
-          done: Callable[[Trial], None] = lambda trial: None) -> None:
+          done: Callable[[Trial], None] = lambda trial: None,
+          drain: Callable[[], str | None] = lambda: None) -> None:
     """Run ``session``'s trials until it is over: send each trial's changes (a refusal
-    makes it infeasible), wait ``settle_s``, then measure windows until a verdict; on
+    makes it infeasible), wait ``settle_s``, let ``drain()`` work off a backlog (it says
+    what it did), then measure windows until a verdict; on
     ``RESTORE`` send the starting settings at once. ``done(trial)`` follows each trial
     that ended (refused or measured). ``wait(seconds)`` sleeps and says whether the
     session was cancelled meanwhile (then it stops; so does Ctrl-C)."""
@@ -323,6 +372,9 @@ def drive(session: TuningSession, *, send: Callable[[dict], None], meter: Meter,
             if wait(session.settle_s):
                 session.cancel(clock())
                 return
+            drained = drain()
+            if drained:
+                say(f"trial {trial.number}: {drained}")
             meter.mark(clock())
             verdict = Verdict.MORE
             while verdict is Verdict.MORE:

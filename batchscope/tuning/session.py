@@ -18,12 +18,17 @@ The rules (the first three are ``figures.Stability`` and ``figures.Objective``):
   windows agree, throughput and p99 each within ``tolerance`` (10 %) of their mean;
   its figures are then the mean of those windows. After ``max_windows`` without
   agreement it ends *unstable*: reported, told to the optimizer, never the best.
+- **Overload**: a trial whose last ``windows`` windows all break the SLO with the p99
+  rising window after window is counted at once, as infeasible: its queue grows, and
+  waiting for windows that agree would only leave a longer backlog (the shell lets
+  the server work off what is left before the next trial).
 - **Feasibility**: p99 at most the SLO, at most 1 % of requests failed, no out-of-memory
   event during the trial (the runtime's OOM recovery keeps requests safe; the point is
   marked infeasible), settings the server accepts, and for the latency objective the
   target rate served.
 - **Objective**: goodput (requests per second answered within the SLO) subject to
-  p99 <= SLO, or the lowest p99 at a target rate.
+  p99 <= SLO, goodputs within 3 % of the best a tie that the lower p99 wins; or the
+  lowest p99 at a target rate.
 - **Early stopping**: after ``min_trials``, the session ends when the best of the last
   ``patience`` trials improved on the best before them by less than ``min_gain``; also
   when the budget cannot fit another trial, when the search space is exhausted, or when
@@ -35,11 +40,12 @@ The rules (the first three are ``figures.Stability`` and ``figures.Objective``):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from batchscope.tuning.figures import Objective, Stability, Window
+from batchscope.tuning.figures import GOODPUT, GOODPUT_TIE, Objective, Stability, Window
 from batchscope.tuning.space import SearchSpace, changes_between, point_key
 from batchscope.tuning.trials import (ABORTED, CANCELLED, COUNTED, REFUSED, RUNNING, UNSTABLE,
                                       Trial, TuningResult)
@@ -160,6 +166,13 @@ class TuningSession:
                                                  "put back after one window", now)
             return Verdict.RESTORE
         stab = self.stability
+        if self._overloaded(trial.windows):
+            figures = Window.mean_of(trial.windows[-stab.windows:])
+            last = trial.windows[-1]
+            self._finish(trial, COUNTED, figures,
+                         f"p99 {last.p99_ms:.0f} ms > SLO {self.objective.slo_p99_ms:g} ms "
+                         f"and rising for {stab.windows} windows: overloaded", now)
+            return Verdict.DONE
         if stab.agree(trial.windows):
             figures = Window.mean_of(trial.windows[-stab.windows:])
             self._finish(trial, COUNTED, figures, self.objective.problem(figures), now)
@@ -170,6 +183,14 @@ class TuningSession:
             self._finish(trial, UNSTABLE, figures, self.objective.problem(figures), now)
             return Verdict.DONE
         return Verdict.MORE
+
+    def _overloaded(self, windows: list[Window]) -> bool:
+        n = self.stability.windows
+        last = windows[-n:]
+        if len(windows) < max(2, n) or not all(self.objective.breaks_slo(w) for w in last):
+            return False
+        p99s = [w.p99_ms for w in last]
+        return all(p is not None for p in p99s) and all(b > a for a, b in zip(p99s, p99s[1:]))
 
     def _finish(self, trial: Trial, status: str, figures: Window | None, problem: str | None,
                 now: float) -> None:
@@ -201,12 +222,20 @@ class TuningSession:
 
     @property
     def best(self) -> Trial | None:
-        """The feasible counted trial with the highest score (the earliest on a tie)."""
+        """The feasible counted trial with the highest score; for goodput, of those within
+        ``GOODPUT_TIE`` of it the one with the lowest p99 (the earliest on a tie)."""
         best = None
         for trial in self.trials:
             if trial.feasible and (best is None or (trial.score or 0) > (best.score or 0)):
                 best = trial
-        return best
+        if best is None or self.objective.kind != GOODPUT:
+            return best
+        # goodput within GOODPUT_TIE of the best is a tie: the lowest p99 wins it
+        top = best.score or 0.0
+        tied = [t for t in self.trials if t.feasible and t.figures is not None
+                and (t.score or 0.0) >= (1.0 - GOODPUT_TIE) * top]
+        return min(tied, key=lambda t: (t.figures.p99_ms if t.figures.p99_ms is not None
+                                        else math.inf, -(t.score or 0.0)))
 
     def progress(self, now: float) -> float:
         """How far the session is, 0..1 (of its budget; 1 once it ended)."""

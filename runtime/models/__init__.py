@@ -12,6 +12,8 @@ import math
 BUILTIN_MODELS: dict[str, str] = {
     "mlp": "runtime.models.mlp:MLPModel",
     "encoder": "runtime.models.encoder:EncoderModel",
+    # weight-bound: most of a batch's time is fixed, as for large models on accelerators
+    "wide": "runtime.models.wide:WideModel",
     "minilm": "runtime.models.minilm:MiniLMModel",
     # generation (continuous batching), served at /v1/completions
     "decoder": "runtime.models.decoder:TinyDecoder",

@@ -2,7 +2,7 @@
 
 A spec is one of:
 
-* a builtin name: ``mlp``, ``encoder``, ``minilm`` (see ``runtime.models.BUILTIN_MODELS``);
+* a builtin name: ``mlp``, ``encoder``, ``minilm``, ``wide`` (see ``runtime.models.BUILTIN_MODELS``);
 * ``package.module:ClassName`` — imported with ``importlib``;
 * ``path/to/file.py:ClassName`` — imported from that file;
 

@@ -88,7 +88,7 @@ def _add_token_flags(p: argparse.ArgumentParser, what: str) -> None:
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve models over HTTP (KServe v2)")
     p.add_argument("--model", action="append", dest="models", metavar="SPEC",
-                   help="builtin name (mlp, encoder, minilm; decoder = generation at "
+                   help="builtin name (mlp, encoder, minilm, wide; decoder = generation at "
                         "/v1/completions), module:Class or path/file.py:Class; repeat for "
                         "several models (default: mlp and encoder)")
     p.add_argument("--host", default="127.0.0.1",
@@ -483,6 +483,10 @@ def _add_tune(sub: Any) -> None:
     trial.add_argument("--warmup-s", type=float, default=2.0,
                        help="the session's load runs this long before the first trial "
                             "(default 2 s)")
+    trial.add_argument("--drain-limit-s", type=float, default=20.0,
+                       help="an open loop pauses before a trial while the server works off "
+                            "a backlog an earlier trial left, at most this long (default 20 s;"
+                            " 0: never)")
     trial.add_argument("--seed", type=int, default=0, help="the optimizer's seed")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     _add_token_flags(p, "settings changes")
@@ -530,7 +534,7 @@ def tune_options(args: argparse.Namespace, environ: Any = None) -> Any:
         replay_window_s=args.replay_window_s, replay_speed=args.replay_speed,
         objective=args.objective, apply=args.apply, grid=args.grid, seed=args.seed,
         token=token, window_s=args.window_s, settle_s=args.settle_s, warmup_s=args.warmup_s,
-        space=_space_options(args))
+        drain_limit_s=args.drain_limit_s, space=_space_options(args))
     try:
         return options.check()
     except TuningError as exc:
