@@ -12,6 +12,11 @@ scheduled arrival):
   ``max_queue_delay_ms=10``, preferred sizes 2, 4, 8, bucket edges 32, 64, 96, 128);
 * ``autopilot``: the defaults plus ``autopilot_slo_p99_ms`` = the SLO.
 
+``--model wide`` (most of a batch's time is fixed, as for large models on accelerators):
+100 -> 500 -> 850 -> 100 req/s, 20 s each, p99 SLO 300 ms, where the defaults' batches of
+32 cannot keep up with the burst; fixed is what a 2-minute ``batchscope tune --rate 850
+--slo-p99-ms 300`` session chose (``max_batch_size=128``, ``max_queue_delay_ms=2``).
+
 ``--repeat N`` runs the three N times, interleaved (defaults, fixed, autopilot, defaults,
 ...), so that a slow moment of a shared machine does not fall on one scenario only, and
 totals each scenario's figures over its runs.
@@ -22,6 +27,7 @@ run), throughput, and the seconds in SLO violation: seconds whose arrivals' p99 
 also lists the settings it moved to, polled every half second.
 
     python -m benchmarks.bench_autopilot                     # encoder, about 5 minutes
+    python -m benchmarks.bench_autopilot --model wide --repeat 2   # about 11 minutes
     python -m benchmarks.bench_autopilot --model mlp --slo-ms 20 \\
         --phases 300:20,1500:20,3000:20,300:20 --fixed max_batch_size=64
     python -m benchmarks.bench_autopilot --only autopilot --json out.json
@@ -58,7 +64,7 @@ DEFAULTS = {
                 "fixed": "max_batch_size=8;max_queue_delay_ms=10;preferred_batch_sizes=2,4,8;"
                          "bucket_edges=32,64,96,128"},
     "wide": {"slo_ms": 300.0, "phases": "100:20,500:20,850:20,100:20", "lengths": None,
-             "fixed": "max_batch_size=128"},
+             "fixed": "max_batch_size=128;max_queue_delay_ms=2"},
     "mlp": {"slo_ms": 20.0, "phases": "300:20,1500:20,3000:20,300:20",
             "lengths": None, "fixed": "max_batch_size=64"},
 }

@@ -176,6 +176,16 @@ def test_violation_with_a_saturated_model_grows_the_batch_for_throughput():
     assert "(capacity about 667 -> 750 req/s)" in d.reason
 
 
+def test_a_saturated_model_far_behind_its_arrivals_grows_by_up_to_twice_at_once():
+    run = Run(Knobs(8, None))
+    assert run.step(80.0, depth=100, mean_batch=8.0, ok=600, util=1.0).decision is None
+    # 600 settled and the queue grew by 600 in a second: about 1200 arrive per second,
+    # which 1.5 x (12: 750 req/s) would not serve; 2 x (16: 800 req/s) is the most allowed
+    d = run.step(300.0, depth=700, mean_batch=8.0, ok=600, util=1.0).decision
+    assert d.changes == {"max_batch_size": 16} and d.state == RAISING
+    assert "about 1200 arrivals/s (capacity about 667 -> 800 req/s)" in d.reason
+
+
 def test_a_saturated_model_whose_batches_cost_per_item_is_not_grown():
     # bigger batches serve no more: shrink the batches instead, which costs no capacity
     # and lowers the latency, then halve the delay once a batch fits

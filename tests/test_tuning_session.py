@@ -224,12 +224,12 @@ def test_latency_objective_picks_the_lowest_p99_that_serves_the_target_rate():
                                         "current settings at 1000 req/s")
 
 
-def test_a_goodput_within_three_percent_of_the_best_is_a_tie_the_lower_p99_wins():
+def test_a_goodput_within_five_percent_of_the_best_is_a_tie_the_lower_p99_wins():
     table = {4: (300.0, 5.0), 8: (600.0, 8.0), 16: (900.0, 12.0), 32: (1350.0, 45.0),
-             64: (1300.0, 40.0), 128: (1320.0, 30.0)}
+             64: (1250.0, 20.0), 128: (1300.0, 30.0)}
     _, result, _, _ = run(figures=lambda s: table[s["max_batch_size"]], space_options={
         "policies": ("dynamic",), "queue_delays_ms": (None,), "preferred": ("none",)})
-    # 1320 is within 3 % of 1350 at a third less p99; 1300 is not within 3 %
+    # 1300 is within 5 % of 1350 at a third less p99; 1250 (7 % less) is not a tie
     assert result.best.point["max_batch_size"] == 128
 
 

@@ -27,7 +27,7 @@ The rules (the first three are ``figures.Stability`` and ``figures.Objective``):
   marked infeasible), settings the server accepts, and for the latency objective the
   target rate served.
 - **Objective**: goodput (requests per second answered within the SLO) subject to
-  p99 <= SLO, goodputs within 3 % of the best a tie that the lower p99 wins; or the
+  p99 <= SLO, goodputs within 5 % of the best a tie that the lower p99 wins; or the
   lowest p99 at a target rate.
 - **Early stopping**: after ``min_trials``, the session ends when the best of the last
   ``patience`` trials improved on the best before them by less than ``min_gain``; also

@@ -25,7 +25,9 @@ Then, with ``S`` the SLO:
 1. **Over the SLO** (p99 > S, or nothing succeeded): when the model is *saturated*
    (batches run full and a full one waits: arrivals outrun it) and a bigger batch
    would serve ``gain`` more (or too few sizes were seen to tell), ``max_batch_size``
-   grows; else, when a full batch takes more than ``batch_share`` of S,
+   grows (by ``raise_factor``, or up to ``max_raise_factor`` when the fitted line says
+   that is what serves the arrivals -- settled requests plus the queue's growth -- with
+   ``headroom``); else, when a full batch takes more than ``batch_share`` of S,
    ``max_batch_size`` shrinks to the largest batch that fits in it (at most by half a
    step) -- while saturated only if that costs less than ``worse`` of the capacity, and
    never below the size whose capacity is ``headroom`` above the arrival rate --
@@ -119,6 +121,9 @@ class Tuning:
     delay_step_share: float = 0.05
     min_delay_ms: float = 0.5
     raise_factor: float = 1.5
+    #: over the SLO and saturated, a raise may go up to this factor at once when the
+    #: fitted line says ``raise_factor`` would not serve the arrivals with ``headroom``
+    max_raise_factor: float = 2.0
     lower_floor: float = 0.5
     ceiling_factor: float = 4.0
     #: a batch counts as full at this share of the effective max batch size
@@ -200,6 +205,7 @@ class Controller:
         self._probe: _Probe | None = None
         self._last_p99: float | None = None
         self._last_depth: int | None = None
+        self._last_at: float | None = None
         self._stuck = 0
         self._room = 0
         self._times = BatchTimes()
@@ -220,7 +226,7 @@ class Controller:
                 w.batches < t.min_batches and w.failed <= w.ok):
             if w.duration_s >= t.max_window_s:
                 self._probe = None
-                self._last_p99 = self._last_depth = None
+                self._last_p99 = self._last_depth = self._last_at = None
                 self.note = (f"{w.samples} requests in {w.batches} batches in "
                              f"{w.duration_s:.1f} s: too few to judge (needs {t.min_samples} "
                              f"in {t.min_batches})")
@@ -230,6 +236,7 @@ class Controller:
         decision = self._judge(obs)
         self._last_p99 = self._p99(w)
         self._last_depth = obs.queue_depth
+        self._last_at = obs.now_s
         if decision is not None:
             self._settle_until = obs.now_s + t.cooldown_s
             self.note = decision.reason
@@ -301,12 +308,14 @@ class Controller:
         size = min(knobs.max_batch_size, obs.effective_max_batch_size)
         saturated = self._saturated(obs)
         if saturated and self._can_raise(obs):
-            bigger = self._raised(knobs)
+            arrivals = self._arrival_rps(obs)
+            bigger = self._raised(knobs, cost, (1.0 + t.headroom) * arrivals)
             if cost is None or cost.sizes < 2 or \
                     cost.capacity_rps(bigger) >= (1.0 + t.gain) * cost.capacity_rps(size):
                 return self._move(obs, replace(knobs, max_batch_size=bigger), "batch_up",
-                                  RAISING, f"{head} with {obs.queue_depth} queued and full "
-                                           f"batches{self._capacity(cost, size, bigger)}:")
+                                  RAISING, f"{head} with {obs.queue_depth} queued, full "
+                                           f"batches and about {arrivals:.0f} arrivals/s"
+                                           f"{self._capacity(cost, size, bigger)}:")
         halve = delay is not None and self._allowed("delay_down", obs.now_s)
         limit = t.batch_share * slo
         long_batch = cost is not None and size > self.min_batch_size and cost.ms(size) > limit
@@ -414,9 +423,28 @@ class Controller:
                 and obs.effective_max_batch_size >= knobs.max_batch_size
                 and self._allowed("batch_up", obs.now_s))
 
-    def _raised(self, knobs: Knobs) -> int:
+    def _raised(self, knobs: Knobs, cost: BatchCost | None = None,
+                need_rps: float = 0.0) -> int:
+        """The next larger ``max_batch_size``: ``raise_factor`` times this one, or up to
+        ``max_raise_factor`` times where the fitted line says that much is needed to serve
+        ``need_rps``."""
+        t = self.tuning
         size = knobs.max_batch_size
-        return min(self.ceiling, max(size + 1, int(size * self.tuning.raise_factor)))
+        bigger = max(size + 1, int(size * t.raise_factor))
+        if cost is not None and cost.sizes >= 2 and need_rps > 0:
+            most = max(bigger, int(size * t.max_raise_factor))
+            while bigger < most and cost.capacity_rps(bigger) < need_rps:
+                bigger += 1
+        return min(self.ceiling, bigger)
+
+    def _arrival_rps(self, obs: Observation) -> float:
+        """Requests arriving per second: those settled in the window plus the queue's
+        growth since the last judged window (a saturated model settles only its capacity)."""
+        rate = obs.window.settled_rps
+        if self._last_depth is not None and self._last_at is not None \
+                and obs.now_s > self._last_at:
+            rate += max(0, obs.queue_depth - self._last_depth) / (obs.now_s - self._last_at)
+        return rate
 
     def _allowed(self, direction: str, now: float) -> bool:
         return self._blocked.get(direction, -math.inf) <= now
