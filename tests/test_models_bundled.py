@@ -132,3 +132,26 @@ def test_estimate_batch_bytes_grows_with_batch_and_length(encoder, mlp):
     assert 0 < e(1, 32) < e(2, 32) < e(2, 64)
     assert e(4, 128) / e(4, 64) > 2.0   # attention is quadratic in length
     assert mlp.estimate_batch_bytes(8, 1) == 8 * mlp.estimate_batch_bytes(1, 1)
+
+
+def test_wide_is_the_mlp_hooks_over_a_weight_bound_net():
+    from runtime.models.loader import load_model
+    from runtime.models.wide import HIDDEN, LAYERS, WideModel, build_wide
+
+    wide = load_model("wide")
+    assert isinstance(wide, WideModel) and wide.name == "wide"
+    wide.setup("cpu")
+    check_model(wide)
+    weights = sum(p.numel() for p in wide.net.parameters()) * 4
+    assert weights > 200e6 and LAYERS * HIDDEN * HIDDEN * 4 < weights  # every batch reads them
+    with torch.no_grad():   # the seeded weights are the same on every build
+        first = torch.cat([p.flatten()[:64] for p in build_wide().parameters()])
+        again = torch.cat([p.flatten()[:64] for p in wide.net.parameters()])
+        assert torch.equal(first, again) and float(first.abs().sum()) > 0
+    rng = np.random.default_rng(5)
+    requests = [{"INPUT0": rng.standard_normal(256).astype(np.float32)} for _ in range(3)]
+    together = run(wide, requests)
+    alone = [run(wide, [r])[0] for r in requests]
+    for a, b in zip(together, alone):
+        assert a["OUTPUT0"].shape == (10,)
+        np.testing.assert_allclose(a["OUTPUT0"], b["OUTPUT0"], rtol=1e-4, atol=1e-5)
