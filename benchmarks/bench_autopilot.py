@@ -13,9 +13,12 @@ scheduled arrival):
 * ``autopilot``: the defaults plus ``autopilot_slo_p99_ms`` = the SLO.
 
 ``--model wide`` (most of a batch's time is fixed, as for large models on accelerators):
-100 -> 500 -> 850 -> 100 req/s, 20 s each, p99 SLO 300 ms, where the defaults' batches of
-32 cannot keep up with the burst; fixed is what a 2-minute ``batchscope tune --rate 850
---slo-p99-ms 300`` session chose (``max_batch_size=128``, ``max_queue_delay_ms=2``).
+100 -> 400 -> 700 -> 100 req/s, 20 s each, p99 SLO 300 ms, where the defaults' batches of
+32 cannot keep up with the burst (on the 2-vCPU machine of the README's figures a batch of 32
+serves about 610 req/s, 64 about 735, 128 about 830); fixed is what a 2-minute ``batchscope
+tune --rate 700 --slo-p99-ms 300`` session chose there (``policy=static``,
+``max_batch_size=64``, preferred sizes 2 .. 64). On a faster or slower machine, scale the
+phases (``--phases``) to its capacity and tune again for ``--fixed``.
 
 ``--repeat N`` runs the three N times, interleaved (defaults, fixed, autopilot, defaults,
 ...), so that a slow moment of a shared machine does not fall on one scenario only, and
@@ -63,8 +66,8 @@ DEFAULTS = {
                 "lengths": "uniform:8:128",
                 "fixed": "max_batch_size=8;max_queue_delay_ms=10;preferred_batch_sizes=2,4,8;"
                          "bucket_edges=32,64,96,128"},
-    "wide": {"slo_ms": 300.0, "phases": "100:20,500:20,850:20,100:20", "lengths": None,
-             "fixed": "max_batch_size=128;max_queue_delay_ms=2"},
+    "wide": {"slo_ms": 300.0, "phases": "100:20,400:20,700:20,100:20", "lengths": None,
+             "fixed": "policy=static;max_batch_size=64;preferred_batch_sizes=2,4,8,16,32,64"},
     "mlp": {"slo_ms": 20.0, "phases": "300:20,1500:20,3000:20,300:20",
             "lengths": None, "fixed": "max_batch_size=64"},
 }
@@ -102,7 +105,8 @@ def phased_arrivals(requests: Sequence[bytes], phases: Sequence[tuple[float, flo
 
 
 class SettingsPoll:
-    """Polls a model's settings in a thread: [(seconds since start, settings)] on change."""
+    """Polls a model's settings in a thread: [(seconds since start, settings, the
+    autopilot's note)] on change (the note: the reason of its last move, if it made it)."""
 
     def __init__(self, url: str, model: str) -> None:
         self.url = f"{url}/v2/models/{model}/batching"
@@ -124,8 +128,16 @@ class SettingsPoll:
             knobs = {"max_batch_size": s["max_batch_size"],
                      "max_queue_delay_ms": s["max_queue_delay_ms"]}
             if knobs != last:
-                self.changes.append((round(time.perf_counter() - self.start, 1), knobs))
+                note = self._note()
+                self.changes.append((round(time.perf_counter() - self.start, 1), knobs, note))
                 last = knobs
+
+    def _note(self) -> str:
+        try:
+            with urllib.request.urlopen(f"{self.url}/stats", timeout=5) as resp:
+                return (json.load(resp).get("autopilot") or {}).get("note", "")
+        except OSError:
+            return ""
 
     def stop(self) -> None:
         self._stop.set()
@@ -201,7 +213,7 @@ def run_scenario(name: str, model: str, phases, slo_ms: float, lengths: str | No
             poll.stop()
     row = {"scenario": name, **summarize(tally, began, phases, slo_ms)}
     warm = began - poll.start
-    row["settings"] = [(round(t - warm, 1), s) for t, s in poll.changes]
+    row["settings"] = [(round(t - warm, 1), s, note) for t, s, note in poll.changes]
     return row
 
 
@@ -238,9 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in rows:
         if row["scenario"] == "autopilot":
             print(f"autopilot settings, run {row['run']} (s into the phases: settings):")
-            for t, s in row["settings"]:
+            for t, s, note in row["settings"]:
                 print(f"  {t:7.1f}  max_batch_size={s['max_batch_size']}  "
-                      f"max_queue_delay_ms={s['max_queue_delay_ms']}")
+                      f"max_queue_delay_ms={s['max_queue_delay_ms']}  ({note})")
     by: dict[str, dict[str, float]] = {}
     for row in rows:
         total = by.setdefault(row["scenario"], {"goodput_rps": 0.0, "violation_s": 0, "runs": 0})

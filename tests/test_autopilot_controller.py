@@ -23,6 +23,8 @@ OVERHEAD = {1: (50.0, 250.0), 8: (50.0, 600.0)}
 CHEAP = {1: (50.0, 225.0), 8: (50.0, 400.0)}
 #: 10 ms per item, nothing per batch: bigger batches save nothing
 PER_ITEM = {1: (50.0, 500.0), 8: (50.0, 4000.0)}
+#: 1 ms per item + 20 ms per batch, timed at three sizes
+FIXED_COST = {1: (50.0, 1050.0), 4: (50.0, 1200.0), 8: (50.0, 1400.0)}
 
 
 def window(p99_ms: float | None, *, ok: int = 200, failed: int = 0, duration_s: float = 1.0,
@@ -133,6 +135,37 @@ def test_raises_the_batch_size_when_batches_run_full_and_a_full_one_waits():
     run = Run()
     for _ in range(3):
         assert run.step(20.0, depth=40, mean_batch=16.0, util=0.95).decision is None
+
+
+def test_with_room_it_raises_the_batch_size_ahead_of_a_burst_while_a_full_batch_fits():
+    run = Run(Knobs(8, None))
+    assert run.step(20.0, mean_batch=2.0, times=FIXED_COST).decision is None  # one window
+    d = run.step(20.0, mean_batch=2.0, times=FIXED_COST).decision
+    assert d is not None and d.state == RAISING and d.changes == {"max_batch_size": 12}
+    assert "batches of 2.0: ready for a burst (capacity about 286 -> 375 req/s), a full " \
+           "batch about 32 ms" in d.reason
+    # fewer arrivals in the next window (12 %), all within the SLO: the goodput is down by
+    # as much, but not its share of the load, so the move stays
+    step = run.step(20.0, dt=2.0, ok=176, mean_batch=2.0, times=FIXED_COST)
+    assert step.decision is None and run.c.state != REVERTED
+    # a full batch of 18 would take 38 ms, over 35 % of the SLO: no further
+    for _ in range(6):
+        assert run.step(20.0, dt=2.0, mean_batch=2.0, times=FIXED_COST).decision is None
+    assert run.knobs == Knobs(12, None)
+
+
+def test_no_raise_ahead_of_a_burst_without_a_line_to_trust_or_a_capacity_to_gain():
+    line_of_two = {1: (50.0, 1050.0), 8: (50.0, 1400.0)}
+    per_item = {1: (50.0, 500.0), 2: (50.0, 1000.0), 3: (50.0, 1500.0)}
+    for times in (line_of_two, per_item):
+        run = Run(Knobs(8, None))
+        for _ in range(4):
+            assert run.step(20.0, dt=2.0, mean_batch=2.0, times=times).decision is None
+    # never past four times the largest batch timed: batches of 1..3 say nothing of 18
+    small = {1: (50.0, 1050.0), 2: (50.0, 1100.0), 3: (50.0, 1150.0)}
+    run = Run(Knobs(12, None))
+    for _ in range(4):
+        assert run.step(20.0, dt=2.0, mean_batch=2.0, times=small).decision is None
 
 
 def test_never_raises_the_batch_size_while_the_oom_governor_holds_it_lower():

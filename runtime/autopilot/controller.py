@@ -39,7 +39,12 @@ Then, with ``S`` the SLO:
    ``batch_share`` of S and serves more; else, when the queue builds (requests wait
    while the device is ``busy_share`` busy) but batches are small, and the per-batch
    cost says fuller batches would need ``delay_saving`` less device time per request,
-   the delay grows by ``delay_step_share`` of S (up to ``delay_share`` of S).
+   the delay grows by ``delay_step_share`` of S (up to ``delay_share`` of S). Before
+   that, with batches not full (work-conserving dispatch sizes them to the arrivals, so a
+   higher cap costs nothing now), the controller gets ready for a burst: when the fitted
+   line (``ready_sizes`` sizes or more) says a full batch ``raise_factor`` larger would
+   still take at most ``ready_share`` of S and serve ``gain`` more, ``max_batch_size``
+   grows -- never past ``extrapolate`` times the largest batch it has timed.
 3. Between the two (hysteresis): no move.
 
 Guard rails: after every move a ``cooldown_s`` passes before the next window starts;
@@ -47,11 +52,14 @@ a move is undone when the window after it is worse, and its direction is not tri
 again for ``block_s``. Worse means, when the model was saturated before the move (its
 backlog makes latency grow whatever is done, so only the rate tells): serving
 ``worse`` less, or -- after growing the batch, still saturated -- not ``gain`` more;
-otherwise, at about the same load: goodput down by ``worse``, p99 pushed over the
+otherwise, at about the same load: the share of requests within the SLO down by
+``worse``, p99 pushed over the
 SLO, or -- after a longer delay -- device time per request not down by ``gain`` / 2.
 When p99 stays over the SLO for ``fallback_after`` windows with neither p99 nor the
 queue going down, the settings the controller started from come back and it holds
-them for ``hold_s`` ("fallback"). Every decision carries its reason in words.
+them for ``hold_s`` ("fallback") -- unless the model is saturated and the fitted line
+says they serve ``worse`` less than the present ones (a backlog is worked off faster
+where it is). Every decision carries its reason in words.
 """
 
 from __future__ import annotations
@@ -141,6 +149,13 @@ class Tuning:
     delay_visible: float = 0.1
     #: a smaller batch must serve this much more than the arrival rate
     headroom: float = 0.2
+    #: with room and batches not full, max_batch_size grows ahead of a burst while a full
+    #: batch at the new size takes at most this share of the SLO ...
+    ready_share: float = 0.35
+    #: ... the line is fitted to at least this many batch sizes ...
+    ready_sizes: int = 3
+    #: ... and the new size is at most this many times the largest batch timed
+    extrapolate: float = 4.0
     fallback_after: int = 4
     improving: float = 0.1
     hold_s: float = 30.0
@@ -269,7 +284,8 @@ class Controller:
                 p99 < (1.0 - t.improving) * last
                 or (depth is not None and obs.queue_depth < (1.0 - t.improving) * depth))
             self._stuck = 0 if improving else self._stuck + 1
-            if self._stuck >= t.fallback_after and knobs != self.start:
+            if self._stuck >= t.fallback_after and knobs != self.start \
+                    and not self._start_serves_less(obs):
                 self._stuck = 0
                 self._hold_until = now + t.hold_s
                 self._blocked.clear()
@@ -348,7 +364,7 @@ class Controller:
         if saturated and not (cost.sizes >= 2 and cost.capacity_rps(lower)
                               >= (1.0 - t.worse) * cost.capacity_rps(size)):
             return None
-        rate = obs.window.settled_rps
+        rate = self._arrival_rps(obs)
         if cost.sizes >= 2 and rate > 0:  # and it must still serve the arrivals, with room
             # (or, where even this size cannot, lose at most ``worse`` of its capacity)
             need = min((1.0 + t.headroom) * rate, (1.0 - t.worse) * cost.capacity_rps(size))
@@ -374,6 +390,9 @@ class Controller:
                 return self._move(obs, replace(knobs, max_batch_size=bigger), "batch_up",
                                   RAISING, f"{head} with {obs.queue_depth} queued and full "
                                            f"batches{self._capacity(cost, size, bigger)}:")
+        ready = self._ready(obs, head, cost, size)
+        if ready is not None:
+            return ready
         mean = w.mean_batch_size or 0.0
         if not (obs.utilization >= t.busy_share and obs.queue_depth > 0 and 0 < mean
                 and mean < t.full_share * size and cost is not None and cost.sizes >= 2
@@ -392,6 +411,24 @@ class Controller:
                                    f"{obs.utilization:.0%} busy with batches of {mean:.1f} "
                                    f"(about {fuller:.1f} would take {1 - then_ms / now_ms:.0%} "
                                    "less device time per request):")
+
+    def _ready(self, obs: Observation, head: str, cost: BatchCost | None,
+               size: int) -> Decision | None:
+        """A larger ``max_batch_size`` ahead of a burst (module docstring, rule 2)."""
+        t = self.tuning
+        mean = obs.window.mean_batch_size or 0.0
+        if cost is None or cost.sizes < t.ready_sizes or cost.per_batch_ms <= 0 \
+                or mean >= t.full_share * size or not self._can_raise(obs):
+            return None
+        bigger = min(self._raised(obs.knobs), int(t.extrapolate * self._times.largest()))
+        if bigger <= obs.knobs.max_batch_size \
+                or cost.ms(bigger) > t.ready_share * self.slo_p99_ms \
+                or cost.capacity_rps(bigger) < (1.0 + t.gain) * cost.capacity_rps(size):
+            return None
+        return self._move(obs, replace(obs.knobs, max_batch_size=bigger), "batch_up", RAISING,
+                          f"{head}, batches of {mean:.1f}: ready for a burst"
+                          f"{self._capacity(cost, size, bigger)}, a full batch about "
+                          f"{cost.ms(bigger):.0f} ms:")
 
     def _cost(self, obs: Observation) -> BatchCost | None:
         """The fitted batch cost, else a guess in proportion to the recent mean batch."""
@@ -416,6 +453,16 @@ class Controller:
         size = min(obs.knobs.max_batch_size, obs.effective_max_batch_size)
         mean = obs.window.mean_batch_size or 0.0
         return mean >= self.tuning.full_share * size and obs.queue_depth >= size
+
+    def _start_serves_less(self, obs: Observation) -> bool:
+        """Saturated, and the fitted line says the starting settings serve ``worse`` less
+        than these: going back would only make the backlog grow faster."""
+        cost = self._cost(obs)
+        if not self._saturated(obs) or cost is None or cost.sizes < 2:
+            return False
+        now = min(obs.knobs.max_batch_size, obs.effective_max_batch_size)
+        start = min(self.start.max_batch_size, obs.effective_max_batch_size)
+        return cost.capacity_rps(start) < (1.0 - self.tuning.worse) * cost.capacity_rps(now)
 
     def _can_raise(self, obs: Observation) -> bool:
         knobs = obs.knobs
@@ -462,7 +509,10 @@ class Controller:
         load = before.settled_rps
         if load <= 0 or abs(after.settled_rps - load) > t.same_load * load:
             return False
-        if after.goodput_rps < (1.0 - t.worse) * before.goodput_rps:
+        # the share of requests within the SLO, not the goodput itself: at about the same
+        # load, the arrivals of a short window vary by more than ``worse`` on their own
+        if after.goodput_rps < (1.0 - t.worse) * before.goodput_rps * (
+                after.settled_rps / load):
             return True
         p99_before, p99_after = self._p99(before), self._p99(after)
         if p99_after > self.slo_p99_ms and p99_after > (1.0 + t.worse) * p99_before:

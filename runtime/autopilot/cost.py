@@ -89,3 +89,7 @@ class BatchTimes:
 
     def cost(self) -> BatchCost | None:
         return fit(self._by_size)
+
+    def largest(self) -> int:
+        """The largest batch size among the times kept (0: none)."""
+        return max(self._by_size, default=0)
