@@ -324,6 +324,13 @@ BATCHING: tuple[Setting, ...] = (
             "With bucket_edges null: how many edges are derived. More edges waste less "
             "padding but spread the requests over more queues, so each batch fills slower.",
             unit="edges", min=1, max=64, group="buckets"),
+    Setting("max_batch_tokens", "int", None,
+            "The most padded tokens (requests x padded length) one batch of a variable-length "
+            "model may hold, as vLLM's max_num_batched_tokens: it bounds how long a batch "
+            "holds the device, and so how long the other models sharing it wait behind it. A "
+            "request longer than the limit runs alone. Ignored for fixed-shape models.",
+            unit="tokens", min=1, max=10_000_000, nullable=True, null_means="no limit",
+            group="buckets"),
     Setting("pad_to", "choice", "batch_max",
             "Pad a batch to the longest request in it (batch_max) or to its bucket's edge "
             "(bucket, fewer distinct shapes).",

@@ -194,3 +194,46 @@ def test_size_caps_survive_new_edges():
     assert b.edge_changes == 1 and b.bucket_edges == (40, 100)
     # 40 fell in the old bucket 64: it keeps that cap; 100 (old bucket 128) had none
     assert b.cap(40) == 4 and b.cap(100) == b.config.max_batch_size
+
+
+# -- the token limit --------------------------------------------------------------------------
+def sizes_and_tokens(b: Batcher, clock: FakeClock) -> list[tuple[int, int]]:
+    out = []
+    while (batch := b.next_batch(clock.now())) is not None:
+        out.append((len(batch.requests), batch.padded_elements))
+    return out
+
+
+def test_max_batch_tokens_holds_every_batch_to_the_limit_in_each_kind_of_queue():
+    limit = 256
+    # an edge bucket: the cap is the limit over the edge, with either padding
+    for pad_to in ("batch_max", "bucket"):
+        b, clock = make(bucket_edges=(32, 128), max_batch_tokens=limit, pad_to=pad_to)
+        assert b.cap(32) == 8 and b.cap(128) == 2 and b.cap(OVERFLOW) == 32
+        submit(b, clock, [30] * 20 + [100] * 5)
+        got = sizes_and_tokens(b, clock)
+        assert sum(n for n, _ in got) == 25 and all(t <= limit for _, t in got), got
+        assert max(n for n, _ in got) == 8
+    # no buckets: requests are taken in order while the batch, padded to its longest,
+    # stays within the limit; a request longer than the limit runs alone
+    b, clock = make(bucketing=False, max_batch_tokens=limit)
+    submit(b, clock, [10, 20, 60, 60, 10, 300, 5, 5])
+    got = sizes_and_tokens(b, clock)
+    assert got == [(4, 240), (1, 10), (1, 300), (2, 10)], got
+
+
+def test_without_max_batch_tokens_batches_are_held_by_size_only():
+    b, clock = make(bucketing=False)
+    submit(b, clock, [100] * 40)
+    assert sizes_and_tokens(b, clock) == [(32, 3200), (8, 800)]
+    fixed = Batcher("mlp", BatchingConfig(max_batch_tokens=4), variable_length=False)
+    assert fixed.cap(None) == 32  # ignored for fixed-shape models
+
+
+def test_max_batch_tokens_is_bounded_and_nullable():
+    from runtime.api.config import ConfigError
+
+    assert BatchingConfig(max_batch_tokens=None).max_batch_tokens is None
+    for bad in (0, -5, 10_000_001):
+        with pytest.raises(ConfigError, match="max_batch_tokens"):
+            BatchingConfig(max_batch_tokens=bad)

@@ -156,3 +156,45 @@ def test_demo_records_batches_and_stops_on_sigterm(tmp_path):
             proc.kill()
             proc.wait()
     assert control.all_instances(db)[0].stopped_at is not None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_demo_traffic_runs_in_a_child_that_ends_with_the_demo_even_on_sigkill(tmp_path):
+    url_db = f"sqlite:///{tmp_path / 'demo.db'}"
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.tools.demo", "--db", url_db,
+                             "--port", "0", "--intensity", "0.3", "--no-generation"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        first_url(lines_of(proc))
+        deadline = time.monotonic() + 60
+        driver: list[int] = []
+        while time.monotonic() < deadline and not driver:
+            driver = [c for c in _children(proc.pid) if _alive(c)
+                      and "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+            time.sleep(0.2)
+        assert len(driver) == 1, "the traffic driver process was not found"
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _alive(driver[0]):
+            time.sleep(0.2)
+        assert not _alive(driver[0]), "the traffic driver outlived the demo"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

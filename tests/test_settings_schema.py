@@ -87,7 +87,7 @@ def _bad_values(s: Setting) -> list:
     if s.max is not None:
         bad.append(s.max + 1)
     if s.kind == "int":
-        bad.append(float(s.default))
+        bad.append(float(s.default if s.default is not None else s.min))  # 8.0: not an int
     if not s.nullable:
         bad.append(None)
     return bad

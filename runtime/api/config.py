@@ -95,6 +95,7 @@ class BatchingConfig:
     bucketing: bool = True
     bucket_edges: tuple[int, ...] | None = None  # None: derived from the observed lengths
     auto_bucket_count: int = 8
+    max_batch_tokens: int | None = None  # None: no limit
     pad_to: PadTo = "batch_max"
     max_queue_size: int = 1024
     priority_levels: int = 3

@@ -262,10 +262,22 @@ class Batcher:
             self._caps[bucket] = max(1, int(cap))
 
     def cap(self, bucket: int | None) -> int:
-        """The effective max batch size of a bucket."""
-        configured = self._config.max_batch_size
+        """The effective max batch size of a bucket: ``max_batch_size``, lowered by the
+        OOM governor's cap and, in a bucket with an edge, by ``max_batch_tokens`` over
+        the edge (the overflow bucket and unbucketed queues are held to the token limit
+        by the lengths themselves, when a batch is formed)."""
+        cfg = self._config
+        configured = cfg.max_batch_size
         capped = self._caps.get(bucket, configured)
-        return capped if capped < configured else configured
+        if capped > configured:
+            capped = configured
+        tokens = cfg.max_batch_tokens
+        if tokens is not None and self.variable_length and bucket is not None \
+                and bucket != OVERFLOW:
+            by_tokens = tokens // bucket if tokens >= bucket else 1
+            if by_tokens < capped:
+                capped = by_tokens
+        return capped
 
     def bucket_of(self, length: int) -> int | None:
         return self._buckets.bucket_of(length)
@@ -521,7 +533,10 @@ class Batcher:
             n = min(queue.count, cap)
         else:
             n = policy.batch_size(cfg, queue.count, cap)
-        reqs = queue.take(n)
+        tokens = cfg.max_batch_tokens if self.variable_length else None
+        if tokens is not None and cfg.pad_to == "bucket" and key is not None and key != OVERFLOW:
+            tokens = None  # padded to the edge: cap() has held the batch to the limit
+        reqs = queue.take(n, tokens)
         depth_before = self.depth
         by_priority = self._by_priority
         real = 0

@@ -68,14 +68,29 @@ class PriorityFifo:
                 return level
         return None
 
-    def take(self, n: int) -> list[PendingRequest]:
-        """Up to ``n`` live requests, most urgent first, in arrival order per priority."""
+    def take(self, n: int, max_tokens: int | None = None) -> list[PendingRequest]:
+        """Up to ``n`` live requests, most urgent first, in arrival order per priority.
+
+        ``max_tokens``: also stop before the first request that would take the batch,
+        padded to its longest request, past this many tokens (the first is always taken).
+        """
         out: list[PendingRequest] = []
+        longest = 0
         for lane in self._lanes:
             while lane and len(out) < n:
-                req = lane.popleft()
-                if req.state == QUEUED:
-                    out.append(req)
+                req = lane[0]
+                if req.state != QUEUED:
+                    lane.popleft()
+                    continue
+                if max_tokens is not None and out:
+                    wider = req.length if req.length > longest else longest
+                    if wider * (len(out) + 1) > max_tokens:
+                        n = len(out)
+                        break
+                lane.popleft()
+                out.append(req)
+                if req.length > longest:
+                    longest = req.length
             if len(out) >= n:
                 break
         self.count -= len(out)

@@ -4,10 +4,11 @@
 generation model ``decoder`` (``/v1/completions``) in-process, prints
 ``batchscope demo on <url> ...`` and then cycles through traffic phases (quiet,
 busy, bursts with rejections, tight deadlines, urgent priorities, variable encoder
-lengths, completions) until it is killed, so a dashboard shows
+lengths, completions) until it is killed (``--cycles N``: N passes), so a dashboard shows
 batches forming, queues building and draining, and occasional 429s and expiries.
 Rates stay modest (``--intensity`` scales them) so the dashboard can run alongside
-on a small machine.
+on a small machine. The traffic comes from a child process, as clients would, so that
+generating it does not add to the latencies the server records.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import multiprocessing
+import os
 import signal
 import sys
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from runtime.api.config import BatchingConfig, ServerConfig
@@ -69,11 +73,14 @@ CONFIGS: dict[str, BatchingConfig] = {
     # phases; its decisions are markers on the timeline
     "mlp": BatchingConfig(max_batch_size=32, max_queue_size=256, max_queue_delay_ms=2.0,
                           autopilot_slo_p99_ms=50.0),
-    # the memory budget makes full batches of long inputs (16 x 128 tokens, ~28 MB of
-    # activations) run out of memory, so the demo shows OOM recovery: split, back off, probe
+    # mlp shares the device with the encoder and waits behind its batches: the token limit
+    # keeps an encoder batch near 30 ms on the CPU, under mlp's SLO. The memory budget
+    # (about 1.75 MB of activations per 128 tokens) makes the batches near that limit run
+    # out of memory, so the demo shows OOM recovery: split, back off, probe
     "encoder": BatchingConfig(policy="adaptive", max_batch_size=16, max_queue_size=96,
                               pad_to="batch_max",  # bucket edges derived from the traffic
-                              memory_budget_mb=20.0, oom_probe_after_batches=40),
+                              max_batch_tokens=256, memory_budget_mb=3.0,
+                              oom_probe_after_batches=40),
 }
 
 
@@ -161,8 +168,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--no-generation", action="store_true",
                         help="leave out the generation model (decoder)")
+    parser.add_argument("--cycles", type=int, default=None,
+                        help="stop after this many passes through the phases (default: never)")
+    parser.add_argument("--no-autopilot", action="store_true",
+                        help="serve mlp with the same settings but the autopilot off")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
+    if args.cycles is not None and args.cycles < 1:
+        print("python -m runtime.tools.demo: --cycles must be 1 or more", file=sys.stderr)
+        return 2
     if not args.intensity > 0:
         print("python -m runtime.tools.demo: --intensity must be above 0", file=sys.stderr)
         return 2
@@ -174,7 +188,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from batchscope.storage.db import default_url
     from runtime.tools.cli import load_models
-    from batchscope.load.loadgen import run_async
     from runtime.server.service import Service, ServiceThread
 
     torch.set_num_threads(max(1, args.torch_threads))
@@ -182,7 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = ServerConfig(host=args.host, port=args.port, database_url=args.db or default_url(),
                           models=tuple(specs))
     models, generation = load_models(specs)
-    service = Service(models, dict(CONFIGS), server, generation=generation, version="0.1.0-demo")
+    configs = dict(CONFIGS)
+    if args.no_autopilot:
+        configs = {name: replace(c, autopilot_slo_p99_ms=None) for name, c in configs.items()}
+    service = Service(models, configs, server, generation=generation, version="0.1.0-demo")
     runner = ServiceThread(service, host=args.host, port=args.port)
     url = runner.start()
     print(f"batchscope demo on {url}  models: {', '.join(specs)}  database: "
@@ -192,13 +208,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)
+    # the traffic comes from a process of its own, as clients do: generating it in this
+    # process would put its work under the server's interpreter lock, and the latencies
+    # the dashboard shows would be the load generator's as much as the server's
+    driver = multiprocessing.get_context("spawn").Process(
+        target=drive_process, name="batchscope-demo-traffic", daemon=True,
+        args=(url, args.intensity, args.cycles, tuple(specs), os.getpid(), args.log_level))
     try:
-        run_async(drive(url, intensity=args.intensity, models=specs))
+        driver.start()
+        while driver.is_alive():
+            driver.join(0.5)
     except KeyboardInterrupt:
         pass
     finally:
+        if driver.is_alive():
+            driver.terminate()
+            driver.join(10)
         runner.stop()
     return 0
+
+
+def drive_process(url: str, intensity: float, cycles: int | None, models: Sequence[str],
+                  parent_pid: int, log_level: str = "WARNING") -> None:
+    """The demo's traffic, in a child process; it ends with its cycles, when the demo
+    terminates it, or within a second of the demo's death (even by SIGKILL)."""
+    import threading
+
+    from batchscope.load.loadgen import run_async
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the demo's to handle
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    def orphaned() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    run_async(drive(url, intensity=intensity, cycles=cycles, models=models))
 
 
 if __name__ == "__main__":
