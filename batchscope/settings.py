@@ -369,8 +369,9 @@ BATCHING: tuple[Setting, ...] = (
             unit="ms", min=0, max=3_600_000, min_exclusive=True, nullable=True,
             null_means="no execution timeout", group="faults"),
     Setting("autopilot_slo_p99_ms", "float", None,
-            "Turns the autopilot on: window by window it moves max_batch_size and "
-            "max_queue_delay_ms (dynamic policy) to keep the p99 latency under this many "
+            "Turns the autopilot on: window by window it moves max_batch_size, "
+            "max_queue_delay_ms (dynamic policy) and, for a variable-length model whose "
+            "batches are mostly padding, the bucket edges, to keep the p99 latency under this many "
             "milliseconds while serving as many requests as it can, and returns to the "
             "settings it started from when it cannot. Each move is a settings change "
             "requested by autopilot, with its reason in an autopilot event.",

@@ -44,7 +44,7 @@ CASES: dict[str, dict[str, Any]] = {
         queue_delays_ms=(None, 1.0, 5.0), preferred=("none", "powers_of_two"))),
     "encoder": dict(concurrency=16, lengths="uniform:8:128", slo_p99_ms=300.0, space=SpaceOptions(
         policies=("dynamic",), max_batch_sizes=(8, 16, 32, 64), queue_delays_ms=(None, 2.0),
-        preferred=("none",), edge_steps=(16, 32))),
+        preferred=("none",), edge_steps=(16, 32), batch_tokens=())),
 }
 
 

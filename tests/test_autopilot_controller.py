@@ -23,6 +23,9 @@ OVERHEAD = {1: (50.0, 250.0), 8: (50.0, 600.0)}
 CHEAP = {1: (50.0, 225.0), 8: (50.0, 400.0)}
 #: 10 ms per item, nothing per batch: bigger batches save nothing
 PER_ITEM = {1: (50.0, 500.0), 8: (50.0, 4000.0)}
+#: the same, with full batches of 32 in the window too (a smaller maximum shortens them)
+PER_ITEM_FULL = {**PER_ITEM, 32: (10.0, 3200.0)}
+OVERHEAD_FULL = {**OVERHEAD, 32: (10.0, 360.0)}
 #: 1 ms per item + 20 ms per batch, timed at three sizes
 FIXED_COST = {1: (50.0, 1050.0), 4: (50.0, 1200.0), 8: (50.0, 1400.0)}
 
@@ -37,9 +40,10 @@ def window(p99_ms: float | None, *, ok: int = 200, failed: int = 0, duration_s: 
 
 def obs(now: float, knobs: Knobs, p99_ms: float | None, *, depth: int = 0, util: float = 0.3,
         compute_ms: float | None = 5.0, effective: int | None = None, times=OVERHEAD,
-        **kw) -> Observation:
+        padding: float | None = None, **kw) -> Observation:
     return Observation(now, window(p99_ms, **kw), depth, util, compute_ms,
-                       knobs.max_batch_size if effective is None else effective, knobs, times)
+                       knobs.max_batch_size if effective is None else effective, knobs, times,
+                       padding)
 
 
 class Run:
@@ -183,23 +187,23 @@ def test_never_raises_the_batch_size_while_the_oom_governor_holds_it_lower():
 
 def test_backs_off_on_violation_a_visible_delay_first_then_the_batch_size():
     run = Run(Knobs(32, 40.0), fallback_after=100)
-    d = run.step(150.0, times=PER_ITEM).decision
+    d = run.step(150.0, times=PER_ITEM_FULL).decision
     assert d.state == LOWERING and d.changes == {"max_queue_delay_ms": 20.0}
     assert d.reason.startswith("p99 150 ms > SLO 100 ms")
     # 20 ms is still a tenth of the p99 or more: halved again
-    assert run.step(150.0, dt=2.0, times=PER_ITEM).decision.changes == {"max_queue_delay_ms": 10.0}
+    assert run.step(150.0, dt=2.0, times=PER_ITEM_FULL).decision.changes == {"max_queue_delay_ms": 10.0}
     # a 10 ms delay is not what holds a p99 of 150 ms up while a full batch takes 320 ms:
     # the batch shrinks, by at most half a step, down to the largest batch within a
     # quarter of the SLO (10 ms each); then the delay is halved down to work-conserving
     changes = []
     while run.knobs.max_queue_delay_ms is not None:
-        changes.append(run.step(150.0, dt=2.0, times=PER_ITEM).decision.changes)
+        changes.append(run.step(150.0, dt=2.0, times=PER_ITEM_FULL).decision.changes)
     assert changes == [{"max_batch_size": n} for n in (16, 8, 4, 2)] + [
         {"max_queue_delay_ms": d} for d in (5.0, 2.5, 1.25, 0.625, None)]
-    assert run.step(150.0, dt=2.0, times=PER_ITEM).decision is None  # no step left
+    assert run.step(150.0, dt=2.0, times=PER_ITEM_FULL).decision is None  # no step left
     # with a per-batch cost the line says where to stop at once: 1 ms x 21 + 4 <= 25
     run = Run(Knobs(32, None))
-    assert run.step(150.0).decision.changes == {"max_batch_size": 21}
+    assert run.step(150.0, times=OVERHEAD_FULL).decision.changes == {"max_batch_size": 21}
 
 
 def test_violation_with_a_saturated_model_grows_the_batch_for_throughput():
@@ -223,18 +227,19 @@ def test_a_saturated_model_whose_batches_cost_per_item_is_not_grown():
     # bigger batches serve no more: shrink the batches instead, which costs no capacity
     # and lowers the latency, then halve the delay once a batch fits
     run = Run(Knobs(32, 10.0), fallback_after=100)
-    d = run.step(300.0, depth=100, mean_batch=32.0, ok=400, util=1.0, times=PER_ITEM).decision
+    d = run.step(300.0, depth=100, mean_batch=32.0, ok=400, util=1.0, times=PER_ITEM_FULL).decision
     assert d.changes == {"max_batch_size": 16}
     assert "a batch of 32 takes about 320 ms" in d.reason
     while run.knobs.max_batch_size > 2:
-        run.step(300.0, dt=2.0, depth=100, mean_batch=32.0, ok=400, util=1.0, times=PER_ITEM)
+        run.step(300.0, dt=2.0, depth=100, mean_batch=32.0, ok=400, util=1.0, times=PER_ITEM_FULL)
     d = run.step(300.0, dt=2.0, depth=100, mean_batch=2.0, ok=400, util=1.0,
-                 times=PER_ITEM).decision
+                 times=PER_ITEM_FULL).decision
     assert d.changes == {"max_queue_delay_ms": 5.0}
 
 
 def test_a_smaller_batch_must_still_serve_the_arrivals():
-    heavy = {1: (50.0, 600.0), 8: (50.0, 1300.0)}  # 2 ms per item + 10 ms per batch
+    # 2 ms per item + 10 ms per batch, batches of up to 32 in the window
+    heavy = {1: (50.0, 600.0), 8: (50.0, 1300.0), 32: (10.0, 740.0)}
     # at 100 req/s half a step is fine: 32 -> 16 (capacity 381 req/s)
     run = Run(Knobs(32, None))
     assert run.step(150.0, ok=100, times=heavy).decision.changes == {"max_batch_size": 16}
@@ -242,6 +247,21 @@ def test_a_smaller_batch_must_still_serve_the_arrivals():
     # capacity of 32 (432 req/s), since 1.2 x 350 is more than that
     run = Run(Knobs(32, None))
     assert run.step(150.0, ok=350, times=heavy).decision.changes == {"max_batch_size": 18}
+
+
+def test_a_maximum_the_batches_never_reach_is_not_lowered():
+    # work-conserving batches of 1..8 under a maximum of 32: the line says a batch of 32
+    # would take 320 ms, but none ran, and half a step down (16) shortens no batch
+    run = Run(Knobs(32, None), fallback_after=100)
+    d = run.step(150.0, times=PER_ITEM).decision
+    assert d is None and run.c.state == VIOLATING
+    # batches of up to 20 are shortened, by at most half a step: 32 -> 16
+    up_to_20 = {**PER_ITEM, 20: (10.0, 2000.0)}
+    d = Run(Knobs(32, None)).step(150.0, times=up_to_20).decision
+    assert d.changes == {"max_batch_size": 16} and "a batch of 20 takes about 200 ms" in d.reason
+    # batches that stay within a quarter of the SLO are not what holds the p99 up
+    small = {1: (50.0, 500.0), 2: (50.0, 1000.0)}
+    assert Run(Knobs(32, None)).step(150.0, times=small).decision is None
 
 
 def test_no_move_inside_the_hysteresis_band():
@@ -300,6 +320,51 @@ def test_growing_a_saturated_model_that_serves_no_more_is_undone():
     step = run.step(320.0, dt=2.0, ok=404, duration_s=2.0, depth=120, mean_batch=24.0,
                     util=1.0)
     assert step.decision.state == REVERTED and step.decision.changes == {"max_batch_size": 16}
+
+
+# -- bucket edges of a variable-length model -------------------------------------------------
+DERIVED = Knobs(max_batch_size=16, max_queue_delay_ms=None, bucket_edges=None,
+                auto_bucket_count=8)
+
+
+def test_a_busy_model_whose_batches_are_mostly_padding_gets_finer_derived_edges():
+    run = Run(DERIVED)
+    d = run.step(300.0, util=0.9, depth=20, mean_batch=6.0, padding=0.3).decision
+    assert d.changes == {"auto_bucket_count": 16} and d.state == LOWERING
+    assert "30% of the padded tokens padding" in d.reason and "auto_bucket_count 8 -> 16" in d.reason
+    d = run.step(300.0, util=0.9, depth=20, mean_batch=6.0, padding=0.3).decision
+    assert d.changes == {"auto_bucket_count": 32}
+    # at the most edges allowed, the usual moves take over (a visible delay, a long batch)
+    d = run.step(300.0, dt=2.0, util=0.9, depth=20, mean_batch=6.0, padding=0.3).decision
+    assert d is None or "auto_bucket_count" not in d.changes
+
+
+def test_fixed_edges_become_derived_ones_at_least_twice_as_many():
+    fixed = Knobs(16, None, bucket_edges=(32, 64, 128, 256), auto_bucket_count=4)
+    d = Run(fixed).step(300.0, util=0.9, depth=20, mean_batch=6.0, padding=0.4).decision
+    assert d.changes == {"bucket_edges": None, "auto_bucket_count": 8}
+    assert "bucket_edges 32,64,128,256 -> null" in d.reason
+
+
+def test_edges_stay_while_padding_is_low_the_device_idle_or_the_model_fixed_length():
+    for knobs, kw in ((DERIVED, dict(util=0.9, depth=20, padding=0.05)),
+                      (DERIVED, dict(util=0.2, depth=20, padding=0.4)),
+                      (DERIVED, dict(util=0.9, depth=0, padding=0.4)),
+                      (DERIVED, dict(util=0.9, depth=20, padding=None)),
+                      (START, dict(util=0.9, depth=20, padding=0.4))):
+        d = Run(knobs).step(300.0, mean_batch=6.0, **kw).decision
+        assert d is None or not {"auto_bucket_count", "bucket_edges"} & set(d.changes), (knobs, kw)
+
+
+def test_finer_edges_that_made_things_worse_are_undone():
+    run = Run(DERIVED, block_s=30.0)
+    assert run.step(300.0, util=0.9, depth=20, mean_batch=6.0, padding=0.3,
+                    ok=200).decision.changes == {"auto_bucket_count": 16}
+    # same load, far fewer served within the SLO
+    step = run.step(400.0, util=0.9, depth=20, mean_batch=6.0, padding=0.2, good=100)
+    assert step.decision.state == REVERTED and step.decision.changes == {"auto_bucket_count": 8}
+    nxt = run.step(300.0, dt=2.0, util=0.9, depth=20, mean_batch=6.0, padding=0.3).decision
+    assert nxt is None or "auto_bucket_count" not in nxt.changes
 
 
 def test_falls_back_to_the_starting_settings_when_it_cannot_hold_the_slo():

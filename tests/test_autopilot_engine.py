@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -25,7 +26,7 @@ from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.autopilot.controller import Tuning
 from runtime.autopilot.shell import Autopilot
 from runtime.engine.engine import Engine
-from runtime.models.toys import DoubleModel
+from runtime.models.toys import DoubleModel, VarLenModel
 from runtime.server.service import Service, ServiceThread
 
 START = BatchingConfig(max_queue_delay_ms=200.0, autopilot_slo_p99_ms=50.0)
@@ -141,3 +142,49 @@ def test_the_server_runs_the_autopilot_switched_on_over_the_control_api(tmp_path
     finally:
         runner.stop()
         db.dispose()
+
+
+class _PerTokenVarLen(VarLenModel):
+    """A variable-length model whose batch takes 20 us per padded token."""
+
+    def predict(self, batch):
+        time.sleep(batch.numel() * 20e-6)
+        return super().predict(batch)
+
+
+@pytest.mark.slow
+def test_on_a_real_engine_coarse_edges_give_way_to_derived_ones():
+    # lengths 4..64 under one edge at 128: about three quarters of every batch is padding
+    rec = ListRecorder()
+    start = BatchingConfig(max_batch_size=32, bucket_edges=(128,), autopilot_slo_p99_ms=1.0)
+    rng = np.random.default_rng(3)
+
+    async def main() -> Engine:
+        engine = Engine({"varlen": _PerTokenVarLen()}, {"varlen": start}, recorder=rec)
+        await engine.start()
+        pilot = Autopilot(engine, recorder=rec, interval_s=0.02,
+                          tuning=Tuning(min_samples=20, min_batches=3, min_window_s=0.1,
+                                        cooldown_s=0.05, fallback_after=10_000))
+        pilot.start()
+
+        async def client() -> None:
+            for _ in range(400):
+                if engine.get_settings("varlen")[1].bucket_edges is None:
+                    return
+                n = int(rng.integers(4, 65))
+                await engine.infer("varlen", {"INPUT0": np.ones(n, dtype=np.float32)})
+
+        try:
+            await asyncio.gather(*(client() for _ in range(24)))
+        finally:
+            await pilot.stop()
+            await engine.stop()
+        return engine
+
+    engine = asyncio.run(asyncio.wait_for(main(), 60.0))
+    moved = [c for c in settings_changes(rec) if "bucket_edges" in c["changes"]]
+    assert moved and moved[0]["requested_by"] == "autopilot"
+    assert moved[0]["changes"]["bucket_edges"] is None
+    reason = next(e.message for e in autopilot_events(rec) if "bucket_edges" in e.message)
+    assert "of the padded tokens padding" in reason and "bucket_edges 128 -> null" in reason
+    assert engine.get_settings("varlen")[1].bucket_edges is None

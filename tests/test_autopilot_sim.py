@@ -33,17 +33,21 @@ PHASES = ((20.0, 50.0), (20.0, 350.0), (20.0, 600.0), (20.0, 50.0))
 
 @dataclass
 class SimServer:
-    """One model on one device: batch time ``a * n + b`` seconds, plus noise."""
+    """One model on one device: batch time ``a * n + b`` seconds, plus noise; with
+    ``lengths`` (lo, hi) a variable-length model whose requests' lengths are uniform in
+    it and whose batch takes ``a`` per padded token instead of per item."""
 
     config: BatchingConfig
     a_s: float = 0.001
     b_s: float = 0.008
     noise: float = 0.05
     seed: int = 1
+    lengths: tuple[int, int] | None = None
     clock: FakeClock = field(default_factory=lambda: FakeClock(start=0.0))
 
     def __post_init__(self) -> None:
-        self.batcher = Batcher("sim", self.config, variable_length=False)
+        self.batcher = Batcher("sim", self.config, variable_length=self.lengths is not None)
+        self.real = self.padded = 0
         self.window = OutcomeWindow()
         self.rng = random.Random(self.seed)
         self.device_s = 0.0
@@ -72,13 +76,15 @@ class SimServer:
     def stats(self, model: str) -> dict:
         return {"queue_depth": self.batcher.depth, "device_time_s": self.device_s,
                 "mean_batch_compute_s": self.batcher.mean_compute_s,
-                "effective_max_batch_size": self.batcher.config.max_batch_size}
+                "effective_max_batch_size": self.batcher.config.max_batch_size,
+                "bucket_edges": (list(self.batcher.bucket_edges) if self.lengths else None)}
 
     def outcome_window(self, model: str) -> OutcomeWindow:
         return self.window
 
     def inference_totals(self, model: str) -> SimpleNamespace:
-        return SimpleNamespace(by_batch_size={n: list(v) for n, v in self.by_batch_size.items()})
+        return SimpleNamespace(by_batch_size={n: list(v) for n, v in self.by_batch_size.items()},
+                               real_elements=self.real, padded_elements=self.padded)
 
     # -- the simulation ----------------------------------------------------------------------
     def _dispatch(self, now: float) -> None:
@@ -87,7 +93,7 @@ class SimServer:
         batch = self.batcher.next_batch(now)
         if batch is None:
             return
-        n = len(batch)
+        n = batch.padded_elements if self.lengths else len(batch)
         took = (self.a_s * n + self.b_s) * (1.0 + self.noise * self.rng.uniform(-1, 1))
         self.running = batch
         self.busy_until = now + took
@@ -100,6 +106,8 @@ class SimServer:
         entry = self.by_batch_size.setdefault(len(batch), [0, 0.0])
         entry[0] += 1
         entry[1] += took
+        self.real += batch.real_elements
+        self.padded += batch.padded_elements
         arrived = [r.arrived_s for r in batch.requests]
         self.window.add_ok(now, arrived)
         self.served.extend((now, now - a) for a in arrived)
@@ -135,7 +143,8 @@ class SimServer:
             if now >= next_arrival:
                 while phase < len(ends) - 1 and now >= ends[phase][0]:
                     phase += 1
-                req = PendingRequest(None, arrived_s=now, priority=1)
+                length = arrivals.randint(*self.lengths) if self.lengths else 1
+                req = PendingRequest(None, length=length, arrived_s=now, priority=1)
                 try:
                     self.batcher.submit(req, now)
                 except QueueFull:
@@ -164,11 +173,11 @@ class SimServer:
         return sum(1 for _, latency in self.served if latency * 1000.0 <= slo_ms)
 
 
-def simulate(config: BatchingConfig, autopilot: bool, seed: int = 1):
-    server = SimServer(config, seed=seed)
+def simulate(config: BatchingConfig, autopilot: bool, seed: int = 1, phases=PHASES, **sim):
+    server = SimServer(config, seed=seed, **sim)
     recorder = ListRecorder()
     pilot = Autopilot(server, recorder=recorder, clock=server.clock) if autopilot else None
-    server.run(PHASES, pilot)
+    server.run(phases, pilot)
     return server, recorder
 
 
@@ -200,3 +209,23 @@ def test_from_good_defaults_the_autopilot_does_no_harm():
     piloted, _ = simulate(BatchingConfig(autopilot_slo_p99_ms=SLO_MS), autopilot=True)
     assert piloted.violation_seconds() <= plain.violation_seconds() + 1
     assert piloted.goodput() >= 0.98 * plain.goodput()
+
+
+def test_coarse_bucket_edges_give_way_to_derived_ones_when_padding_holds_the_device():
+    # a variable-length model (lengths 8..128) whose batch time is per padded token: with
+    # fixed edges 64, 128 a fifth of its device time pads, and the burst outruns it
+    phases = ((20.0, 200.0), (20.0, 600.0), (20.0, 1000.0), (20.0, 200.0))
+    coarse = BatchingConfig(max_batch_size=32, bucket_edges=(64, 128))
+    sim = dict(lengths=(8, 128), a_s=0.00001, b_s=0.002, phases=phases)
+    fixed, _ = simulate(coarse, autopilot=False, **sim)
+    piloted, recorder = simulate(coarse.with_changes({"autopilot_slo_p99_ms": 100.0}),
+                                 autopilot=True, **sim)
+    assert fixed.violation_seconds(100.0) >= 15
+    assert piloted.violation_seconds(100.0) * 2 <= fixed.violation_seconds(100.0)
+    assert piloted.goodput(100.0) >= 1.5 * fixed.goodput(100.0)
+    assert 1 - piloted.real / piloted.padded < 0.8 * (1 - fixed.real / fixed.padded)
+    edges = [(at, c) for at, c, _ in piloted.changes if "bucket_edges" in c]
+    assert edges and edges[0][1]["bucket_edges"] is None and 40.0 <= edges[0][0] < 45.0
+    reasons = [e.message for e in recorder.of(EventRow) if "bucket_edges" in e.message]
+    assert reasons and "of the padded tokens padding" in reasons[0]
+    assert "bucket_edges 64,128 -> null" in reasons[0]

@@ -83,7 +83,7 @@ def test_a_finished_session_shows_its_trials_and_applies_through_the_control_tab
         window_s=0.25, settle_s=0.05, warmup_s=0.2, min_requests=0,
         stability=Stability(windows=2, tolerance=0.95, max_windows=3),
         space=SpaceOptions(policies=("dynamic",), max_batch_sizes=(4,), queue_delays_ms=(None,),
-                           preferred=("none",)))).start()
+                           preferred=("none",), batch_tokens=()))).start()
     assert job.join(60) and job.result is not None, job.error
     recommended = job.result.recommended
     assert recommended and job.result.baseline.problem.startswith("p99")

@@ -28,7 +28,7 @@ TUNED = ("policy", "max_batch_size", "max_queue_delay_ms", "preferred_batch_size
 #: lenient enough that every trial counts on a busy machine: the tests are about the API
 EASY = Stability(windows=2, tolerance=0.95, max_windows=3)
 SMALL = SpaceOptions(policies=("dynamic",), max_batch_sizes=(4, 16), queue_delays_ms=(None, 1.0),
-                     preferred=("none",))
+                     preferred=("none",), batch_tokens=())
 TOKEN = "tuning-test-token-0123456789"
 
 
@@ -85,13 +85,26 @@ def test_variable_length_models_get_bucket_edges_to_the_longest_length(served):
     url, changes = served
     seen = len(changes)
     space = SpaceOptions(policies=("dynamic",), max_batch_sizes=(8,), queue_delays_ms=(None,),
-                         preferred=("none",), edge_steps=(16,))
+                         preferred=("none",), edge_steps=(16,), batch_tokens=())
     result = run_tuning(options(url, "varlen", lengths="uniform:4:60", space=space, grid=True,
                                 budget_s=20.0))
     points = [t.point["bucket_edges"] for t in result.trials]
     assert points[0] == [32, 64] and [16, 32, 48, 64] in points
     assert any(c[2]["bucket_edges"] == [16, 32, 48, 64] for c in changes[seen:])
     assert settings(url, "varlen")[1]["bucket_edges"] == [32, 64]
+
+
+def test_a_variable_length_model_gets_its_token_limit_tried_and_put_back(served):
+    url, changes = served
+    seen = len(changes)
+    space = SpaceOptions(policies=("dynamic",), max_batch_sizes=(8,), queue_delays_ms=(None,),
+                         preferred=("none",), edge_steps=(32,), batch_tokens=(64,))
+    result = run_tuning(options(url, "varlen", lengths="uniform:4:60", space=space, grid=True,
+                                budget_s=20.0))
+    tried = {t.point["max_batch_tokens"] for t in result.trials}
+    assert tried == {None, 64}
+    assert any(c[2].get("max_batch_tokens") == 64 for c in changes[seen:])
+    assert settings(url, "varlen")[1]["max_batch_tokens"] is None  # the start, put back
 
 
 def test_replay_sends_the_recorded_lengths_on_the_recorded_schedule(served, db, db_url):
@@ -106,7 +119,7 @@ def test_replay_sends_the_recorded_lengths_on_the_recorded_schedule(served, db, 
     result = run_tuning(options(url, "varlen", load="replay", db_url=db_url, budget_s=3.0,
                                 space=SpaceOptions(policies=("dynamic",), max_batch_sizes=(8,),
                                                    queue_delays_ms=(None,), preferred=("none",),
-                                                   edge_steps=(16,))))
+                                                   edge_steps=(16,), batch_tokens=())))
     # the edges reach the longest recorded length (47), the load ran at the recorded 200/s
     assert [16, 32, 48] in [t.point["bucket_edges"] for t in result.trials]
     base = result.trials[0].figures

@@ -77,3 +77,27 @@ def test_edges_and_points_in_words():
     assert format_point({"max_batch_size": 64, "max_queue_delay_ms": None,
                          "bucket_edges": [16, 32], "preferred_batch_sizes": []}) == (
         "max_batch_size=64, max_queue_delay_ms=null, bucket_edges=16,32, preferred_batch_sizes=[]")
+
+
+def test_a_variable_length_model_tunes_its_token_limit_from_the_longest_length():
+    space = SearchSpace.for_model(doc(max_batch_tokens=300), VARLEN, longest_length=100)
+    # no limit, 4/8/16 times the longest length, and the starting value
+    assert space.batch_tokens == (None, 300, 400, 800, 1600)
+    assert space.start["max_batch_tokens"] == 300
+    assert {p["max_batch_tokens"] for p in space.grid()} == {None, 300, 400, 800, 1600}
+    assert space.suggest(optuna.trial.FixedTrial(space.start_params())) == space.start
+    assert "max_batch_tokens null,300,400,800,1600" in space.describe()
+    # asked for by value, or not tuned at all (the starting limit stays in every point)
+    chosen = SearchSpace.for_model(doc(max_batch_tokens=None), VARLEN,
+                                   options=SpaceOptions(batch_tokens=(512,)))
+    assert chosen.batch_tokens == (None, 512)
+    kept = SearchSpace.for_model(doc(max_batch_tokens=300), VARLEN,
+                                 options=SpaceOptions(batch_tokens=()))
+    assert kept.batch_tokens == () and {p["max_batch_tokens"] for p in kept.grid()} == {300}
+    assert kept.size() * 5 == space.size()
+    # a fixed-shape model ignores the limit, so it is not searched
+    fixed = SearchSpace.for_model(doc(max_batch_tokens=300), FIXED)
+    assert fixed.batch_tokens == () and "max_batch_tokens" not in fixed.start
+    with pytest.raises(SpaceError, match="max_batch_tokens"):
+        SpaceOptions(batch_tokens=(0,)).check()
+    assert parse_values("none,512", "int_or_none", "--batch-tokens") == (None, 512)

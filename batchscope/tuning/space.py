@@ -2,10 +2,12 @@
 
 A *point* is the JSON object of the tuned settings themselves, e.g.
 ``{"policy": "dynamic", "max_batch_size": 32, "max_queue_delay_ms": null,
-"preferred_batch_sizes": [], "bucket_edges": [16, 32, 48]}``; trials, the grid and the
-result all speak in points. Which settings are tuned comes from the model's
-``GET /v2/models/{name}/batching`` document (a setting the model does not list is left
-out) and its metadata (bucket edges only for a model with a variable-length input).
+"preferred_batch_sizes": [], "bucket_edges": [16, 32, 48], "max_batch_tokens": 1024}``;
+trials, the grid and the result all speak in points. Which settings are tuned comes from
+the model's ``GET /v2/models/{name}/batching`` document (a setting the model does not list
+is left out) and its metadata (bucket edges and the token limit per batch only for a model
+with a variable-length input: a token limit lets short requests fill a large batch while
+long ones run in smaller batches, which no single ``max_batch_size`` does).
 
 The values are discrete and ordered, the same for the optimizer and the grid, so a
 session and an exhaustive grid search exactly the same space. The starting value of
@@ -33,13 +35,15 @@ QUEUE_DELAYS_MS: tuple[float | None, ...] = (None, 1.0, 2.0, 5.0, 10.0)
 PREFERRED: tuple[str, ...] = ("none", "powers_of_two")
 #: bucket edges every this many tokens, up to the longest expected length
 EDGE_STEPS: tuple[int, ...] = (8, 16, 32)
+#: token limits per batch, in multiples of the longest expected length (null: no limit)
+TOKEN_MULTIPLES: tuple[int, ...] = (4, 8, 16)
 START = "start"
 #: bucket edges null: derived by the server from the lengths it sees
 AUTO = "auto"
 #: how far bucket edges reach when neither the load nor the settings say
 DEFAULT_LONGEST = 256
 TUNED = ("policy", "max_batch_size", "max_queue_delay_ms", "preferred_batch_sizes",
-         "bucket_edges")
+         "bucket_edges", "max_batch_tokens")
 _MAX_EDGES = next(s.max_items for s in schema.BATCHING if s.name == "bucket_edges") or 64
 
 
@@ -48,18 +52,20 @@ class SpaceError(ValueError):
 
 
 def parse_values(text: str, kind: str, flag: str) -> tuple:
-    """A comma-separated option list of the CLI: ints, floats (``none`` = null) or words."""
+    """A comma-separated option list of the CLI: ints, floats or ints with ``none`` (=
+    null), or words."""
     items = [item.strip() for item in str(text).split(",") if item.strip()]
     if not items:
         raise SpaceError(f"{flag} {text!r} is empty; give a comma-separated list")
     try:
         if kind == "int":
             return tuple(int(item) for item in items)
-        if kind == "delay":
-            return tuple(None if item.lower() in ("none", "null") else float(item)
+        if kind in ("delay", "int_or_none"):
+            number = float if kind == "delay" else int
+            return tuple(None if item.lower() in ("none", "null") else number(item)
                          for item in items)
     except ValueError:
-        example = "8,16,32" if kind == "int" else "none,2,5"
+        example = {"int": "8,16,32", "delay": "none,2,5"}.get(kind, "none,512,1024")
         raise SpaceError(f"{flag} {text!r} is not understood; write e.g. {example}") from None
     return tuple(items)
 
@@ -73,6 +79,9 @@ class SpaceOptions:
     queue_delays_ms: tuple[float | None, ...] = QUEUE_DELAYS_MS
     preferred: tuple[str, ...] = PREFERRED
     edge_steps: tuple[int, ...] = EDGE_STEPS
+    #: token limits per batch (None in it: no limit); None: null and ``TOKEN_MULTIPLES``
+    #: times the longest expected length; empty: the starting value only (not tuned)
+    batch_tokens: tuple[int | None, ...] | None = None
 
     def check(self) -> "SpaceOptions":
         policy = schema.setting("request", "policy")
@@ -81,7 +90,8 @@ class SpaceOptions:
             raise SpaceError(f"--policies {','.join(self.policies)!r}: use some of "
                              f"{', '.join(policy.choices if policy else POLICIES)}")
         for name, values in (("max_batch_size", self.max_batch_sizes),
-                             ("max_queue_delay_ms", self.queue_delays_ms)):
+                             ("max_queue_delay_ms", self.queue_delays_ms),
+                             ("max_batch_tokens", self.batch_tokens or (None,))):
             setting = schema.setting("request", name)
             problems = [setting.problem(v) for v in values] if setting else []
             problem = next((p for p in problems if p), None)
@@ -135,6 +145,8 @@ class SearchSpace:
     #: bucket edge options by label ("start", "auto", "16", ...; None: derived by the
     #: server); empty for fixed-length models
     bucket_edges: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
+    #: token limits per batch (None: no limit); empty when not tuned
+    batch_tokens: tuple[int | None, ...] = ()
 
     @classmethod
     def for_model(cls, batching_doc: dict, metadata: dict, *, longest_length: int | None = None,
@@ -172,6 +184,14 @@ class SearchSpace:
                     edges[str(step)] = candidate
         else:
             start.pop("bucket_edges", None)
+        tokens: tuple[int | None, ...] = ()
+        if "max_batch_tokens" in has and variable:
+            longest = longest_length or max(edges.get(START) or (DEFAULT_LONGEST,))
+            wanted = (options.batch_tokens if options.batch_tokens is not None
+                      else (None, *(m * longest for m in TOKEN_MULTIPLES)))
+            tokens = _with(wanted, start["max_batch_tokens"]) if wanted else ()
+        else:
+            start.pop("max_batch_tokens", None)
         preferred: tuple[str, ...] = ()
         if "preferred_batch_sizes" in has:
             own = START if start["preferred_batch_sizes"] else "none"
@@ -181,12 +201,14 @@ class SearchSpace:
                    max_batch_sizes=_with(options.max_batch_sizes, start["max_batch_size"]),
                    queue_delays_ms=(_with(options.queue_delays_ms, start["max_queue_delay_ms"])
                                     if "max_queue_delay_ms" in has else ()),
-                   preferred=preferred, bucket_edges=edges)
+                   preferred=preferred, bucket_edges=edges, batch_tokens=tokens)
 
     # -- points -----------------------------------------------------------------------
     def point(self, policy: str, max_batch_size: int, delay_ms: float | None = None,
-              preferred: str | None = None, edges: str | None = None) -> dict:
-        """The point of these choices (irrelevant ones take their starting values)."""
+              preferred: str | None = None, edges: str | None = None,
+              tokens: int | None | str = START) -> dict:
+        """The point of these choices (irrelevant ones take their starting values;
+        ``tokens``: a token limit, None for none, ``START`` for the starting one)."""
         point: dict[str, Any] = {"policy": policy, "max_batch_size": max_batch_size}
         if "max_queue_delay_ms" in self.start:
             point["max_queue_delay_ms"] = (delay_ms if policy == "dynamic"
@@ -202,6 +224,9 @@ class SearchSpace:
         if self.bucket_edges:
             chosen = self.bucket_edges[edges or START]
             point["bucket_edges"] = None if chosen is None else list(chosen)
+        if "max_batch_tokens" in self.start:
+            point["max_batch_tokens"] = (self.start["max_batch_tokens"] if tokens == START
+                                         else tokens)
         return point
 
     def grid(self) -> list[dict]:
@@ -209,11 +234,11 @@ class SearchSpace:
         delays = self.queue_delays_ms or (None,)
         seen = {point_key(self.start)}
         points = [dict(self.start)]
-        for policy, size, pref, edges in itertools.product(
+        for policy, size, pref, edges, tokens in itertools.product(
                 self.policies, self.max_batch_sizes, self.preferred or (None,),
-                tuple(self.bucket_edges) or (None,)):
+                tuple(self.bucket_edges) or (None,), self.batch_tokens or (START,)):
             for delay in (delays if policy == "dynamic" else (None,)):
-                point = self.point(policy, size, delay, pref, edges)
+                point = self.point(policy, size, delay, pref, edges, tokens)
                 if point_key(point) not in seen:
                     seen.add(point_key(point))
                     points.append(point)
@@ -237,7 +262,11 @@ class SearchSpace:
                 if self.preferred else None)
         edges = (trial.suggest_categorical("bucket_edges", list(self.bucket_edges))
                  if self.bucket_edges else None)
-        return self.point(policy, size, delay, pref, edges)
+        tokens: int | None | str = START
+        if self.batch_tokens:
+            tokens = self.batch_tokens[trial.suggest_int("max_batch_tokens_index", 0,
+                                                         len(self.batch_tokens) - 1)]
+        return self.point(policy, size, delay, pref, edges, tokens)
 
     def start_params(self) -> dict[str, Any]:
         """The optimizer's parameters of the starting point."""
@@ -252,6 +281,9 @@ class SearchSpace:
             params["preferred_batch_sizes"] = START if start["preferred_batch_sizes"] else "none"
         if self.bucket_edges:
             params["bucket_edges"] = START
+        if self.batch_tokens:
+            params["max_batch_tokens_index"] = self.batch_tokens.index(
+                start["max_batch_tokens"])
         return params
 
     def describe(self) -> str:
@@ -266,6 +298,9 @@ class SearchSpace:
         if self.bucket_edges:
             parts.append("bucket_edges " + "/".join(
                 k if k in (START, AUTO) else f"every {k}" for k in self.bucket_edges))
+        if self.batch_tokens:
+            parts.append("max_batch_tokens " + ",".join(
+                "null" if v is None else str(v) for v in self.batch_tokens))
         return "; ".join(parts) + f" ({self.size()} points)"
 
 

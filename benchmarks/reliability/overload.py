@@ -269,6 +269,8 @@ def analyse(loop: OpenLoop, starts: list[float], capacity: float, timeout_s: flo
             recovered_at = k * window
             break
     client_wait = np.nanmax(sent[over] - sched[over]) if over.any() else 0.0
+    past = answered & (over | rec) & ((done - sent) - timeout_s > 0.05)
+    late_by_status = {str(int(c)): int((status[past] == c).sum()) for c in np.unique(status[past])}
     return {
         "capacity_rps": capacity,
         "offered_rps": float(over.sum() / over_s),
@@ -284,6 +286,8 @@ def analyse(loop: OpenLoop, starts: list[float], capacity: float, timeout_s: flo
         "worst_client_side_wait_ms": float(client_wait * 1000.0),
         "recovery_good_fraction": float(good[rec].mean()) if rec.any() else None,
         "recovery_s": recovered_at,
+        "late_by_status": late_by_status,
+        "recovery_window_fractions": [round(f, 3) for f in fractions],
         "connections": loop.open,
         "refusal_samples": {str(k): v.decode("utf-8", "replace")
                             for k, v in sorted(loop.samples.items())},
@@ -483,6 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  worst answer - deadline: {f['worst_answer_minus_deadline_ms']:.1f} ms "
           f"(target <= 50), answers past deadline + 50 ms: {f['answers_past_deadline_plus_50ms']}, "
           f"p99 answer {f['p99_answer_ms']:.1f} ms")
+    print(f"  answers past deadline + 50 ms by status: {f['late_by_status']}")
     print(f"  unanswered: {f['unanswered']}, connection failures: {f['connection_failed']}, "
           f"worst client-side wait {f['worst_client_side_wait_ms']:.1f} ms, "
           f"{f['connections']} connections")
@@ -494,6 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"recovery at {args.recovery_factor:g}x for {args.recovery_s:g} s: "
           f"{'never' if rec is None else f'{rec:.1f} s'} (target < 1 s), "
           f"{f['recovery_good_fraction']:.1%} answered 200 within the deadline")
+    print("  share answered 200 within the deadline per 200 ms window of arrivals: "
+          + " ".join(f"{x:.2f}" for x in f["recovery_window_fractions"]))
     if args.json:
         Path(args.json).write_text(json.dumps(f, indent=2))
     return 0

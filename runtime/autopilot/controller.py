@@ -3,12 +3,15 @@
 A synchronous state machine with time passed in: the shell (``runtime.autopilot.shell``)
 hands it an ``Observation`` every tick (the window of outcomes since the window began,
 the queue depth, the device's busy share, the batch times by size, the settings) and
-applies what it decides. It moves two settings of the dynamic policy, in bounded steps:
+applies what it decides. It moves the settings of the dynamic policy, in bounded steps:
 
 * ``max_queue_delay_ms`` (None = work-conserving): how long a partial batch waits;
 * ``max_batch_size``: between the largest preferred batch size (or 1) and
   ``Tuning.ceiling_factor`` times the starting value, never raised while the OOM
-  governor holds the model below it.
+  governor holds the model below it;
+* for a variable-length model, its bucket edges: fixed edges become edges derived from
+  the traffic, and derived ones grow finer (``auto_bucket_count`` doubles, up to
+  ``max_bucket_count``) -- less padding, so less device time per request.
 
 The controller predicts with the model's measured batch times (``BatchCost``, a line
 ``per_item_ms * n + per_batch_ms`` fitted to the batch sizes seen, runtime.autopilot.cost):
@@ -33,7 +36,9 @@ Then, with ``S`` the SLO:
    never below the size whose capacity is ``headroom`` above the arrival rate --
    unless the delay is at least ``delay_visible`` of the p99: a delay is halved first
    then, and whenever the batch does not shrink (below ``min_delay_ms`` it becomes
-   work-conserving).
+   work-conserving). Before the delay and the size come down, a variable-length model
+   whose device is ``busy_share`` busy with a queue waiting, and whose batches' padded
+   tokens are at least ``padding_high`` padding, gets finer bucket edges.
 2. **Room** (p99 < ``room`` · S for ``room_windows`` windows in a row): when the model
    is saturated, ``max_batch_size`` grows while the bigger batch stays within
    ``batch_share`` of S and serves more; else, when the queue builds (requests wait
@@ -78,19 +83,24 @@ WATCHING, RAISING, LOWERING, SETTLING, VIOLATING, REVERTED, FALLBACK = (
 
 @dataclass(frozen=True, slots=True)
 class Knobs:
-    """The two settings the controller moves."""
+    """The settings the controller moves."""
 
     max_batch_size: int
     #: None: work-conserving
     max_queue_delay_ms: float | None
+    #: a variable-length model's bucket edges (None: derived from the traffic) ...
+    bucket_edges: tuple[int, ...] | None = None
+    #: ... and how many are derived; None: edges not moved (a fixed-length model)
+    auto_bucket_count: int | None = None
 
     def changes_to(self, new: "Knobs") -> dict[str, Any]:
         """The settings changes that turn ``self`` into ``new``."""
         out: dict[str, Any] = {}
-        if new.max_batch_size != self.max_batch_size:
-            out["max_batch_size"] = new.max_batch_size
-        if new.max_queue_delay_ms != self.max_queue_delay_ms:
-            out["max_queue_delay_ms"] = new.max_queue_delay_ms
+        for name in ("max_batch_size", "max_queue_delay_ms", "bucket_edges",
+                     "auto_bucket_count"):
+            value = getattr(new, name)
+            if value != getattr(self, name):
+                out[name] = list(value) if isinstance(value, tuple) else value
         return out
 
 
@@ -111,6 +121,8 @@ class Observation:
     knobs: Knobs
     #: the window's batches by size: size -> (batches, summed compute ms)
     batch_ms_by_size: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    #: share of the window's padded input tokens that are padding (None: not known)
+    padding_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +168,10 @@ class Tuning:
     ready_sizes: int = 3
     #: ... and the new size is at most this many times the largest batch timed
     extrapolate: float = 4.0
+    #: finer bucket edges once this share of the padded tokens is padding ...
+    padding_high: float = 0.15
+    #: ... up to this many derived edges
+    max_bucket_count: int = 32
     fallback_after: int = 4
     improving: float = 0.1
     hold_s: float = 30.0
@@ -194,6 +210,17 @@ class _Probe:
 
 def _ms(value: float | None) -> str:
     return "null" if value is None else f"{value:g}"
+
+
+def _word(name: str, value: Any) -> str:
+    """A setting's value in a decision's reason: null, 4.5, 32,64,128."""
+    if value is None:
+        return "null"
+    if name == "max_queue_delay_ms":
+        return _ms(value)
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
 
 
 @dataclass
@@ -332,17 +359,46 @@ class Controller:
                                   RAISING, f"{head} with {obs.queue_depth} queued, full "
                                            f"batches and about {arrivals:.0f} arrivals/s"
                                            f"{self._capacity(cost, size, bigger)}:")
+        finer = self._finer_buckets(obs, head)
+        if finer is not None:
+            return finer
         halve = delay is not None and self._allowed("delay_down", obs.now_s)
         limit = t.batch_share * slo
-        long_batch = cost is not None and size > self.min_batch_size and cost.ms(size) > limit
+        # the longest batch is what a smaller maximum shortens: the largest batch the
+        # window ran, not the maximum itself (work-conserving batches that stay small are
+        # not what holds the p99 up, and a lower maximum would only cost the next burst)
+        top = min(size, max(obs.batch_ms_by_size, default=size))
+        long_batch = cost is not None and top > self.min_batch_size and cost.ms(top) > limit
         # a delay that is a visible part of the latency goes first; a short one is not what
         # holds the p99 up while a full batch takes too long
         if halve and (not long_batch or delay >= t.delay_visible * p99):
             return self._halve_delay(obs, head)
-        shrink = self._shrink(obs, head, cost, size, saturated) if long_batch else None
+        shrink = self._shrink(obs, head, cost, size, top, saturated) if long_batch else None
         if shrink is None and halve:
             return self._halve_delay(obs, head)
         return shrink
+
+    def _finer_buckets(self, obs: Observation, head: str) -> Decision | None:
+        """Finer bucket edges for a busy variable-length model whose batches are mostly
+        padding (module docstring, rule 1): fixed edges become derived ones (at least
+        twice as many), derived ones twice as many."""
+        t = self.tuning
+        knobs, share = obs.knobs, obs.padding_share
+        count = knobs.auto_bucket_count
+        if count is None or share is None or share < t.padding_high \
+                or obs.utilization < t.busy_share or obs.queue_depth <= 0 \
+                or not self._allowed("buckets_up", obs.now_s):
+            return None
+        if knobs.bucket_edges is not None:
+            finer = min(t.max_bucket_count, max(count, 2 * len(knobs.bucket_edges)))
+            new = replace(knobs, bucket_edges=None, auto_bucket_count=finer)
+        elif count < t.max_bucket_count:
+            new = replace(knobs, auto_bucket_count=min(t.max_bucket_count, 2 * count))
+        else:
+            return None
+        return self._move(obs, new, "buckets_up", LOWERING,
+                          f"{head}, device {obs.utilization:.0%} busy with {obs.queue_depth} "
+                          f"queued and {share:.0%} of the padded tokens padding:")
 
     def _halve_delay(self, obs: Observation, head: str) -> Decision | None:
         knobs = obs.knobs
@@ -350,17 +406,21 @@ class Controller:
         new = replace(knobs, max_queue_delay_ms=half if half >= self.tuning.min_delay_ms else None)
         return self._move(obs, new, "delay_down", LOWERING, f"{head}:")
 
-    def _shrink(self, obs: Observation, head: str, cost: BatchCost, size: int,
+    def _shrink(self, obs: Observation, head: str, cost: BatchCost, size: int, top: int,
                 saturated: bool) -> Decision | None:
         """A smaller ``max_batch_size``: the largest batch within ``batch_share`` of the SLO,
-        at most half a step down; while saturated only if it keeps the capacity, and never
-        one whose capacity (by the fitted line) is below ``1 + headroom`` times the rate
-        requests arrive at (or ``1 - worse`` of this size's, when that is lower)."""
+        at most half a step down, and only one below ``top``, the largest batch the window
+        ran (a lower maximum the batches do not reach shortens nothing); while saturated
+        only if it keeps the capacity, and never one whose capacity (by the fitted line)
+        is below ``1 + headroom`` times the rate requests arrive at (or ``1 - worse`` of
+        this size's, when that is lower)."""
         t = self.tuning
         if not self._allowed("batch_down", obs.now_s):
             return None
         lower = max(self.min_batch_size, int(size * t.lower_floor),
-                    min(size - 1, cost.largest_within(t.batch_share * self.slo_p99_ms)))
+                    min(top - 1, cost.largest_within(t.batch_share * self.slo_p99_ms)))
+        if lower >= top:
+            return None
         if saturated and not (cost.sizes >= 2 and cost.capacity_rps(lower)
                               >= (1.0 - t.worse) * cost.capacity_rps(size)):
             return None
@@ -373,8 +433,8 @@ class Controller:
             if lower >= size:
                 return None
         return self._move(obs, replace(obs.knobs, max_batch_size=lower), "batch_down",
-                          LOWERING, f"{head}, a batch of {size} takes about "
-                                    f"{cost.ms(size):.0f} ms:")
+                          LOWERING, f"{head}, a batch of {top} takes about "
+                                    f"{cost.ms(top):.0f} ms:")
 
     def _under(self, obs: Observation, p99: float) -> Decision | None:
         t = self.tuning
@@ -543,7 +603,6 @@ class Controller:
         changes = old.changes_to(new)
         if not changes:
             return None
-        words = ", ".join(
-            f"{k} {_ms(getattr(old, k)) if k == 'max_queue_delay_ms' else getattr(old, k)} -> "
-            f"{_ms(v) if k == 'max_queue_delay_ms' else v}" for k, v in changes.items())
+        words = ", ".join(f"{k} {_word(k, getattr(old, k))} -> {_word(k, v)}"
+                          for k, v in changes.items())
         return Decision(changes, new, f"{why} {words}", state)

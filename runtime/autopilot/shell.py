@@ -25,7 +25,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from batchscope.storage.records import EventRow, RecorderLike
@@ -55,6 +55,32 @@ def batch_times(engine: Any, model: str) -> dict[int, tuple[int, float]]:
     return {int(n): (int(v[0]), float(v[1])) for n, v in reader(model).by_batch_size.items()}
 
 
+def elements(engine: Any, model: str) -> tuple[int, int]:
+    """The real and padded input elements of the model's successful batches so far."""
+    reader = getattr(engine, "inference_totals", None)
+    if reader is None:
+        return (0, 0)
+    totals = reader(model)
+    return (int(getattr(totals, "real_elements", 0)), int(getattr(totals, "padded_elements", 0)))
+
+
+def padding_share(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """The share of the padded elements between two ``elements`` that is padding."""
+    real, padded = after[0] - before[0], after[1] - before[1]
+    return None if padded <= 0 else max(0.0, 1.0 - real / padded)
+
+
+def knobs_of(config: Any, variable: bool) -> Knobs:
+    """The controller's knobs from a model's settings; bucket edges only for a
+    variable-length model that buckets by length."""
+    knobs = Knobs(config.max_batch_size, config.max_queue_delay_ms)
+    if variable and getattr(config, "bucketing", False):
+        edges = config.bucket_edges
+        knobs = replace(knobs, bucket_edges=None if edges is None else tuple(edges),
+                        auto_bucket_count=config.auto_bucket_count)
+    return knobs
+
+
 def _window_times(before: dict[int, tuple[int, float]],
                   after: dict[int, tuple[int, float]]) -> dict[int, tuple[float, float]]:
     """size -> (batches, summed ms) between two ``batch_times``."""
@@ -79,6 +105,8 @@ class _Pilot:
     snapshot: Snapshot
     device_s: float
     times: dict[int, tuple[int, float]]
+    #: the real and padded elements when the window began
+    elements: tuple[int, int] = (0, 0)
 
 
 class Autopilot:
@@ -131,9 +159,14 @@ class Autopilot:
         if pilot is None:
             return None
         c = pilot.controller
+        start = {"max_batch_size": c.start.max_batch_size,
+                 "max_queue_delay_ms": c.start.max_queue_delay_ms}
+        if c.start.auto_bucket_count is not None:
+            edges = c.start.bucket_edges
+            start.update(bucket_edges=None if edges is None else list(edges),
+                         auto_bucket_count=c.start.auto_bucket_count)
         return {"slo_p99_ms": pilot.slo_p99_ms, "state": c.state, "note": c.note,
-                "start": {"max_batch_size": c.start.max_batch_size,
-                          "max_queue_delay_ms": c.start.max_queue_delay_ms}}
+                "start": start}
 
     # -- one tick ---------------------------------------------------------------------------
     def tick(self, now: float) -> list[Decision]:
@@ -156,7 +189,7 @@ class Autopilot:
                             state="off")
             return None
         stats = self.engine.stats(name)
-        knobs = Knobs(config.max_batch_size, config.max_queue_delay_ms)
+        knobs = knobs_of(config, stats.get("bucket_edges") is not None)
         if pilot is None or pilot.slo_p99_ms != slo or pilot.version != version:
             why = ("on" if pilot is None else
                    "SLO changed" if pilot.slo_p99_ms != slo else "settings changed")
@@ -166,7 +199,8 @@ class Autopilot:
             self._pilots[name] = _Pilot(controller, slo, version, now,
                                         outcome_window(self.engine, name).snapshot(),
                                         stats.get("device_time_s", 0.0),
-                                        batch_times(self.engine, name))
+                                        batch_times(self.engine, name),
+                                        elements(self.engine, name))
             self._event(name, now, f"autopilot {why}: p99 SLO {slo:g} ms, starting from "
                                    f"max_batch_size={knobs.max_batch_size}, max_queue_delay_ms="
                                    f"{_ms(knobs.max_queue_delay_ms)}",
@@ -174,6 +208,7 @@ class Autopilot:
             return None
         snapshot = outcome_window(self.engine, name).snapshot()
         times = batch_times(self.engine, name)
+        done = elements(self.engine, name)
         duration = now - pilot.since_s
         window = figures(pilot.snapshot, snapshot, duration, slo)
         device_s = stats.get("device_time_s", 0.0)
@@ -185,11 +220,13 @@ class Autopilot:
             batch_compute_ms=None if compute is None else compute * 1000.0,
             effective_max_batch_size=int(stats.get("effective_max_batch_size",
                                                    knobs.max_batch_size)),
-            knobs=knobs, batch_ms_by_size=_window_times(pilot.times, times))
+            knobs=knobs, batch_ms_by_size=_window_times(pilot.times, times),
+            padding_share=(padding_share(pilot.elements, done)
+                           if knobs.auto_bucket_count is not None else None))
         step = pilot.controller.observe(obs)
         if step.window_done:
             pilot.since_s, pilot.snapshot, pilot.device_s = now, snapshot, device_s
-            pilot.times = times
+            pilot.times, pilot.elements = times, done
         if step.decision is None:
             return None
         return self._apply(name, pilot, step.decision, window, now)

@@ -148,11 +148,13 @@ class Booking:
                 seqs.append(None)
                 clean = False
                 continue
-            seq = self._record_batch(model, batch, a)
+            seq, real, padded = self._record_batch(model, batch, a)
             seqs.append(seq)
             if outcome == "ok":
                 totals = model.counts.inference
                 totals.executions += 1
+                totals.real_elements += real
+                totals.padded_elements += padded
                 by_size = totals.by_batch_size.get(a.size)
                 if by_size is None:
                     totals.by_batch_size[a.size] = [1, a.compute_s, a.input_s, a.output_s]
@@ -265,7 +267,9 @@ class Booking:
             totals.output_s += answered * a.output_s
             totals.last_success_at = self.clock.to_wall(now)
 
-    def _record_batch(self, model: ServedModel, batch: Batch, a: Attempt) -> int:
+    def _record_batch(self, model: ServedModel, batch: Batch,
+                      a: Attempt) -> tuple[int, int, int]:
+        """Record one attempt's batch row: (its number, real elements, padded elements)."""
         self.batch_seq += 1
         seq = self.batch_seq
         model.counts.batches += 1
@@ -287,7 +291,7 @@ class Booking:
             start - max(arrived), start - sum(arrived) / len(arrived), start - min(arrived),
             a.compute_s, to_wall(a.started_s), to_wall(a.ended_s), a.outcome,
             a.peak_memory_bytes, a.cuda_graph, batch.queue_depth))
-        return seq
+        return seq, real, padded
 
     # -- what went wrong ----------------------------------------------------------------
     def _oom_error(self, model: ServedModel, req: PendingRequest, a: Attempt) -> OutOfMemory:

@@ -73,6 +73,10 @@ class InferenceTotals:
     #: of which in collate, of which in split]
     executions: int = 0
     by_batch_size: dict[int, list] = field(default_factory=dict)
+    #: of those batches: the real and the padded input elements (tokens of a
+    #: variable-length model; the two are equal for a fixed-shape one)
+    real_elements: int = 0
+    padded_elements: int = 0
     #: wall-clock time (seconds since the epoch) of the last successful request
     last_success_at: float | None = None
 

@@ -475,6 +475,10 @@ def _add_tune(sub: Any) -> None:
     space.add_argument("--edge-steps", default=None, metavar="N,N",
                        help="bucket edges every N tokens (variable-length models; default "
                             "8,16,32)")
+    space.add_argument("--batch-tokens", default=None, metavar="N,N",
+                       help="token limits per batch, none for no limit (variable-length "
+                            "models; default none and 4, 8 and 16 times the longest length; "
+                            "an empty list keeps the current limit)")
     trial = p.add_argument_group("trials")
     trial.add_argument("--window-s", type=float, default=1.0,
                        help="one measurement window (default 1 s)")
@@ -501,9 +505,12 @@ def _space_options(args: argparse.Namespace) -> Any:
                                        ("--max-batch-sizes", "max_batch_sizes", "int"),
                                        ("--queue-delays-ms", "queue_delays_ms", "delay"),
                                        ("--preferred", "preferred", "word"),
-                                       ("--edge-steps", "edge_steps", "int")):
+                                       ("--edge-steps", "edge_steps", "int"),
+                                       ("--batch-tokens", "batch_tokens", "int_or_none")):
             text = getattr(args, field_name)
-            if text is not None:
+            if text is not None and field_name == "batch_tokens" and not text.strip():
+                given[field_name] = ()
+            elif text is not None:
                 given[field_name] = parse_values(text, kind, flag)
         return SpaceOptions(**given).check()
     except SpaceError as exc:
