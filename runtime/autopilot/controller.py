@@ -93,15 +93,20 @@ class Knobs:
     #: ... and how many are derived; None: edges not moved (a fixed-length model)
     auto_bucket_count: int | None = None
 
+    def settings(self) -> dict[str, Any]:
+        """The settings these knobs stand for (bucket edges only when they are moved)."""
+        out: dict[str, Any] = {"max_batch_size": self.max_batch_size,
+                               "max_queue_delay_ms": self.max_queue_delay_ms}
+        if self.auto_bucket_count is not None:
+            edges = self.bucket_edges
+            out["bucket_edges"] = None if edges is None else list(edges)
+            out["auto_bucket_count"] = self.auto_bucket_count
+        return out
+
     def changes_to(self, new: "Knobs") -> dict[str, Any]:
         """The settings changes that turn ``self`` into ``new``."""
-        out: dict[str, Any] = {}
-        for name in ("max_batch_size", "max_queue_delay_ms", "bucket_edges",
-                     "auto_bucket_count"):
-            value = getattr(new, name)
-            if value != getattr(self, name):
-                out[name] = list(value) if isinstance(value, tuple) else value
-        return out
+        old = self.settings()
+        return {k: v for k, v in new.settings().items() if old.get(k, object()) != v}
 
 
 @dataclass(frozen=True, slots=True)

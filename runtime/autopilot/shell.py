@@ -46,26 +46,21 @@ def outcome_window(engine: Any, model: str) -> OutcomeWindow:
     return engine.outcome_window(model)
 
 
-def batch_times(engine: Any, model: str) -> dict[int, tuple[int, float]]:
-    """The model's batches so far by size: size -> (batches, summed compute seconds);
-    empty when the engine does not keep them."""
+def batch_totals(engine: Any, model: str) -> tuple[dict[int, tuple[int, float]], tuple[int, int]]:
+    """The model's successful batches so far, from one read of its inference totals: by
+    size (size -> (batches, summed compute seconds)), and their real and padded input
+    elements; empty when the engine does not keep them."""
     reader = getattr(engine, "inference_totals", None)
     if reader is None:
-        return {}
-    return {int(n): (int(v[0]), float(v[1])) for n, v in reader(model).by_batch_size.items()}
-
-
-def elements(engine: Any, model: str) -> tuple[int, int]:
-    """The real and padded input elements of the model's successful batches so far."""
-    reader = getattr(engine, "inference_totals", None)
-    if reader is None:
-        return (0, 0)
+        return {}, (0, 0)
     totals = reader(model)
-    return (int(getattr(totals, "real_elements", 0)), int(getattr(totals, "padded_elements", 0)))
+    times = {int(n): (int(v[0]), float(v[1])) for n, v in totals.by_batch_size.items()}
+    return times, (int(getattr(totals, "real_elements", 0)),
+                   int(getattr(totals, "padded_elements", 0)))
 
 
 def padding_share(before: tuple[int, int], after: tuple[int, int]) -> float | None:
-    """The share of the padded elements between two ``elements`` that is padding."""
+    """The share of the padded elements between two ``batch_totals`` that is padding."""
     real, padded = after[0] - before[0], after[1] - before[1]
     return None if padded <= 0 else max(0.0, 1.0 - real / padded)
 
@@ -83,7 +78,7 @@ def knobs_of(config: Any, variable: bool) -> Knobs:
 
 def _window_times(before: dict[int, tuple[int, float]],
                   after: dict[int, tuple[int, float]]) -> dict[int, tuple[float, float]]:
-    """size -> (batches, summed ms) between two ``batch_times``."""
+    """size -> (batches, summed ms) between two ``batch_totals``."""
     out = {}
     for n, (count, seconds) in after.items():
         old_count, old_seconds = before.get(n, (0, 0.0))
@@ -159,14 +154,8 @@ class Autopilot:
         if pilot is None:
             return None
         c = pilot.controller
-        start = {"max_batch_size": c.start.max_batch_size,
-                 "max_queue_delay_ms": c.start.max_queue_delay_ms}
-        if c.start.auto_bucket_count is not None:
-            edges = c.start.bucket_edges
-            start.update(bucket_edges=None if edges is None else list(edges),
-                         auto_bucket_count=c.start.auto_bucket_count)
         return {"slo_p99_ms": pilot.slo_p99_ms, "state": c.state, "note": c.note,
-                "start": start}
+                "start": c.start.settings()}
 
     # -- one tick ---------------------------------------------------------------------------
     def tick(self, now: float) -> list[Decision]:
@@ -199,16 +188,14 @@ class Autopilot:
             self._pilots[name] = _Pilot(controller, slo, version, now,
                                         outcome_window(self.engine, name).snapshot(),
                                         stats.get("device_time_s", 0.0),
-                                        batch_times(self.engine, name),
-                                        elements(self.engine, name))
+                                        *batch_totals(self.engine, name))
             self._event(name, now, f"autopilot {why}: p99 SLO {slo:g} ms, starting from "
                                    f"max_batch_size={knobs.max_batch_size}, max_queue_delay_ms="
                                    f"{_ms(knobs.max_queue_delay_ms)}",
                         state=controller.state, slo_p99_ms=slo)
             return None
         snapshot = outcome_window(self.engine, name).snapshot()
-        times = batch_times(self.engine, name)
-        done = elements(self.engine, name)
+        times, done = batch_totals(self.engine, name)
         duration = now - pilot.since_s
         window = figures(pilot.snapshot, snapshot, duration, slo)
         device_s = stats.get("device_time_s", 0.0)
