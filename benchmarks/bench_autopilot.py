@@ -1,38 +1,37 @@
-"""Changing traffic: the autopilot against the defaults and against a fixed good setting.
+"""Changing traffic: the autopilot against the defaults and against the best fixed
+setting a tuning session finds, on this machine, in one run.
 
-Three servers run one after another (``batchscope serve``, torch on one thread, nothing
-recorded), each driven by the same seeded open-loop load whose rate moves through
-phases (default for ``encoder``: quiet 20/s, busy 60/s, burst 90/s, quiet 20/s, 20 s
-each, random lengths 8..128, p99 SLO 80 ms; latency counts from each request's
-scheduled arrival):
+First, on one server at the default settings (``batchscope serve``, torch on one thread,
+nothing recorded), the run measures the model's capacity: requests per second answered
+to a closed loop of four times ``max_batch_size`` clients. The phases are the model's
+shares of that capacity, ``--phase-s`` seconds each (``encoder``: 0.2, 0.6, 0.8, 0.2 --
+quiet, busy, a burst near saturation, quiet; ``wide``: 0.16, 0.66, 1.15, 0.16 -- a burst
+the defaults' batches cannot keep up with), so the scenario means the same on a slow or
+a fast machine or an accelerator. On the same server a tuning session (``run_tuning``,
+open loop at the burst's rate, the SLO, ``--tune-budget-s``) then finds the fixed setting.
+Three servers follow, one after another, each driven by the same seeded Poisson load
+whose rate moves through the phases (latency counts from each request's scheduled
+arrival):
 
 * ``defaults``: the server's default settings;
-* ``fixed``: the defaults plus ``--fixed`` (``key=value;...``; for ``encoder`` what a
-  2-minute ``batchscope tune --rate 90 --slo-p99-ms 80`` session chose: ``max_batch_size=8``,
-  ``max_queue_delay_ms=10``, preferred sizes 2, 4, 8, bucket edges 32, 64, 96, 128);
+* ``fixed``: the defaults plus what the session recommended (or ``--fixed
+  key=value;...``; ``--fixed example`` takes the model's example from ``DEFAULTS``);
 * ``autopilot``: the defaults plus ``autopilot_slo_p99_ms`` = the SLO.
 
-``--model wide`` (most of a batch's time is fixed, as for large models on accelerators):
-100 -> 400 -> 700 -> 100 req/s, 20 s each, p99 SLO 300 ms, where the defaults' batches of
-32 cannot keep up with the burst (on the 2-vCPU machine of the README's figures a batch of 32
-serves about 610 req/s, 64 about 735, 128 about 830); fixed is what a 2-minute ``batchscope
-tune --rate 700 --slo-p99-ms 300`` session chose there (``policy=static``,
-``max_batch_size=64``, preferred sizes 2 .. 64). On a faster or slower machine, scale the
-phases (``--phases``) to its capacity and tune again for ``--fixed``.
-
-``--repeat N`` runs the three N times, interleaved (defaults, fixed, autopilot, defaults,
-...), so that a slow moment of a shared machine does not fall on one scenario only, and
-totals each scenario's figures over its runs.
+``--phases rate:seconds,...`` gives the phases explicitly instead. ``--repeat N`` runs
+the three N times, interleaved (defaults, fixed, autopilot, defaults, ...), so that a
+slow moment of a shared machine does not fall on one scenario only, and totals each
+scenario's figures over its runs.
 
 For each: goodput at the SLO (requests answered 200 within the SLO, per second of the
 run), throughput, and the seconds in SLO violation: seconds whose arrivals' p99 latency
 (a request that failed counts as infinitely late) is over the SLO. The autopilot run
 also lists the settings it moved to, polled every half second.
 
-    python -m benchmarks.bench_autopilot                     # encoder, about 5 minutes
-    python -m benchmarks.bench_autopilot --model wide --repeat 2   # about 11 minutes
-    python -m benchmarks.bench_autopilot --model mlp --slo-ms 20 \\
-        --phases 300:20,1500:20,3000:20,300:20 --fixed max_batch_size=64
+    python -m benchmarks.bench_autopilot                     # encoder, about 13 minutes
+    python -m benchmarks.bench_autopilot --model wide        # about 13 minutes
+    python -m benchmarks.bench_autopilot --model mlp --fixed max_batch_size=64
+    python -m benchmarks.bench_autopilot --phases 20:20,60:20,90:20,20:20 --fixed example
     python -m benchmarks.bench_autopilot --only autopilot --json out.json
 """
 
@@ -55,24 +54,29 @@ if str(ROOT) not in sys.path:  # allow `python benchmarks/bench_autopilot.py` as
 
 from benchmarks.bench_serving import process, serve_cmd  # noqa: E402
 from benchmarks.common import format_table  # noqa: E402
+from batchscope.tuning.runner import TuneOptions, run_tuning  # noqa: E402
 
 try:  # the load generator's home
     from batchscope.load import loadgen  # noqa: E402
 except ImportError:  # pragma: no cover - older trees kept it with the runtime's tools
     from runtime.tools import loadgen  # type: ignore[no-redef]  # noqa: E402
 
+#: per model: the SLO, the phases as shares of the capacity measured at the defaults
+#: (``--phases auto``), the lengths, and an explicit fixed setting for ``--fixed example``
+#: (what a 2-minute session chose on the 2-vCPU machine of the README's figures)
 DEFAULTS = {
-    "encoder": {"slo_ms": 80.0, "phases": "20:20,60:20,90:20,20:20",
-                "lengths": "uniform:8:128",
-                "fixed": "max_batch_size=8;max_queue_delay_ms=10;preferred_batch_sizes=2,4,8;"
-                         "bucket_edges=32,64,96,128"},
-    "wide": {"slo_ms": 300.0, "phases": "100:20,400:20,700:20,100:20", "lengths": None,
-             "fixed": "policy=static;max_batch_size=64;preferred_batch_sizes=2,4,8,16,32,64"},
-    "mlp": {"slo_ms": 20.0, "phases": "300:20,1500:20,3000:20,300:20",
-            "lengths": None, "fixed": "max_batch_size=64"},
+    "encoder": {"slo_ms": 80.0, "profile": (0.2, 0.6, 0.8, 0.2), "lengths": "uniform:8:128",
+                "example": "max_batch_size=8;max_queue_delay_ms=10;preferred_batch_sizes=2,4,8;"
+                           "bucket_edges=32,64,96,128"},
+    "wide": {"slo_ms": 300.0, "profile": (0.16, 0.66, 1.15, 0.16), "lengths": None,
+             "example": "policy=static;max_batch_size=64;preferred_batch_sizes=2,4,8,16,32,64"},
+    "mlp": {"slo_ms": 20.0, "profile": (0.1, 0.5, 1.0, 0.1), "lengths": None,
+            "example": "max_batch_size=64"},
 }
 SCENARIOS = ("defaults", "fixed", "autopilot")
 WARMUP_S = 5.0
+CAPACITY_WARMUP_S = 3.0
+CAPACITY_S = 8.0
 POLL_S = 0.5
 
 
@@ -179,6 +183,7 @@ def summarize(tally, began: float, phases, slo_ms: float) -> dict[str, Any]:
         else:
             failed += 1
     violation = 0
+    by_second: dict[int, float | None] = {}
     p99_by_phase = []
     edges = [0.0]
     for _, seconds in phases:
@@ -187,6 +192,7 @@ def summarize(tally, began: float, phases, slo_ms: float) -> dict[str, Any]:
         lat.sort()
         p99 = lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]
         violation += p99 > slo_s
+        by_second[second] = None if math.isinf(p99) else round(p99 * 1000.0, 1)
     for lo, hi in zip(edges, edges[1:]):
         lat = sorted(x for s, v in per_second.items() if lo <= s < hi for x in v)
         p99_by_phase.append(None if not lat else
@@ -194,15 +200,65 @@ def summarize(tally, began: float, phases, slo_ms: float) -> dict[str, Any]:
     return {"goodput_rps": good / total, "throughput_rps": ok / total, "failed": failed,
             "violation_s": violation, "seconds": len(per_second),
             "p99_ms_by_phase": [None if p is None or math.isinf(p) else round(p, 1)
-                                for p in p99_by_phase]}
+                                for p in p99_by_phase],
+            "p99_ms_by_second": [by_second.get(i) for i in range(int(total))]}
+
+
+def measure_capacity(url: str, model: str, lengths: str | None) -> tuple[float, int]:
+    """Requests per second the server answers at its current settings, closed loop with
+    four times ``max_batch_size`` clients (batches run full), and that client count."""
+    with urllib.request.urlopen(f"{url}/v2/models/{model}/batching", timeout=10) as resp:
+        clients = 4 * int(json.load(resp)["settings"]["max_batch_size"])
+    loadgen.run_load(url, model, concurrency=clients, duration_s=CAPACITY_WARMUP_S,
+                     lengths=lengths)
+    report = loadgen.run_load(url, model, concurrency=clients, duration_s=CAPACITY_S,
+                              lengths=lengths)
+    return report.throughput_rps, clients
+
+
+def fixed_from_session(url: str, model: str, rate: float, slo_ms: float,
+                       lengths: str | None, budget_s: float, seed: int) -> tuple[str, str]:
+    """A tuning session at the burst's rate: its best point as ``key=value;...`` (empty
+    when it kept the defaults) and its sentence."""
+    result = run_tuning(TuneOptions(url=url, model=model, slo_p99_ms=slo_ms, budget_s=budget_s,
+                                    concurrency=None, rate=rate, lengths=lengths, seed=seed))
+    return fixed_text(result.recommended or {}), result.sentence()
+
+
+def fixed_text(changes: dict[str, Any]) -> str:
+    """Settings changes as ``key=value;...``, each value as ``--set`` reads it back (JSON,
+    so that a one-item list stays a list; a word as it is)."""
+    return ";".join(f"{key}={value if isinstance(value, str) else json.dumps(value)}"
+                    for key, value in changes.items())
+
+
+def calibrate(model: str, profile: Sequence[float], phase_s: float, slo_ms: float,
+              lengths: str | None, fixed: str | None, budget_s: float,
+              seed: int) -> dict[str, Any]:
+    """On one server at the defaults: its capacity, the phases scaled to it, and (when
+    ``fixed`` is None) the fixed setting a session finds for the burst."""
+    with process(serve_cmd(models=(model,)), ready="serving") as url:
+        capacity, clients = measure_capacity(url, model, lengths)
+        phases = [(max(1.0, round(share * capacity)), phase_s) for share in profile]
+        out: dict[str, Any] = {"capacity_rps": round(capacity, 1), "clients": clients,
+                               "phases": phases, "fixed": fixed, "session": None}
+        print(f"capacity at the defaults: {capacity:.1f} req/s (closed loop, {clients} "
+              f"clients, {CAPACITY_S:g} s)", file=sys.stderr, flush=True)
+        if fixed is None:
+            burst = max(rate for rate, _ in phases)
+            print(f"tuning session at {burst:g} req/s, budget {budget_s:g} s ...",
+                  file=sys.stderr, flush=True)
+            out["fixed"], out["session"] = fixed_from_session(url, model, burst, slo_ms,
+                                                              lengths, budget_s, seed)
+    return out
 
 
 def run_scenario(name: str, model: str, phases, slo_ms: float, lengths: str | None,
                  fixed: str, seed: int) -> dict[str, Any]:
     extra: list[str] = []
     if name == "fixed":
-        for pair in fixed.split(";"):
-            extra += ["--set", f"{model}.{pair.strip()}"]
+        for pair in filter(None, (p.strip() for p in fixed.split(";"))):
+            extra += ["--set", f"{model}.{pair}"]
     elif name == "autopilot":
         extra += ["--set", f"{model}.autopilot_slo_p99_ms={slo_ms:g}"]
     with process(serve_cmd(*extra, models=(model,)), ready="serving") as url:
@@ -221,8 +277,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="encoder", choices=sorted(DEFAULTS))
     ap.add_argument("--slo-ms", type=float, default=None, help="p99 SLO (ms)")
-    ap.add_argument("--phases", default=None, help="rate:seconds,... (default per model)")
-    ap.add_argument("--fixed", default=None, help="the fixed setting, key=value;...")
+    ap.add_argument("--phases", default="auto",
+                    help="rate:seconds,..., or auto: the model's shares of the capacity "
+                         "measured at the defaults, --phase-s each (default)")
+    ap.add_argument("--phase-s", type=float, default=45.0, help="seconds per phase (auto)")
+    ap.add_argument("--fixed", default="auto",
+                    help="the fixed setting, key=value;...; auto: what a tuning session at "
+                         "the burst's rate finds (default); example: the model's example")
+    ap.add_argument("--tune-budget-s", type=float, default=120.0,
+                    help="the session's budget (--fixed auto)")
     ap.add_argument("--only", default=",".join(SCENARIOS), help="scenarios to run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="runs of each scenario, interleaved")
@@ -230,12 +293,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     base = DEFAULTS[args.model]
     slo_ms = args.slo_ms or base["slo_ms"]
-    phases = parse_phases(args.phases or base["phases"])
-    fixed = args.fixed or base["fixed"]
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = sorted(set(names) - set(SCENARIOS))
     if unknown:
         raise SystemExit(f"--only {unknown}: choose from {', '.join(SCENARIOS)}")
+    if args.phase_s <= 0:
+        raise SystemExit(f"--phase-s {args.phase_s}: give a positive number of seconds")
+    fixed = {"auto": None, "example": base["example"]}.get(args.fixed, args.fixed)
+    if "fixed" not in names and fixed is None:
+        fixed = ""
+    calibration: dict[str, Any] = {}
+    if args.phases == "auto" or fixed is None:
+        calibration = calibrate(args.model, base["profile"], args.phase_s, slo_ms,
+                                base["lengths"], fixed, args.tune_budget_s, args.seed)
+        fixed = calibration["fixed"]
+    phases = (calibration["phases"] if args.phases == "auto" else parse_phases(args.phases))
     rows = []
     for run in range(1, max(1, args.repeat) + 1):
         for name in names:
@@ -243,8 +315,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             row = run_scenario(name, args.model, phases, slo_ms, base["lengths"], fixed,
                                args.seed)
             rows.append({"run": run, **row})
+    if calibration:
+        print(f"capacity at the defaults: {calibration['capacity_rps']} req/s (closed loop, "
+              f"{calibration['clients']} clients); phases at "
+              f"{', '.join(f'{share:g}' for share in base['profile'])} of it")
+    if calibration.get("session"):
+        print(f"session at the burst's rate: {calibration['session']}")
     print(f"{args.model}, p99 SLO {slo_ms:g} ms, phases (req/s x s) "
-          f"{', '.join(f'{r:g}x{s:g}' for r, s in phases)}; fixed: {fixed}")
+          f"{', '.join(f'{r:g}x{s:g}' for r, s in phases)}; fixed: {fixed or '(the defaults)'}")
     print(format_table(rows, ["run", "scenario", "goodput_rps", "throughput_rps",
                               "violation_s", "seconds", "failed", "p99_ms_by_phase"]))
     for row in rows:
@@ -271,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"goodput autopilot/fixed: {ratio:.2f} (mean over runs)")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "slo_ms": slo_ms,
-                                               "phases": phases, "rows": rows}, indent=2))
+                                               "phases": phases, "fixed": fixed,
+                                               "calibration": calibration, "rows": rows},
+                                              indent=2))
     return 0
 
 

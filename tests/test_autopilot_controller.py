@@ -87,7 +87,7 @@ def test_a_window_of_few_long_batches_waits_for_more_unless_most_requests_fail()
 
 # -- the moves -----------------------------------------------------------------------------
 def test_raises_the_delay_when_under_the_slo_and_the_queue_builds_with_small_batches():
-    run = Run(room_windows=2)
+    run = Run(room_windows=2, busy_share=0.4)  # busy still as each delay saves device time
     # the first window with room: no move yet
     assert run.step(20.0, util=0.9, mean_batch=2.0, depth=3).decision is None
     step = run.step(20.0, util=0.9, mean_batch=2.0, depth=3)
@@ -97,14 +97,25 @@ def test_raises_the_delay_when_under_the_slo_and_the_queue_builds_with_small_bat
     assert "max_queue_delay_ms null -> 5" in d.reason and "3 queued, device 90% busy" in d.reason
     assert "about 3.0 would take 22% less device time per request" in d.reason
     # it keeps raising in bounded steps up to a quarter of the SLO, never beyond, while
-    # each longer delay saves device time per request
-    util, delays = 0.9 * 0.95, []
+    # each longer delay saves at least half the device time per request it promised
+    util, delays = 0.9 * 0.85, []
     for _ in range(40):
         step = run.step(20.0, dt=2.0, util=util, mean_batch=2.0, depth=3)
         if step.decision is not None:
             delays.append(step.decision.knobs.max_queue_delay_ms)
-            util *= 0.95
+            util *= 0.85
     assert delays == [10.0, 15.0, 20.0, 25.0] and run.knobs.max_queue_delay_ms == 25.0
+
+
+def test_a_longer_delay_that_saves_less_than_half_its_promise_is_undone():
+    run = Run(room_windows=1)
+    d = run.step(20.0, util=0.9, mean_batch=2.0, depth=3).decision
+    assert d is not None and "22% less device time per request" in d.reason
+    # the next window: 5 % less device time per request, not the 11 % half the promise is
+    step = run.step(20.0, dt=2.0, util=0.9 * 0.95, mean_batch=2.0, depth=3)
+    assert step.decision is not None and step.decision.state == REVERTED
+    assert step.decision.changes == {"max_queue_delay_ms": None}
+    assert "after delay up" in step.decision.reason
 
 
 def test_does_not_raise_the_delay_when_bigger_batches_save_no_device_time():
@@ -193,17 +204,22 @@ def test_backs_off_on_violation_a_visible_delay_first_then_the_batch_size():
     # 20 ms is still a tenth of the p99 or more: halved again
     assert run.step(150.0, dt=2.0, times=PER_ITEM_FULL).decision.changes == {"max_queue_delay_ms": 10.0}
     # a 10 ms delay is not what holds a p99 of 150 ms up while a full batch takes 320 ms:
-    # the batch shrinks, by at most half a step, down to the largest batch within a
-    # quarter of the SLO (10 ms each); then the delay is halved down to work-conserving
+    # the batch shrinks, by at most half a step, while it is still 0.3 of the p99 or more
+    # (a batch of 4 takes 40 ms: the rest of the p99 is waiting, which a smaller batch
+    # does not shorten); then the delay is halved down to work-conserving
     changes = []
-    while run.knobs.max_queue_delay_ms is not None:
+    for _ in range(20):
+        if run.knobs.max_queue_delay_ms is None:
+            break
         changes.append(run.step(150.0, dt=2.0, times=PER_ITEM_FULL).decision.changes)
-    assert changes == [{"max_batch_size": n} for n in (16, 8, 4, 2)] + [
+    assert changes == [{"max_batch_size": n} for n in (16, 8, 4)] + [
         {"max_queue_delay_ms": d} for d in (5.0, 2.5, 1.25, 0.625, None)]
     assert run.step(150.0, dt=2.0, times=PER_ITEM_FULL).decision is None  # no step left
     # with a per-batch cost the line says where to stop at once: 1 ms x 21 + 4 <= 25
+    # (a batch of 32 takes 36 ms: at least 0.3 of a p99 of 110 ms, not of 150 ms)
     run = Run(Knobs(32, None))
-    assert run.step(150.0, times=OVERHEAD_FULL).decision.changes == {"max_batch_size": 21}
+    assert run.step(110.0, times=OVERHEAD_FULL).decision.changes == {"max_batch_size": 21}
+    assert Run(Knobs(32, None)).step(150.0, times=OVERHEAD_FULL).decision is None
 
 
 def test_violation_with_a_saturated_model_grows_the_batch_for_throughput():
@@ -225,16 +241,16 @@ def test_a_saturated_model_far_behind_its_arrivals_grows_by_up_to_twice_at_once(
 
 def test_a_saturated_model_whose_batches_cost_per_item_is_not_grown():
     # bigger batches serve no more: shrink the batches instead, which costs no capacity
-    # and lowers the latency, then halve the delay once a batch fits
+    # and lowers the latency, while a batch is still a visible part of the p99 (0.3 of
+    # it); then halve the delay
     run = Run(Knobs(32, 10.0), fallback_after=100)
     d = run.step(300.0, depth=100, mean_batch=32.0, ok=400, util=1.0, times=PER_ITEM_FULL).decision
     assert d.changes == {"max_batch_size": 16}
     assert "a batch of 32 takes about 320 ms" in d.reason
-    while run.knobs.max_batch_size > 2:
-        run.step(300.0, dt=2.0, depth=100, mean_batch=32.0, ok=400, util=1.0, times=PER_ITEM_FULL)
-    d = run.step(300.0, dt=2.0, depth=100, mean_batch=2.0, ok=400, util=1.0,
-                 times=PER_ITEM_FULL).decision
-    assert d.changes == {"max_queue_delay_ms": 5.0}
+    decisions = [run.step(300.0, dt=2.0, depth=100, mean_batch=32.0, ok=400, util=1.0,
+                          times=PER_ITEM_FULL).decision for _ in range(2)]
+    # 16 -> 8; a batch of 8 takes 80 ms, under 0.3 of the 300 ms p99: the delay goes next
+    assert [d.changes for d in decisions] == [{"max_batch_size": 8}, {"max_queue_delay_ms": 5.0}]
 
 
 def test_a_smaller_batch_must_still_serve_the_arrivals():
@@ -303,6 +319,52 @@ def test_a_move_that_made_things_worse_is_undone_and_not_tried_again_for_a_while
         assert run.step(20.0, dt=2.0, util=0.9, mean_batch=2.0, depth=3).decision is None
     later = [run.step(20.0, dt=2.0, util=0.9, mean_batch=2.0, depth=3).decision for _ in range(6)]
     assert any(d is not None and d.changes == {"max_queue_delay_ms": 5.0} for d in later)
+
+
+def test_a_shorter_delay_is_not_blamed_for_a_backlog_that_keeps_growing():
+    # over the SLO in a burst: p99 keeps rising at the same rate served (the backlog of the
+    # windows before), so each halving stands and the delay goes on down to work-conserving
+    run = Run(Knobs(16, 12.0), fallback_after=10)  # (it started here: no fallback wanted)
+    delays, p99 = [], 150.0
+    for _ in range(8):
+        step = run.step(p99, dt=2.0, util=0.95, mean_batch=4.0, depth=40, good=20)
+        if step.decision is not None:
+            assert step.decision.state != REVERTED, step.decision.reason
+            delays.append(step.decision.knobs.max_queue_delay_ms)
+        p99 *= 1.4
+    assert delays == [6.0, 3.0, 1.5, 0.75, None]
+
+
+def test_a_shorter_delay_that_cost_capacity_is_undone():
+    run = Run(Knobs(16, 12.0))
+    d = run.step(150.0, util=1.0, mean_batch=4.0, depth=40, good=20).decision
+    assert d.changes == {"max_queue_delay_ms": 6.0}
+    # a fifth less served while the queue grew: the delay comes back
+    step = run.step(200.0, dt=2.0, ok=160, util=1.0, mean_batch=3.0, depth=80, good=10)
+    assert step.decision.state == REVERTED and step.decision.changes == {"max_queue_delay_ms": 12.0}
+    assert "after delay down" in step.decision.reason
+    # the same fall in the rate served with the queue emptying is the load going away
+    run = Run(Knobs(16, 12.0))
+    run.step(150.0, util=1.0, mean_batch=4.0, depth=40, good=20)
+    step = run.step(200.0, dt=2.0, ok=160, util=0.8, mean_batch=3.0, depth=10, good=10)
+    assert step.decision is None or step.decision.state != REVERTED
+
+
+def test_a_longer_delay_followed_by_a_violation_is_undone_and_blocked_longer_each_time():
+    run = Run(room_windows=1)
+    tries = []
+    for _ in range(120):
+        step = run.step(20.0, util=0.9, mean_batch=2.0, depth=3)
+        if step.decision is None or step.decision.state != RAISING:
+            continue
+        tries.append(run.now)
+        # the window after: over the SLO at a fifth more load (a load change does not
+        # excuse a longer delay that ends past the SLO)
+        undo = run.step(130.0, ok=240, util=0.9, mean_batch=2.0, depth=3).decision
+        assert undo.state == REVERTED and undo.changes == {"max_queue_delay_ms": None}
+    gaps = [round(b - a) for a, b in zip(tries, tries[1:])]
+    # blocked 10, 20, 40 s after each undo (plus the 1 s window the undo was judged on)
+    assert gaps[:3] == [11, 21, 41], gaps
 
 
 def test_a_move_is_not_judged_worse_when_the_load_changed():

@@ -30,8 +30,10 @@ Then, with ``S`` the SLO:
    would serve ``gain`` more (or too few sizes were seen to tell), ``max_batch_size``
    grows (by ``raise_factor``, or up to ``max_raise_factor`` when the fitted line says
    that is what serves the arrivals -- settled requests plus the queue's growth -- with
-   ``headroom``); else, when a full batch takes more than ``batch_share`` of S,
-   ``max_batch_size`` shrinks to the largest batch that fits in it (at most by half a
+   ``headroom``); else, when a full batch takes more than ``batch_share`` of S and at
+   least ``batch_visible`` of the p99 (a p99 many times the longest batch is the queue's
+   wait, which a smaller batch does not shorten), ``max_batch_size`` shrinks to the
+   largest batch that fits in it (at most by half a
    step) -- while saturated only if that costs less than ``worse`` of the capacity, and
    never below the size whose capacity is ``headroom`` above the arrival rate --
    unless the delay is at least ``delay_visible`` of the p99: a delay is halved first
@@ -54,12 +56,15 @@ Then, with ``S`` the SLO:
 
 Guard rails: after every move a ``cooldown_s`` passes before the next window starts;
 a move is undone when the window after it is worse, and its direction is not tried
-again for ``block_s``. Worse means, when the model was saturated before the move (its
-backlog makes latency grow whatever is done, so only the rate tells): serving
-``worse`` less, or -- after growing the batch, still saturated -- not ``gain`` more;
-otherwise, at about the same load: the share of requests within the SLO down by
-``worse``, p99 pushed over the
-SLO, or -- after a longer delay -- device time per request not down by ``gain`` / 2.
+again for ``block_s`` (doubled for each move in that direction undone in a row, up to
+``max_block_s``). Worse means, after a shorter delay (made over the SLO, so it can only
+have cost capacity): serving ``worse`` less while the queue grew by ``worse`` of that
+rate and the p99 did not come down; after a longer delay: a p99 over the SLO; when the model
+was saturated before the move (its backlog makes latency grow whatever is done, so only
+the rate tells): serving ``worse`` less, or -- after growing the batch, still saturated
+-- not ``gain`` more; otherwise, at about the same load: the share of requests within
+the SLO down by ``worse``, p99 pushed over the SLO, or -- after a longer delay --
+device time per request not down by half what the move promised (at least ``gain`` / 2).
 When p99 stays over the SLO for ``fallback_after`` windows with neither p99 nor the
 queue going down, the settings the controller started from come back and it holds
 them for ``hold_s`` ("fallback") -- unless the model is saturated and the fitted line
@@ -161,9 +166,14 @@ class Tuning:
     delay_saving: float = 0.1
     same_load: float = 0.15
     block_s: float = 10.0
+    #: each move undone in a row in one direction doubles its block, up to this
+    max_block_s: float = 120.0
     #: over the SLO, a delay of at least this share of the p99 is halved before a batch
     #: that takes too long is made smaller
     delay_visible: float = 0.1
+    #: over the SLO, a batch that takes too long is made smaller only while it takes at
+    #: least this share of the p99
+    batch_visible: float = 0.3
     #: a smaller batch must serve this much more than the arrival rate
     headroom: float = 0.2
     #: with room and batches not full, max_batch_size grows ahead of a burst while a full
@@ -211,6 +221,10 @@ class _Probe:
     saturated: bool
     #: device time per request served in the window before the move
     device_ms: float
+    #: the queue's depth when the move was made
+    depth: int = 0
+    #: the share of device time per request the move promised to save (a longer delay)
+    promised: float = 0.0
 
 
 def _ms(value: float | None) -> str:
@@ -249,6 +263,8 @@ class Controller:
         self._settle_until = self.now_s
         self._hold_until = -math.inf
         self._blocked: dict[str, float] = {}
+        #: moves undone in a row, per direction (each doubles the next block)
+        self._undone: dict[str, int] = {}
         self._probe: _Probe | None = None
         self._last_p99: float | None = None
         self._last_depth: int | None = None
@@ -304,11 +320,15 @@ class Controller:
             return None
         probe, self._probe = self._probe, None
         if probe is not None and self._worse(probe, obs):
-            self._blocked[probe.direction] = now + t.block_s
+            undone = self._undone[probe.direction] = self._undone.get(probe.direction, 0) + 1
+            self._blocked[probe.direction] = now + min(t.max_block_s,
+                                                       t.block_s * 2.0 ** (undone - 1))
             self._stuck = 0
             return self._decide(knobs, probe.before, REVERTED,
                                 f"{self._figures(w)} after {probe.direction.replace('_', ' ')} "
                                 f"(was {self._figures(probe.window)}): back to")
+        if probe is not None:
+            self._undone.pop(probe.direction, None)
         if p99 > slo:
             self._room = 0
             last, depth = self._last_p99, self._last_depth
@@ -373,7 +393,11 @@ class Controller:
         # window ran, not the maximum itself (work-conserving batches that stay small are
         # not what holds the p99 up, and a lower maximum would only cost the next burst)
         top = min(size, max(obs.batch_ms_by_size, default=size))
-        long_batch = cost is not None and top > self.min_batch_size and cost.ms(top) > limit
+        # ... and only while that batch is a visible part of the p99: a p99 many times the
+        # longest batch is the queue's wait, which a smaller batch does not shorten (it
+        # would only serve less)
+        long_batch = (cost is not None and top > self.min_batch_size and cost.ms(top) > limit
+                      and cost.ms(top) >= t.batch_visible * p99)
         # a delay that is a visible part of the latency goes first; a short one is not what
         # holds the p99 up while a full batch takes too long
         if halve and (not long_batch or delay >= t.delay_visible * p99):
@@ -475,7 +499,8 @@ class Controller:
                           RAISING, f"{head}, {obs.queue_depth} queued, device "
                                    f"{obs.utilization:.0%} busy with batches of {mean:.1f} "
                                    f"(about {fuller:.1f} would take {1 - then_ms / now_ms:.0%} "
-                                   "less device time per request):")
+                                   "less device time per request):",
+                          promised=1.0 - then_ms / now_ms)
 
     def _ready(self, obs: Observation, head: str, cost: BatchCost | None,
                size: int) -> Decision | None:
@@ -565,6 +590,19 @@ class Controller:
         """The window after a move is worse than the one before it (module docstring)."""
         t = self.tuning
         before, after = probe.window, obs.window
+        if probe.direction == "delay_down":
+            # a delay that came down over the SLO can only have cost capacity: then the
+            # rate served falls while the queue grows (by ``worse`` of that rate) and the
+            # p99 does not come down. A p99 that keeps rising at the same rate is the
+            # backlog the window before left, not the move
+            grew = obs.queue_depth - probe.depth
+            return (after.throughput_rps < (1.0 - t.worse) * before.throughput_rps
+                    and grew >= t.worse * before.throughput_rps * after.duration_s
+                    and self._p99(after) >= self._p99(before))
+        if probe.direction == "delay_up" and self._p99(after) > self.slo_p99_ms:
+            # a longer delay trades latency for device time, never past the SLO (whatever
+            # the load did meanwhile)
+            return True
         if probe.saturated:
             served = before.throughput_rps
             if after.throughput_rps < (1.0 - t.worse) * served:
@@ -582,9 +620,11 @@ class Controller:
         p99_before, p99_after = self._p99(before), self._p99(after)
         if p99_after > self.slo_p99_ms and p99_after > (1.0 + t.worse) * p99_before:
             return True
-        # a longer delay is worth its latency only if it saves device time per request
+        # a longer delay is worth its latency only if it saves device time per request: at
+        # least half what it promised (and ``gain`` / 2)
+        saving = max(t.gain, probe.promised) / 2.0
         return probe.direction == "delay_up" and \
-            self._device_ms(obs) > (1.0 - t.gain / 2.0) * probe.device_ms
+            self._device_ms(obs) > (1.0 - saving) * probe.device_ms
 
     @staticmethod
     def _device_ms(obs: Observation) -> float:
@@ -597,11 +637,11 @@ class Controller:
         return f"p99 {p99}, goodput {w.goodput_rps:.0f}/s"
 
     def _move(self, obs: Observation, new: Knobs, direction: str, state: str,
-              why: str) -> Decision | None:
+              why: str, promised: float = 0.0) -> Decision | None:
         if new == obs.knobs:
             return None
         self._probe = _Probe(obs.knobs, direction, obs.window, self._saturated(obs),
-                             self._device_ms(obs))
+                             self._device_ms(obs), obs.queue_depth, promised)
         return self._decide(obs.knobs, new, state, why)
 
     def _decide(self, old: Knobs, new: Knobs, state: str, why: str) -> Decision | None:
