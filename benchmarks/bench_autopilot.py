@@ -233,13 +233,15 @@ def fixed_text(changes: dict[str, Any]) -> str:
 
 
 def calibrate(model: str, profile: Sequence[float], phase_s: float, slo_ms: float,
-              lengths: str | None, fixed: str | None, budget_s: float,
-              seed: int) -> dict[str, Any]:
-    """On one server at the defaults: its capacity, the phases scaled to it, and (when
-    ``fixed`` is None) the fixed setting a session finds for the burst."""
+              lengths: str | None, fixed: str | None, budget_s: float, seed: int,
+              phases: Sequence[tuple[float, float]] | None = None) -> dict[str, Any]:
+    """On one server at the defaults: its capacity, the phases scaled to it (unless
+    ``phases`` are given), and (when ``fixed`` is None) the fixed setting a session finds
+    for the burst."""
     with process(serve_cmd(models=(model,)), ready="serving") as url:
         capacity, clients = measure_capacity(url, model, lengths)
-        phases = [(max(1.0, round(share * capacity)), phase_s) for share in profile]
+        if phases is None:
+            phases = [(max(1.0, round(share * capacity)), phase_s) for share in profile]
         out: dict[str, Any] = {"capacity_rps": round(capacity, 1), "clients": clients,
                                "phases": phases, "fixed": fixed, "session": None}
         print(f"capacity at the defaults: {capacity:.1f} req/s (closed loop, {clients} "
@@ -302,12 +304,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     fixed = {"auto": None, "example": base["example"]}.get(args.fixed, args.fixed)
     if "fixed" not in names and fixed is None:
         fixed = ""
+    phases = None if args.phases == "auto" else parse_phases(args.phases)
     calibration: dict[str, Any] = {}
-    if args.phases == "auto" or fixed is None:
+    if phases is None or fixed is None:
         calibration = calibrate(args.model, base["profile"], args.phase_s, slo_ms,
-                                base["lengths"], fixed, args.tune_budget_s, args.seed)
-        fixed = calibration["fixed"]
-    phases = (calibration["phases"] if args.phases == "auto" else parse_phases(args.phases))
+                                base["lengths"], fixed, args.tune_budget_s, args.seed, phases)
+        fixed, phases = calibration["fixed"], calibration["phases"]
     rows = []
     for run in range(1, max(1, args.repeat) + 1):
         for name in names:
@@ -317,8 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append({"run": run, **row})
     if calibration:
         print(f"capacity at the defaults: {calibration['capacity_rps']} req/s (closed loop, "
-              f"{calibration['clients']} clients); phases at "
-              f"{', '.join(f'{share:g}' for share in base['profile'])} of it")
+              f"{calibration['clients']} clients)" + (
+                  f"; phases at {', '.join(f'{share:g}' for share in base['profile'])} of it"
+                  if args.phases == "auto" else ""))
     if calibration.get("session"):
         print(f"session at the burst's rate: {calibration['session']}")
     print(f"{args.model}, p99 SLO {slo_ms:g} ms, phases (req/s x s) "
