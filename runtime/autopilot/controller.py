@@ -341,6 +341,7 @@ class Controller:
                 self._stuck = 0
                 self._hold_until = now + t.hold_s
                 self._blocked.clear()
+                self._undone.clear()
                 return self._decide(knobs, self.start, FALLBACK,
                                     f"p99 {p99:.0f} ms over the SLO of {slo:g} ms for "
                                     f"{t.fallback_after} windows without improving: back to "
@@ -495,12 +496,12 @@ class Controller:
         now_ms, then_ms = cost.per_request_ms(mean), cost.per_request_ms(fuller)
         if then_ms > (1.0 - t.delay_saving) * now_ms:
             return None
+        saving = 1.0 - then_ms / now_ms
         return self._move(obs, replace(knobs, max_queue_delay_ms=round(new, 3)), "delay_up",
                           RAISING, f"{head}, {obs.queue_depth} queued, device "
                                    f"{obs.utilization:.0%} busy with batches of {mean:.1f} "
-                                   f"(about {fuller:.1f} would take {1 - then_ms / now_ms:.0%} "
-                                   "less device time per request):",
-                          promised=1.0 - then_ms / now_ms)
+                                   f"(about {fuller:.1f} would take {saving:.0%} "
+                                   "less device time per request):", promised=saving)
 
     def _ready(self, obs: Observation, head: str, cost: BatchCost | None,
                size: int) -> Decision | None:
