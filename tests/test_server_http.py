@@ -176,7 +176,8 @@ def test_bad_inputs_get_their_clear_error(server, content, status, fragment):
 
 def test_missing_input_names_the_tensor(server):
     r = server["http"].post("/v2/models/double/infer", content=b'{"inputs": [{"name": "INPUT0", '
-                            b'"shape": [0], "datatype": "FP32", "data": []}], "outputs": 3}')
+                            b'"shape": [4], "datatype": "FP32", "data": [1, 2, 3, 4]}], '
+                            b'"outputs": 3}')
     assert r.status_code == 400 and "'outputs' must be a list" in r.json()["error"]
 
 

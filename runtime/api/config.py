@@ -75,6 +75,10 @@ def apply_changes(config: Any, changes: Any, settings: tuple[Setting, ...]) -> A
     return dataclasses.replace(config, **clean)
 
 
+#: the most items one request may hold (never more than the model's ``max_queue_size``)
+MAX_REQUEST_ITEMS = 65536
+
+
 @dataclass(frozen=True)
 class BatchingConfig:
     """How one model's requests are grouped into batches.

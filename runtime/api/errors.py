@@ -120,6 +120,13 @@ class UrlTooLong(BatchScopeError):
     reason = "url_too_long"
 
 
+class HeadersTooLarge(BatchScopeError):
+    """The request has more header fields, or more bytes of them, than the server reads."""
+
+    http_status = 431
+    reason = "headers_too_large"
+
+
 class RequestTimeout(BatchScopeError):
     """The client took too long to send its request (head or body)."""
 
@@ -184,6 +191,14 @@ class OutOfMemory(BatchScopeError):
     reason = "oom"
 
 
+class InsufficientMemory(BatchScopeError):
+    """The requests being decoded and served hold as much memory as the server lets
+    them (``runtime.server.bounds.MemoryBudget``); this one may be sent again later."""
+
+    http_status = 507
+    reason = "memory_budget"
+
+
 #: where the routes of the server are listed, for a request that matched none
 ROUTES_DOC = '"HTTP API" in README.md'
 
@@ -214,12 +229,12 @@ def retry_after_seconds(exc: BatchScopeError) -> int | None:
     """Whole seconds for ``Retry-After``, or None when the answer carries none.
 
     A 429 always carries one (1 s when the error does not say); a 503 carries one
-    when the error knows when to retry. Fractions round up and the least is 1 s, so
+    (and a 507) when the error knows when to retry. Fractions round up and the least is 1 s, so
     a client that waits as told never comes back early.
     """
     status = exc.http_status
     retry = exc.retry_after_s
-    if status == 429 or (status == 503 and retry is not None):
+    if status == 429 or (status in (503, 507) and retry is not None):
         if retry is None or not math.isfinite(retry):
             return 1
         return max(1, math.ceil(retry))

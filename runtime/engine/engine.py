@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from batchscope.storage.records import RecorderLike
-from runtime.api.config import BatchingConfig
+from runtime.api.config import MAX_REQUEST_ITEMS, BatchingConfig
 from runtime.api.errors import (BatchScopeError, ClientError, ConfigError, ModelNotFound,
                                 ModelNotReady, QueueFull, ShuttingDown, ValidationError)
 from runtime.api.model import ModelAPI, check_model
@@ -63,8 +63,6 @@ EVENT_INTERVAL_S = 1.0
 #: CPU batches expected to take at most this long run on the event loop's thread (0: never).
 #: Off by default: a model slower than its history would then block the loop.
 INLINE_MAX_COMPUTE_MS = 0.0
-#: the most items one request may hold (never more than the model's ``max_queue_size``)
-MAX_REQUEST_ITEMS = 65536
 
 
 class CallbackOutcome:

@@ -26,12 +26,16 @@ from typing import Any, AsyncIterator, Callable, Sequence as Seq
 from batchscope.storage.records import RecorderLike
 from runtime.core.clock import MonotonicClock
 from runtime.api.errors import (BatchScopeError, ClientError, ModelError, ModelNotReady,
-                            RequestExpired, ShuttingDown)
+                                RequestExpired, RequestTooLarge, ShuttingDown)
 from runtime.generation.config import GenerationConfig
 from runtime.generation.model import GenerationModel
 from runtime.generation.runner import StepRunner
 from runtime.generation.scheduler import Sequence, StepResult
 from runtime.generation.stops import StopMatcher
+
+#: a prompt text longer than max_model_len x this many characters cannot fit, and is
+#: refused before it is tokenized (tokenizing holds the event loop)
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass(slots=True)
@@ -205,6 +209,12 @@ class GenerationEngine:
                 raise ClientError("the prompt text must be a string")
             if self.model.tokenizer is None:
                 raise ClientError(f"{self.name!r} has no tokenizer; send prompt token ids")
+            most = self.runner.config.max_model_len * MAX_CHARS_PER_TOKEN
+            if len(prompt_text) > most:  # refused before the tokenizer holds the loop
+                raise RequestTooLarge(
+                    f"the prompt has {len(prompt_text)} characters, more than "
+                    f"{most} ({MAX_CHARS_PER_TOKEN} per token of max_model_len="
+                    f"{self.runner.config.max_model_len}) could fit; shorten it")
             prompt_token_ids = self.model.tokenizer.encode(prompt_text)
         if not isinstance(prompt_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):

@@ -7,7 +7,8 @@ both routes share:
     model           a served generation model (GET /v1/models)
     max_tokens      1 ... (chat: also max_completion_tokens); default: the model's
                     default_max_new_tokens
-    n               choices per prompt, 1 ... 128 (with a seed, choice i samples with seed + i)
+    n               choices per prompt, 1 ... 128 (with a seed, choice i samples with seed + i);
+                    prompts x n at most ``MAX_CHOICES``
     temperature     0 ... 2; 0 (the default here) is greedy
     seed            a 64-bit signed integer; without one a sampled request gets a fresh seed
     stop            a string or a list of up to 4 non-empty strings of at most 256 characters
@@ -31,6 +32,8 @@ from runtime.server.openai_errors import InvalidParam
 from runtime.server.openai_http import read_object
 
 MAX_N = 128
+#: the most choices one request may ask for: its prompts x n
+MAX_CHOICES = 256
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 _SEED_RANGE = (-(2 ** 63), 2 ** 63)
@@ -95,6 +98,9 @@ def parse_prompts(prompt: Any) -> list[tuple[list[int] | None, str | None]]:
     """Normalise ``prompt`` to a list of (token ids, text) pairs, one of them None."""
     if isinstance(prompt, str):
         return [(None, prompt)]
+    if isinstance(prompt, list) and len(prompt) > MAX_CHOICES and not _is_int(prompt[0]):
+        raise InvalidParam("prompt", f"prompt holds {len(prompt)} prompts; at most "
+                                     f"{MAX_CHOICES} are generated per request")
     if isinstance(prompt, list) and prompt:
         if all(_is_int(t) for t in prompt):
             return [(list(prompt), None)]
@@ -177,7 +183,13 @@ def parse_completion(raw: bytes) -> GenerationRequest:
     common = _common(body, _COMPLETION_NEUTRAL, body.get("max_tokens"))
     if "prompt" not in body:
         raise InvalidParam("prompt", "prompt is required: a string or a list of token ids")
-    return GenerationRequest(prompts=parse_prompts(body["prompt"]), **common)
+    prompts = parse_prompts(body["prompt"])
+    if len(prompts) * common["n"] > MAX_CHOICES:
+        raise InvalidParam("prompt", f"{len(prompts)} prompts x n={common['n']} ask for "
+                                     f"{len(prompts) * common['n']} choices; at most "
+                                     f"{MAX_CHOICES} are generated per request, so send the "
+                                     "rest in further requests")
+    return GenerationRequest(prompts=prompts, **common)
 
 
 def parse_chat(raw: bytes) -> GenerationRequest:

@@ -29,7 +29,10 @@ COMPRESSED_RATIO``) is parsed on a parser thread instead of the event
 loop (``orjson`` and numpy let go of the interpreter lock for much of it), so one
 large request does not stall every other client; the parsed request is submitted
 back on the loop. Small bodies are parsed in place: a thread hop would cost more
-than it saves.
+than it saves. Before any value is converted, what the body declares is checked
+against the model's ``RequestBounds`` and the bytes its arrays will hold are reserved
+in the app's ``MemoryBudget`` (``runtime.server.bounds``), given back when the request
+is answered.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from runtime.api.errors import ModelNotReady, error_answer
+from runtime.server.bounds import MemoryBudget, RequestBounds
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, submit_infer
 from runtime.server.routes import MODEL_VERSION, find_model
 
@@ -80,6 +84,8 @@ class InferHook:
         self.state = state
         self.engine = state.engine
         self.models = state.models
+        #: the memory the decoded requests hold (``runtime.server.bounds``)
+        self.budget: MemoryBudget = state.budget
         #: requests whose body was parsed on the parser thread
         self.large_parses = 0
         #: the last refusal ``early`` answered, and its answer
@@ -165,16 +171,18 @@ class InferHook:
                 raise refusal
             model = served.model
             outputs = model.outputs
-            levels = engine.get_settings(name)[1].priority_levels
+            cfg = engine.get_settings(name)[1]
+            levels = cfg.priority_levels
+            bounds = RequestBounds.of(cfg.max_queue_size, model.max_length)
             size = len(body) * COMPRESSED_RATIO if encoding else len(body)
             if size > LARGE_BODY_BYTES:
                 loop = _running_loop()
                 if loop is not None:  # parse off the loop: other clients keep being served
                     self._parse_aside(loop, path, body, header_length, encoding, served,
-                                      levels, answer)
+                                      levels, bounds, answer)
                     return True
             req = parse_infer(body, header_length, name, model.inputs, outputs, levels,
-                              encoding)
+                              encoding, bounds, self.budget)
             self._submit(name, req, outputs, answer)
         except Exception as exc:  # a refusal (BatchScopeError) or a bug: answered alike
             answer(*error_answer(exc, f"POST {path}"))
@@ -182,14 +190,14 @@ class InferHook:
 
     def _parse_aside(self, loop: asyncio.AbstractEventLoop, path: str, body: bytes,
                      header_length: str | None, encoding: str | None, served: Any,
-                     levels: int, answer: Answer) -> None:
+                     levels: int, bounds: RequestBounds, answer: Answer) -> None:
         """Parse a large body on the parser thread, then submit it back on the loop."""
         model = served.model
 
         def parse() -> None:
             try:
                 req = parse_infer(body, header_length, served.name, model.inputs,
-                                  model.outputs, levels, encoding)
+                                  model.outputs, levels, encoding, bounds, self.budget)
             except Exception as exc:
                 loop.call_soon_threadsafe(answer, *error_answer(exc, f"POST {path}"))
                 return
@@ -211,6 +219,7 @@ class InferHook:
         engine = self.engine
 
         def done(result: Any, error: BaseException | None) -> None:
+            req.release()
             if error is None:
                 try:
                     payload, extra = encode_infer(name, MODEL_VERSION, req, result, outputs)
@@ -226,7 +235,11 @@ class InferHook:
             else:
                 answer(*error_answer(error, f"POST /v2/models/{name}/infer"))
 
-        submit_infer(engine, name, req, done)
+        try:
+            submit_infer(engine, name, req, done)
+        except BaseException:
+            req.release()
+            raise
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

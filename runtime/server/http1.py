@@ -22,7 +22,7 @@ idle connections closed after ``keep_alive_s``. A request the server will not pa
 on is answered with a JSON error and the connection closed: malformed (400), a
 method outside ``SERVED_METHODS`` such as ``CONNECT`` or ``TRACE`` (405 with
 ``Allow``), a body over ``max_body_bytes`` (413), a URL over ``MAX_URL_BYTES``
-(414), an HTTP version other than 1.0/1.1 (505); the rest of what the client sends
+(414), more than ``MAX_HEADERS`` header fields or ``MAX_HEADER_BYTES`` of them (431), an HTTP version other than 1.0/1.1 (505); the rest of what the client sends
 is read and dropped for ``LINGER_S`` so that it reads the answer rather than a
 reset. Every error answer, these and a 500 for a bug in a hook or the app, is built
 by ``runtime.api.errors.error_answer``. A client that goes away mid-request changes
@@ -99,8 +99,8 @@ from urllib.parse import unquote
 
 import httptools
 
-from runtime.api.errors import (BatchScopeError, ClientError, HttpVersionNotSupported,
-                                MethodNotAllowed, RequestTimeout, RequestTooLarge, ServerBusy,
+from runtime.api.errors import (BatchScopeError, ClientError, HeadersTooLarge,
+                                HttpVersionNotSupported, MethodNotAllowed, RequestTimeout, RequestTooLarge, ServerBusy,
                                 UrlTooLong, error_answer)
 
 log = logging.getLogger("batchscope.server")
@@ -109,6 +109,9 @@ log = logging.getLogger("batchscope.server")
 MAX_BODY_BYTES = 64 * 1024 * 1024
 #: request targets (path and query) longer than this are refused with 414
 MAX_URL_BYTES = 64 * 1024
+#: a request with more header fields than this, or more bytes of them, is refused with 431
+MAX_HEADERS = 100
+MAX_HEADER_BYTES = 64 * 1024
 #: methods handed to the app; any other the fast hook does not take is refused with 405
 SERVED_METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS"})
 _ALLOW = sorted(m.decode() for m in SERVED_METHODS)
@@ -380,7 +383,10 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         ex = self.current
-        ex.headers.append((name, value))
+        headers = ex.headers
+        headers.append((name, value))
+        if len(headers) > 16 or len(value) > 4096:  # few short ones: nothing to add up
+            self._check_headers(headers)
         if name == b"content-length":
             try:
                 declared = int(value)
@@ -393,6 +399,14 @@ class _Connection(asyncio.Protocol):
             self.declared = declared if declared > 0 else 0
         elif name == b"expect" and value.lower() == b"100-continue":
             ex.expect_continue = True
+
+    def _check_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
+        size = sum(len(k) + len(v) for k, v in headers)
+        if len(headers) > MAX_HEADERS or size > MAX_HEADER_BYTES:
+            self.refuse(HeadersTooLarge(
+                f"the request has {len(headers)} header fields of {size} bytes so far; this "
+                f"server reads at most {MAX_HEADERS} fields and {MAX_HEADER_BYTES} bytes of "
+                "them; send fewer or shorter headers"))
 
     def on_headers_complete(self) -> None:
         ex = self.current

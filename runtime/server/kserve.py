@@ -50,13 +50,18 @@ import orjson
 from runtime.api.errors import (ClientError, ModelError, RequestTooLarge, UnsupportedEncoding,
                                 ValidationError)
 from runtime.api.model import DATATYPES, TensorSpec
+from runtime.server.bounds import (ITEM_BYTES, MAX_REQUEST_ITEMS, MemoryBudget, RequestBounds,
+                                   Reservation, check_json_size, itemsize, tensor_bytes)
 
 HEADER_LENGTH = "inference-header-content-length"
 #: the most dimensions a tensor may have (numpy's own limit)
 MAX_DIMS = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
-#: the most elements a shape may describe, its zero dimensions counted as 1 (far more
-#: than any request body holds; keeps every size computation inside numpy's range)
-MAX_ELEMENTS = 1 << 40
+#: the most elements a shape may describe, its zero dimensions counted as 1 (more than
+#: any request body holds, at one byte an element: a larger span declares work, such as
+#: a batch of 2**32 empty items, that no data backs)
+MAX_ELEMENTS = 1 << 27
+#: no bounds but the codec's own (tests of the codec alone)
+UNBOUNDED = RequestBounds()
 #: the most bytes a compressed request body may inflate to (the HTTP server's own
 #: body limit, ``runtime.server.http1.MAX_BODY_BYTES``)
 MAX_DECODED_BYTES = 64 * 1024 * 1024
@@ -84,6 +89,14 @@ class InferRequest:
     #: the whole ``[k, ...]`` arrays); None for one item, whose inputs are ``inputs``
     #: (a batch dimension of 1 taken off)
     items: list[dict[str, np.ndarray]] | None = None
+    #: the memory its arrays hold (``runtime.server.bounds.MemoryBudget``), released
+    #: by whoever answers it
+    reservation: Reservation | None = None
+
+    def release(self) -> None:
+        """Give back the memory reserved for this request's arrays (idempotent)."""
+        if self.reservation is not None:
+            self.reservation.release()
 
     @property
     def batched(self) -> bool:
@@ -160,8 +173,22 @@ def bytes_from_binary(name: str, raw: bytes, count: int) -> np.ndarray:
     return arr
 
 
-def _tensor(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple[str, np.ndarray, int]:
-    """Decode one entry of ``inputs``; returns (name, array, new binary offset)."""
+class _Input(NamedTuple):
+    """One entry of ``inputs`` as declared, checked before its values are read."""
+
+    entry: dict
+    name: str
+    shape: tuple[int, ...]
+    datatype: str
+    np_dtype: Any
+    count: int
+    #: ``binary_data_size``, or None for values in ``data``
+    size: int | None
+
+
+def _declared(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple[_Input, int]:
+    """What one entry of ``inputs`` declares (name, shape, datatype, where its values
+    are); returns it and the binary offset after it. Reads no values."""
     if not isinstance(t, dict):
         raise ClientError(f"inputs[{index}] must be an object with name, shape, datatype and data")
     name = t.get("name")
@@ -192,24 +219,82 @@ def _tensor(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple
         if offset + size > len(binary):
             raise ClientError(f"input {name!r}: binary_data_size={size!r} does not fit the "
                               f"{len(binary) - offset} bytes left in the body")
-        raw = bytearray(binary[offset:offset + size])  # writable: torch.from_numpy wants that
-        offset += size
-        if datatype == "BYTES":
-            arr = bytes_from_binary(name, raw, count)
-        else:
+        if datatype != "BYTES":
             itemsize = np.dtype(np_dtype).itemsize
             if size != count * itemsize:
                 raise ClientError(f"input {name!r}: shape {list(shape)} of {datatype} needs "
                                   f"{count * itemsize} bytes, binary_data_size is {size}")
-            arr = np.frombuffer(raw, dtype=np_dtype)
-        return name, arr.reshape(shape), offset
-    if "data" not in t:
+        offset += size
+    elif "data" not in t:
         raise ClientError(f"input {name!r} has no 'data' (send the values as a flat or nested "
                           "list, or use the binary tensor extension)")
-    data = t["data"]
-    if type(data) is not list:
+    elif type(t["data"]) is not list:
         raise ClientError(f"input {name!r}: 'data' must be a list (flat or nested) of "
-                          f"{datatype} values, got {_quote(data)}")
+                          f"{datatype} values, got {_quote(t['data'])}")
+    return _Input(t, name, shape, datatype, np_dtype, count, size), offset
+
+
+def check_declared(model: str, specs: Sequence[TensorSpec], name: str,
+                   shape: tuple[int, ...], bounds: RequestBounds) -> int:
+    """Check one input's declared shape against the model's spec for it and ``bounds``
+    before any of its values are read (time independent of the sizes declared);
+    returns its batch dimension, or -1 when it is sent without one."""
+    spec = None
+    for s in specs:
+        if s.name == name:
+            spec = s
+            break
+    if spec is None:
+        raise ClientError(f"model {model!r} has no input(s) {[name]}; its inputs are "
+                          f"{[s.name for s in specs]}")
+    want = spec.shape
+    item = shape
+    k = -1
+    if len(shape) == len(want) + 1:
+        k = shape[0]
+        item = shape[1:]
+    if item != want and (len(item) != len(want) or any(
+            w != -1 and w != g for w, g in zip(want, item))):
+        raise ClientError(f"input {name!r} must have shape {list(want)}, or "
+                          f"{_shape_text(['k', *want])} for a batch of k items "
+                          f"(-1 = any size), got {list(shape)}")
+    if k > bounds.max_items:
+        raise ValidationError(
+            f"a request to model {model!r} holds {k} items; send 1 to {bounds.max_items} per "
+            f"request (input {name!r} has a batch dimension of {k}; at most the model's "
+            f"max_queue_size and {MAX_REQUEST_ITEMS}), splitting larger batches into several "
+            "requests")
+    most = bounds.max_length
+    if most is not None:
+        for w, g in zip(want, item):
+            if w == -1 and g > most:
+                raise ValidationError(
+                    f"input {name!r} is {g} long along a variable dimension; model {model!r} "
+                    f"accepts at most {most} (max_length); send shorter inputs")
+    return k
+
+
+def declared_bytes(inputs: Sequence[tuple[str, int, int]], items: int) -> int:
+    """What a request's arrays will hold: ``(datatype, count, raw bytes)`` per input
+    and ``items`` items (see ``runtime.server.bounds``)."""
+    total = items * ITEM_BYTES
+    for datatype, count, raw in inputs:
+        total += tensor_bytes(itemsize(DATATYPES[datatype]), count, raw)
+    return total
+
+
+def _values(d: _Input, binary: memoryview | None, offset: int) -> np.ndarray:
+    """The array of a declared input (binary values start at ``offset``)."""
+    name, shape, datatype, np_dtype, count = d.name, d.shape, d.datatype, d.np_dtype, d.count
+    if d.size is not None:
+        assert binary is not None
+        raw = bytearray(binary[offset:offset + d.size])  # writable: torch.from_numpy wants that
+        if datatype == "BYTES":
+            arr = bytes_from_binary(name, raw, count)
+        else:
+            arr = np.frombuffer(raw, dtype=np_dtype)
+        return arr.reshape(shape)
+    data = d.entry["data"]
     try:
         if datatype == "BYTES":
             flat = np.asarray(data, dtype=object).reshape(-1)
@@ -226,6 +311,9 @@ def _tensor(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple
                                   f"{arr.dtype.name} values")
             arr = arr.astype(np.bool_, copy=False)
         elif data and type(data[0]) is not list:
+            if len(data) != count:  # nothing converted for values that cannot fit
+                raise ClientError(f"input {name!r}: shape {list(shape)} needs {count} values, "
+                                  f"data has {len(data)}")
             try:  # a flat list of numbers: the common case, converted without a detour
                 arr = np.fromiter(data, np_dtype, len(data))
             except (ValueError, TypeError, OverflowError):
@@ -238,7 +326,7 @@ def _tensor(t: Any, index: int, binary: memoryview | None, offset: int) -> tuple
     if arr.size != count:
         raise ClientError(f"input {name!r}: shape {list(shape)} needs {count} values, "
                           f"data has {arr.size}")
-    return name, (arr if arr.shape == shape else arr.reshape(shape)), offset
+    return arr if arr.shape == shape else arr.reshape(shape)
 
 
 def apply_scheduling(params: dict, priority_levels: int, req: InferRequest) -> None:
@@ -421,9 +509,18 @@ def _inflate(data: bytes, wbits: int, coding: str, limit: int) -> bytes:
 
 def parse_infer(body: bytes, header_length: str | None, model: str,
                 specs: Sequence[TensorSpec], output_specs: Sequence[TensorSpec],
-                priority_levels: int, content_encoding: str | None = None) -> InferRequest:
+                priority_levels: int, content_encoding: str | None = None,
+                bounds: RequestBounds = UNBOUNDED, budget: MemoryBudget | None = None
+                ) -> InferRequest:
     """Decode and check one ``/infer`` body (inflated first when ``content_encoding``
-    names a compression); raises ClientError/ValidationError/RequestTooLarge."""
+    names a compression); raises ClientError/ValidationError/RequestTooLarge, or
+    InsufficientMemory when ``budget`` is full.
+
+    Everything the body declares is checked before a value is converted: the size of
+    its JSON (``MAX_JSON_BYTES``), every input's shape against the model's spec and
+    ``bounds`` (items, variable lengths), then the bytes its arrays will hold, which
+    are reserved in ``budget`` (``req.reservation``; the caller releases it when the
+    request is answered, and it is released here if decoding fails)."""
     if content_encoding:
         body = decoded_body(body, content_encoding)
     binary: memoryview | None = None
@@ -438,6 +535,11 @@ def parse_infer(body: bytes, header_length: str | None, model: str,
                               f"{len(body)} bytes")
         binary = memoryview(body)[n:]
         body = body[:n]
+    check_json_size(len(body), "the request's JSON" if binary is None else
+                    "the request's JSON header",
+                    "send the tensors' values with the binary tensor extension "
+                    "(binary_data_size and Inference-Header-Content-Length; tritonclient: "
+                    "binary_data=True)")
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -449,29 +551,50 @@ def parse_infer(body: bytes, header_length: str | None, model: str,
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise ClientError('the request needs a non-empty "inputs" list of '
                           '{"name", "shape", "datatype", "data"} objects')
-    tensors: dict[str, np.ndarray] = {}
-    datatypes: dict[str, str] = {}
+    declared: list[_Input] = []
+    seen: set[str] = set()
     offset = 0
+    items = 1
     for i, t in enumerate(raw_inputs):
-        name, arr, offset = _tensor(t, i, binary, offset)
-        if name in tensors:
-            raise ClientError(f"input {name!r} appears more than once")
-        tensors[name] = arr
-        datatypes[name] = t["datatype"]
+        d, offset = _declared(t, i, binary, offset)
+        if d.name in seen:
+            raise ClientError(f"input {d.name!r} appears more than once")
+        seen.add(d.name)
+        items = max(items, check_declared(model, specs, d.name, d.shape, bounds))
+        declared.append(d)
     if binary is not None and offset != len(binary):
         raise ClientError(f"the body has {len(binary) - offset} bytes after the binary data of "
                           f"its inputs (their binary_data_size add up to {offset} of the "
                           f"{len(binary)} bytes after the JSON header); send exactly the "
                           "bytes the inputs declare")
-    req_id = doc.get("id")
-    req = InferRequest(inputs=tensors, id=None if req_id is None else str(req_id))
-    params = doc.get("parameters")
-    if params is not None:
-        if not isinstance(params, dict):
-            raise ClientError("'parameters' must be a JSON object")
-        apply_scheduling(params, priority_levels, req)
-    apply_requested_outputs(doc.get("outputs"), output_specs, req)
-    check_against_specs(model, specs, tensors, datatypes, req)
+    reservation = None
+    if budget is not None:
+        reservation = budget.reserve(declared_bytes(
+            [(d.datatype, d.count, d.size if d.size is not None else len(body))
+             for d in declared], items), f"this request to {model!r}")
+    try:
+        tensors: dict[str, np.ndarray] = {}
+        datatypes: dict[str, str] = {}
+        offset = 0
+        for d in declared:
+            tensors[d.name] = _values(d, binary, offset)
+            datatypes[d.name] = d.datatype
+            if d.size is not None:
+                offset += d.size
+        req_id = doc.get("id")
+        req = InferRequest(inputs=tensors, id=None if req_id is None else str(req_id))
+        params = doc.get("parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise ClientError("'parameters' must be a JSON object")
+            apply_scheduling(params, priority_levels, req)
+        apply_requested_outputs(doc.get("outputs"), output_specs, req)
+        check_against_specs(model, specs, tensors, datatypes, req)
+    except BaseException:
+        if reservation is not None:
+            reservation.release()
+        raise
+    req.reservation = reservation
     return req
 
 

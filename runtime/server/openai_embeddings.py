@@ -4,7 +4,9 @@
 
 A request model is served here when it names its ``embedding_output``
 (``runtime.api.model.ModelAPI``). ``input`` is a string, a list of token ids, or a
-list of up to ``MAX_INPUTS`` of either. Each input becomes the model's inputs through
+list of up to ``MAX_INPUTS`` of either (and no more than the model's
+``max_queue_size``), each text at most ``MAX_INPUT_CHARS`` long; inputs with many
+characters in all are tokenized on a worker thread, off the event loop. Each input becomes the model's inputs through
 ``embedding_inputs``, and the call goes to the ``Engine`` as one request of that many
 items (``Engine.infer_items``): every input is checked before any is queued, then
 each is queued on its own, so the inputs of one call, and those of concurrent calls,
@@ -22,6 +24,7 @@ withdrawn; a client that goes away withdraws them too.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from typing import Any
 
@@ -30,12 +33,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from runtime.api.errors import BatchScopeError, ClientError
+from runtime.api.errors import BatchScopeError, ClientError, RequestTooLarge
 from runtime.server.openai_errors import InvalidParam, error_response, model_not_found
 from runtime.server.openai_http import (GONE_STATUS, ClientGone, json_response, read_object,
                                         until_disconnected)
 
 MAX_INPUTS = 2048
+#: the longest text one input may be (tokenizing holds the interpreter lock: ~1 ms a
+#: thousand characters here)
+MAX_INPUT_CHARS = 50_000
+#: inputs with more characters than this in all are tokenized on a worker thread, so
+#: the event loop serves other clients between inputs
+THREAD_CHARS = 16_384
 _WHERE = "POST /v1/embeddings"
 #: token ids above this belong to no vocabulary (and would not fit the arrays)
 _MAX_TOKEN_ID = 2 ** 31
@@ -53,17 +62,31 @@ def _is_ids(value: Any) -> bool:
         for t in value))
 
 
-def parse_inputs(value: Any) -> list[str | list[int]]:
-    """``input`` as a list of texts and token-id lists, one embedding each."""
+def _text(value: str, index: int) -> str:
+    if len(value) > MAX_INPUT_CHARS:
+        raise RequestTooLarge(f"input[{index}] has {len(value)} characters; send at most "
+                              f"{MAX_INPUT_CHARS} per input (the models here read a few "
+                              "hundred tokens of it); split longer texts into several inputs")
+    return value
+
+
+def parse_inputs(value: Any, max_items: int = MAX_INPUTS) -> list[str | list[int]]:
+    """``input`` as a list of texts and token-id lists, one embedding each: at most
+    ``max_items`` of them, each text at most ``MAX_INPUT_CHARS`` long."""
     if isinstance(value, str):
-        return [value]
+        return [_text(value, 0)]
     if _is_ids(value):
         return [value]
+    if isinstance(value, list) and len(value) > max_items:
+        raise InvalidParam("input", f"input has {len(value)} items; at most {max_items} are "
+                                    "embedded per request (at most the model's "
+                                    f"max_queue_size and {MAX_INPUTS}); send the rest in "
+                                    "further requests")
     if isinstance(value, list) and value and all(isinstance(v, str) or _is_ids(v)
                                                  for v in value):
-        if len(value) > MAX_INPUTS:
-            raise InvalidParam("input", f"input has {len(value)} items; at most {MAX_INPUTS} "
-                                        "are embedded per request")
+        for i, v in enumerate(value):
+            if isinstance(v, str):
+                _text(v, i)
         return value
     raise InvalidParam("input", "input must be a string, a non-empty list of token ids "
                                 "(integers from 0), or a non-empty list of either")
@@ -134,7 +157,12 @@ def embedding_routes(engine: Any) -> list[Route]:
                 raise model_not_found(name, served, "embedding model")
             model = engine.model(name)
             fmt, priority, timeout_ms = _options(body, _embedding_dim(model))
-            prepared = _prepared(model, name, parse_inputs(body.get("input")))
+            cfg = engine.get_settings(name)[1]
+            values = parse_inputs(body.get("input"), min(MAX_INPUTS, cfg.max_queue_size))
+            if sum(len(v) for v in values if isinstance(v, str)) > THREAD_CHARS:
+                prepared = await asyncio.to_thread(_prepared, model, name, values)
+            else:
+                prepared = _prepared(model, name, values)
         except Exception as exc:
             return error_response(exc, _WHERE)
         try:

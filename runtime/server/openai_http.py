@@ -1,7 +1,8 @@
 """What every OpenAI-style route (``/v1/...``) shares: the JSON body, JSON answers, the
 model list, and noticing a client that went away.
 
-* ``read_object(raw)``: the request body as a JSON object, or ``InvalidParam`` (400).
+* ``read_object(raw)``: the request body as a JSON object, or ``InvalidParam`` (400);
+  more than ``runtime.server.bounds.MAX_JSON_BYTES`` is refused unparsed (413).
 * ``until_disconnected(request, work)``: awaits ``work`` unless the client closes its
   connection first; then ``work`` is cancelled (so what it queued is given up and its
   resources freed) and ``ClientGone`` raised. Streamed answers need no such wrapper
@@ -19,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from runtime.server.bounds import check_json_size
 from runtime.server.openai_errors import InvalidParam, error_response, model_not_found
 
 T = TypeVar("T")
@@ -29,7 +31,8 @@ def json_response(data: Any, status: int = 200) -> Response:
 
 
 def read_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object."""
+    """The request body as a JSON object (at most ``MAX_JSON_BYTES``, else 413)."""
+    check_json_size(len(raw), "the request body", "send fewer or shorter inputs per request")
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

@@ -38,6 +38,7 @@ from runtime.server import openai_errors, triton
 from runtime.server.auth import AuthConfig, Unauthorized
 from runtime.server.control_api import (DEFAULT_AUTH, control_routes, json_response,
                                         model_directory)
+from runtime.server.bounds import MemoryBudget, RequestBounds
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, run_infer
 from runtime.server.metrics import CONTENT_TYPE, MetricsRecorder
 from runtime.server.triton import MODEL_VERSION
@@ -134,8 +135,12 @@ async def answer_infer(state: Any, name: str, version: str | None, body: bytes,
     _, config = engine.get_settings(served.name)
     model = served.model
     req = parse_infer(body, header_length, served.name, model.inputs, model.outputs,
-                      config.priority_levels, content_encoding)
-    result = await run_infer(engine, served.name, req)
+                      config.priority_levels, content_encoding,
+                      RequestBounds.of(config.max_queue_size, model.max_length), state.budget)
+    try:
+        result = await run_infer(engine, served.name, req)
+    finally:
+        req.release()
     return encode_infer(served.name, MODEL_VERSION, req, result, model.outputs)
 
 
@@ -227,12 +232,14 @@ def _kserve_routes() -> list[Route]:
 
 def build_app(engine: Any, *, metrics: MetricsRecorder | None = None,
               extra_routes: Sequence[BaseRoute] = (), version: str = "0.1.0",
-              lifespan: Any = None, auth: AuthConfig | None = None) -> Starlette:
+              lifespan: Any = None, auth: AuthConfig | None = None,
+              budget: MemoryBudget | None = None) -> Starlette:
     """A Starlette app serving ``engine``'s models.
 
     ``extra_routes`` mounts more endpoints (e.g. ``/v1/completions`` of a generation
     model); ``lifespan`` is handed to Starlette unchanged; ``auth`` decides control
-    requests (default: from loopback peers only, no token).
+    requests (default: from loopback peers only, no token); ``budget`` holds the
+    memory of decoded requests (``runtime.server.bounds``; default: a new one).
     """
     routes: list[BaseRoute] = []
     for route in _kserve_routes() + control_routes():
@@ -244,6 +251,7 @@ def build_app(engine: Any, *, metrics: MetricsRecorder | None = None,
     app.state.metrics = metrics
     app.state.version = version
     app.state.auth = auth if auth is not None else DEFAULT_AUTH
+    app.state.budget = budget if budget is not None else MemoryBudget()
     app.state.models = {}
     for name in engine.model_names():
         model = engine.model(name)

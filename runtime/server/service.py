@@ -144,7 +144,8 @@ class Service:
             from runtime.server.grpc import GrpcServer
 
             self.grpc = GrpcServer(self.engine, version=version,
-                                   generation=list(generation or {}))
+                                   generation=list(generation or {}),
+                                   budget=self.app.state.budget)
         self._exit_requested = False
         self._exit: asyncio.Future | None = None
         self.started = threading.Event()

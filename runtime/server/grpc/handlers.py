@@ -40,6 +40,7 @@ from runtime.api.errors import ModelNotFound, ModelNotReady
 from runtime.server import triton
 from runtime.server.grpc.protocol import SERVICE, SERVICE_NAME, message
 from runtime.server.grpc.status import refusal
+from runtime.server.bounds import MemoryBudget, RequestBounds
 from runtime.server.grpc.tensors import decode_request, encode_response
 from runtime.server.kserve import InferRequest, run_infer
 from runtime.server.routes import EXTENSIONS, SERVER_NAME, ServedModel, find_model
@@ -80,8 +81,10 @@ class InferenceHandlers:
     following the ``runtime.engine.engine.Engine`` contract, started on this loop)."""
 
     def __init__(self, engine: Any, *, version: str = "0.1.0",
-                 generation: Iterable[str] = ()) -> None:
+                 generation: Iterable[str] = (), budget: MemoryBudget | None = None) -> None:
         self.engine = engine
+        #: the memory of decoded requests, shared with the HTTP routes when given
+        self.budget = budget if budget is not None else MemoryBudget()
         self.version = version
         #: generation models served next to the engine's, over HTTP only
         self.generation = frozenset(generation)
@@ -191,12 +194,18 @@ class InferenceHandlers:
         if early is not None:
             raise early
         model = served.model
-        levels = engine.get_settings(name)[1].priority_levels
-        return served, decode_request(request, name, model.inputs, model.outputs, levels)
+        cfg = engine.get_settings(name)[1]
+        return served, decode_request(request, name, model.inputs, model.outputs,
+                                      cfg.priority_levels,
+                                      RequestBounds.of(cfg.max_queue_size, model.max_length),
+                                      self.budget)
 
     async def _infer(self, request: Message) -> Message:
         served, req = self._admit(request)
-        result = await run_infer(self.engine, served.name, req)
+        try:
+            result = await run_infer(self.engine, served.name, req)
+        finally:
+            req.release()
         return encode_response(served.name, triton.MODEL_VERSION, req, result,
                                served.model.outputs)
 

@@ -24,6 +24,7 @@ from typing import Any, Iterable
 import grpc
 
 from runtime.api.errors import ConfigError
+from runtime.server.bounds import MemoryBudget
 from runtime.server.grpc.handlers import InferenceHandlers
 from runtime.server.kserve import MAX_DECODED_BYTES
 
@@ -45,14 +46,16 @@ class GrpcServer:
     def __init__(self, engine: Any, *, version: str = "0.1.0",
                  max_message_bytes: int = MAX_MESSAGE_BYTES,
                  max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
-                 generation: Iterable[str] = ()) -> None:
+                 generation: Iterable[str] = (), budget: MemoryBudget | None = None) -> None:
         """``generation``: names of generation models served over HTTP, so a gRPC call
-        to one is told where it is served."""
+        to one is told where it is served; ``budget``: the memory of decoded requests,
+        shared with the HTTP server's (``runtime.server.bounds``)."""
         for name, value in (("max_message_bytes", max_message_bytes),
                             ("max_concurrent_rpcs", max_concurrent_rpcs)):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        self.handlers = InferenceHandlers(engine, version=version, generation=generation)
+        self.handlers = InferenceHandlers(engine, version=version, generation=generation,
+                                          budget=budget)
         self.max_message_bytes = max_message_bytes
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.port: int | None = None

@@ -26,12 +26,14 @@ from typing import Any, Sequence
 import numpy as np
 from google.protobuf.message import Message
 
-from runtime.api.errors import ClientError
+from runtime.api.errors import ClientError, RequestTooLarge
 from runtime.api.model import DATATYPES, TensorSpec
 from runtime.server.grpc.protocol import message
-from runtime.server.kserve import (InferRequest, Result, apply_requested_outputs,
+from runtime.server.bounds import MemoryBudget, RequestBounds
+from runtime.server.kserve import (UNBOUNDED, InferRequest, Result, apply_requested_outputs,
                                    apply_scheduling, binary_data, bytes_from_binary,
-                                   check_against_specs, response_tensors, shape_of)
+                                   check_against_specs, check_declared, declared_bytes,
+                                   response_tensors, shape_of)
 
 #: the ``InferTensorContents`` field that carries each datatype's values (FP16: none)
 CONTENTS_FIELD = {
@@ -40,6 +42,9 @@ CONTENTS_FIELD = {
     "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
     "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
 }
+#: the most values one input may carry in typed ``contents`` (each becomes a Python
+#: object while converted, on the event loop: about 50 ms a million)
+MAX_CONTENTS_VALUES = 1 << 20
 #: tensor parameters that point at memory this server cannot read
 _SHARED_MEMORY = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
@@ -83,6 +88,11 @@ def _from_contents(name: str, datatype: str, tensor: Message, count: int) -> np.
         raise ClientError(f"input {name!r}: {datatype} has no field in InferTensorContents; "
                           "send its values in raw_input_contents (as tritonclient does)")
     values = getattr(tensor.contents, field)
+    if count > MAX_CONTENTS_VALUES:  # each value becomes a Python object on the way
+        raise RequestTooLarge(f"input {name!r}: its shape needs {count} values, more than "
+                              f"the {MAX_CONTENTS_VALUES} this server reads from typed "
+                              "contents; send them in raw_input_contents (as tritonclient "
+                              "does)")
     if len(values) != count:
         raise ClientError(f"input {name!r}: its shape needs {count} values, contents."
                           f"{field} holds {len(values)} (a {datatype} input's values go in "
@@ -99,9 +109,14 @@ def _from_contents(name: str, datatype: str, tensor: Message, count: int) -> np.
 
 
 def decode_request(request: Message, model: str, specs: Sequence[TensorSpec],
-                   output_specs: Sequence[TensorSpec], priority_levels: int) -> InferRequest:
+                   output_specs: Sequence[TensorSpec], priority_levels: int,
+                   bounds: RequestBounds = UNBOUNDED,
+                   budget: MemoryBudget | None = None) -> InferRequest:
     """Decode and check one ``ModelInferRequest`` for ``model``; raises ClientError or
-    ValidationError, with the REST codec's messages wherever the two agree."""
+    ValidationError, with the REST codec's messages wherever the two agree. As there,
+    every input's declared shape is checked against its spec and ``bounds``, and the
+    bytes of the arrays reserved in ``budget`` (``req.reservation``, released by the
+    caller once answered), before any value is converted."""
     inputs = request.inputs
     if not inputs:
         raise ClientError("the request has no inputs; send one InferInputTensor (name, "
@@ -111,38 +126,58 @@ def decode_request(request: Message, model: str, specs: Sequence[TensorSpec],
         raise ClientError(f"the request has {len(raw)} raw_input_contents entries for "
                           f"{len(inputs)} inputs; send one per input, in the order of "
                           "'inputs', or none and every input's values in its contents")
-    tensors: dict[str, np.ndarray] = {}
-    datatypes: dict[str, str] = {}
+    declared: list[tuple[str, str, tuple[int, ...], int]] = []
+    seen: set[str] = set()
+    items = 1
     for i, tensor in enumerate(inputs):
         name = tensor.name
         if not name:
             raise ClientError(f"inputs[{i}] needs a name")
-        if name in tensors:
+        if name in seen:
             raise ClientError(f"input {name!r} appears more than once")
+        seen.add(name)
         _refuse_unsupported(tensor.parameters, f"input {name!r}")
         shape = shape_of(name, list(tensor.shape))
         datatype = tensor.datatype
         if datatype not in DATATYPES:
             raise ClientError(f"input {name!r}: datatype {datatype!r} is not supported; use "
                               f"one of {', '.join(DATATYPES)}")
-        count = math.prod(shape)
-        if raw:
-            if tensor.HasField("contents"):
-                raise ClientError(f"input {name!r} has values in contents while the request "
-                                  "carries raw_input_contents; send every input's values one "
-                                  "way")
-            arr = _from_raw(name, datatype, raw[i], count)
-        else:
-            arr = _from_contents(name, datatype, tensor, count)
-        tensors[name] = arr.reshape(shape)
-        datatypes[name] = datatype
-    req = InferRequest(inputs=tensors, id=request.id or None)
-    apply_scheduling(parameters(request.parameters), priority_levels, req)
-    if request.outputs:
-        for out in request.outputs:
-            _refuse_unsupported(out.parameters, f"output {out.name!r}")
-        apply_requested_outputs([{"name": out.name} for out in request.outputs], output_specs, req)
-    check_against_specs(model, specs, tensors, datatypes, req)
+        items = max(items, check_declared(model, specs, name, shape, bounds))
+        declared.append((name, datatype, shape, math.prod(shape)))
+    reservation = None
+    if budget is not None:
+        reservation = budget.reserve(declared_bytes(
+            [(datatype, count, len(raw[i]) if raw else request.ByteSize())
+             for i, (_, datatype, _, count) in enumerate(declared)], items),
+            f"this request to {model!r}")
+    try:
+        tensors: dict[str, np.ndarray] = {}
+        datatypes: dict[str, str] = {}
+        for i, (name, datatype, shape, count) in enumerate(declared):
+            tensor = inputs[i]
+            if raw:
+                if tensor.HasField("contents"):
+                    raise ClientError(f"input {name!r} has values in contents while the "
+                                      "request carries raw_input_contents; send every "
+                                      "input's values one way")
+                arr = _from_raw(name, datatype, raw[i], count)
+            else:
+                arr = _from_contents(name, datatype, tensor, count)
+            tensors[name] = arr.reshape(shape)
+            datatypes[name] = datatype
+        req = InferRequest(inputs=tensors, id=request.id or None)
+        apply_scheduling(parameters(request.parameters), priority_levels, req)
+        if request.outputs:
+            for out in request.outputs:
+                _refuse_unsupported(out.parameters, f"output {out.name!r}")
+            apply_requested_outputs([{"name": out.name} for out in request.outputs],
+                                    output_specs, req)
+        check_against_specs(model, specs, tensors, datatypes, req)
+    except BaseException:
+        if reservation is not None:
+            reservation.release()
+        raise
+    req.reservation = reservation
     return req
 
 

@@ -1,0 +1,476 @@
+"""Hostile and malformed requests against a real ``batchscope serve``, on every route.
+
+    python -m benchmarks.reliability.hostile --minutes 10
+
+Starts ``batchscope serve`` (models mlp, encoder and decoder; HTTP and gRPC; the
+defaults otherwise) in a child process and sends it requests drawn from the
+``hypothesis`` strategies below: KServe v2 JSON and binary bodies (shapes that declare
+huge or empty batches, dimensions past any bound, wrong sizes, gzip bombs), gRPC
+``ModelInferRequest``s, OpenAI completions, chat and embeddings (``n``, ``max_tokens``,
+prompt and input lists, long texts), control API changes that must be refused, and
+floods of headers. While they run, a prober asks ``GET /v2/health/live`` every 20 ms
+on its own connection: its slowest answer bounds how long the event loop stalled.
+
+Every request must be answered within a second with a status under 500; the server's
+resident memory (with its child processes) must stay within 100 MiB of what it held
+after warm-up; it must still serve a good request at the end and stop on SIGTERM.
+The report prints counts by status, the slowest answer, the prober's worst gap and
+the memory. The test suite runs a short version of the same (``tests/test_hostile_requests.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import http.client
+import json
+import re
+import signal
+import struct
+import threading
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import strategies as st
+
+from benchmarks.reliability.server import Server
+
+#: what the generated requests name: the served models and their inputs
+MODELS = {"mlp": ("INPUT0", "FP32", [256]), "encoder": ("INPUT_IDS", "INT64", [-1])}
+GENERATION = "decoder"
+DATATYPES = ["BOOL", "UINT8", "INT8", "INT32", "INT64", "FP16", "FP32", "FP64", "BYTES", "NOPE"]
+#: an answer slower than this, a status of 500 or more, or a dropped connection fails
+ANSWER_LIMIT_S = 1.0
+MEMORY_LIMIT_MB = 100.0
+
+
+@dataclass(frozen=True)
+class HttpAttack:
+    what: str
+    method: str
+    path: str
+    body: bytes = b""
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class GrpcAttack:
+    what: str
+    #: a serialized ``ModelInferRequest``
+    message: bytes
+
+
+# -- strategies ---------------------------------------------------------------------------
+_huge = st.sampled_from([2**31, 2**32, 2**40, 2**62, 2**63 - 1, 10**18, 2**64])
+_dim = st.one_of(st.integers(0, 8), st.integers(0, 70_000), _huge, st.integers(-5, -1),
+                 st.sampled_from([1.5, "3", None, True, [2]]))
+_shape = st.one_of(st.lists(_dim, min_size=0, max_size=4),
+                   st.lists(st.integers(0, 2), min_size=60, max_size=70),
+                   st.sampled_from([[2**32, 0], [0, 2**32], [65536, 0], [1025, 0], [1, 0, 10**9],
+                                    "x", None, {}, [[1]]]))
+_scalar = st.one_of(st.integers(-2**70, 2**70), st.floats(allow_nan=False), st.text(max_size=8),
+                    st.booleans(), st.none())
+_json = st.recursive(_scalar, lambda inner: st.one_of(st.lists(inner, max_size=6),
+                                                      st.dictionaries(st.text(max_size=6), inner,
+                                                                      max_size=4)),
+                     max_leaves=20)
+_data = st.one_of(st.lists(st.floats(allow_nan=False, width=32), max_size=300),
+                  st.lists(st.integers(-2**40, 2**40), max_size=300),
+                  st.lists(st.lists(st.integers(0, 300), max_size=8), max_size=8),
+                  st.lists(st.text(max_size=10), max_size=20), _json)
+_params = st.one_of(st.none(), st.dictionaries(
+    st.sampled_from(["priority", "timeout", "realtime", "bypass", "binary_data_output",
+                     "binary_data_size", "x"]), _scalar, max_size=4), _json)
+
+
+@st.composite
+def kserve_json(draw) -> HttpAttack:
+    model = draw(st.sampled_from([*MODELS, "nope"]))
+    name, datatype, shape = MODELS.get(model, ("X", "FP32", [4]))
+    tensor: dict[str, Any] = {
+        "name": draw(st.one_of(st.just(name), st.text(max_size=6), _scalar)),
+        "shape": draw(st.one_of(_shape, st.just(shape if shape != [-1] else [4]))),
+        "datatype": draw(st.one_of(st.just(datatype), st.sampled_from(DATATYPES), _scalar)),
+    }
+    if draw(st.booleans()):
+        tensor["data"] = draw(_data)
+    if draw(st.booleans()):
+        tensor["parameters"] = draw(_params)
+    inputs = draw(st.one_of(st.lists(st.just(tensor), min_size=1, max_size=3),
+                            st.lists(_json, max_size=3), _json))
+    doc: dict[str, Any] = {"inputs": inputs}
+    for key in ("parameters", "outputs", "id"):
+        if draw(st.booleans()):
+            doc[key] = draw(_params if key == "parameters" else _json)
+    body = json.dumps(doc).encode()
+    headers: list[tuple[str, str]] = [("content-type", "application/json")]
+    if draw(st.integers(0, 5)) == 0:
+        headers.append(("content-encoding", "gzip"))
+        body = gzip.compress(body)
+    return HttpAttack("kserve json", "POST", f"/v2/models/{model}/infer", body, tuple(headers))
+
+
+@st.composite
+def kserve_binary(draw) -> HttpAttack:
+    model = draw(st.sampled_from(list(MODELS)))
+    name, datatype, _ = MODELS[model]
+    shape = draw(_shape)
+    size = draw(st.one_of(st.integers(0, 4096), _huge, st.integers(-3, -1), _scalar))
+    head = json.dumps({"inputs": [{"name": name, "datatype": draw(st.sampled_from(DATATYPES)),
+                                   "shape": shape,
+                                   "parameters": {"binary_data_size": size}}]}).encode()
+    blob = draw(st.binary(max_size=4096))
+    if draw(st.booleans()):  # BYTES elements whose lengths say more than there is
+        blob = struct.pack("<I", draw(st.integers(0, 2**32 - 1))) + blob
+    header_length = draw(st.one_of(st.just(str(len(head))), st.integers(-5, 10**12).map(str),
+                                   st.text(max_size=5)))
+    return HttpAttack("kserve binary", "POST", f"/v2/models/{model}/infer", head + blob,
+                      (("content-type", "application/octet-stream"),
+                       ("inference-header-content-length", header_length)))
+
+
+@st.composite
+def compressed_bomb(draw) -> HttpAttack:
+    """A small gzip body that inflates far past any limit, or to a huge JSON document."""
+    size = draw(st.sampled_from([8 << 20, 70 << 20]))
+    if draw(st.booleans()):
+        raw = b"0" * size
+    else:
+        raw = b'{"inputs":[{"name":"INPUT_IDS","shape":[1],"datatype":"INT64","data":[' \
+              + b"0," * (size // 2) + b"0]}]}"
+    return HttpAttack("gzip bomb", "POST", f"/v2/models/{draw(st.sampled_from(list(MODELS)))}/infer",
+                      gzip.compress(raw, 1), (("content-encoding", "gzip"),
+                                              ("content-type", "application/json")))
+
+
+_prompt = st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 2**40), max_size=40),
+                    st.lists(st.text(max_size=5), max_size=400),
+                    st.lists(st.lists(st.integers(0, 300), max_size=5), max_size=50),
+                    st.integers(0, 10**6).map(lambda n: "x" * n), _json)
+
+
+@st.composite
+def openai(draw) -> HttpAttack:
+    route = draw(st.sampled_from(["completions", "chat/completions", "embeddings"]))
+    body: dict[str, Any] = {"model": draw(st.one_of(
+        st.just("encoder" if route == "embeddings" else GENERATION), st.text(max_size=5), _scalar))}
+    if route == "embeddings":
+        body["input"] = draw(st.one_of(_prompt, st.lists(st.just("ab"), min_size=1000,
+                                                           max_size=3000)))
+    elif route == "completions":
+        body["prompt"] = draw(_prompt)
+    else:
+        body["messages"] = draw(st.one_of(
+            st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]),
+                                            "content": st.one_of(st.text(max_size=20), _json)}),
+                     max_size=300), _json))
+    for key, values in (("n", st.one_of(st.integers(-2, 300), _huge, _scalar)),
+                        ("max_tokens", st.one_of(st.integers(-2, 48), _huge, _scalar)),
+                        ("temperature", _scalar), ("stop", st.one_of(_json, st.lists(
+                            st.text(max_size=300), max_size=6))),
+                        ("stream", _scalar), ("seed", st.one_of(_huge, _scalar)),
+                        ("priority", _scalar), ("timeout_ms", _scalar),
+                        ("encoding_format", st.sampled_from(["float", "base64", "x"]))):
+        if draw(st.integers(0, 2)) == 0:
+            body[key] = draw(values)
+    return HttpAttack(f"openai {route}", "POST", f"/v1/{route}", json.dumps(body).encode(),
+                      (("content-type", "application/json"),))
+
+
+@st.composite
+def control(draw) -> HttpAttack:
+    """A settings change that must be refused: every change holds one invalid field."""
+    model = draw(st.sampled_from([*MODELS, GENERATION, "nope"]))
+    bad = draw(st.sampled_from([("max_batch_size", -1), ("max_batch_size", 2**70),
+                                ("max_queue_size", "lots"), ("max_queue_delay_ms", -5),
+                                ("bucket_edges", list(range(100_000))), ("nope", 1),
+                                ("preferred_batch_sizes", [[1]])]))
+    changes = draw(st.dictionaries(st.text(max_size=8), _json, max_size=3))
+    changes[bad[0]] = bad[1]
+    body = draw(st.one_of(st.just(json.dumps(changes).encode()), st.binary(max_size=50)))
+    return HttpAttack("control", draw(st.sampled_from(["POST", "PATCH"])),
+                      f"/v2/models/{model}/batching", body, (("content-type", "application/json"),))
+
+
+@st.composite
+def header_flood(draw) -> HttpAttack:
+    count = draw(st.sampled_from([50, 101, 500, 3000]))
+    size = draw(st.sampled_from([10, 1000, 70_000]))
+    headers = tuple((f"x-h{i}", "v" * size) for i in range(count if size < 1000 else 3))
+    return HttpAttack("headers", "GET", "/v2/health/live", b"", headers)
+
+
+@st.composite
+def grpc_infer(draw) -> GrpcAttack:
+    from runtime.server.grpc.protocol import message
+
+    request = message("ModelInferRequest")(model_name=draw(st.sampled_from([*MODELS, "nope"])),
+                                           id=draw(st.text(max_size=5)))
+    name, datatype, _ = MODELS.get(request.model_name, ("X", "FP32", [4]))
+    for _ in range(draw(st.integers(0, 3))):
+        tensor = request.inputs.add(name=draw(st.sampled_from([name, "X", ""])),
+                                    datatype=draw(st.sampled_from(DATATYPES)))
+        tensor.shape.extend(draw(st.lists(st.one_of(st.integers(-3, 70_000), _huge.filter(
+            lambda v: v < 2**63)), max_size=4)))
+        kind = draw(st.integers(0, 3))
+        if kind == 0:
+            tensor.contents.fp32_contents.extend(draw(st.lists(st.floats(width=32,
+                                                                         allow_nan=False),
+                                                               max_size=300)))
+        elif kind == 1:
+            tensor.contents.int64_contents.extend(draw(st.lists(st.integers(-2**63, 2**63 - 1),
+                                                                max_size=300)))
+        elif kind == 2:
+            tensor.contents.bytes_contents.extend(draw(st.lists(st.binary(max_size=4),
+                                                                max_size=100)))
+        else:
+            request.raw_input_contents.append(draw(st.binary(max_size=2048)))
+    for key in draw(st.lists(st.sampled_from(["priority", "timeout", "shared_memory_region"]),
+                             max_size=2)):
+        param = request.parameters[key]
+        value = draw(st.one_of(st.integers(-2**62, 2**62), st.text(max_size=4), st.booleans()))
+        if isinstance(value, bool):
+            param.bool_param = value
+        elif isinstance(value, int):
+            param.int64_param = value
+        else:
+            param.string_param = value
+    return GrpcAttack("grpc infer", request.SerializeToString())
+
+
+HTTP_STRATEGIES = {"kserve json": kserve_json(), "kserve binary": kserve_binary(),
+                   "openai": openai(), "control": control(), "headers": header_flood(),
+                   "gzip bomb": compressed_bomb()}
+ANY_ATTACK = st.one_of(*HTTP_STRATEGIES.values(), grpc_infer())
+
+
+# -- sending and checking -----------------------------------------------------------------
+@dataclass
+class Outcome:
+    what: str
+    status: int | str
+    seconds: float
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        """A 5xx, a dropped connection, an error without a JSON ``error``, or a refusal
+        slower than ``ANSWER_LIMIT_S`` (work that was accepted may take its time)."""
+        if not isinstance(self.status, int) or self.status >= 500:
+            return True
+        return self.status != 200 and self.seconds > ANSWER_LIMIT_S
+
+
+class Target:
+    """One running server: HTTP connections and a gRPC channel to it."""
+
+    def __init__(self, url: str, grpc_address: str | None) -> None:
+        match = re.match(r"http://([^:/]+):(\d+)", url)
+        assert match, url
+        self.host, self.port = match.group(1), int(match.group(2))
+        self.grpc_address = grpc_address
+        self._conn: http.client.HTTPConnection | None = None
+        self._call = None
+        if grpc_address is not None:
+            import grpc
+
+            self._channel = grpc.insecure_channel(grpc_address)
+            self._call = self._channel.unary_unary(
+                "/inference.GRPCInferenceService/ModelInfer",
+                request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+    def send(self, attack: HttpAttack | GrpcAttack) -> Outcome:
+        start = time.perf_counter()
+        if isinstance(attack, GrpcAttack):
+            return self._send_grpc(attack, start)
+        conn = self._conn or http.client.HTTPConnection(self.host, self.port, timeout=10)
+        self._conn = None
+        try:
+            conn.putrequest(attack.method, attack.path, skip_accept_encoding=True)
+            for key, value in attack.headers:
+                conn.putheader(key, value)
+            conn.putheader("content-length", str(len(attack.body)))
+            conn.endheaders(attack.body)
+            response = conn.getresponse()
+            body = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            return Outcome(attack.what, type(exc).__name__, time.perf_counter() - start,
+                           str(exc)[:200])
+        seconds = time.perf_counter() - start
+        if not response.will_close:
+            self._conn = conn
+        else:
+            conn.close()
+        detail = ""
+        if response.status >= 400:
+            try:
+                doc = json.loads(body)
+                detail = str(doc.get("error") or doc)[:200]
+            except (ValueError, AttributeError):
+                return Outcome(attack.what, f"{response.status} without a JSON error", seconds,
+                               body[:200].decode("latin-1"))
+            if not detail:
+                return Outcome(attack.what, f"{response.status} with an empty error", seconds)
+        return Outcome(attack.what, response.status, seconds, detail)
+
+    def _send_grpc(self, attack: GrpcAttack, start: float) -> Outcome:
+        import grpc
+
+        try:
+            self._call(attack.message, timeout=10)
+            return Outcome(attack.what, "OK", time.perf_counter() - start)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            seconds = time.perf_counter() - start
+            ok = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                          grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED,
+                          grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE)
+            # a 4xx-like refusal counts as 400, anything else (INTERNAL, UNKNOWN, ...) fails
+            return Outcome(attack.what, 400 if ok else str(code), seconds,
+                           (exc.details() or "")[:200])
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self.grpc_address is not None:
+            self._channel.close()
+
+
+class Prober:
+    """Asks ``GET /v2/health/live`` every ``interval_s`` on its own connection; the
+    slowest answer bounds how long the server's event loop stalled."""
+
+    def __init__(self, target: Target, interval_s: float = 0.02) -> None:
+        self.target = target
+        self.interval_s = interval_s
+        self.times: list[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        conn = http.client.HTTPConnection(self.target.host, self.target.port, timeout=10)
+        while not self._stop.wait(self.interval_s):
+            start = time.perf_counter()
+            try:
+                conn.request("GET", "/v2/health/live")
+                conn.getresponse().read()
+            except (OSError, http.client.HTTPException):
+                self.failures += 1
+                conn.close()
+                conn = http.client.HTTPConnection(self.target.host, self.target.port, timeout=10)
+                continue
+            self.times.append(time.perf_counter() - start)
+        conn.close()
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join(15)
+        times = sorted(self.times) or [float("nan")]
+        return {"probes": len(self.times), "failures": self.failures,
+                "p99_ms": times[int(0.99 * (len(times) - 1))] * 1e3, "max_ms": times[-1] * 1e3}
+
+
+def good_request(target: Target) -> Outcome:
+    body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [256], "datatype": "FP32",
+                                   "data": [0.5] * 256}]}).encode()
+    return target.send(HttpAttack("good", "POST", "/v2/models/mlp/infer", body,
+                                  (("content-type", "application/json"),)))
+
+
+def start_server(extra: tuple[str, ...] = ()) -> tuple[Server, Target]:
+    server = Server(["batchscope", "serve", "--port", "0", "--grpc-port", "0", "--no-record",
+                     "--model", "mlp", "--model", "encoder", "--model", "decoder", *extra])
+    match = None
+    for line in server.tail:
+        match = re.search(r"grpc: (\S+:\d+)", line) or match
+    assert server.url is not None
+    return server, Target(server.url, match.group(1) if match else None)
+
+
+def stop_server(server: Server, timeout_s: float = 30.0) -> float:
+    """SIGTERM the server; the seconds it took to exit (inf when it did not)."""
+    start = time.perf_counter()
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        server.proc.wait(timeout=timeout_s)
+    except Exception:
+        server.proc.kill()
+        return float("inf")
+    return time.perf_counter() - start
+
+
+@dataclass
+class Report:
+    statuses: Counter = field(default_factory=Counter)
+    failures: list[Outcome] = field(default_factory=list)
+    slowest_s: float = 0.0
+    sent: int = 0
+
+    def add(self, outcome: Outcome) -> None:
+        self.sent += 1
+        self.statuses[f"{outcome.what}: {outcome.status}"] += 1
+        self.slowest_s = max(self.slowest_s, outcome.seconds)
+        if outcome.failed and len(self.failures) < 50:
+            self.failures.append(outcome)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")  # .example() outside a test says it is for exploration
+    server, target = start_server()
+    try:
+        for _ in range(20):  # warm-up: the first answers of each model allocate
+            good_request(target)
+        time.sleep(1.0)
+        rss_start = server.rss_mb()
+        rss_peak = rss_start
+        prober = Prober(target)
+        report = Report()
+        end = time.monotonic() + args.minutes * 60
+        while time.monotonic() < end:
+            report.add(target.send(ANY_ATTACK.example()))
+            if report.sent % 50 == 0:
+                rss_peak = max(rss_peak, server.rss_mb())
+        probes = prober.stop()
+        rss_end = server.rss_mb()
+        final = good_request(target)
+    finally:
+        target.close()
+        exit_s = stop_server(server)
+    result = {
+        "minutes": args.minutes, "requests": report.sent,
+        "failed": len(report.failures), "slowest_answer_ms": round(report.slowest_s * 1e3, 1),
+        "loop_probe": {k: round(v, 1) for k, v in probes.items()},
+        "rss_mb": {"start": round(rss_start, 1), "peak": round(rss_peak, 1),
+                   "end": round(rss_end, 1)},
+        "good_request_after": final.status, "exit_after_sigterm_s": round(exit_s, 2),
+        "statuses": dict(sorted(report.statuses.items())),
+        "failures": [vars(f) for f in report.failures[:10]],
+    }
+    ok = (not report.failures and final.status == 200 and exit_s < 30
+          and rss_peak - rss_start <= MEMORY_LIMIT_MB)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            if key == "statuses":
+                print("statuses:")
+                for k, v in value.items():
+                    print(f"  {v:7d}  {k}")
+            else:
+                print(f"{key}: {value}")
+        print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
