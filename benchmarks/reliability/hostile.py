@@ -26,7 +26,9 @@ import http.client
 import json
 import re
 import signal
+import string
 import struct
+import sys
 import threading
 import time
 import warnings
@@ -126,7 +128,7 @@ def kserve_binary(draw) -> HttpAttack:
     if draw(st.booleans()):  # BYTES elements whose lengths say more than there is
         blob = struct.pack("<I", draw(st.integers(0, 2**32 - 1))) + blob
     header_length = draw(st.one_of(st.just(str(len(head))), st.integers(-5, 10**12).map(str),
-                                   st.text(max_size=5)))
+                                   st.text(string.ascii_letters + "-+ ", max_size=5)))
     return HttpAttack("kserve binary", "POST", f"/v2/models/{model}/infer", head + blob,
                       (("content-type", "application/octet-stream"),
                        ("inference-header-content-length", header_length)))
@@ -255,13 +257,12 @@ class Outcome:
     seconds: float
     detail: str = ""
 
-    @property
-    def failed(self) -> bool:
+    def failed(self, limit_s: float = ANSWER_LIMIT_S) -> bool:
         """A 5xx, a dropped connection, an error without a JSON ``error``, or a refusal
-        slower than ``ANSWER_LIMIT_S`` (work that was accepted may take its time)."""
+        slower than ``limit_s`` (work that was accepted may take its time)."""
         if not isinstance(self.status, int) or self.status >= 500:
             return True
-        return self.status != 200 and self.seconds > ANSWER_LIMIT_S
+        return self.status != 200 and self.seconds > limit_s
 
 
 class Target:
@@ -340,39 +341,59 @@ class Target:
             self._channel.close()
 
 
+def _probe(host: str, port: int, interval_s: float, stop: Any, out: Any) -> None:
+    """The prober's own process (so that generating requests here cannot delay it)."""
+    spans: list[tuple[float, float]] = []
+    failures = 0
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    while not stop.wait(interval_s):
+        start = time.perf_counter()
+        try:
+            conn.request("GET", "/v2/health/live")
+            conn.getresponse().read()
+        except (OSError, http.client.HTTPException):
+            failures += 1
+            conn.close()
+            conn = http.client.HTTPConnection(host, port, timeout=10)
+            continue
+        spans.append((start, time.perf_counter() - start))
+    conn.close()
+    out.put((spans, failures))
+
+
 class Prober:
-    """Asks ``GET /v2/health/live`` every ``interval_s`` on its own connection; the
-    slowest answer bounds how long the server's event loop stalled."""
+    """Asks ``GET /v2/health/live`` every ``interval_s`` on its own connection, from a
+    process of its own; the slowest answer bounds how long the server's event loop
+    stalled."""
 
     def __init__(self, target: Target, interval_s: float = 0.02) -> None:
-        self.target = target
-        self.interval_s = interval_s
-        self.times: list[float] = []
-        self.failures = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        import multiprocessing
 
-    def _run(self) -> None:
-        conn = http.client.HTTPConnection(self.target.host, self.target.port, timeout=10)
-        while not self._stop.wait(self.interval_s):
-            start = time.perf_counter()
-            try:
-                conn.request("GET", "/v2/health/live")
-                conn.getresponse().read()
-            except (OSError, http.client.HTTPException):
-                self.failures += 1
-                conn.close()
-                conn = http.client.HTTPConnection(self.target.host, self.target.port, timeout=10)
-                continue
-            self.times.append(time.perf_counter() - start)
-        conn.close()
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._out = ctx.Queue()
+        self._proc = ctx.Process(target=_probe, args=(target.host, target.port, interval_s,
+                                                       self._stop, self._out), daemon=True)
+        self._proc.start()
+        #: (start, seconds) of every probe, once stopped
+        self.spans: list[tuple[float, float]] = []
+        self.failures = 0
+
+    def slowest(self, sent: list[tuple[float, float, str]], n: int = 5) -> list[str]:
+        """The ``n`` slowest probes and the requests in flight during each (``sent``:
+        (start, end, what) of every request)."""
+        out = []
+        for start, seconds in sorted(self.spans, key=lambda s: -s[1])[:n]:
+            during = Counter(what for a, b, what in sent if a < start + seconds and b > start)
+            out.append(f"{seconds * 1e3:.0f} ms during {dict(during)}")
+        return out
 
     def stop(self) -> dict[str, float]:
         self._stop.set()
-        self._thread.join(15)
-        times = sorted(self.times) or [float("nan")]
-        return {"probes": len(self.times), "failures": self.failures,
+        self.spans, self.failures = self._out.get(timeout=30)
+        self._proc.join(15)
+        times = sorted(t for _, t in self.spans) or [float("nan")]
+        return {"probes": len(self.spans), "failures": self.failures,
                 "p99_ms": times[int(0.99 * (len(times) - 1))] * 1e3, "max_ms": times[-1] * 1e3}
 
 
@@ -384,7 +405,7 @@ def good_request(target: Target) -> Outcome:
 
 
 def start_server(extra: tuple[str, ...] = ()) -> tuple[Server, Target]:
-    server = Server(["batchscope", "serve", "--port", "0", "--grpc-port", "0", "--no-record",
+    server = Server([sys.executable, "-m", "runtime", "serve", "--port", "0", "--grpc-port", "0", "--no-record",
                      "--model", "mlp", "--model", "encoder", "--model", "decoder", *extra])
     match = None
     for line in server.tail:
@@ -411,13 +432,16 @@ class Report:
     failures: list[Outcome] = field(default_factory=list)
     slowest_s: float = 0.0
     sent: int = 0
+    failed: int = 0
 
     def add(self, outcome: Outcome) -> None:
         self.sent += 1
         self.statuses[f"{outcome.what}: {outcome.status}"] += 1
         self.slowest_s = max(self.slowest_s, outcome.seconds)
-        if outcome.failed and len(self.failures) < 50:
-            self.failures.append(outcome)
+        if outcome.failed():
+            self.failed += 1
+            if len(self.failures) < 50:
+                self.failures.append(outcome)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,8 +460,12 @@ def main(argv: list[str] | None = None) -> int:
         prober = Prober(target)
         report = Report()
         end = time.monotonic() + args.minutes * 60
+        sent: list[tuple[float, float, str]] = []
         while time.monotonic() < end:
-            report.add(target.send(ANY_ATTACK.example()))
+            attack = ANY_ATTACK.example()
+            start = time.perf_counter()
+            report.add(target.send(attack))
+            sent.append((start, time.perf_counter(), attack.what))
             if report.sent % 50 == 0:
                 rss_peak = max(rss_peak, server.rss_mb())
         probes = prober.stop()
@@ -448,11 +476,12 @@ def main(argv: list[str] | None = None) -> int:
         exit_s = stop_server(server)
     result = {
         "minutes": args.minutes, "requests": report.sent,
-        "failed": len(report.failures), "slowest_answer_ms": round(report.slowest_s * 1e3, 1),
+        "failed": report.failed, "slowest_answer_ms": round(report.slowest_s * 1e3, 1),
         "loop_probe": {k: round(v, 1) for k, v in probes.items()},
         "rss_mb": {"start": round(rss_start, 1), "peak": round(rss_peak, 1),
                    "end": round(rss_end, 1)},
         "good_request_after": final.status, "exit_after_sigterm_s": round(exit_s, 2),
+        "slowest_probes": prober.slowest(sent),
         "statuses": dict(sorted(report.statuses.items())),
         "failures": [vars(f) for f in report.failures[:10]],
     }

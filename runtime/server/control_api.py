@@ -39,6 +39,7 @@ from starlette.routing import Route
 from runtime.engine.directory import ModelDirectory
 from runtime.api.errors import ClientError
 from runtime.server.auth import AuthConfig
+from runtime.server.bounds import check_json_size
 
 REQUESTED_BY_HEADER = "x-requested-by"
 #: the gate of an app built without one: loopback peers only, no token
@@ -87,6 +88,7 @@ async def change_batching(request: Request) -> Response:
     models = model_directory(request.app)
     name = models.require(request.path_params["name"])
     body = await request.body()
+    check_json_size(len(body), "the settings change", "send only the settings to change")
     try:
         changes = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:

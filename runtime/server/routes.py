@@ -191,6 +191,7 @@ async def model_statistics(request: Request) -> Response:
 
 async def repository_index(request: Request) -> Response:
     body = await request.body()
+    check_json_size(len(body), "the repository index request", 'send {"ready": true} or nothing')
     try:
         doc = orjson.loads(body) if body.strip() else {}
     except orjson.JSONDecodeError:
