@@ -76,12 +76,19 @@ def _text_of(content: Any, where: str) -> str:
     raise MessageError(f"{where}.content must be a string or a list of text parts")
 
 
+#: the most messages one chat request may hold
+MAX_MESSAGES = 1024
+
+
 def parse_messages(messages: Any) -> list[ChatMessage]:
     """The chat messages of a request body, checked: a non-empty list of objects with a
     role from ``ROLES`` and text content. Raises ``MessageError`` naming what is wrong."""
     if not isinstance(messages, list) or not messages:
         raise MessageError("messages is required: a non-empty list like "
                            '[{"role": "user", "content": "Hello!"}]')
+    if len(messages) > MAX_MESSAGES:
+        raise MessageError(f"messages holds {len(messages)} messages; at most {MAX_MESSAGES} "
+                           "make one conversation here")
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"

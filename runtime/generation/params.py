@@ -167,8 +167,8 @@ def _common(body: dict[str, Any], neutral: dict, max_tokens: Any) -> dict[str, A
         raise InvalidParam("priority", f"priority={priority!r} must be an integer (0 is most "
                                        "urgent)")
     timeout_ms = body.get("timeout_ms")
-    if timeout_ms is not None and not _is_number(timeout_ms):
-        raise InvalidParam("timeout_ms", f"timeout_ms={timeout_ms!r} must be a number of "
+    if timeout_ms is not None and not (_is_number(timeout_ms) and timeout_ms > 0):
+        raise InvalidParam("timeout_ms", f"timeout_ms={timeout_ms!r} must be a positive number of "
                                          "milliseconds")
     return {"model": body["model"], "max_tokens": max_tokens, "n": n,
             "temperature": float(temperature), "seed": seed, "stop": parse_stop(body.get("stop")),

@@ -136,9 +136,10 @@ def _options(body: dict[str, Any], dim: int | None) -> tuple[str, int | None, fl
                                        "urgent)")
     timeout_ms = body.get("timeout_ms")
     if timeout_ms is not None and (isinstance(timeout_ms, bool)
-                                   or not isinstance(timeout_ms, (int, float))):
-        raise InvalidParam("timeout_ms", f"timeout_ms={timeout_ms!r} must be a number of "
-                                         "milliseconds")
+                                   or not isinstance(timeout_ms, (int, float))
+                                   or not timeout_ms > 0):
+        raise InvalidParam("timeout_ms", f"timeout_ms={timeout_ms!r} must be a positive number "
+                                         "of milliseconds")
     return fmt, priority, timeout_ms
 
 
