@@ -64,7 +64,7 @@ def rows_in(cls: type, group: list) -> int:
 
 
 BACKOFF_START_S = 0.05
-BACKOFF_MAX_S = 5.0
+BACKOFF_MAX_S = 1.0
 #: least time between two ``recorder_drops`` events
 DROP_REPORT_INTERVAL_S = 10.0
 #: least time between two checks that the SQLite file is still the one opened
@@ -415,6 +415,8 @@ class Recorder:
                 # connection another process just opened)
                 create_file(path)
             init_schema(self.engine)
+            if self.process is not None:
+                self.engine.dispose()  # this process keeps no connection (see WriterProcess)
         except Exception as exc:
             self._reopen_pending = True  # the next check tries again
             self._note_failure(type(exc).__name__, f"{reason} ({path}); {lost} rows written to it "
@@ -432,11 +434,19 @@ class Recorder:
                                                   "dropped_total": self.dropped,
                                                   "by_kind": lost_by_kind}))
         try:
-            self._inserts.insert_core(EventRow, [event])
+            self._insert_event(event)
         except Exception as exc:
             self._note_failure(type(exc).__name__, f"writing the {reason} event failed: {exc}")
             return
         self._reported_dropped += lost
+
+    def _insert_event(self, event: EventRow) -> None:
+        """Write one event now: through the writer process when there is one (this
+        process then never opens the database), else here."""
+        if self.process is not None:
+            self.process.insert(EventRow, [event])
+        else:
+            self._inserts.insert_core(EventRow, [event])
 
     def _maybe_report_drops(self) -> None:
         dropped = self.dropped
@@ -460,7 +470,7 @@ class Recorder:
                                                   "last_failure": self._last_failure,
                                                   "by_kind": self.dropped_by_kind}))
         try:
-            self._inserts.insert_core(EventRow, [event])
+            self._insert_event(event)
         except Exception as exc:
             self._note_failure(type(exc).__name__, f"writing the recorder_drops event failed: {exc}")
             return

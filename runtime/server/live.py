@@ -12,8 +12,11 @@
 * rolls raw rows up periodically (``batchscope.storage.retention``, when available);
 * marks the instance stopped at shutdown.
 
-Database calls run in a worker thread; settings are applied on the event loop, the
-same place the HTTP control API applies them. A failing database never stops
+Database calls run in a worker thread, on ``db``: an engine, or a
+``batchscope.storage.db_calls.DatabaseCalls`` whose child process holds every
+connection (what ``Service`` gives it when the recorder writes from a child too, so
+that the serving process never maps a SQLite file); settings are applied on the event
+loop, the same place the HTTP control API applies them. A failing database never stops
 serving: each duty logs its first failure, keeps retrying, and logs recovery.
 """
 
@@ -27,6 +30,7 @@ import time
 from typing import Any, Callable
 
 from batchscope.storage import control
+from batchscope.storage.db_calls import DatabaseCalls
 from runtime.api.config import ServerConfig
 from runtime.engine.directory import ModelDirectory
 from runtime.api.errors import BatchScopeError
@@ -85,9 +89,18 @@ class LiveLink:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     # -- one duty at a time, each failure contained ---------------------------------------
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(engine, ...)`` on the database: in the child process of a
+        ``DatabaseCalls``, or here with an engine."""
+        db = self.db
+        if isinstance(db, DatabaseCalls):
+            return db.call(fn, *args, **kwargs)
+        return fn(db, *args, **kwargs)
+
     async def _safely(self, duty: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(database, *args, **kwargs)`` on a worker thread; ``_FAILED`` if it failed."""
         try:
-            result = await asyncio.to_thread(fn, *args, **kwargs)
+            result = await asyncio.to_thread(self._call, fn, *args, **kwargs)
         except Exception as exc:
             if duty not in self._failing:
                 self._failing.add(duty)
@@ -106,7 +119,7 @@ class LiveLink:
         return self.models.kind(model)
 
     async def _register(self) -> None:
-        ok = await self._safely("registration", control.register_instance, self.db,
+        ok = await self._safely("registration", control.register_instance,
                                 instance_id=self.instance_id, host=self.host, pid=self.pid,
                                 models=self._models(), url=self.url, device=self.device,
                                 version=self.version, now=self._wall())
@@ -120,7 +133,7 @@ class LiveLink:
         while self._pending:
             model, (version, config) = next(iter(self._pending.items()))
             del self._pending[model]
-            ok = await self._safely("settings publication", control.publish_settings, self.db,
+            ok = await self._safely("settings publication", control.publish_settings,
                                     instance_id=self.instance_id, model=model, version=version,
                                     settings=config.to_dict(), kind=self._kind(model),
                                     now=self._wall())
@@ -131,13 +144,13 @@ class LiveLink:
 
     async def _heartbeat(self) -> None:
         dropped = int(getattr(self.recorder, "dropped", 0) or 0)
-        alive = await self._safely("heartbeat", control.heartbeat, self.db, self.instance_id,
+        alive = await self._safely("heartbeat", control.heartbeat, self.instance_id,
                                    self._wall(), dropped)
         if alive is False:  # the row is gone (database replaced): register again
             self.registered = False
 
     async def _poll(self) -> None:
-        commands = await self._safely("control polling", control.pending_commands, self.db,
+        commands = await self._safely("control polling", control.pending_commands,
                                       self.instance_id, self._models())
         if commands is _FAILED:
             return
@@ -151,19 +164,19 @@ class LiveLink:
                                                      requested_by=cmd.requested_by)
         except BatchScopeError as exc:
             self.refused += 1
-            await self._safely("command acknowledgement", control.refuse_command, self.db,
+            await self._safely("command acknowledgement", control.refuse_command,
                                cmd.id, reason=exc.message, now=self._wall(),
                                instance_id=self.instance_id)
             return
         self.applied += 1
-        await self._safely("command acknowledgement", control.ack_command, self.db, cmd.id,
+        await self._safely("command acknowledgement", control.ack_command, cmd.id,
                            applied_version=version, now=self._wall(),
                            instance_id=self.instance_id)
 
     async def _run_retention(self) -> None:
         if self._retention is None:
             return
-        await self._safely("retention", self._retention, self.db,
+        await self._safely("retention", self._retention,
                            now=self._wall(), raw_keep_s=self.server.retention_raw_s)
 
     async def step(self) -> None:
@@ -230,7 +243,7 @@ class LiveLink:
                 pass
         if self.registered:
             await self._publish()
-            await self._safely("stop marker", control.mark_stopped, self.db, self.instance_id,
+            await self._safely("stop marker", control.mark_stopped, self.instance_id,
                                self._wall())
 
 

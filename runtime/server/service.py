@@ -6,8 +6,10 @@ recording) and the Prometheus adapter. ``serve()`` binds the socket first so the
 URL is known before the instance registers itself, runs ``startup()``, then serves
 HTTP/1.1 with ``runtime.server.http1`` (the inference route through
 ``runtime.server.fastpath``, everything else through the Starlette app) until a
-signal (or ``request_exit()``), then stops accepting, lets in-flight requests
-finish and runs ``shutdown()``.
+signal (or ``request_exit()``), then drains (``runtime.server.drain``): new requests
+are answered 503 with ``Retry-After``, those taken in are answered (streams finish,
+or end with an error event and ``[DONE]``), and ``shutdown()`` has run, all within
+the drain timeout (``ServerConfig.drain_timeout_s``) of the signal.
 ``ServiceThread`` runs a Service on its own event loop in a thread (tests, demo).
 
 Control requests (settings changes over HTTP) are decided by the ``AuthConfig``
@@ -32,6 +34,7 @@ from typing import Any, Callable, Iterator
 from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.api.model import ModelAPI
 from runtime.server.auth import AuthConfig, auth_for_listening
+from runtime.server.drain import DRAIN_TIMEOUT_S, STOP_FINAL_S, DrainClock, refusal
 from runtime.server.routes import build_app
 from runtime.server.fastpath import InferHook
 from runtime.server.http1 import HttpServer
@@ -42,8 +45,27 @@ log = logging.getLogger("batchscope.server")
 VERSION = "0.1.0"
 #: idle keep-alive connections stay open this long (load generators reuse them)
 KEEP_ALIVE_S = 60
-#: at shutdown, requests in flight get this long to be answered
-GRACEFUL_SHUTDOWN_S = 5.0
+#: the default drain timeout: from the signal to the end of ``serve()``, at most this
+#: long (``ServerConfig.drain_timeout_s``, ``--drain-timeout-s``; ``runtime.server.drain``)
+GRACEFUL_SHUTDOWN_S = DRAIN_TIMEOUT_S
+
+
+def open_database_child(url: str) -> Any:
+    """A ``DatabaseCalls`` child for ``url``, started: it creates the database and brings
+    its schema up to date (``SchemaTooNew`` and ``DatabaseNotFound`` come back as
+    themselves)."""
+    from batchscope.storage import db
+    from batchscope.storage.db_calls import DatabaseCalls, RemoteCallError
+
+    calls = DatabaseCalls(url)
+    try:
+        calls.start()
+    except RemoteCallError as exc:
+        known = getattr(db, exc.name, None)
+        if isinstance(known, type) and issubclass(known, Exception):
+            raise known(exc.message) from None
+        raise RuntimeError(f"the database at {url} could not be opened: {exc}") from None
+    return calls
 
 
 def new_instance_id() -> str:
@@ -82,8 +104,10 @@ class GenerationMount:
         for engine in self.engines.values():
             await engine.start()
 
-    async def stop(self) -> None:
-        await asyncio.gather(*(e.stop() for e in self.engines.values()))
+    async def stop(self, drain_timeout_s: float = 10.0) -> None:
+        """Refuse new requests, let running ones finish for up to ``drain_timeout_s``,
+        then end the rest with ``ShuttingDown`` (a stream: an error event, ``[DONE]``)."""
+        await asyncio.gather(*(e.stop(drain_timeout_s) for e in self.engines.values()))
 
 
 class Service:
@@ -104,13 +128,22 @@ class Service:
         self.url: str | None = None
         self.metrics = MetricsRecorder()
         self.db = None
+        #: the child that holds the live link's database connections (recorder_process)
+        self.db_calls = None
         self.db_recorder = None
         recorder: Any = self.metrics
         if server.record:
             from batchscope.storage.db import make_engine
             from batchscope.storage.recorder import Recorder, TeeRecorder
 
-            self.db = make_engine(server.database_url)
+            if server.recorder_process:
+                # every connection lives in a child: a storage fault (a full disk, files
+                # made immutable, a read-only remount) must not kill the serving process,
+                # which it would by SIGBUS through SQLite's mapped WAL index
+                self.db_calls = open_database_child(server.database_url)
+                self.db = make_engine(server.database_url, create=False)
+            else:
+                self.db = make_engine(server.database_url)
             self.db_recorder = Recorder(self.db, buffer_size=server.recorder_buffer_size,
                                         instance_id=self.instance_id,
                                         writer_process=server.recorder_process)
@@ -171,7 +204,8 @@ class Service:
         if self.db is not None:
             from runtime.server.live import LiveLink
 
-            self.live = LiveLink(self.engine, self.db, instance_id=self.instance_id,
+            self.live = LiveLink(self.engine, self.db_calls or self.db,
+                                 instance_id=self.instance_id,
                                  url=self.url, device=str(self.device), version=self.version,
                                  recorder=self.db_recorder, server=self.server_config,
                                  generation=(self.generation.engines
@@ -190,9 +224,12 @@ class Service:
         if self.on_started is not None:
             self.on_started(self)
 
-    async def _stop_grpc(self) -> None:
+    async def _stop_grpc(self, grace_s: float | None = None) -> None:
+        """Refuse new gRPC calls; those in flight get ``grace_s`` (default: the drain
+        timeout) to finish."""
         if self.grpc is not None:
-            await self.grpc.stop(GRACEFUL_SHUTDOWN_S)
+            await self.grpc.stop(self.server_config.drain_timeout_s if grace_s is None
+                                 else grace_s)
 
     async def shutdown(self) -> None:
         try:
@@ -208,6 +245,8 @@ class Service:
                 await self.live.stop()
             if self.db_recorder is not None:
                 await asyncio.to_thread(self.db_recorder.close)
+            if self.db_calls is not None:
+                await asyncio.to_thread(self.db_calls.stop)
 
     async def serve(self, sock: socket.socket | None = None) -> None:
         """Serve until a signal or ``request_exit()``; binds host:port unless given ``sock``."""
@@ -243,13 +282,38 @@ class Service:
                     await http.start(sock)
                     await self._exit
                 finally:
-                    try:
-                        await asyncio.gather(http.shutdown(GRACEFUL_SHUTDOWN_S),
-                                             self._stop_grpc())
-                    finally:
-                        await self.shutdown()
+                    await self._drain_and_stop(http)
         finally:
             sock.close()
+
+    async def _drain_and_stop(self, http: HttpServer) -> None:
+        """Drain, then stop (``runtime.server.drain``), within the drain timeout: new
+        requests are refused 503 with ``Retry-After`` at once; those taken in get until
+        the reserve for stopping to be answered; what still runs then is ended with
+        an answer of its own, the connections closed and ``shutdown()`` run."""
+        clock = DrainClock(self.server_config.drain_timeout_s)
+        grpc = asyncio.ensure_future(self._stop_grpc(clock.to_stop()))
+        try:
+            try:
+                if http.loop is not None:  # it started
+                    await asyncio.wait([http.drain(refusal), grpc], timeout=clock.to_stop())
+                    owed = http.owed_answers()
+                    if owed:
+                        log.warning("%d request(s) still running %.1f s after the signal are "
+                                    "ended now (drain timeout %.1f s)", owed, clock.elapsed(),
+                                    clock.timeout_s)
+                if self.generation is not None:
+                    # what still generates ends with ShuttingDown: a stream under way with
+                    # an error event and [DONE], any other request with a 503
+                    await self.generation.stop(drain_timeout_s=0.0)
+            finally:
+                await asyncio.gather(
+                    self.engine.stop(drain_timeout_s=clock.left(STOP_FINAL_S)),
+                    http.shutdown(clock.left(STOP_FINAL_S)), grpc)
+        finally:
+            await self.shutdown()
+        log.info("stopped %.2f s after the signal (drain timeout %.1f s)", clock.elapsed(),
+                 clock.timeout_s)
 
     def _settle_auth(self, host: str) -> None:
         """Fit ``auth`` to where the server listens; ``ConfigError`` when that is beyond
