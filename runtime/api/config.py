@@ -194,6 +194,10 @@ class ServerConfig:
     recorder_process: bool = False
     #: also serve the KServe v2 / Triton gRPC API on this port (0: a free one; None: no gRPC)
     grpc_port: int | None = None
+    #: the drain timeout: from SIGTERM/SIGINT until the server has stopped, at most this
+    #: many seconds; new requests are refused 503 meanwhile, those taken in are answered
+    #: (``runtime.server.drain``)
+    drain_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -202,7 +206,7 @@ class ServerConfig:
         if self.torch_threads is not None and not (_is_int(self.torch_threads) and self.torch_threads >= 1):
             problems.append(f"torch_threads={self.torch_threads!r} must be a positive integer")
         for name in ("heartbeat_interval_s", "control_poll_interval_s", "retention_raw_s",
-                     "rollup_interval_s", "device_sample_interval_s"):
+                     "rollup_interval_s", "device_sample_interval_s", "drain_timeout_s"):
             v = getattr(self, name)
             if not (_is_number(v) and v > 0):
                 problems.append(f"{name}={v!r} must be a positive number of seconds")

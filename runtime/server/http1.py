@@ -30,6 +30,17 @@ nothing for the work already started: its answer is dropped. ``shutdown()`` stop
 accepting, closes idle connections, lets in-flight requests finish (bounded), then
 closes the rest.
 
+Draining. ``drain(hook)`` comes before ``shutdown()`` when the server stops on a
+signal: it goes on listening and reading, but answers every request whose head
+completes from then on with ``hook(method, path)`` (the caller's 503 with
+``Retry-After``) and closes that connection once the answer is out, before the body
+is read; when the hook returns None the request is served as usual, as the last one
+on its connection. Requests taken in before are answered as usual, streams go on,
+and idle keep-alive connections stay open (closing one could cross a request the
+client is sending on it, which it would see as a reset; a request there gets the
+503 instead). ``drain`` returns a future resolved once no request taken in is still
+owed its answer.
+
 Slow and hostile clients. Every limit is a constructor parameter of ``HttpServer``:
 
 * a request head (request line and headers) must be complete ``header_timeout_s``
@@ -154,6 +165,9 @@ EarlyHook = Callable[[bytes, str, list[tuple[bytes, bytes]]],
                      "tuple[int, list[tuple[bytes, bytes]], bytes] | None"]
 #: the optional ``edge`` method: (raw request target of a POST) -> answer or None
 EdgeHook = Callable[[bytes], "tuple[int, list[tuple[bytes, bytes]], bytes] | None"]
+#: ``drain``'s hook: (method, path) of a request arriving while draining -> its refusal,
+#: or None to serve it as usual
+DrainHook = Callable[[bytes, str], "tuple[int, list[tuple[bytes, bytes]], bytes] | None"]
 
 
 def default_max_connections() -> int:
@@ -421,6 +435,8 @@ class _Connection(asyncio.Protocol):
         self.head_since = 0.0
         self.body_since = self.last_active_s
         server = self.server
+        if server.draining is not None:
+            self._while_draining(ex)
         declared = self.declared
         if server.early is not None and self._early(ex, declared):
             return
@@ -433,6 +449,21 @@ class _Connection(asyncio.Protocol):
         self.queue.append(ex)
         if ex.expect_continue and self.queue[0] is ex:
             self._send_continue(ex)
+
+    def _while_draining(self, ex: _Exchange) -> None:
+        """A request whose head completed while the server drains: refused with the
+        drain hook's answer and the connection closed (raises ``_Refused``), or, when
+        the hook lets it through, served as usual as the last one on its connection."""
+        ex.keep_alive = False
+        path = ex.url.split(b"?", 1)[0].decode("latin-1")
+        try:
+            reply = self.server.draining(ex.method, path)
+        except Exception as exc:
+            reply = error_answer(exc, f"{ex.method.decode('latin-1')} {path[:200]} (draining)")
+        if reply is not None:
+            self.server.counts["drain_refusals"] += 1
+            self._end_with(ex, *reply)
+            raise _Refused()
 
     def _early(self, ex: _Exchange, declared: int) -> bool:
         """Ask the hook's ``early`` about the request whose head just completed; True
@@ -533,6 +564,8 @@ class _Connection(asyncio.Protocol):
         ex.finished = True
         if ex.reserved:
             self.release(ex)
+        if self.server.owed is not None:
+            self.server.settle_owed()
         if ex.disconnect is not None and not ex.disconnect.done():
             ex.disconnect.set_result(None)
         queue = self.queue
@@ -933,11 +966,15 @@ class HttpServer:
         self.counts: dict[str, int] = dict.fromkeys(
             ("header_timeouts", "body_timeouts", "write_timeouts", "evicted_idle", "evicted_mid_request",
              "refused_at_connection_limit", "refused_body_budget", "early_answers",
-             "held_reads", "shed_answers"), 0)
+             "held_reads", "shed_answers", "drain_refusals"), 0)
         self.clock = _Clock()
         self.connections: set[_Connection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping = False
+        #: set by ``drain``: answers the requests that arrive from then on
+        self.draining: DrainHook | None = None
+        #: while draining: resolved once no request taken in is owed its answer
+        self.owed: asyncio.Future | None = None
         self._server: asyncio.AbstractServer | None = None
         self._tick: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -1004,7 +1041,7 @@ class HttpServer:
         ``Content-Length``, anything saying ``close`` or ``upgrade``). Anything else
         goes to the parser, which is always right; this only spares a refused
         request the parser's callbacks, the exchange and the dropped body."""
-        if data[:5] != b"POST " or self.stopping:
+        if data[:5] != b"POST " or self.stopping or self.draining is not None:
             return None
         sp = data.find(b" ", 5, 5 + 512)
         if sp < 0 or data[sp:sp + 11] != b" HTTP/1.1\r\n":
@@ -1102,11 +1139,43 @@ class HttpServer:
         task.add_done_callback(self._tasks.discard)
 
     def connection_closed(self) -> None:
+        if self.owed is not None:
+            self.settle_owed()
         if self.stopping and not self.connections and self._drained is not None \
                 and not self._drained.done():
             self._drained.set_result(None)
 
     # -- shutdown --------------------------------------------------------------------------
+    def drain(self, hook: DrainHook) -> asyncio.Future:
+        """Take no new requests from now on, but keep listening and reading: a request
+        whose head completes is answered ``hook(method, path)`` and its connection
+        closed (None from the hook: served as usual, then the connection closed).
+        Requests already taken in are answered as usual. Returns a future resolved
+        once none of them is owed its answer any more (at once when none is);
+        ``owed_answers()`` counts them. ``shutdown()`` comes next."""
+        self.draining = hook
+        self.shedding = False
+        if self.owed is None:
+            self.owed = self.loop.create_future()
+            self.settle_owed()
+        return self.owed
+
+    def owed_answers(self) -> int:
+        """Requests taken in (their head complete) whose answer is not complete yet,
+        on connections still open."""
+        return sum(not ex.finished for conn in self.connections for ex in conn.queue)
+
+    def settle_owed(self) -> None:
+        """Resolve the ``owed`` future once no answer is owed (while draining)."""
+        owed = self.owed
+        if owed.done():
+            return
+        for conn in self.connections:
+            for ex in conn.queue:
+                if not ex.finished:
+                    return
+        owed.set_result(None)
+
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, close idle connections, let in-flight answers go out for up to
         ``timeout_s``, then close whatever is left."""
