@@ -239,3 +239,17 @@ def test_too_many_or_too_large_headers_are_431(served):
                     break
                 answer += chunk
         assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+
+
+def test_grpc_refuses_a_request_message_over_4_mib_unparsed(served):
+    service, _ = served
+    request = grpc_request([1])
+    request.raw_input_contents.append(b"\0" * ((4 << 20) + 1))
+    with grpc.insecure_channel(f"127.0.0.1:{service.grpc_port}",
+                               options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                   request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as info:
+            call(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -8,8 +8,9 @@ queued, batched and answered exactly like an HTTP one (``runtime.server.grpc.han
     ...
     await grpc_server.stop(grace_s=5.0)                # before engine.stop()
 
-Its bounds: a message (request or answer) of at most ``max_message_bytes`` (a larger
-one is refused by gRPC itself with RESOURCE_EXHAUSTED), and at most
+Its bounds: a request message of at most ``max_request_bytes`` and an answer of at
+most ``max_message_bytes`` (a larger one is refused by gRPC itself with
+RESOURCE_EXHAUSTED), and at most
 ``max_concurrent_rpcs`` calls at once (more are refused with RESOURCE_EXHAUSTED at
 once, never queued). ``stop(grace_s)`` refuses new calls, gives those in flight up to
 ``grace_s`` to be answered and then cancels the rest (their queued requests are taken
@@ -28,8 +29,14 @@ from runtime.server.bounds import MemoryBudget
 from runtime.server.grpc.handlers import InferenceHandlers
 from runtime.server.kserve import MAX_DECODED_BYTES
 
-#: the largest message either way, as the HTTP server's largest request body
+#: the largest answer, as the HTTP server's largest request body
 MAX_MESSAGE_BYTES = MAX_DECODED_BYTES
+#: the largest request: gRPC parses a message whole, holding the interpreter lock on the
+#: event loop (about 12 ms a MiB of typed values, which also grow up to 8x in memory), so
+#: this bounds how long one call keeps every other client waiting, as
+#: ``runtime.server.bounds.MAX_JSON_BYTES`` does for JSON (gRPC's own default; larger
+#: tensors go over HTTP with the binary tensor extension, up to 64 MiB)
+MAX_REQUEST_BYTES = 4 << 20
 #: calls served at once; more are refused with RESOURCE_EXHAUSTED
 MAX_CONCURRENT_RPCS = 4096
 #: at stop, calls in flight get this long to be answered
@@ -45,18 +52,21 @@ class GrpcServer:
 
     def __init__(self, engine: Any, *, version: str = "0.1.0",
                  max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 max_request_bytes: int = MAX_REQUEST_BYTES,
                  max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
                  generation: Iterable[str] = (), budget: MemoryBudget | None = None) -> None:
         """``generation``: names of generation models served over HTTP, so a gRPC call
         to one is told where it is served; ``budget``: the memory of decoded requests,
         shared with the HTTP server's (``runtime.server.bounds``)."""
         for name, value in (("max_message_bytes", max_message_bytes),
+                            ("max_request_bytes", max_request_bytes),
                             ("max_concurrent_rpcs", max_concurrent_rpcs)):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         self.handlers = InferenceHandlers(engine, version=version, generation=generation,
                                           budget=budget)
         self.max_message_bytes = max_message_bytes
+        self.max_request_bytes = min(max_request_bytes, max_message_bytes)
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -70,7 +80,7 @@ class GrpcServer:
         server = grpc.aio.server(
             handlers=[self.handlers.generic_handler()],
             maximum_concurrent_rpcs=self.max_concurrent_rpcs,
-            options=[("grpc.max_receive_message_length", limit),
+            options=[("grpc.max_receive_message_length", self.max_request_bytes),
                      ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0)])
         try:
