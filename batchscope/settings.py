@@ -368,6 +368,11 @@ BATCHING: tuple[Setting, ...] = (
             "the batch returns). Leave room for a first batch's warm-up.",
             unit="ms", min=0, max=3_600_000, min_exclusive=True, nullable=True,
             null_means="no execution timeout", group="faults"),
+    Setting("execution_timeout_auto", "bool", True,
+            "Once the model has run 5 batches, cut a batch at 10 x the 99th percentile of "
+            "its recent batch times (at least 2 s) instead of waiting for "
+            "execution_timeout_ms, which stays the ceiling: a hung model is cut in seconds.",
+            group="faults"),
     Setting("autopilot_slo_p99_ms", "float", None,
             "Turns the autopilot on: window by window it moves max_batch_size, "
             "max_queue_delay_ms (dynamic policy) and, for a variable-length model whose "

@@ -146,9 +146,11 @@ def test_process_mode_kills_the_child_resends_what_waited_and_serves_after_resta
 
     async def main() -> None:
         await engine.start()
-        process = engine._process
+        process = engine._processes["hanging"]
+        other = engine._processes["double"]
+        assert process is not other  # one child per model
         try:
-            first_pid = process.pid
+            first_pid, other_pid = process.pid, other.pid
             # two batches of 2: the first hangs, the second waits behind it in the pipe
             hang = submit_all(engine, "hanging", [vec(99, 60), vec(1), vec(2), vec(3)])
             await wait_for(lambda: engine.stats("hanging")["in_flight"] == 4, "both batches")
@@ -157,13 +159,13 @@ def test_process_mode_kills_the_child_resends_what_waited_and_serves_after_resta
                 assert result is None and isinstance(error, ModelTimedOut)
                 assert "execution_timeout_ms=1500 on a batch of 2" in error.message
                 assert "device process running it was killed" in error.message
-            # the healthy model is served by the new child
+            # the healthy model's own child goes on serving, untouched
             healthy = submit_all(engine, "double", [vec(i) for i in range(5)])
             await wait_for(lambda: answered(hang, healthy), "answers after the restart")
             assert outputs(hang[2:]) == [4.0, 6.0]  # sent again, not failed
             assert outputs(healthy) == [2.0 * i for i in range(5)]
             assert process.timeouts == 1 and process.restarts == 1
-            assert process.pid != first_pid
+            assert process.pid != first_pid and other.pid == other_pid and other.restarts == 0
         finally:
             await engine.stop()
         kinds = [e.kind for e in rec.of(EventRow)]
@@ -172,3 +174,48 @@ def test_process_mode_kills_the_child_resends_what_waited_and_serves_after_resta
         assert len(rows) == 9 and rows.count("error") == 2
 
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_a_hang_in_one_models_process_costs_the_others_nothing():
+    """One device process per model, and a batch that overstays gives the device turn
+    back: the healthy model is served while the hanging one's batch is still out (its
+    timeout, the 30 s default ceiling, is far off: too few batches for an automatic one)."""
+    rec = ListRecorder()
+    models = {name: load_model(f"{name}={spec}") for name, spec in SPECS.items()}
+    engine = Engine(models, {"double": BatchingConfig(max_batch_size=4)}, recorder=rec,
+                    device_process=True, model_specs=[f"{n}={s}" for n, s in SPECS.items()])
+
+    async def main() -> None:
+        await engine.start()
+        try:
+            hang = submit_all(engine, "hanging", [vec(99, 60)])
+            await wait_for(lambda: engine.stats("hanging")["in_flight"] == 1, "the hang")
+            for round_ in range(3):
+                healthy = submit_all(engine, "double", [vec(i) for i in range(6)])
+                await wait_for(lambda: answered(healthy), f"round {round_} of double")
+                assert outputs(healthy) == [2.0 * i for i in range(6)]
+            assert not answered(hang)  # still running in its own child
+            assert engine._dispatchers["hanging"].stall_yields == 1
+        finally:
+            await engine.stop(drain_timeout_s=0.5)
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_the_automatic_timeout_follows_recent_batches_and_ignores_one_outlier():
+    from runtime.device.timeouts import FLOOR_S, MIN_BATCHES, BatchTimes
+
+    cfg = BatchingConfig()  # execution_timeout_ms=30000 is the ceiling, auto on
+    times = BatchTimes()
+    for _ in range(MIN_BATCHES - 1):
+        times.observe(0.005)
+    assert times.timeout_s(cfg) == 30.0  # too few batches: the ceiling
+    times.observe(12.0)  # a hang that ran to its end
+    assert times.timeout_s(cfg) == FLOOR_S  # 10 x 5 ms is under the floor
+    for _ in range(40):
+        times.observe(0.5)
+    assert times.timeout_s(cfg) == 5.0  # 10 x the p99 of what the model really does
+    assert times.timeout_s(cfg.with_changes({"execution_timeout_ms": 3000.0})) == 3.0
+    assert times.timeout_s(cfg.with_changes({"execution_timeout_auto": False})) == 30.0
+    assert times.timeout_s(cfg.with_changes({"execution_timeout_ms": None,
+                                             "execution_timeout_auto": False})) is None

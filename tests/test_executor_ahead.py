@@ -93,7 +93,7 @@ def test_a_full_batch_is_sent_while_one_runs_but_a_partial_one_waits(tmp_path):
             _submit(engine, "gated", [6, 7], everything)
             await wait_for(lambda: engine.stats("gated")["in_flight"] == 8,
                             "the full second batch to go ahead")
-            assert len(engine._process._sent) == 2 and all(r is None for r in everything)
+            assert len(engine._processes["gated"]._sent) == 2 and all(r is None for r in everything)
             # never more than two batches of a model in flight
             _submit(engine, "gated", [8, 9, 10, 11, 12, 13, 14, 15], everything)
             await _let_worker_run()
@@ -127,7 +127,7 @@ def test_a_crash_with_two_batches_in_flight_fails_each_request_once(tmp_path):
     async def run() -> None:
         await engine.start()
         try:
-            first_pid = engine._process.pid
+            first_pid = engine._processes["gated"].pid
             lost = _submit(engine, "gated", [99, 1, 2, 3])
             await wait_for(lambda: engine.stats("gated")["in_flight"] == 4, "the first batch")
             _submit(engine, "gated", [4, 5, 6, 7], lost)
@@ -142,7 +142,7 @@ def test_a_crash_with_two_batches_in_flight_fails_each_request_once(tmp_path):
             await wait_for(lambda: all(r is not None for r in later), "answers after restart")
             assert [r[1] for r in later] == [None] * 5
             assert [float(r[0]["OUTPUT0"][0]) for r in later] == [21.0, 22.0, 23.0, 24.0, 25.0]
-            assert engine._process.restarts == 1 and engine._process.pid != first_pid
+            assert engine._processes["gated"].restarts == 1 and engine._processes["gated"].pid != first_pid
             assert engine.stats("gated")["in_flight"] == 0
         finally:
             await engine.stop()

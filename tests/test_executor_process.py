@@ -94,7 +94,7 @@ def test_batches_run_in_the_child_with_correct_outputs_errors_and_oom_splits():
     async def run() -> None:
         await engine.start()
         try:
-            pid = engine._process.pid
+            pid = engine._processes["double"].pid
             assert pid != os.getpid()
             double = _submit_all(engine, "double", [_vec(i) for i in range(20)])
             lengths = [3, 9, 17, 30, 5]
@@ -143,7 +143,8 @@ def test_batches_run_in_the_child_with_correct_outputs_errors_and_oom_splits():
             assert all(r.outcome in ("ok", "error") for r in rec.of(RequestRow))
         finally:
             await engine.stop()
-        assert engine._process is not None and engine._process.restarts == 0
+        assert len(set(engine._processes.values())) == len(TOYS)  # one child per model
+        assert all(p.restarts == 0 for p in engine._processes.values())
 
     asyncio.run(run())
 
@@ -159,7 +160,7 @@ def test_a_killed_child_fails_its_batch_and_a_new_one_serves_the_next(tmp_path):
     async def run() -> None:
         await engine.start()
         try:
-            first_pid = engine._process.pid
+            first_pid = engine._processes["slow"].pid
             stuck = _submit_all(engine, "slow", [{"INPUT0": np.array([99, 0], np.float32)},
                                                  {"INPUT0": np.array([5, 0], np.float32)}])
             await wait_for(lambda: engine.stats("slow")["in_flight"] == 2, "the batch to run")
@@ -173,7 +174,7 @@ def test_a_killed_child_fails_its_batch_and_a_new_one_serves_the_next(tmp_path):
             await wait_for(lambda: all(r is not None for r in later), "answers after restart")
             assert [r[1] for r in later] == [None] * 3
             assert [float(r[0]["OUTPUT0"][0]) for r in later] == [1.0, 2.0, 3.0]
-            assert engine._process.restarts == 1 and engine._process.pid != first_pid
+            assert engine._processes["slow"].restarts == 1 and engine._processes["slow"].pid != first_pid
         finally:
             await engine.stop()
         events = [e for e in rec.of(EventRow) if e.kind == "model_error"]

@@ -200,6 +200,7 @@ def report(result: dict, args: argparse.Namespace, lines: int, marks: dict[str, 
         return sum(s.status == 200 for s in samples) / max(1, len(samples))
 
     mlp_hang = [s for s in mlp.samples if during(s)]
+    mlp_calm = [s for s in mlp.samples if not during(s)]
     innocent = [s for s in poison.samples if s.kind == "innocent"]
     bad = [s for s in poison.samples if s.kind == "poison"]
     failures = (sum(s.status != 200 for s in poison.samples)
@@ -223,6 +224,11 @@ def report(result: dict, args: argparse.Namespace, lines: int, marks: dict[str, 
                                                if s.status == 200], 0.99),
         "mlp_max_ms_during_hangs": 1000 * max([s.done - s.sent for s in mlp_hang
                                                if s.status == 200], default=float("nan")),
+        "mlp_p99_ms_outside_hangs": 1000 * pct([s.done - s.sent for s in mlp_calm
+                                                if s.status == 200], 0.99),
+        "mlp_slowest": [(round(s.sent - result["start"], 2), round(s.done - s.sent, 3))
+                        for s in sorted(mlp.samples, key=lambda s: s.sent - s.done)[:5]],
+        "hangs_sent_at": [round(h.sent - result["start"], 2) for h in hangs.samples],
         "mlp_success_overall": rate(mlp.samples),
         "mlp_requests": len(mlp.samples),
         "mlp_unanswered": sum(s.status == 0 for s in mlp.samples),
@@ -252,8 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hang-s", type=float, default=12.0,
                         help="how long each hanging batch hangs")
     parser.add_argument("--hang-every-s", type=float, default=14.0)
-    parser.add_argument("--timeout-ms", type=float, default=2000.0,
-                        help="execution_timeout_ms of the hanging model")
+    parser.add_argument("--timeout-ms", type=float, default=None,
+                        help="execution_timeout_ms of the hanging model (default: the "
+                             "server's defaults, execution_timeout_auto on)")
     parser.add_argument("--poison", type=float, default=0.02,
                         help="fraction of the poison model's requests that are poison")
     parser.add_argument("--mlp-clients", type=int, default=16)
@@ -263,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
 
-    extra = ["--set", f"hanging.execution_timeout_ms={args.timeout_ms:g}"]
+    extra = ([] if args.timeout_ms is None
+             else ["--set", f"hanging.execution_timeout_ms={args.timeout_ms:g}"])
     if args.thread:
         extra.append("--no-device-process")
     server = Server(serve_cmd(*extra, models=MODELS), timeout_s=180.0, marks=LOG_MARKS)
@@ -278,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = report(result, args, lines_after - lines_before, marks, mode)
     print(f"bad models ({mode}): {args.duration_s:g} s, poison {100 * args.poison:g} %, "
           f"{args.hang_s:g} s hangs every {args.hang_every_s:g} s, "
-          f"execution_timeout_ms={args.timeout_ms:g}")
+          + ("defaults (execution_timeout_auto)" if args.timeout_ms is None
+             else f"execution_timeout_ms={args.timeout_ms:g}"))
     print(f"  innocent requests failed    {out['innocent_failed']} of {out['innocent_sent']} "
           f"(target 0), answered {out['innocent_statuses']}")
     print(f"  poison requests             {out['poison_sent']}, answered {out['poison_statuses']}")
@@ -288,7 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  mlp while a batch hangs     {100 * out['mlp_success_during_hangs']:.1f} % ok of "
           f"{out['mlp_requests_during_hangs']}; p50 {out['mlp_p50_ms_during_hangs']:.1f} ms, "
           f"p99 {out['mlp_p99_ms_during_hangs']:.1f} ms, "
-          f"max {out['mlp_max_ms_during_hangs']:.0f} ms")
+          f"max {out['mlp_max_ms_during_hangs']:.0f} ms (p99 outside hangs "
+          f"{out['mlp_p99_ms_outside_hangs']:.1f} ms)")
+    print(f"  mlp slowest (sent at s, took s) {out['mlp_slowest']}; hangs sent at "
+          f"{out['hangs_sent_at']} s")
     print(f"  mlp overall                 {100 * out['mlp_success_overall']:.1f} % ok of "
           f"{out['mlp_requests']}; unanswered {out['mlp_unanswered']}")
     print(f"  restarts / new threads      {out['restarts']} / {out['new_device_threads']}")

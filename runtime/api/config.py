@@ -112,6 +112,7 @@ class BatchingConfig:
     cuda_graphs: bool = False
     isolate_errors: bool = True
     execution_timeout_ms: float | None = 30_000.0  # None: no execution timeout
+    execution_timeout_auto: bool = True  # follow the model's recent batch times
     autopilot_slo_p99_ms: float | None = None  # None: autopilot off
 
     def __post_init__(self) -> None:

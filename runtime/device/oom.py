@@ -69,6 +69,8 @@ class Attempt:
     peak_memory_bytes: int | None = None
     #: the forward pass replayed a captured CUDA graph
     cuda_graph: bool = False
+    #: a ``timeout`` attempt: the execution timeout it ran past, in seconds
+    timeout_s: float | None = None
     #: memory figures at the moment of an OOM
     memory: dict = field(default_factory=dict)
     #: of ``compute_s``: the time in ``collate`` (with the memory-budget check) and in

@@ -287,13 +287,16 @@ class DeviceProcess:
     # -- batches ------------------------------------------------------------------------
     def submit(self, name: str, config: BatchingConfig, version: int, items: list,
                lengths: list[int] | None, pad_to: int | None, bucket: int | None,
-               on_done: OnDone) -> None:
-        """Run a batch in the child; ``on_done(attempts)`` is called on the loop exactly once."""
+               on_done: OnDone, timeout_s: float | None | str = "config") -> None:
+        """Run a batch in the child; ``on_done(attempts)`` is called on the loop exactly once.
+        ``timeout_s``: its execution timeout (None: none; default: the config's
+        ``execution_timeout_ms``)."""
         self._next_id += 1
         job = _Job(self._next_id, name, config, version, items, lengths, pad_to, bucket, on_done)
-        timeout_ms = config.execution_timeout_ms
-        if timeout_ms is not None:
-            job.timeout_s = timeout_ms / 1000.0
+        if timeout_s == "config":
+            timeout_ms = config.execution_timeout_ms
+            timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
+        job.timeout_s = timeout_s
         if self._stopping:
             self._finish_failed(job, "the server is shutting down")
             return
@@ -457,15 +460,15 @@ class DeviceProcess:
         self._sent.clear()
         self._close_child(kill=True)
         log.error("model %r ran a batch of %d for %.1f s in the device process (pid %s), past "
-                  "execution_timeout_ms=%g: the process is killed and restarted; %d batch(es) "
-                  "waiting behind it are sent to the new one", job.name, len(job.items), ran_s,
-                  pid, job.timeout_s * 1000.0, len(behind))
+                  "its execution timeout of %g ms: the process is killed and restarted; %d "
+                  "batch(es) waiting behind it are sent to the new one", job.name,
+                  len(job.items), ran_s, pid, job.timeout_s * 1000.0, len(behind))
         self._held.extendleft(reversed(behind))
         now = self._clock.now()
         job.on_done([Attempt(0, len(job.items), "timeout", now - ran_s, now, ran_s,
                              error=("the device process running it was killed and is being "
                                     "restarted; retry in a moment, and fix the model or raise "
-                                    "execution_timeout_ms"))])
+                                    "execution_timeout_ms"), timeout_s=job.timeout_s)])
         self._ensure_restart()
 
     # -- failures -----------------------------------------------------------------------

@@ -53,6 +53,7 @@ from runtime.api.errors import (BatchScopeError, ModelError, ModelNotReady, Mode
 from runtime.core.batcher import Batch, pad_length
 from runtime.core.request import PendingRequest
 from runtime.device.oom import Attempt
+from runtime.device.timeouts import FLOOR_S, MULTIPLE
 from runtime.engine.served import ServedModel
 
 log = logging.getLogger("batchscope.engine")
@@ -63,6 +64,16 @@ TRACEBACK_INTERVAL_S = 10.0
 SUMMARY_INTERVAL_S = 1.0
 #: a client told that a model timed out or is stuck may retry after this long
 RETRY_AFTER_STUCK_S = 1.0
+
+
+def _limit(config: Any, a: Attempt) -> str:
+    """The execution timeout a ``timeout`` attempt ran past, in words."""
+    ceiling = config.execution_timeout_ms
+    if a.timeout_s is None or ceiling is None or abs(a.timeout_s * 1000.0 - ceiling) < 1e-6:
+        return f"execution_timeout_ms={_ms(ceiling)}"
+    return (f"its execution timeout of {_ms(a.timeout_s * 1000.0)} ms (execution_timeout_auto: "
+            f"{MULTIPLE:g} x its recent p99 batch time, at least {FLOOR_S:g} s; "
+            f"execution_timeout_ms={_ms(ceiling)} is the ceiling)")
 
 
 def _ms(value: float | None) -> str:
@@ -211,9 +222,8 @@ class Booking:
         name = model.name
         if a.outcome == "timeout":
             return ModelTimedOut(
-                f"model {name!r} took longer than execution_timeout_ms="
-                f"{_ms(batch.config.execution_timeout_ms)} on a batch of {a.size}; {a.error}",
-                retry_after_s=RETRY_AFTER_STUCK_S)
+                f"model {name!r} took longer than {_limit(batch.config, a)} on a batch of "
+                f"{a.size}; {a.error}", retry_after_s=RETRY_AFTER_STUCK_S)
         if a.outcome == "refused":
             return ModelNotReady(a.error or f"model {name!r} is not ready; retry later",
                                  retry_after_s=RETRY_AFTER_STUCK_S)
@@ -361,7 +371,7 @@ class Booking:
                        now: float) -> None:
         limit = batch.config.execution_timeout_ms
         message = (f"{model.name!r} ran a batch of {a.size} for {a.compute_s:.1f} s, past "
-                   f"execution_timeout_ms={_ms(limit)}; {a.error}")
+                   f"{_limit(batch.config, a)}; {a.error}")
         log.error("model %s", message)
         self.event(model.name, now, "model_timeout", message, "error",
                    batch_size=a.size, batch_seq=seq, execution_timeout_ms=limit,

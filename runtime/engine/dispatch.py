@@ -24,6 +24,12 @@ device time of the batches back since the last report (a batch that comes back
 while the model does not hold the turn is counted at its next turn, or at once if
 the device is free).
 
+A batch that overstays. When the model runs in a device process of its own
+(``Executor.isolated``), a batch still out ``STALL_FACTOR`` times the model's median
+batch time (``ServedModel.batch_times``) after it was sent (at least ``STALL_FLOOR_S``) gives the device turn back
+early: a model that hangs then holds its own process until its execution timeout
+cuts it, and no other model's turn. Its device time is reported when it comes back.
+
 Deadlines have a timer of their own, one per model, armed for the earliest deadline
 in the queue (``watch_deadline`` on admission, re-armed each time it fires): a queued
 request past its deadline is answered ``RequestExpired`` (503) at that deadline,
@@ -55,6 +61,11 @@ from runtime.engine.served import ServedModel
 from runtime.engine.turns import DeviceTurns
 
 log = logging.getLogger("batchscope.engine")
+
+#: a batch of an isolated model still out this many times its mean batch time ...
+STALL_FACTOR = 4.0
+#: ... and at least this long gives the device turn back while it runs on
+STALL_FLOOR_S = 0.1
 
 
 class Waker:
@@ -117,6 +128,11 @@ class Dispatcher:
         #: the expiry timer, and the deadline (engine clock) it is armed for (inf: none)
         self._timer: asyncio.TimerHandle | None = None
         self.timer_at = math.inf
+        #: gives the turn back while a batch overstays (isolated executors only)
+        self._isolated = bool(getattr(executor, "isolated", False))
+        self._stall: asyncio.TimerHandle | None = None
+        #: turns given back early so far, for tests and stats
+        self.stall_yields = 0
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -294,7 +310,21 @@ class Dispatcher:
     def _send(self, batch: Batch) -> None:
         self.running.append(batch)
         self.in_flight += len(batch.requests)
+        if self._isolated and self._loop is not None:
+            if self._stall is not None:
+                self._stall.cancel()
+            typical = (self.model.batch_times.typical_s or self.model.batcher.mean_compute_s
+                       or 0.0)
+            self._stall = self._loop.call_later(
+                max(STALL_FLOOR_S, STALL_FACTOR * typical * len(self.running)), self._on_stall)
         self.executor.submit(batch, lambda attempts: self._back(batch, attempts))
+
+    def _on_stall(self) -> None:
+        """A batch overstays: let the other models have the device meanwhile."""
+        self._stall = None
+        if self.running and self._holds_turn:
+            self.stall_yields += 1
+            self._give_back_turn()
 
     def _back(self, batch: Batch, attempts: list[Attempt]) -> None:
         """A batch is back from the executor: book it and wake the loop."""
@@ -304,6 +334,8 @@ class Dispatcher:
         self._unreported += 1
         self._unreported_s += booked.device_s
         model.batcher.complete(batch, now, booked.device_s)
+        if all(a.outcome != "timeout" for a in attempts):
+            model.batch_times.observe(booked.device_s)
         self._finished.append(booked)
         running = self.running
         if len(running) == 1 and running[0] is batch:
@@ -312,8 +344,12 @@ class Dispatcher:
         else:
             running[:] = [b for b in running if b is not batch]
             self.in_flight = sum(len(b.requests) for b in running)
-        if not running and self._all_back is not None and not self._all_back.done():
-            self._all_back.set_result(None)
+        if not running:
+            if self._stall is not None:
+                self._stall.cancel()
+                self._stall = None
+            if self._all_back is not None and not self._all_back.done():
+                self._all_back.set_result(None)
         self._refill(now)
         self.answer()
         self._waker.wake()

@@ -16,9 +16,10 @@ item (``infer_items``/``submit_items``), answered once when every item is back. 
 model's dispatch loop forms the batch, runs it where the executor puts it and hands
 the result to booking. Batches run off the event loop, in the single device thread (collate,
 predict and split under ``torch.inference_mode()``, see
-``runtime.device.executor.run_batch``), or with ``device_process=True`` in a child
-process with its own interpreter lock (``runtime.device.process``), which loads the
-models from ``model_specs``. Every accepted request gets exactly one outcome and one
+``runtime.device.executor.run_batch``), or with ``device_process=True`` in child
+processes with their own interpreter lock (``runtime.device.process``), one per model,
+each loading its model from ``model_specs`` and restarted on its own: a model that
+hangs or crashes stops no other. Every accepted request gets exactly one outcome and one
 ``RequestRow``; every executed batch (and every out-of-memory attempt) one
 ``BatchRow``; notable things an ``EventRow``.
 
@@ -28,6 +29,7 @@ All public methods are to be called on the event loop's thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -64,6 +66,39 @@ EVENT_INTERVAL_S = 1.0
 #: Off by default: a model slower than its history would then block the loop.
 INLINE_MAX_COMPUTE_MS = 0.0
 
+
+
+class DeviceProcesses:
+    """The device processes of an engine, started and stopped together; each restarts
+    on its own (``DeviceProcess``)."""
+
+    def __init__(self, processes: list[DeviceProcess]) -> None:
+        self.processes = processes
+
+    async def start(self) -> None:
+        await asyncio.gather(*(p.start() for p in self.processes))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(p.stop() for p in self.processes))
+
+
+def _process_groups(names: list[str], specs: list[str]) -> list[tuple[list[str], list[str]]]:
+    """(model names, their specs) per device process: one process per model when every
+    model's spec can be told (a spec ``NAME=target`` names its model; the others follow
+    the models in order), else one process for all of them."""
+    by_name: dict[str, str] = {}
+    rest: list[str] = []
+    for spec in specs:
+        head, sep, _ = spec.partition("=")
+        if sep and ":" not in head and "/" not in head and head in names:
+            by_name[head] = spec
+        else:
+            rest.append(spec)
+    unnamed = [n for n in names if n not in by_name]
+    if len(unnamed) != len(rest):
+        return [(names, specs)]
+    by_name.update(zip(unnamed, rest))
+    return [([name], [by_name[name]]) for name in names]
 
 class CallbackOutcome:
     """Stands where a request's future would: hands its one outcome to a callback."""
@@ -163,8 +198,8 @@ class Engine:
         ``inline_max_compute_ms``: on a CPU device, a batch expected (from recent batches)
         to take at most this long runs on the event loop's thread instead of the device
         thread; 0 turns that off.
-        ``device_process``: run batches in a child process that loads every served model
-        from ``model_specs`` (``runtime.models.loader`` specs, e.g. ``mlp`` or
+        ``device_process``: run batches in child processes, one per model, that load the
+        served models from ``model_specs`` (``runtime.models.loader`` specs, e.g. ``mlp`` or
         ``path/file.py:Class``) and calls ``setup(device)`` there; the models given here
         then only ``decode`` (and ``length``) requests and are never set up."""
         configs = dict(configs or {})
@@ -194,15 +229,19 @@ class Engine:
         self._booking = Booking(recorder, instance_id, self._clock)
         self._arbiter = FairArbiter()
         served = list(self._models.values())
-        #: the child process batches run in (``device_process=True``), else None
-        self._process: DeviceProcess | None = None
+        #: the child processes batches run in (``device_process=True``): one per model,
+        #: so a model that hangs or crashes stops no other; else empty
+        self._processes: dict[str, DeviceProcess] = {}
         if device_process:
-            self._process = DeviceProcess(
-                tuple(model_specs), list(self._models), str(self.device),
-                torch_threads=torch.get_num_threads(), clock=self._clock,
-                on_exit=self._device_process_exited)
-            self._backend: DeviceProcess | DeviceThread = self._process
-            executors = [ProcessExecutor(self._process, m) for m in served]
+            for names, specs in _process_groups(list(self._models), list(model_specs)):
+                process = DeviceProcess(
+                    tuple(specs), names, str(self.device),
+                    torch_threads=torch.get_num_threads(), clock=self._clock,
+                    on_exit=functools.partial(self._device_process_exited, names))
+                self._processes.update((name, process) for name in names)
+            self._backend: DeviceProcesses | DeviceThread = DeviceProcesses(
+                list(dict.fromkeys(self._processes.values())))
+            executors = [ProcessExecutor(self._processes[m.name], m) for m in served]
         else:
             thread = DeviceThread(served, self.device, self._clock, inline_max_compute_ms / 1000.0)
             self._backend = thread
@@ -229,9 +268,11 @@ class Engine:
         for dispatcher in self._dispatchers.values():
             dispatcher.start(loop)
 
-    def _device_process_exited(self, message: str) -> None:
-        self._booking.event(None, self._clock.now(), "model_error", message, "error",
-                            device_process_restarts=self._process.restarts)
+    def _device_process_exited(self, names: list[str], message: str) -> None:
+        process = self._processes[names[0]]
+        self._booking.event(names[0] if len(names) == 1 else None, self._clock.now(),
+                            "model_error", message, "error",
+                            device_process_restarts=process.restarts, models=names)
 
     async def stop(self, drain_timeout_s: float = 10.0) -> None:
         """Refuse new work, run what is queued for up to ``drain_timeout_s``, then answer

@@ -272,9 +272,9 @@ class ThreadExecutor:
             thread.loop.call_soon(self._run_inline, batch, on_done)
             return
         job = _Job(self, batch, on_done)
-        timeout_ms = batch.config.execution_timeout_ms
-        if timeout_ms is not None:
-            job.timeout_s = timeout_ms / 1000.0
+        timeout_s = self._model.batch_times.timeout_s(batch.config)
+        if timeout_s is not None:
+            job.timeout_s = timeout_s
             thread.arm(job, job.timeout_s)
         gate = thread.handoff
         gate.acquire(blocking=False)  # closed (it may have been left open by a late start)
@@ -325,7 +325,7 @@ class ThreadExecutor:
         """``job`` has run ``ran_s`` past its timeout: answer it now, refuse until it returns."""
         self._stuck = job
         name = self._model.name
-        log.error("model %r has run a batch of %d for %.1f s, past execution_timeout_ms=%g; "
+        log.error("model %r has run a batch of %d for %.1f s, past its execution timeout of %g ms; "
                   "its requests are answered now, the model refuses batches until it returns, "
                   "and a new device thread serves the other models", name,
                   len(job.batch.requests), ran_s, job.timeout_s * 1000.0)
@@ -333,7 +333,8 @@ class ThreadExecutor:
         job.on_done([Attempt(0, len(job.batch.requests), "timeout", now - ran_s, now, ran_s,
                              error=f"a thread cannot be stopped, so model {name!r} refuses "
                                    "requests (503) until that batch returns; retry later, and "
-                                   "fix the model or raise execution_timeout_ms")])
+                                   "fix the model or raise execution_timeout_ms",
+                             timeout_s=job.timeout_s)])
 
     def returned(self, job: _Job, ran_s: float) -> None:
         """The stuck batch returned (its results were dropped): serve the model again."""
@@ -362,6 +363,8 @@ class ProcessExecutor:
     def __init__(self, process: DeviceProcess, model: ServedModel) -> None:
         self._process = process
         self._model = model
+        #: the process runs this model alone: its stalls are its own (see dispatch)
+        self.isolated = process.names == [model.name]
 
     def submit(self, batch: Batch, on_done: OnDone) -> None:
         model = self._model
@@ -369,7 +372,7 @@ class ProcessExecutor:
         self._process.submit(
             model.name, batch.config, batch.settings_version, [r.item for r in reqs],
             [r.length for r in reqs] if model.variable else None, batch.pad_to, batch.bucket,
-            on_done)
+            on_done, model.batch_times.timeout_s(batch.config))
 
     def graph_stats(self) -> dict | None:
         return None  # the runner lives in the child

@@ -9,6 +9,9 @@ the attribute alone which code moves it:
 * ``governor``: the effective max batch size after out-of-memory errors; replaced
   only by ``apply_settings``, moved by booking (``runtime.engine.booking``), which
   then calls ``apply_caps``.
+* ``batch_times``: the recent device time of its batches, which sets their execution
+  timeout (``runtime.device.timeouts``); fed only by its dispatch loop, read by its
+  executor.
 * ``counts``: the figures ``Engine.stats`` reports, and the inference totals
   (``InferenceTotals``) behind ``Engine.inference_totals``; changed only by booking.
 
@@ -28,6 +31,7 @@ from runtime.api.model import ModelAPI
 from runtime.core.batcher import Batcher
 from runtime.autopilot.window import OutcomeWindow  # autopilot: per-window latency figures
 from runtime.device.oom import SizeGovernor
+from runtime.device.timeouts import BatchTimes
 
 
 class Throttle:
@@ -110,7 +114,7 @@ class Counts:
 class ServedModel:
     """One request/response model the engine serves."""
 
-    __slots__ = ("name", "api", "variable", "batcher", "governor", "counts")
+    __slots__ = ("name", "api", "variable", "batcher", "governor", "counts", "batch_times")
 
     def __init__(self, name: str, api: ModelAPI, config: BatchingConfig,
                  event_interval_s: float) -> None:
@@ -120,6 +124,7 @@ class ServedModel:
         self.batcher = Batcher(name, config, variable_length=self.variable)
         self.governor = SizeGovernor(config.max_batch_size, config.oom_probe_after_batches)
         self.counts = Counts(event_interval_s)
+        self.batch_times = BatchTimes()
 
     @property
     def config(self) -> BatchingConfig:
