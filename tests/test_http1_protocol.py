@@ -351,6 +351,66 @@ def test_graceful_shutdown_finishes_in_flight_then_closes(bare):
         socket.create_connection(bare.sock.getsockname()[:2], timeout=TIMEOUT_S).recv(1)
 
 
+def test_draining_answers_what_was_taken_in_and_refuses_the_rest(bare):
+    refusal = (503, [(b"content-type", b"application/json"), (b"retry-after", b"1")],
+               b'{"error": "draining"}')
+    asked: list[tuple[bytes, str]] = []
+
+    def hook(method: bytes, path: str):
+        asked.append((method, path))
+        return None if path == "/live" else refusal
+
+    async def start_draining() -> asyncio.Future:
+        return bare.server.drain(hook)
+
+    async def drain(owed: asyncio.Future) -> None:
+        await owed
+
+    def refused(rd: Reader) -> bool:
+        status, headers, body = rd.response()
+        return (status == 503 and headers["retry-after"] == "1"
+                and headers["connection"] == "close" and body == refusal[2] and rd.closed())
+
+    idle, idle_rd = connect(bare.url)
+    busy, busy_rd = connect(bare.url)
+    with idle, busy:
+        idle.sendall(request("GET", "/warm"))
+        assert idle_rd.response()[0] == 200
+        busy.sendall(request("GET", "/slow"))
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any(c.queue for c in list(bare.server.connections)):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        owed = asyncio.run_coroutine_threadsafe(start_draining(), bare.loop).result(TIMEOUT_S)
+        drained = asyncio.run_coroutine_threadsafe(drain(owed), bare.loop)
+        # the idle keep-alive connection stays open: a request on it is refused, then closed
+        idle.sendall(request("POST", "/x?a=1", b"12345"))
+        assert refused(idle_rd)
+        fresh, fresh_rd = connect(bare.url)  # still listening
+        with fresh:
+            fresh.sendall(request("GET", "/v1/anything"))
+            assert refused(fresh_rd)
+        live, live_rd = connect(bare.url)
+        with live:  # what the hook lets through is served, as the last on its connection
+            live.sendall(request("GET", "/live"))
+            status, headers, _ = live_rd.response()
+            assert status == 200 and headers["connection"] == "close" and live_rd.closed()
+        assert not drained.done()  # /slow was taken in before: still owed
+        assert bare.server.owed_answers() == 1
+        bare.release.set()
+        status, headers, body = busy_rd.response()
+        assert status == 200 and body == b"slow done"
+        drained.result(TIMEOUT_S)
+        busy.sendall(request("GET", "/after"))
+        assert refused(busy_rd)
+    assert asked == [(b"POST", "/x"), (b"GET", "/v1/anything"), (b"GET", "/live"),
+                     (b"GET", "/after")]
+    assert bare.server.counts["drain_refusals"] == 3
+    bare.shutdown()
+    with pytest.raises(OSError):
+        socket.create_connection(bare.sock.getsockname()[:2], timeout=TIMEOUT_S).recv(1)
+
+
 def test_a_long_pipeline_is_answered_in_order(bare):
     sock, rd = connect(bare.url)
     with sock:

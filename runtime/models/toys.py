@@ -13,10 +13,15 @@
   first value is 99 hangs for as many seconds as that input's second value (at most
   ``MAX_HANG_S``), or until ``release`` is set, so a test can drive the execution
   timeout; in a device process the hang is chosen by the input alone.
+* ``GatedDecoder`` ("gated"): the bundled generation model ``decoder``, whose steps
+  wait while the file named by ``$BATCHSCOPE_TOY_GATE`` exists, so a test holds the
+  generations of a server in another process mid-stream by creating that file
+  (``tests/test_sigterm_streams.py``).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -26,6 +31,7 @@ import torch
 
 from runtime.api.errors import ClientError
 from runtime.api.model import ModelAPI, TensorSpec
+from runtime.models.decoder import TinyDecoder
 
 
 def _vector(inputs: dict[str, np.ndarray], width: int | None) -> np.ndarray:
@@ -139,6 +145,34 @@ class HangingModel(DoubleModel):
                 self.release.wait(min(0.05, max(0.0, give_up - time.monotonic())))
             self.returned += 1
         return super().predict(batch)
+
+
+#: the environment variable naming the file that holds a ``GatedDecoder``'s steps
+GATE_ENV = "BATCHSCOPE_TOY_GATE"
+#: how often a held step looks at the file again
+GATE_POLL_S = 0.01
+
+
+class GatedDecoder(TinyDecoder):
+    """``decoder`` whose steps do not start while the gate file exists: a step that
+    finds it waits until it is removed, for at most ``MAX_HANG_S`` (then the step
+    raises, failing the sequences it held). Without ``$BATCHSCOPE_TOY_GATE`` it is
+    the plain ``decoder``."""
+
+    name = "gated"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = os.environ.get(GATE_ENV) or None
+
+    def step(self, chunks: Any) -> torch.Tensor:
+        if self.gate is not None and os.path.exists(self.gate):
+            give_up = time.monotonic() + MAX_HANG_S
+            while os.path.exists(self.gate):
+                if time.monotonic() > give_up:
+                    raise TimeoutError(f"the gate file {self.gate} stayed for {MAX_HANG_S:g} s")
+                time.sleep(GATE_POLL_S)
+        return super().step(chunks)
 
 
 class VarLenModel(ModelAPI):
