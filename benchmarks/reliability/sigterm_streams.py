@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import signal
-import socket
 import sys
 import threading
 import time
