@@ -345,40 +345,37 @@ class Target:
             self._channel.close()
 
 
-def _probe(host: str, port: int, interval_s: float, stop: Any, out: Any) -> None:
-    """The prober's own process (so that generating requests here cannot delay it)."""
+def _probe(conn: Any, host: str, port: int, interval_s: float) -> None:
+    """The prober's own process (so that generating requests cannot delay it): probes
+    until told to stop, then sends back (spans, failures)."""
     spans: list[tuple[float, float]] = []
     failures = 0
-    conn = http.client.HTTPConnection(host, port, timeout=10)
-    while not stop.wait(interval_s):
+    client = http.client.HTTPConnection(host, port, timeout=10)
+    while not conn.poll(interval_s):
         start = time.perf_counter()
         try:
-            conn.request("GET", "/v2/health/live")
-            conn.getresponse().read()
+            client.request("GET", "/v2/health/live")
+            client.getresponse().read()
         except (OSError, http.client.HTTPException):
             failures += 1
-            conn.close()
-            conn = http.client.HTTPConnection(host, port, timeout=10)
+            client.close()
+            client = http.client.HTTPConnection(host, port, timeout=10)
             continue
         spans.append((start, time.perf_counter() - start))
-    conn.close()
-    out.put((spans, failures))
+    client.close()
+    conn.send((spans, failures))
 
 
 class Prober:
     """Asks ``GET /v2/health/live`` every ``interval_s`` on its own connection, from a
-    process of its own; the slowest answer bounds how long the server's event loop
-    stalled."""
+    process of its own (``batchscope.spawn``); the slowest answer bounds how long the
+    server's event loop stalled."""
 
     def __init__(self, target: Target, interval_s: float = 0.02) -> None:
-        import multiprocessing
+        from batchscope.spawn import spawn_child
 
-        ctx = multiprocessing.get_context("spawn")
-        self._stop = ctx.Event()
-        self._out = ctx.Queue()
-        self._proc = ctx.Process(target=_probe, args=(target.host, target.port, interval_s,
-                                                       self._stop, self._out), daemon=True)
-        self._proc.start()
+        self._child = spawn_child(_probe, (target.host, target.port, interval_s),
+                                  name="batchscope-hostile-prober")
         #: (start, seconds) of every probe, once stopped
         self.spans: list[tuple[float, float]] = []
         self.failures = 0
@@ -393,9 +390,12 @@ class Prober:
         return out
 
     def stop(self) -> dict[str, float]:
-        self._stop.set()
-        self.spans, self.failures = self._out.get(timeout=30)
-        self._proc.join(15)
+        conn = self._child.conn
+        conn.send("stop")
+        if not conn.poll(60):
+            raise RuntimeError("the prober did not answer")
+        self.spans, self.failures = conn.recv()
+        self._child.process.join(15)
         times = sorted(t for _, t in self.spans) or [float("nan")]
         return {"probes": len(self.spans), "failures": self.failures,
                 "p99_ms": times[int(0.99 * (len(times) - 1))] * 1e3, "max_ms": times[-1] * 1e3}
