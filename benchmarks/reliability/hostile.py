@@ -31,7 +31,6 @@ import signal
 import string
 import struct
 import sys
-import threading
 import time
 import warnings
 from collections import Counter
@@ -245,9 +244,27 @@ def grpc_infer(draw) -> GrpcAttack:
     return GrpcAttack("grpc infer", request.SerializeToString())
 
 
+@st.composite
+def other_routes(draw) -> HttpAttack:
+    """Any route with any method and body: metadata, readiness, statistics, the
+    repository index, metrics, unknown paths."""
+    model = draw(st.sampled_from([*MODELS, GENERATION, "nope", "../x", ""]))
+    path = draw(st.sampled_from([
+        "/v2", "/v2/health/live", "/v2/health/ready", f"/v2/models/{model}",
+        f"/v2/models/{model}/ready", f"/v2/models/{model}/config", f"/v2/models/{model}/stats",
+        "/v2/models/stats", "/v2/repository/index", f"/v2/models/{model}/batching/stats",
+        f"/v2/models/{model}/versions/7/infer", "/v1/models", f"/v1/models/{model}",
+        "/metrics", "/nope", "/v2/models//infer", "/%ff%fe"]))
+    body = draw(st.one_of(st.just(b""), st.binary(max_size=200),
+                          _json.map(lambda v: json.dumps(v).encode())))
+    return HttpAttack("other routes", draw(st.sampled_from(["GET", "POST", "PUT", "DELETE",
+                                                            "PATCH", "HEAD", "OPTIONS"])),
+                      path, body, (("content-type", "application/json"),))
+
+
 HTTP_STRATEGIES = {"kserve json": kserve_json(), "kserve binary": kserve_binary(),
                    "openai": openai(), "control": control(), "headers": header_flood(),
-                   "gzip bomb": compressed_bomb()}
+                   "gzip bomb": compressed_bomb(), "other routes": other_routes()}
 ANY_ATTACK = st.one_of(*HTTP_STRATEGIES.values(), grpc_infer())
 
 
@@ -311,7 +328,7 @@ class Target:
         else:
             conn.close()
         detail = ""
-        if response.status >= 400:
+        if response.status >= 400 and attack.method != "HEAD":  # HEAD: the head alone
             try:
                 doc = json.loads(body)
                 detail = str(doc.get("error") or doc)[:200]

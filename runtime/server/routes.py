@@ -38,7 +38,7 @@ from runtime.server import openai_errors, triton
 from runtime.server.auth import AuthConfig, Unauthorized
 from runtime.server.control_api import (DEFAULT_AUTH, control_routes, json_response,
                                         model_directory)
-from runtime.server.bounds import MemoryBudget, RequestBounds
+from runtime.server.bounds import MemoryBudget, RequestBounds, check_json_size
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, run_infer
 from runtime.server.metrics import CONTENT_TYPE, MetricsRecorder
 from runtime.server.triton import MODEL_VERSION
