@@ -390,8 +390,10 @@ class Prober:
 
     def __init__(self, target: Target, interval_s: float = 0.02) -> None:
         from batchscope.spawn import spawn_child
+        # by its module's name: run as ``python -m``, this file is ``__main__``
+        from benchmarks.reliability.hostile import _probe as probe
 
-        self._child = spawn_child(_probe, (target.host, target.port, interval_s),
+        self._child = spawn_child(probe, (target.host, target.port, interval_s),
                                   name="batchscope-hostile-prober")
         #: (start, seconds) of every probe, once stopped
         self.spans: list[tuple[float, float]] = []
