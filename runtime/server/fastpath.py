@@ -24,8 +24,8 @@ A request whose inputs carry a batch dimension of k > 1 goes to the engine as k
 items (``Engine.submit_items``) and is answered once, with the outputs stacked. A
 body sent with ``Content-Encoding: gzip``/``deflate`` is inflated as it is parsed.
 
-A body over ``LARGE_BODY_BYTES`` (a compressed one over ``LARGE_BODY_BYTES //
-COMPRESSED_RATIO``) is parsed on a parser thread instead of the event
+A body over ``LARGE_BODY_BYTES`` (a compressed one over ``LARGE_COMPRESSED_BYTES``)
+is parsed on a parser thread instead of the event
 loop (``orjson`` and numpy let go of the interpreter lock for much of it), so one
 large request does not stall every other client; the parsed request is submitted
 back on the loop. Small bodies are parsed in place: a thread hop would cost more
@@ -53,9 +53,9 @@ _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
 #: bodies larger than this are parsed on a parser thread, off the event loop
 LARGE_BODY_BYTES = 1 << 20
-#: a compressed body is taken to inflate to this many times its size when deciding
-#: where it is parsed
-COMPRESSED_RATIO = 16
+#: a compressed body larger than this is parsed on the parser thread: how far it
+#: inflates is not known before it is inflated (a gzip bomb inflates 1,000-fold)
+LARGE_COMPRESSED_BYTES = 4096
 #: threads that parse large bodies (the total in-flight body budget of the HTTP server
 #: bounds how much waits for them)
 PARSER_THREADS = 1
@@ -174,8 +174,7 @@ class InferHook:
             cfg = engine.get_settings(name)[1]
             levels = cfg.priority_levels
             bounds = RequestBounds.of(cfg.max_queue_size, model.max_length)
-            size = len(body) * COMPRESSED_RATIO if encoding else len(body)
-            if size > LARGE_BODY_BYTES:
+            if len(body) > (LARGE_COMPRESSED_BYTES if encoding else LARGE_BODY_BYTES):
                 loop = _running_loop()
                 if loop is not None:  # parse off the loop: other clients keep being served
                     self._parse_aside(loop, path, body, header_length, encoding, served,
