@@ -206,3 +206,13 @@ def test_config_validation_names_the_field():
     assert GenerationConfig().with_changes({"default_timeout_ms": 5}).default_timeout_ms == 5.0
     with pytest.raises(ConfigError, match="exceeds what model"):
         StepRunner(TinyDecoder(max_model_len=64), GenerationConfig(max_model_len=128))
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token_instead_of_failing():
+    import torch
+
+    from runtime.generation.model import sample
+
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    gen = torch.Generator().manual_seed(0)
+    assert sample(logits, [(0, 1e-300, gen)]) == [1]

@@ -147,6 +147,9 @@ def sample(logits: torch.Tensor, rows: list[tuple[int, float, torch.Generator | 
             tokens[i] = int(tok)
     for i, (row, temp, gen) in enumerate(rows):
         if temp > 0:
-            probs = torch.softmax(logits[row] / temp, dim=-1)
+            x = logits[row].double()
+            # shifted first, in float64 (which holds any temperature a request may send): a
+            # tiny temperature then gives -inf and 0, not inf - inf (nan)
+            probs = torch.softmax((x - x.max()) / temp, dim=-1)
             tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
     return tokens
