@@ -105,6 +105,24 @@ def spawn_child(target: Callable[..., Any], args: Sequence[Any] = (), *, name: s
     return Child(proc, parent_end)
 
 
+def stop_child(proc: BaseProcess, conn: Connection, stop_message: bytes,
+               timeout_s: float = 5.0) -> None:
+    """Ask a child to exit with ``stop_message``, kill it after ``timeout_s``, close the
+    channel (the shared end of ``WriterProcess`` and ``DatabaseCalls``)."""
+    try:
+        conn.send_bytes(stop_message)
+    except (OSError, ValueError):
+        pass
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout_s)
+    try:
+        conn.close()
+    except OSError:
+        pass
+
+
 def child_priority() -> str:
     """In a child started by ``spawn_child``: the CPU priority it gave itself at start."""
     return _priority

@@ -28,7 +28,7 @@ import pickle
 import threading
 from typing import Any, Callable
 
-from batchscope.spawn import spawn_child
+from batchscope.spawn import spawn_child, stop_child
 
 #: how long the parent waits for one call's answer (SQLite's busy timeout is 5 s)
 REPLY_TIMEOUT_S = 30.0
@@ -151,18 +151,7 @@ class DatabaseCalls:
         self._proc = self._conn = None
         if proc is None:
             return
-        try:
-            conn.send_bytes(_STOP)
-        except (OSError, ValueError):
-            pass
-        proc.join(timeout_s)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout_s)
-        try:
-            conn.close()
-        except OSError:
-            pass
+        stop_child(proc, conn, _STOP, timeout_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the child (the next call starts a new one)."""

@@ -43,7 +43,7 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any
 
-from batchscope.spawn import child_priority, spawn_child
+from batchscope.spawn import child_priority, spawn_child, stop_child
 from batchscope.storage.records import RequestBatch
 
 log = logging.getLogger(__name__)
@@ -230,15 +230,4 @@ class WriterProcess:
         self._proc = self._conn = None
         if proc is None:
             return
-        try:
-            conn.send_bytes(_STOP)
-        except (OSError, ValueError):
-            pass
-        proc.join(timeout_s)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout_s)
-        try:
-            conn.close()
-        except OSError:
-            pass
+        stop_child(proc, conn, _STOP, timeout_s)
