@@ -19,7 +19,7 @@ from runtime.api.model import TensorSpec
 from runtime.engine.engine import Engine
 from runtime.models.toys import DoubleModel
 from runtime.server import triton
-from runtime.server.kserve import decoded_body, encode_infer, parse_infer
+from runtime.server.kserve import INFLATE_SLICE_BYTES, decoded_body, encode_infer, parse_infer
 
 INPUTS = (TensorSpec("A", "FP32", (2,)), TensorSpec("B", "INT64", (-1,)))
 OUTPUTS = (TensorSpec("Y", "FP32", (-1,)),)
@@ -79,6 +79,8 @@ def test_compressed_bodies_inflate_in_every_accepted_form():
     raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
     assert decoded_body(gzip.compress(body), "gzip") == body
     assert decoded_body(gzip.compress(body[:50]) + gzip.compress(body[50:]), "x-gzip") == body
+    big = bytes(range(256)) * (3 * INFLATE_SLICE_BYTES // 256 + 7)  # inflated in four slices
+    assert decoded_body(gzip.compress(big[:99]) + gzip.compress(big), "gzip") == big[:99] + big
     assert decoded_body(zlib.compress(body), "Deflate") == body
     assert decoded_body(raw.compress(body) + raw.flush(), "deflate") == body
     assert decoded_body(body, "identity") == body

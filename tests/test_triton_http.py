@@ -27,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.models.mlp import IN_FEATURES, OUT_FEATURES, MLPModel
 from runtime.models.toys import DoubleModel, FailingModel
+from runtime.server.bounds import MAX_JSON_BYTES
 from runtime.server.kserve import MAX_DECODED_BYTES
 from runtime.server.service import Service, ServiceThread
 
@@ -247,10 +248,16 @@ def test_raw_deflate_and_bad_compressed_bodies(url):
 
 
 def test_a_body_inflating_past_the_limit_is_a_413(url):
+    """A JSON-only body stops inflating at the JSON cap; one with binary tensors after its
+    JSON header at the decoded-body cap."""
     bomb = gzip.compress(b" " * (MAX_DECODED_BYTES + 1), compresslevel=9)
     assert len(bomb) < MAX_DECODED_BYTES // 100
     r = httpx.post(f"{url}/v2/models/double/infer", content=bomb,
                    headers={"Content-Encoding": "gzip"}, timeout=TIMEOUT_S)
+    assert r.status_code == 413
+    assert f"more than this server accepts ({MAX_JSON_BYTES} bytes)" in r.json()["error"]
+    r = httpx.post(f"{url}/v2/models/double/infer", content=bomb, timeout=TIMEOUT_S,
+                   headers={"Content-Encoding": "gzip", "Inference-Header-Content-Length": "2"})
     assert r.status_code == 413
     assert f"more than this server accepts ({MAX_DECODED_BYTES} bytes)" in r.json()["error"]
 

@@ -50,8 +50,9 @@ import orjson
 from runtime.api.errors import (ClientError, ModelError, RequestTooLarge, UnsupportedEncoding,
                                 ValidationError)
 from runtime.api.model import DATATYPES, TensorSpec
-from runtime.server.bounds import (ITEM_BYTES, MAX_REQUEST_ITEMS, MemoryBudget, RequestBounds,
-                                   Reservation, check_json_size, itemsize, tensor_bytes)
+from runtime.server.bounds import (ITEM_BYTES, MAX_JSON_BYTES, MAX_REQUEST_ITEMS, MemoryBudget,
+                                   RequestBounds, Reservation, check_json_size, itemsize,
+                                   tensor_bytes)
 
 HEADER_LENGTH = "inference-header-content-length"
 #: the most dimensions a tensor may have (numpy's own limit)
@@ -479,23 +480,35 @@ def decoded_body(body: bytes, content_encoding: str | None,
     return body
 
 
+INFLATE_SLICE_BYTES = 1 << 20
+
+
 def _inflate(data: bytes, wbits: int, coding: str, limit: int) -> bytes:
     """Inflate ``data`` (several gzip members one after the other, too), at most ``limit``
-    bytes out."""
+    bytes out, in slices of ``INFLATE_SLICE_BYTES``: zlib lets go of the GIL while it
+    works, and the slices keep any one hold on it short, so a bomb costs the event loop
+    nothing and stops at ``limit`` + 1 bytes."""
     parts: list[bytes] = []
     total = 0
     while True:
         inflater = zlib.decompressobj(wbits)
-        try:
-            out = inflater.decompress(data, limit - total + 1)
-        except zlib.error as exc:
-            raise ClientError(f"the request body is not valid {coding} data ({exc}); send "
-                              f"it compressed with {coding}, or drop Content-Encoding") from None
-        total += len(out)
-        if total > limit:
-            raise RequestTooLarge(f"the {coding}-compressed request body inflates to more than "
-                                  f"this server accepts ({limit} bytes); send a smaller request")
-        parts.append(out)
+        pending = data
+        while True:
+            try:
+                out = inflater.decompress(pending, min(INFLATE_SLICE_BYTES, limit - total + 1))
+            except zlib.error as exc:
+                raise ClientError(f"the request body is not valid {coding} data ({exc}); "
+                                  f"send it compressed with {coding}, or drop "
+                                  "Content-Encoding") from None
+            total += len(out)
+            if total > limit:
+                raise RequestTooLarge(f"the {coding}-compressed request body inflates to more "
+                                      f"than this server accepts ({limit} bytes); send a "
+                                      "smaller request")
+            parts.append(out)
+            pending = inflater.unconsumed_tail
+            if inflater.eof or (not pending and not out):
+                break
         if not inflater.eof:
             raise ClientError(f"the {coding}-compressed request body ends before its "
                               "compressed stream does; send the whole body")
@@ -521,8 +534,10 @@ def parse_infer(body: bytes, header_length: str | None, model: str,
     ``bounds`` (items, variable lengths), then the bytes its arrays will hold, which
     are reserved in ``budget`` (``req.reservation``; the caller releases it when the
     request is answered, and it is released here if decoding fails)."""
-    if content_encoding:
-        body = decoded_body(body, content_encoding)
+    if content_encoding:  # a JSON-only body can never need more than the JSON cap
+        body = decoded_body(body, content_encoding,
+                            MAX_DECODED_BYTES if header_length is not None
+                            else MAX_JSON_BYTES)
     binary: memoryview | None = None
     if header_length is not None:
         try:
