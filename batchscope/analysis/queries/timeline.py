@@ -28,7 +28,7 @@ import pandas as pd
 from sqlalchemy import Engine
 
 from batchscope.analysis.queries.catalog import events
-from batchscope.analysis.queries.window import Window, connection, read_frame
+from batchscope.analysis.queries.window import Window, connection, filtered, read_frame
 
 #: a batch or request longer than this is not looked for before the window starts (an
 #: upper bound on the indexed time column keeps the reads on the index)
@@ -88,15 +88,8 @@ class TimelineRows:
 
 def _overlapping(w: Window, start_col: str, end_col: str) -> tuple[str, dict]:
     """Rows whose [start, end] meets the window (end indexed; bounded by ``MAX_SPAN_S``)."""
-    parts = [f"{end_col} >= :t0", f"{end_col} < :t1_late", f"{start_col} < :t1"]
-    params: dict = {"t0": w.start_s, "t1": w.end_s, "t1_late": w.end_s + MAX_SPAN_S}
-    if w.model is not None:
-        parts.append("model = :model")
-        params["model"] = w.model
-    if w.instance_id is not None:
-        parts.append("instance_id = :inst")
-        params["inst"] = w.instance_id
-    return " AND ".join(parts), params
+    return filtered(w, [f"{end_col} >= :t0", f"{end_col} < :t1_late", f"{start_col} < :t1"],
+                    {"t0": w.start_s, "t1": w.end_s, "t1_late": w.end_s + MAX_SPAN_S})
 
 
 def count_rows(engine: Engine, w: Window) -> int:

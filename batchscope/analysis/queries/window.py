@@ -75,8 +75,14 @@ def in_window(w: Window, time_col: str, *, model: bool = True,
     """The condition (and its parameters) for rows of ``w``: ``time_col`` in its range
     (parameters named ``bounds``), of its model (unless ``model`` is False) and instance."""
     lo, hi = bounds
-    parts = [f"{time_col} >= :{lo}", f"{time_col} < :{hi}"]
-    params: dict = {lo: w.start_s, hi: w.end_s}
+    return filtered(w, [f"{time_col} >= :{lo}", f"{time_col} < :{hi}"],
+                    {lo: w.start_s, hi: w.end_s}, model=model)
+
+
+def filtered(w: Window, parts: list[str], params: dict, *, model: bool = True
+             ) -> tuple[str, dict]:
+    """``parts`` and ``params`` with the window's model (unless ``model`` is False) and
+    instance added, as one condition."""
     if model and w.model is not None:
         parts.append("model = :model")
         params["model"] = w.model
