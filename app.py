@@ -2,7 +2,7 @@
 
 The entry script of a multipage app: it builds the sidebar into a ``Scope`` (database,
 instance, model, time window, SLO), says where the data comes from, and runs the page
-picked in the top bar: Live, Tuning, Fleet or Snapshots. The pages live in
+picked in the top bar: Live, Batch timeline, Tuning, Fleet or Snapshots. The pages live in
 ``batchscope/dashboard/`` (see its ``__init__`` for the map). With no runtime reporting
 to the configured database the bundled demo runtime is started (once per server process;
 ``BATCHSCOPE_NO_DEMO=1`` or the sidebar toggle turns that off).
@@ -27,6 +27,8 @@ def main() -> None:
     pages = st.navigation([
         st.Page(f"{PAGES}/live.py", title="Live", icon=":material/monitoring:",
                 url_path="live", default=True),
+        st.Page(f"{PAGES}/timeline.py", title="Batch timeline", icon=":material/view_timeline:",
+                url_path="timeline"),
         st.Page(f"{PAGES}/tuning.py", title="Tuning", icon=":material/tune:", url_path="tuning"),
         st.Page(f"{PAGES}/fleet.py", title="Fleet", icon=":material/lan:", url_path="fleet"),
         st.Page(f"{PAGES}/snapshots.py", title="Snapshots", icon=":material/inventory_2:",

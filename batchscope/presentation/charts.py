@@ -154,9 +154,10 @@ def _describe_change(message: str, details_json: str) -> str:
 
 
 def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float | None = None,
-                      axes: tuple[str, str] | None = None) -> go.Figure:
+                      axes: tuple[str, str] | None = None, x_of=_times) -> go.Figure:
     """Mark settings changes, the autopilot's reasons and OOM / error events on a time
-    chart (``axes``: the x and y axes of the markers in a grid, e.g. ``("x", "y")``)."""
+    chart (``axes``: the x and y axes of the markers in a grid, e.g. ``("x", "y")``;
+    ``x_of``: the chart's x of wall-clock seconds, date-times by default)."""
     if events is None or not len(events):
         return fig
     if y is None:
@@ -174,7 +175,7 @@ def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float |
             continue
         hover = [(_describe_change(m, d) if k == "settings_change" else m)
                  for m, d, k in zip(sel["message"], sel["details_json"], sel["kind"])]
-        x = _times(sel["at"])
+        x = x_of(sel["at"])
         fig.add_trace(go.Scatter(x=x, y=[y] * len(sel), mode="markers", name=name,
                                  marker=dict(symbol=symbol, size=11, color=color),
                                  hovertext=hover, hoverinfo="text+x", **where))

@@ -1,0 +1,223 @@
+"""The Batch timeline page: which requests were batched together, and why one waited.
+
+A window of the scope (10 s by default, 1 s to 5 min; live windows follow the clock
+until a batch is picked) is read row by row (``queries.timeline``) and drawn as lanes
+of batches (``presentation.timeline_chart``). A batch is picked by clicking its bar,
+by a row of the "slowest requests" table, or by its number; its requests are then drawn
+as queue wait and compute, with their table. The window downloads as a Perfetto trace
+or as Chrome trace JSON (made when the button is pressed, off the page's run).
+
+A window holding more than ``PAGE_MAX_ROWS`` batches and requests is refused with its
+row count and the length that would fit.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from datetime import datetime, timezone
+
+import pandas as pd
+import streamlit as st
+from sqlalchemy import Engine
+
+from batchscope.analysis.queries import Window
+from batchscope.analysis.queries.timeline import TimelineRows, WindowTooLarge, timeline_rows
+from batchscope.dashboard.scope import Scope, data_engine, fmt_time
+from batchscope.presentation import timeline_chart
+
+LENGTHS_S = (1, 2, 5, 10, 30, 60, 300)
+DEFAULT_LENGTH_S = 10
+#: the most batches and requests one page run reads (10 s at 10,000 requests/s is 100,000)
+PAGE_MAX_ROWS = 400_000
+SELECTED = "timeline_selected"
+FOLLOW = "timeline_follow"
+END = "timeline_end"
+
+
+def render(scope: Scope) -> None:
+    engine = data_engine(scope)
+    left, mid, right = st.columns([1, 3, 1])
+    length = left.selectbox("Window", LENGTHS_S, index=LENGTHS_S.index(DEFAULT_LENGTH_S),
+                            format_func=lambda s: f"{s} s", key="timeline_length")
+    if FOLLOW not in st.session_state or not scope.live:
+        st.session_state[FOLLOW] = scope.live
+    follow = right.toggle("Follow live", key=FOLLOW, disabled=not scope.live,
+                          help="the window ends now and moves with the clock; picking a batch "
+                               "stops it where it is")
+    end_s = None if scope.live and follow else _end_slider(mid, scope, length)
+    st.fragment(run_every=scope.refresh_s if end_s is None else None)(region)(
+        engine, scope, float(length), end_s)
+
+
+def _end_slider(where, scope: Scope, length: float) -> float:
+    """Where the window ends: a slider over the scope's time range (one-second steps)."""
+    lo = scope.start_s + length
+    hi = max(lo, time.time() if scope.live else scope.end_s)
+    if hi - lo < 1.0:
+        return hi
+    utc = timezone.utc
+    kept = st.session_state.get(END)
+    at = hi if kept is None else min(max(kept.timestamp(), lo), hi)
+    st.session_state[END] = datetime.fromtimestamp(at, utc)
+    picked = where.slider("Window ends at", min_value=datetime.fromtimestamp(lo, utc),
+                          max_value=datetime.fromtimestamp(hi, utc),
+                          step=pd.Timedelta(seconds=1), format="HH:mm:ss", key=END)
+    return picked.timestamp()
+
+
+def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -> None:
+    if end_s is None and not st.session_state.get(FOLLOW):  # a pick stopped following
+        st.rerun(scope="app")
+    end = time.time() if end_s is None else end_s
+    w = Window(end - length_s, end, scope.model, scope.instance)
+    st.session_state["timeline_window_end"] = end
+    t = time.perf_counter()
+    try:
+        rows = timeline_rows(engine, w, max_rows=PAGE_MAX_ROWS)
+    except WindowTooLarge as exc:
+        st.warning(f"{exc}.")
+        return
+    read_s = time.perf_counter() - t
+    selected = _selected(rows)
+    t = time.perf_counter()
+    fig = timeline_chart.timeline(rows, selected=selected)
+    build_s = time.perf_counter() - t
+    st.caption(f"{fmt_time(w.start_s)} → {fmt_time(w.end_s)} · model {w.model or 'all'} · "
+               f"{len(rows.batches):,} batches, {len(rows.requests):,} requests, "
+               f"{len(rows.steps):,} steps · read {1000 * read_s:.0f} ms, drawn "
+               f"{1000 * build_s:.0f} ms")
+    for note in rows.notes:
+        st.info(note)
+    st.plotly_chart(fig, key="timeline_chart", on_select=_picked_on_chart,
+                    selection_mode=("points", "box"), config={"displaylogo": False})
+    _downloads(engine, w)
+    chosen, slow = st.columns([3, 2])
+    with slow:
+        st.markdown("**Slowest requests in the window**")
+        table = timeline_chart.slowest(rows)
+        st.dataframe(table.drop(columns=["instance_id"]), key="timeline_slowest",
+                     on_select=_picked_in_table, selection_mode="single-row", hide_index=True,
+                     column_config={"finished": st.column_config.NumberColumn(
+                         "finished (s)", format="%.3f"),
+                         "latency_ms": st.column_config.NumberColumn(format="%.2f"),
+                         "queue_ms": st.column_config.NumberColumn(format="%.2f"),
+                         "compute_ms": st.column_config.NumberColumn(format="%.2f")})
+        st.session_state["timeline_slowest_rows"] = table[["instance_id", "batch"]]
+        st.text_input("Go to batch number", key="timeline_batch_number",
+                      on_change=_picked_by_number, args=(rows,),
+                      placeholder="e.g. 1234")
+    with chosen:
+        if selected is None:
+            st.info("Pick a batch: click its bar (or drag a box around it), pick one of the "
+                    "slowest requests, or type its number.")
+        else:
+            _show_selected(rows, selected)
+
+
+def _selected(rows: TimelineRows) -> tuple[str, int] | None:
+    """The picked batch when it is in the window, else None."""
+    key = st.session_state.get(SELECTED)
+    if key is None:
+        return None
+    inst, seq = key
+    if seq >= 0:
+        b = rows.batches
+        found = ((b["instance_id"] == inst) & (b["seq"] == seq)).any()
+    else:
+        s = rows.steps
+        found = ((s["instance_id"] == inst) & (s["id"] == -seq)).any()
+    return key if found else None
+
+
+def _pick(inst: str, seq: int) -> None:
+    """Show batch ``seq`` of ``inst``; a window following the clock stops where it is."""
+    st.session_state[SELECTED] = (str(inst), int(seq))
+    if st.session_state.get(FOLLOW):
+        st.session_state[FOLLOW] = False
+        end = st.session_state.get("timeline_window_end", time.time())
+        st.session_state[END] = datetime.fromtimestamp(end, timezone.utc)
+
+
+def _picked_on_chart() -> None:
+    points = st.session_state["timeline_chart"].selection.get("points", [])
+    for p in points:
+        data = p.get("customdata")
+        if data is not None and len(data) == 2:
+            _pick(data[0], int(data[1]))
+            return
+
+
+def _picked_in_table() -> None:
+    picked = st.session_state["timeline_slowest"].selection.get("rows", [])
+    table = st.session_state.get("timeline_slowest_rows")
+    if picked and table is not None and picked[0] < len(table):
+        inst, seq = table.iloc[picked[0]]
+        if not pd.isna(seq):
+            _pick(inst, int(seq))
+
+
+def _picked_by_number(rows: TimelineRows) -> None:
+    text = st.session_state.get("timeline_batch_number", "").strip()
+    if not text.isdigit():
+        return
+    b = rows.batches[rows.batches["seq"] == int(text)]
+    if len(b):
+        _pick(b["instance_id"].iloc[0], int(text))
+    else:
+        st.session_state[SELECTED] = None
+        st.toast(f"batch {text} is not in this window")
+
+
+def _show_selected(rows: TimelineRows, key: tuple[str, int]) -> None:
+    fig, part = timeline_chart.members(rows, key)
+    inst, seq = key
+    if seq >= 0:
+        b = rows.batches
+        row = b[(b["instance_id"] == inst) & (b["seq"] == seq)].iloc[0]
+        pad = 1 - row["real_elements"] / row["padded_elements"] if row["padded_elements"] else 0
+        st.markdown(
+            f"**Batch {seq}** · {row['model']} · {int(row['batch_size'])}/"
+            f"{int(row['max_batch_size'])} · {row['policy']} · settings v"
+            f"{int(row['settings_version'])} · {row['outcome']}"
+            f"{' · CUDA graph' if row['cuda_graph'] else ''}  \n"
+            f"compute {1000 * row['compute_s']:.2f} ms · queue wait "
+            f"{1000 * row['queue_wait_min_s']:.2f}–{1000 * row['queue_wait_max_s']:.2f} ms · "
+            f"bucket {'–' if pd.isna(row['bucket']) else int(row['bucket'])} · padding "
+            f"{100 * pad:.0f}% · queue depth "
+            f"{'–' if pd.isna(row['queue_depth']) else int(row['queue_depth'])}")
+        oom = rows.batches[(rows.batches["instance_id"] == inst)
+                           & (rows.batches["outcome"] == "oom")
+                           & (rows.batches["ended_at"] <= row["started_at"] + 1e-9)
+                           & (rows.batches["ended_at"] >= row["started_at"] - 1.0)]
+        if len(oom):
+            st.caption(f"{len(oom)} out-of-memory attempt(s) of this model ended in the second "
+                       "before it started: the batch was split and retried")
+    st.plotly_chart(fig, key="timeline_members", config={"displaylogo": False})
+    if len(part):
+        cols = [c for c in ("priority", "length", "outcome", "queue_wait_s", "latency_s",
+                            "ttft_s", "prompt_tokens", "output_tokens", "bypass") if c in part]
+        st.dataframe(part[cols].reset_index(drop=True), hide_index=True)
+
+
+def _downloads(engine: Engine, w: Window) -> None:
+    """Download buttons for the window's trace; the file is made on the click."""
+    stamp = datetime.fromtimestamp(w.start_s, timezone.utc).strftime("%Y%m%dT%H%M%S")
+
+    def made(fmt: str):
+        def data() -> bytes:
+            from batchscope.trace import export_trace
+            buf = io.BytesIO()
+            export_trace(engine, w, buf, fmt=fmt, max_rows=PAGE_MAX_ROWS)
+            return buf.getvalue()
+        return data
+
+    a, b, _ = st.columns([1, 1, 3])
+    a.download_button("Download Perfetto trace", made("perfetto"),
+                      file_name=f"batchscope-{stamp}.pftrace",
+                      mime="application/octet-stream", key="timeline_dl_perfetto",
+                      on_click="ignore", help="open it in ui.perfetto.dev")
+    b.download_button("Download Chrome trace JSON", made("json"),
+                      file_name=f"batchscope-{stamp}.json", mime="application/json",
+                      key="timeline_dl_json", on_click="ignore",
+                      help="open it in chrome://tracing or ui.perfetto.dev")

@@ -1,0 +1,286 @@
+"""The batch timeline: every batch of a window as a bar in its lane, and the requests of
+one batch (or the sequences of one generation step) as queue and compute segments.
+
+Lanes: per model (and instance, when the window has several), batches go in as few
+rows as keep them apart (``assign_lanes``; more than one only when batches of a model
+overlap, as with several device processes); a generation model's engine steps get a
+lane of their own; requests refused or expired in the queue, and bypassed ones, are
+marks in a lane under their model.
+
+Drawing: WebGL (``Scattergl``) throughout, one trace per model and kind, so the cost
+follows the number of traces, not of bars: each bar is a thick line segment (``x``:
+start, end, gap), and a point at its middle carries the hover text and the batch key
+(``customdata``: instance, seq) that a click or box selection returns. Labels
+(``size/max``) are written on the bars while a window has at most ``LABEL_MAX`` of
+them. x is seconds after the window's start (floats draw and serialise faster than
+date-times, and keep microseconds).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import plotly.colors
+
+from batchscope.analysis.queries.timeline import TimelineRows, assign_lanes
+from batchscope.presentation import charts
+
+#: bars labelled with their size while the window holds at most this many
+LABEL_MAX = 150
+#: outcomes drawn as marks on a model's "refused / expired" lane
+REFUSED = ("rejected", "expired", "cancelled")
+FAILED_BATCH = "#d62728"
+QUEUE_COLOR = "#c7c7c7"
+BAR_WIDTH_PX = 14
+PALETTE = plotly.colors.qualitative.Plotly
+
+
+def clock(t: float) -> str:
+    """``t`` (epoch seconds) as a UTC time of day to the millisecond."""
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+
+
+def model_colors(models) -> dict[str, str]:
+    return {m: PALETTE[i % len(PALETTE)] for i, m in enumerate(sorted(set(models)))}
+
+
+def _segments(starts: np.ndarray, ends: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x and y of line segments (start, end, gap) for ``Scattergl``."""
+    n = len(starts)
+    gap = np.full(n, np.nan)
+    return (np.column_stack([starts, ends, gap]).ravel(),
+            np.column_stack([y, y, gap]).ravel())
+
+
+def _ms(v) -> str:
+    return "–" if v is None or pd.isna(v) else f"{1000.0 * float(v):.2f} ms"
+
+
+def _batch_hover(b: pd.DataFrame) -> list[str]:
+    pad = np.where(b["padded_elements"] > 0, 1.0 - b["real_elements"] / b["padded_elements"]
+                   .where(b["padded_elements"] > 0, 1), 0.0)
+    bucket = b["bucket"].map(lambda v: "–" if pd.isna(v) else ("overflow" if v == -1 else
+                                                                f"≤{int(v)}"))
+    return [f"<b>batch {int(seq)}</b> · {model}<br>size {int(n)}/{int(mx)} · bucket {bk} · "
+            f"padding {100 * p:.0f}%<br>compute {_ms(c)} · wait {_ms(wmin)}–{_ms(wmax)}<br>"
+            f"{pol} · settings v{int(v)} · {out}{' · CUDA graph' if g else ''}"
+            for seq, model, n, mx, bk, p, c, wmin, wmax, pol, v, out, g in zip(
+                b["seq"], b["model"], b["batch_size"], b["max_batch_size"], bucket, pad,
+                b["compute_s"], b["queue_wait_min_s"], b["queue_wait_max_s"], b["policy"],
+                b["settings_version"], b["outcome"], b["cuda_graph"])]
+
+
+def _step_hover(s: pd.DataFrame) -> list[str]:
+    return [f"<b>step</b> · {model}<br>{int(r)} running, {int(w)} waiting<br>prefill {int(p)} "
+            f"· decode {int(d)} tokens<br>{_ms(t)} · KV blocks {int(u)} · preempted {int(pr)}"
+            for model, r, w, p, d, t, u, pr in zip(
+                s["model"], s["running"], s["waiting"], s["prefill_tokens"], s["decode_tokens"],
+                s["step_s"], s["blocks_used"], s["preemptions"])]
+
+
+class Lanes:
+    """The y rows of the chart, top to bottom, and their labels."""
+
+    def __init__(self) -> None:
+        self.labels: list[str] = []
+
+    def add(self, label: str) -> int:
+        self.labels.append(label)
+        return len(self.labels) - 1
+
+
+def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
+             height: int | None = None) -> go.Figure:
+    """The batch timeline of ``rows`` (see the module doc); ``selected``: the (instance,
+    seq) of the batch drawn outlined."""
+    t0 = rows.window.start_s
+    b, r, s = rows.batches, rows.requests, rows.steps
+    several = len(set(b["instance_id"]) | set(r["instance_id"]) | set(s["instance_id"])) > 1
+    colors = model_colors(list(b["model"]) + list(r["model"]) + list(s["model"]))
+    lanes = Lanes()
+    traces: list[go.Scattergl] = []
+    label_bars = len(b) + len(s) <= LABEL_MAX
+    keys = sorted(set(zip(b["instance_id"], b["model"])) | set(zip(r["instance_id"], r["model"]))
+                  | set(zip(s["instance_id"], s["model"])), key=lambda k: (k[1], k[0]))
+    for inst, model in keys:
+        name = f"{model} @ {inst[:12]}" if several else model
+        color = colors[model]
+        mb = b[(b["instance_id"] == inst) & (b["model"] == model)]
+        if len(mb):
+            sub = assign_lanes(mb["started_at"], mb["ended_at"])
+            ys = np.array([lanes.add(f"{name} · batches" + (f" {k + 1}" if k else ""))
+                           for k in range(int(sub.max()) + 1)])[sub]
+            traces += _bars(mb, ys, t0, name, color, _batch_hover(mb),
+                            custom=np.column_stack([mb["instance_id"], mb["seq"]]),
+                            labels=[f"{int(n)}/{int(m)}" for n, m in
+                                    zip(mb["batch_size"], mb["max_batch_size"])]
+                            if label_bars else None,
+                            failed=(mb["outcome"] != "ok").to_numpy())
+        ms = s[(s["instance_id"] == inst) & (s["model"] == model)]
+        if len(ms):
+            y = lanes.add(f"{name} · steps")
+            traces += _bars(ms, np.full(len(ms), y), t0, f"{name} steps", color,
+                            _step_hover(ms), custom=np.column_stack(
+                                [ms["instance_id"], -ms["id"].astype(np.int64)]),
+                            labels=[str(int(n)) for n in ms["running"]] if label_bars else None,
+                            failed=None, start_col="started_at", end_col="at")
+        mr = r[(r["instance_id"] == inst) & (r["model"] == model)]
+        refused = mr[mr["outcome"].isin(REFUSED) | mr["bypass"]]
+        if len(refused):
+            y = lanes.add(f"{name} · refused / expired / bypass")
+            traces.append(_marks(refused, y, t0, name))
+    fig = charts._base("Batch timeline", height=height or max(220, 70 + 34 * len(lanes.labels)),
+                       closest=True, dragmode="zoom", showlegend=True)
+    fig.add_traces(traces)
+    if selected is not None:
+        fig.add_traces(_outline(rows, selected, lanes, t0))
+    n = max(1, len(lanes.labels))
+    fig.update_layout(
+        xaxis=dict(title=f"seconds after {clock(t0)} UTC", range=[0, rows.window.duration_s],
+                   zeroline=False),
+        yaxis=dict(tickvals=list(range(n)), ticktext=lanes.labels, range=[n - 0.5, -0.5],
+                   zeroline=False, showgrid=False),
+        legend=dict(orientation="h", y=-0.25))
+    if rows.empty:
+        return charts._empty(fig, "no batch, request or generation step in this window")
+    return charts.add_event_markers(fig, rows.events, y=-0.45,
+                                    x_of=lambda at: np.asarray(at, dtype=float) - t0)
+
+
+def _bars(df: pd.DataFrame, ys: np.ndarray, t0: float, name: str, color: str,
+          hover: list[str], *, custom: np.ndarray, labels: list[str] | None,
+          failed: np.ndarray | None, start_col: str = "started_at",
+          end_col: str = "ended_at") -> list[go.Scattergl]:
+    """Bars as line segments, and their middles as the points that hover and select."""
+    start = df[start_col].to_numpy(float) - t0
+    end = df[end_col].to_numpy(float) - t0
+    out = []
+    groups = [(np.ones(len(df), bool), color, name)] if failed is None or not failed.any() else [
+        (~failed, color, name), (failed, FAILED_BATCH, f"{name} (failed / OOM)")]
+    for mask, c, label in groups:
+        if not mask.any():
+            continue
+        x, y = _segments(start[mask], end[mask], ys[mask])
+        out.append(go.Scattergl(x=x, y=y, mode="lines", name=label, legendgroup=label,
+                                line=dict(color=c, width=BAR_WIDTH_PX), hoverinfo="skip"))
+        out.append(go.Scattergl(
+            x=(start[mask] + end[mask]) / 2, y=ys[mask], name=label, legendgroup=label,
+            showlegend=False, mode="markers+text" if labels else "markers",
+            text=[labels[i] for i in np.flatnonzero(mask)] if labels else None,
+            textposition="top center", textfont=dict(size=9),
+            marker=dict(color=c, size=5, line=dict(width=0)),
+            customdata=custom[mask], hovertext=[hover[i] for i in np.flatnonzero(mask)],
+            hoverinfo="text"))
+    return out
+
+
+def _marks(df: pd.DataFrame, y: int, t0: float, name: str) -> go.Scattergl:
+    symbol = {"rejected": "x", "expired": "hourglass", "cancelled": "circle-open"}
+    at = np.where(df["bypass"] & ~df["outcome"].isin(REFUSED), df["arrived_at"],
+                  df["finished_at"]) - t0
+    kind = np.where(df["outcome"].isin(REFUSED), df["outcome"], "bypass")
+    return go.Scattergl(
+        x=at, y=np.full(len(df), y), mode="markers", name=f"{name} refused / expired / bypass",
+        marker=dict(symbol=[symbol.get(k, "diamond-open") for k in kind], size=8,
+                    color=[FAILED_BATCH if k != "bypass" else "#555" for k in kind]),
+        hovertext=[f"{k} · priority {int(p)} · waited {_ms(w)}"
+                   for k, p, w in zip(kind, df["priority"], df["latency_s"])],
+        hoverinfo="text")
+
+
+def _outline(rows: TimelineRows, key: tuple[str, int], lanes: Lanes, t0: float) -> list:
+    """A dark frame around the selected batch (or step, seq < 0)."""
+    inst, seq = key
+    if seq >= 0:
+        b = rows.batches
+        sel = b[(b["instance_id"] == inst) & (b["seq"] == seq)]
+        start, end = sel["started_at"], sel["ended_at"]
+        prefix = f"{sel['model'].iloc[0]}" if len(sel) else ""
+        suffix = " · batches"
+    else:
+        s = rows.steps
+        sel = s[(s["instance_id"] == inst) & (s["id"] == -seq)]
+        start, end = sel["started_at"], sel["at"]
+        prefix = f"{sel['model'].iloc[0]}" if len(sel) else ""
+        suffix = " · steps"
+    if not len(sel):
+        return []
+    ys = [i for i, lab in enumerate(lanes.labels) if lab.startswith(prefix) and suffix in lab]
+    s0, e0 = float(start.iloc[0]) - t0, float(end.iloc[0]) - t0
+    return [go.Scatter(x=[s0, e0, e0, s0, s0], y=[y - 0.35, y - 0.35, y + 0.35, y + 0.35, y - 0.35],
+                       mode="lines", line=dict(color="#111", width=2), name="selected",
+                       hoverinfo="skip", showlegend=False) for y in ys[:1]]
+
+
+def members(rows: TimelineRows, key: tuple[str, int]) -> tuple[go.Figure, pd.DataFrame]:
+    """The selected batch's requests (or the sequences running in the selected step):
+    one row each, queue wait then compute (for sequences: waiting, prefill until the
+    first token, decode), and the table of them."""
+    inst, seq = key
+    t0 = rows.window.start_s
+    r = rows.requests
+    if seq >= 0:
+        part = rows.members(inst, seq).sort_values("arrived_at")
+        title = f"Batch {seq}: {len(part)} requests — queue wait, then compute"
+        phases = [("queue", "arrived_at", "started_at", QUEUE_COLOR),
+                  ("compute", "started_at", "finished_at", None)]
+    else:
+        s = rows.steps
+        step = s[(s["instance_id"] == inst) & (s["id"] == -seq)]
+        if not len(step):
+            return charts._empty(charts._base("Members")), r.iloc[:0]
+        st0, st1 = float(step["started_at"].iloc[0]), float(step["at"].iloc[0])
+        part = r[(r["instance_id"] == inst) & (r["model"] == step["model"].iloc[0])
+                 & (r["arrived_at"] <= st1) & (r["finished_at"] >= st0)].sort_values("arrived_at")
+        part = part.assign(first_token_at=part["arrived_at"] + part["ttft_s"].fillna(
+            part["latency_s"]).astype(float))
+        title = (f"Step at {st1 - t0:.3f} s: {len(part)} sequences — waiting, prefill "
+                 "(until the first token), decode")
+        phases = [("waiting", "arrived_at", "started_at", QUEUE_COLOR),
+                  ("prefill", "started_at", "first_token_at", "#ff7f0e"),
+                  ("decode", "first_token_at", "finished_at", None)]
+    fig = charts._base(title, height=max(200, 90 + 18 * len(part)), closest=True, barmode="overlay")
+    if not len(part):
+        return charts._empty(fig, "no recorded request in it"), part
+    color = model_colors([part["model"].iloc[0]])[part["model"].iloc[0]]
+    labels = [f"#{i + 1} p{int(p)}" + (f" len {int(n)}" if not pd.isna(n) else "")
+              for i, (p, n) in enumerate(zip(part["priority"], part["length"]))]
+    hover = [f"priority {int(p)} · length {'–' if pd.isna(n) else int(n)} · {o}<br>"
+             f"waited {_ms(w)} · latency {_ms(lat)}" + ("" if pd.isna(tt) else
+                                                       f" · first token {_ms(tt)}")
+             for p, n, o, w, lat, tt in zip(part["priority"], part["length"], part["outcome"],
+                                            part["queue_wait_s"], part["latency_s"],
+                                            part["ttft_s"])]
+    for phase, a, z, c in phases:
+        start = part[a].to_numpy(float) - t0
+        fig.add_trace(go.Bar(y=labels, x=np.maximum(part[z].to_numpy(float) - t0 - start, 0),
+                             base=start, orientation="h", name=phase, hovertext=hover,
+                             hoverinfo="text+name", marker=dict(color=c or color)))
+    fig.update_layout(xaxis=dict(title="seconds after the window's start"),
+                      yaxis=dict(autorange="reversed", type="category"))
+    return fig, part
+
+
+def slowest(rows: TimelineRows, n: int = 20) -> pd.DataFrame:
+    """The ``n`` slowest requests of the window, with the batch each was answered in."""
+    r = rows.requests
+    if not len(r):
+        return pd.DataFrame(columns=["finished", "model", "latency_ms", "queue_ms",
+                                     "compute_ms", "batch", "priority", "length", "outcome",
+                                     "instance_id"])
+    top = r.nlargest(n, "latency_s")
+    b = rows.batches.set_index(["instance_id", "seq"])["batch_size"]
+    size = [b.get((i, s)) if not pd.isna(s) else None
+            for i, s in zip(top["instance_id"], top["batch_seq"])]
+    return pd.DataFrame({
+        "finished": top["finished_at"].to_numpy() - rows.window.start_s,
+        "model": top["model"].to_numpy(),
+        "latency_ms": 1000 * top["latency_s"].to_numpy(float),
+        "queue_ms": 1000 * top["queue_wait_s"].to_numpy(float),
+        "compute_ms": 1000 * (top["latency_s"] - top["queue_wait_s"]).to_numpy(float),
+        "batch": top["batch_seq"].to_numpy(), "batch_size": size,
+        "priority": top["priority"].to_numpy(), "length": top["length"].to_numpy(),
+        "outcome": top["outcome"].to_numpy(), "instance_id": top["instance_id"].to_numpy()})

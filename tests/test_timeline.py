@@ -1,0 +1,138 @@
+"""The batch timeline: the rows of a window, its lanes, the chart and the page (AppTest)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from sqlalchemy.orm import Session
+
+from batchscope.analysis.queries import Window
+from batchscope.analysis.queries.timeline import (WindowTooLarge, assign_lanes, count_rows,
+                                                  timeline_rows)
+from batchscope.presentation import timeline_chart
+from batchscope.storage.schema import RequestRecord
+from batchscope.testing import synthetic
+from tests.test_app_dashboard import PAGES, app_db, run_app  # noqa: F401 (fixture)
+
+
+@pytest.fixture()
+def filled(tmp_path):
+    from batchscope.storage.db import make_engine
+    engine = make_engine(f"sqlite:///{tmp_path / 'tl.db'}")
+    end = 1_800_000_000.0
+    synthetic.generate(engine, synthetic.SCENARIOS["healthy"].with_(
+        duration_s=20, batches_per_s=50, rejected_per_s=2, expired_per_s=1), end_s=end)
+    synthetic.generate(engine, synthetic.SCENARIOS["generation"].with_(duration_s=20),
+                       end_s=end, seed=3)
+    with Session(engine) as s:  # sequences of the decoder, each alive over many steps
+        s.add_all(RequestRecord(
+            instance_id="synthetic-1", model="decoder", batch_seq=None, priority=1,
+            arrived_at=end - 4 + 0.1 * i, finished_at=end - 1 + 0.1 * i, queue_wait_s=0.05,
+            latency_s=3.0, outcome="ok", ttft_s=0.2, tpot_s=0.01, prompt_tokens=32,
+            output_tokens=280, length=32) for i in range(5))
+        s.commit()
+    yield engine, end
+    engine.dispose()
+
+
+def test_assign_lanes_packs_intervals_apart_in_few_rows():
+    rng = np.random.default_rng(0)
+    starts = rng.uniform(0, 100, 2_000)
+    ends = starts + rng.exponential(1.0, 2_000)
+    lanes = assign_lanes(starts, ends)
+    for lane in np.unique(lanes):
+        sel = np.argsort(starts[lanes == lane])
+        s, e = starts[lanes == lane][sel], ends[lanes == lane][sel]
+        assert (s[1:] >= e[:-1]).all()  # none overlap in one row
+    # as few rows as the most intervals alive at once (greedy interval partitioning)
+    points = sorted([(t, 1) for t in starts] + [(t, -1) for t in ends], key=lambda p: (p[0], p[1]))
+    depth = np.cumsum([d for _, d in points]).max()
+    assert lanes.max() + 1 == depth
+    assert assign_lanes([], []).tolist() == []
+    assert assign_lanes([0, 1, 2], [1, 2, 3]).tolist() == [0, 0, 0]  # touching is not overlap
+
+
+def test_rows_of_a_window_overlap_it_and_link_requests_to_batches(filled):
+    engine, end = filled
+    w = Window(end - 5, end - 2)
+    rows = timeline_rows(engine, w)
+    b, r = rows.batches, rows.requests
+    assert len(b) and len(r) and len(rows.steps)
+    assert (b["ended_at"] >= w.start_s).all() and (b["started_at"] < w.end_s).all()
+    assert (r["finished_at"] >= w.start_s).all() and (r["arrived_at"] < w.end_s).all()
+    assert count_rows(engine, w) == len(b) + len(r)
+    ok = r[r["outcome"] == "ok"]
+    starts = b.set_index(["instance_id", "seq"])["started_at"]
+    linked = [starts.get((i, s)) for i, s in zip(ok["instance_id"], ok["batch_seq"])]
+    known = [(x, y) for x, y in zip(linked, ok["started_at"]) if x is not None]
+    assert known and all(abs(x - y) < 1e-6 for x, y in known)  # queue wait ends at batch start
+    one = b.iloc[len(b) // 2]
+    assert len(rows.members(one["instance_id"], int(one["seq"]))) > 0
+    mine = timeline_rows(engine, Window(end - 5, end - 2, model="mlp"))
+    assert set(mine.batches["model"]) == {"mlp"} and not len(mine.steps)
+
+
+def test_a_window_too_large_is_refused_with_its_size_and_an_empty_one_says_so(filled):
+    engine, end = filled
+    w = Window(end - 10, end)
+    with pytest.raises(WindowTooLarge) as info:
+        timeline_rows(engine, w, max_rows=100)
+    assert info.value.rows == count_rows(engine, w) and "pick a window of at most" in str(info.value)
+    empty = timeline_rows(engine, Window(end + 3600, end + 3610))
+    assert empty.empty and "no batch, request or generation step" in empty.notes[0]
+    fig = timeline_chart.timeline(empty)
+    assert "no batch" in fig.layout.annotations[0].text
+
+
+def test_the_chart_draws_every_batch_once_and_picks_members(filled):
+    engine, end = filled
+    rows = timeline_rows(engine, Window(end - 3, end))
+    fig = timeline_chart.timeline(rows)
+    points = [t for t in fig.data if t.customdata is not None and t.mode != "lines"]
+    keys = [tuple(k) for t in points for k in t.customdata]
+    batch_keys = [k for k in keys if int(k[1]) >= 0]
+    assert sorted(batch_keys) == sorted(zip(rows.batches["instance_id"], rows.batches["seq"]))
+    step_keys = [k for k in keys if int(k[1]) < 0]
+    assert len(step_keys) == len(rows.steps)
+    labels = list(fig.layout.yaxis.ticktext)
+    assert any("decoder · steps" in lab for lab in labels)
+    assert any("refused / expired" in lab for lab in labels)
+    inst, seq = batch_keys[0]
+    members, table = timeline_chart.members(rows, (inst, int(seq)))
+    assert len(table) == len(rows.members(inst, int(seq)))
+    assert [t.name for t in members.data] == ["queue", "compute"]
+    selected = timeline_chart.timeline(rows, selected=(inst, int(seq)))
+    assert any(t.name == "selected" for t in selected.data)
+    step = rows.steps.iloc[len(rows.steps) // 2]  # at about end - 1.5 s: all five alive
+    fig, seqs = timeline_chart.members(rows, (step["instance_id"], -int(step["id"])))
+    assert len(seqs) == 5 and (seqs["arrived_at"] <= step["at"]).all()
+    assert [t.name for t in fig.data] == ["waiting", "prefill", "decode"]
+    prefill = fig.data[1]
+    assert prefill.x[0] == pytest.approx(0.15)  # from its start until the first token
+    slow = timeline_chart.slowest(rows, 5)
+    assert list(slow["latency_ms"]) == sorted(slow["latency_ms"], reverse=True)
+    assert slow["latency_ms"].iloc[0] == pytest.approx(1000 * rows.requests["latency_s"].max())
+
+
+def test_the_page_shows_a_batch_picked_by_number(app_db):  # noqa: F811
+    at = run_app("timeline")
+    assert len(at.get("plotly_chart")) == 1
+    assert any("Pick a batch" in i.value for i in at.info)
+    caption = next(c.value for c in at.caption if "batches" in c.value)
+    assert "requests" in caption and "drawn" in caption
+    seq = at.session_state["timeline_slowest_rows"]["batch"].dropna().iloc[0]
+    at.text_input(key="timeline_batch_number").input(str(int(seq))).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.session_state["timeline_selected"][1] == int(seq)
+    assert len(at.get("plotly_chart")) == 2  # the timeline and the batch's members
+    assert any(f"**Batch {int(seq)}**" in m.value for m in at.markdown)
+    assert not at.toggle(key="timeline_follow").value  # picking stopped following
+
+
+def test_the_page_refuses_a_window_too_large(app_db, monkeypatch):  # noqa: F811
+    from batchscope.dashboard import timeline
+    monkeypatch.setattr(timeline, "PAGE_MAX_ROWS", 3)
+    at = run_app("timeline")
+    assert any("more than 3 can be read at once" in w.value for w in at.warning)
