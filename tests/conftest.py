@@ -29,6 +29,7 @@ import glob
 import os
 import shutil
 import stat
+import time
 import tempfile
 import uuid
 from pathlib import Path
@@ -207,3 +208,19 @@ def db(db_url):
     eng = make_engine(db_url)
     yield eng
     eng.dispose()
+
+
+@pytest.fixture()
+def app_db(tmp_path, monkeypatch):
+    """A SQLite database of five minutes of synthetic traffic (two OOMs, a settings change)
+    that the app reads (``BATCHSCOPE_DB_URL``; no demo runtime): for ``factories.run_app``."""
+    from batchscope.testing import synthetic
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    engine = make_engine(url)
+    synthetic.generate(engine, synthetic.SCENARIOS["oom"].with_(
+        duration_s=300, batches_per_s=4, settings_changes=((0.5, {"max_batch_size": 16}),)),
+        end_s=time.time())
+    monkeypatch.setenv("BATCHSCOPE_DB_URL", url)
+    monkeypatch.setenv("BATCHSCOPE_NO_DEMO", "1")
+    yield engine
+    engine.dispose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -210,3 +211,20 @@ class RecordingTransport:
 
     def is_closing(self) -> bool:
         return self.closed
+
+
+# -- the Streamlit app under AppTest (the ``app_db`` fixture gives it a database) ----------
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
+PAGES = "batchscope/dashboard/pages"
+
+
+def run_app(page: str | None = None) -> Any:
+    """The app after its first run, on the Live page or on ``page`` ("tuning", ...)."""
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception, [e.value for e in at.exception]
+    if page is not None:
+        at.switch_page(f"{PAGES}/{page}.py").run()
+        assert not at.exception, [e.value for e in at.exception]
+    return at

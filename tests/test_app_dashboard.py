@@ -4,35 +4,14 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
-
-import pytest
 from streamlit.testing.v1 import AppTest
 
 from batchscope.analysis.queries import Window
 from batchscope.presentation import snapshot
 from batchscope.storage import control
 from batchscope.testing import synthetic
-from batchscope.storage.db import make_engine
 
-APP = str(Path(__file__).resolve().parent.parent / "app.py")
-
-
-@pytest.fixture()
-def app_db(tmp_path, monkeypatch):
-    url = f"sqlite:///{tmp_path / 'app.db'}"
-    engine = make_engine(url)
-    now = time.time()
-    synthetic.generate(engine, synthetic.SCENARIOS["oom"].with_(
-        duration_s=300, batches_per_s=4, settings_changes=((0.5, {"max_batch_size": 16}),)),
-        end_s=now)
-    monkeypatch.setenv("BATCHSCOPE_DB_URL", url)
-    monkeypatch.setenv("BATCHSCOPE_NO_DEMO", "1")
-    yield engine
-    engine.dispose()
-
-
-PAGES = "batchscope/dashboard/pages"
+from tests.factories import APP, PAGES, run_app
 
 
 def publish_as_a_runtime_does(engine, model: str, kind: str) -> None:
@@ -41,16 +20,6 @@ def publish_as_a_runtime_does(engine, model: str, kind: str) -> None:
     version, cur = control.current_settings(engine, "synthetic-1", model)
     control.publish_settings(engine, instance_id="synthetic-1", model=model, version=version,
                              settings=cur, kind=kind, now=time.time())
-
-
-def run_app(page: str | None = None) -> AppTest:
-    """The app after its first run, on the Live page or on ``page`` ("tuning", ...)."""
-    at = AppTest.from_file(APP, default_timeout=60).run()
-    assert not at.exception, [e.value for e in at.exception]
-    if page is not None:
-        at.switch_page(f"{PAGES}/{page}.py").run()
-        assert not at.exception, [e.value for e in at.exception]
-    return at
 
 
 def test_headline_metrics_and_flags_render(app_db):

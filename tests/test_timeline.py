@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from sqlalchemy.orm import Session
 
 from batchscope.analysis.queries import Window
 from batchscope.analysis.queries.timeline import (WindowTooLarge, assign_lanes, count_rows,
-                                                  timeline_rows)
+                                                  timeline_rows, with_members)
 from batchscope.presentation import timeline_chart
 from batchscope.storage.schema import RequestRecord
 from batchscope.testing import synthetic
-from tests.test_app_dashboard import PAGES, app_db, run_app  # noqa: F401 (fixture)
+from tests.factories import run_app
 
 
 @pytest.fixture()
-def filled(tmp_path):
-    from batchscope.storage.db import make_engine
-    engine = make_engine(f"sqlite:///{tmp_path / 'tl.db'}")
+def filled(db):
+    """20 s of an mlp at 50 batches a second and of a decoder, on SQLite and PostgreSQL."""
+    engine = db
     end = 1_800_000_000.0
     synthetic.generate(engine, synthetic.SCENARIOS["healthy"].with_(
         duration_s=20, batches_per_s=50, rejected_per_s=2, expired_per_s=1), end_s=end)
@@ -33,8 +31,7 @@ def filled(tmp_path):
             latency_s=3.0, outcome="ok", ttft_s=0.2, tpot_s=0.01, prompt_tokens=32,
             output_tokens=280, length=32) for i in range(5))
         s.commit()
-    yield engine, end
-    engine.dispose()
+    return engine, end
 
 
 def test_assign_lanes_packs_intervals_apart_in_few_rows():
@@ -54,6 +51,7 @@ def test_assign_lanes_packs_intervals_apart_in_few_rows():
     assert assign_lanes([0, 1, 2], [1, 2, 3]).tolist() == [0, 0, 0]  # touching is not overlap
 
 
+@pytest.mark.both_backends
 def test_rows_of_a_window_overlap_it_and_link_requests_to_batches(filled):
     engine, end = filled
     w = Window(end - 5, end - 2)
@@ -74,6 +72,33 @@ def test_rows_of_a_window_overlap_it_and_link_requests_to_batches(filled):
     assert set(mine.batches["model"]) == {"mlp"} and not len(mine.steps)
 
 
+@pytest.mark.both_backends
+def test_a_page_reads_marked_and_slowest_requests_then_a_picked_batch(filled):
+    engine, end = filled
+    w = Window(end - 5, end - 2)
+    every = timeline_rows(engine, w)
+    page = timeline_rows(engine, w, requests="marks", slowest=7)
+    assert page.requests_in_window == len(every.requests) > len(page.requests)
+    assert len(page.batches) == len(every.batches)
+    r = every.requests
+    marked = r[(r["outcome"] != "ok") | r["bypass"]]
+    assert len(marked) and set(marked["id"]) <= set(page.requests["id"])
+    assert set(r.nlargest(7, "latency_s")["id"]) <= set(page.requests["id"])
+    assert (timeline_chart.slowest(page, 7)["latency_ms"].to_numpy()
+            == timeline_chart.slowest(every, 7)["latency_ms"].to_numpy()).all()
+    one = every.batches.iloc[len(every.batches) // 3]
+    key = (one["instance_id"], int(one["seq"]))
+    picked = with_members(engine, page, key)
+    assert sorted(picked.members(*key)["id"]) == sorted(every.members(*key)["id"])
+    assert picked.requests["id"].is_unique
+    step = every.steps.iloc[len(every.steps) // 2]
+    skey = (step["instance_id"], -int(step["id"]))
+    _, in_page = timeline_chart.members(with_members(engine, page, skey), skey)
+    _, in_all = timeline_chart.members(every, skey)
+    assert sorted(in_page["id"]) == sorted(in_all["id"]) and len(in_all)
+
+
+@pytest.mark.both_backends
 def test_a_window_too_large_is_refused_with_its_size_and_an_empty_one_says_so(filled):
     engine, end = filled
     w = Window(end - 10, end)
@@ -86,6 +111,7 @@ def test_a_window_too_large_is_refused_with_its_size_and_an_empty_one_says_so(fi
     assert "no batch" in fig.layout.annotations[0].text
 
 
+@pytest.mark.both_backends
 def test_the_chart_draws_every_batch_once_and_picks_members(filled):
     engine, end = filled
     rows = timeline_rows(engine, Window(end - 3, end))
@@ -116,7 +142,7 @@ def test_the_chart_draws_every_batch_once_and_picks_members(filled):
     assert slow["latency_ms"].iloc[0] == pytest.approx(1000 * rows.requests["latency_s"].max())
 
 
-def test_the_page_shows_a_batch_picked_by_number(app_db):  # noqa: F811
+def test_the_page_shows_a_batch_picked_by_number(app_db):
     at = run_app("timeline")
     assert len(at.get("plotly_chart")) == 1
     assert any("Pick a batch" in i.value for i in at.info)
@@ -131,7 +157,7 @@ def test_the_page_shows_a_batch_picked_by_number(app_db):  # noqa: F811
     assert not at.toggle(key="timeline_follow").value  # picking stopped following
 
 
-def test_the_page_refuses_a_window_too_large(app_db, monkeypatch):  # noqa: F811
+def test_the_page_refuses_a_window_too_large(app_db, monkeypatch):
     from batchscope.dashboard import timeline
     monkeypatch.setattr(timeline, "PAGE_MAX_ROWS", 3)
     at = run_app("timeline")

@@ -7,8 +7,11 @@ by a row of the "slowest requests" table, or by its number; its requests are the
 as queue wait and compute, with their table. The window downloads as a Perfetto trace
 or as Chrome trace JSON (made when the button is pressed, off the page's run).
 
-A window holding more than ``PAGE_MAX_ROWS`` batches and requests is refused with its
-row count and the length that would fit.
+Until a batch is picked, only the requests the chart marks or the table lists are read
+(refused, expired, bypassed, the slowest), so the page's cost follows the batches, not the
+requests: 10 s at 10,000 requests a second is about 3,000 batches. A window holding more
+than ``PAGE_MAX_ROWS`` of those rows is refused with its row count and the length that
+would fit.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import streamlit as st
 from sqlalchemy import Engine
 
 from batchscope.analysis.queries import Window
-from batchscope.analysis.queries.timeline import TimelineRows, WindowTooLarge, timeline_rows
+from batchscope.analysis.queries.timeline import (TimelineRows, WindowTooLarge, timeline_rows,
+                                                  with_members)
 from batchscope.dashboard.scope import Scope, data_engine, fmt_time
 from batchscope.presentation import timeline_chart
 
@@ -74,17 +78,19 @@ def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -
     st.session_state["timeline_window_end"] = end
     t = time.perf_counter()
     try:
-        rows = timeline_rows(engine, w, max_rows=PAGE_MAX_ROWS)
+        rows = timeline_rows(engine, w, max_rows=PAGE_MAX_ROWS, requests="marks")
+        selected = _selected(rows)
+        if selected is not None:
+            rows = with_members(engine, rows, selected)
     except WindowTooLarge as exc:
         st.warning(f"{exc}.")
         return
     read_s = time.perf_counter() - t
-    selected = _selected(rows)
     t = time.perf_counter()
     fig = timeline_chart.timeline(rows, selected=selected)
     build_s = time.perf_counter() - t
     st.caption(f"{fmt_time(w.start_s)} → {fmt_time(w.end_s)} · model {w.model or 'all'} · "
-               f"{len(rows.batches):,} batches, {len(rows.requests):,} requests, "
+               f"{len(rows.batches):,} batches, {rows.requests_in_window:,} requests, "
                f"{len(rows.steps):,} steps · read {1000 * read_s:.0f} ms, drawn "
                f"{1000 * build_s:.0f} ms")
     for note in rows.notes:

@@ -98,13 +98,13 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
     seq) of the batch drawn outlined."""
     t0 = rows.window.start_s
     b, r, s = rows.batches, rows.requests, rows.steps
-    several = len(set(b["instance_id"]) | set(r["instance_id"]) | set(s["instance_id"])) > 1
-    colors = model_colors(list(b["model"]) + list(r["model"]) + list(s["model"]))
+    pairs = pd.concat([df[["instance_id", "model"]].drop_duplicates() for df in (b, r, s)])
+    keys = sorted(set(zip(pairs["instance_id"], pairs["model"])), key=lambda k: (k[1], k[0]))
+    several = len({inst for inst, _ in keys}) > 1
+    colors = model_colors(model for _, model in keys)
     lanes = Lanes()
     traces: list[go.Scattergl] = []
     label_bars = len(b) + len(s) <= LABEL_MAX
-    keys = sorted(set(zip(b["instance_id"], b["model"])) | set(zip(r["instance_id"], r["model"]))
-                  | set(zip(s["instance_id"], s["model"])), key=lambda k: (k[1], k[0]))
     for inst, model in keys:
         name = f"{model} @ {inst[:12]}" if several else model
         color = colors[model]

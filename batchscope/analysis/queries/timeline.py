@@ -35,6 +35,8 @@ from batchscope.analysis.queries.window import Window, connection, filtered, rea
 MAX_SPAN_S = 600.0
 #: the most batches and requests a window may hold before it is refused (see module doc)
 MAX_ROWS = 1_000_000
+#: the slowest requests of a window a timeline lists
+SLOWEST = 20
 
 BATCH_COLUMNS = (
     "id", "instance_id", "model", "seq", "policy", "settings_version", "max_batch_size",
@@ -74,11 +76,14 @@ class TimelineRows:
     events: pd.DataFrame
     #: id, host, pid, device, version of every instance with a row here
     instances: pd.DataFrame
+    #: how many requests overlap the window (``requests`` may hold only some of them)
+    requests_in_window: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (len(self.batches) or len(self.requests) or len(self.steps))
+        return not (len(self.batches) or self.requests_in_window or len(self.requests)
+                    or len(self.steps))
 
     def members(self, instance_id: str, seq: int) -> pd.DataFrame:
         """The requests answered by batch ``seq`` of ``instance_id``."""
@@ -92,54 +97,122 @@ def _overlapping(w: Window, start_col: str, end_col: str) -> tuple[str, dict]:
                     {"t0": w.start_s, "t1": w.end_s, "t1_late": w.end_s + MAX_SPAN_S})
 
 
-def count_rows(engine: Engine, w: Window) -> int:
-    """How many batches and requests overlap the window."""
+def count_rows(engine: Engine, w: Window, *, requests: bool = True) -> int:
+    """How many batches (and requests, unless ``requests`` is False) overlap the window."""
     wb, pb = _overlapping(w, "started_at", "ended_at")
     wr, pr = _overlapping(w, "arrived_at", "finished_at")
     with connection(engine) as conn:
-        b = read_frame(conn, f"SELECT COUNT(*) AS n FROM batches WHERE {wb}", pb)
-        r = read_frame(conn, f"SELECT COUNT(*) AS n FROM requests WHERE {wr}", pr)
-    return int(b["n"].iloc[0]) + int(r["n"].iloc[0])
+        n = int(read_frame(conn, f"SELECT COUNT(*) AS n FROM batches WHERE {wb}", pb)["n"].iloc[0])
+        if requests:
+            n += int(read_frame(conn, f"SELECT COUNT(*) AS n FROM requests WHERE {wr}",
+                                pr)["n"].iloc[0])
+    return n
 
 
-def timeline_rows(engine: Engine, w: Window, max_rows: int = MAX_ROWS) -> TimelineRows:
+def timeline_rows(engine: Engine, w: Window, max_rows: int = MAX_ROWS, *,
+                  requests: str = "all", slowest: int = SLOWEST) -> TimelineRows:
     """The batches, requests, generation steps and events of ``w`` (see module doc);
-    raises ``WindowTooLarge`` past ``max_rows`` batches and requests."""
-    rows = count_rows(engine, w)
+    raises ``WindowTooLarge`` past ``max_rows`` rows read.
+
+    ``requests``: ``"all"``, or ``"marks"`` for only those a timeline marks or lists —
+    the ones not answered ``ok``, the bypassed, and the ``slowest`` slowest — which is
+    what a page needs until a batch is picked (``with_members`` adds its requests)."""
+    every = requests == "all"
+    rows = count_rows(engine, w, requests=every)
     if rows > max_rows:
         raise WindowTooLarge(rows, max_rows, w)
     wb, pb = _overlapping(w, "started_at", "ended_at")
     wr, pr = _overlapping(w, "arrived_at", "finished_at")
     ws, ps = _overlapping(w, "at - step_s", "at")
+    cols = ", ".join(REQUEST_COLUMNS)
     with connection(engine) as conn:
         batches = read_frame(conn, f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches "
                                    f"WHERE {wb} ORDER BY started_at, id", pb)
-        requests = read_frame(conn, f"SELECT {', '.join(REQUEST_COLUMNS)} FROM requests "
-                                    f"WHERE {wr} ORDER BY arrived_at, id", pr)
+        if every:
+            reqs = read_frame(conn, f"SELECT {cols} FROM requests WHERE {wr} "
+                                    "ORDER BY arrived_at, id", pr)
+        else:
+            marks = read_frame(conn, f"SELECT {cols} FROM requests WHERE {wr} AND "
+                                     f"(outcome <> 'ok' OR bypass = :yes) ORDER BY arrived_at, id "
+                                     "LIMIT :lim", {**pr, "yes": True, "lim": max_rows - rows + 1})
+            if rows + len(marks) > max_rows:
+                raise WindowTooLarge(rows + len(marks), max_rows, w)
+            slow = read_frame(conn, f"SELECT {cols} FROM requests WHERE {wr} "
+                                    "ORDER BY latency_s DESC LIMIT :n", {**pr, "n": slowest})
+            reqs = _merged(marks, slow)
+            in_window = int(read_frame(conn, f"SELECT COUNT(*) AS n FROM requests WHERE {wr}",
+                                       pr)["n"].iloc[0])
         steps = read_frame(conn, f"SELECT {', '.join(STEP_COLUMNS)} FROM generation_steps "
                                  f"WHERE {ws} ORDER BY at, id", ps)
-        marks = events(conn, w, limit=5_000)
-        ids = sorted(set(batches["instance_id"]) | set(requests["instance_id"])
-                     | set(steps["instance_id"]) | set(marks["instance_id"].dropna()))
+        marks_ev = events(conn, w, limit=5_000)
+        ids = sorted(set(batches["instance_id"]) | set(reqs["instance_id"].unique())
+                     | set(steps["instance_id"]) | set(marks_ev["instance_id"].dropna()))
         instances = _instances(conn, ids)
-    batches = _typed(batches, BATCH_COLUMNS)
-    requests = _typed(requests, REQUEST_COLUMNS)
-    steps = _typed(steps, STEP_COLUMNS)
-    if len(batches):
-        batches["cuda_graph"] = batches["cuda_graph"].astype(bool)
-    if len(requests):
-        requests["bypass"] = requests["bypass"].astype(bool)
-        requests["started_at"] = requests["arrived_at"] + requests["queue_wait_s"]
-    else:
-        requests["started_at"] = pd.Series(dtype=float)
-    if len(steps):
-        steps["started_at"] = steps["at"] - steps["step_s"]
-    else:
-        steps["started_at"] = pd.Series(dtype=float)
-    out = TimelineRows(w, batches, requests, steps, marks, instances)
-    if out.empty:
+    out = TimelineRows(w, _batches(batches), _requests(reqs), _steps(steps), marks_ev, instances,
+                       len(reqs) if every else in_window)
+    if out.empty and not out.requests_in_window:
         out.notes.append("no batch, request or generation step was recorded in this window")
     return out
+
+
+def with_members(engine: Engine, rows: TimelineRows, key: tuple[str, int]) -> TimelineRows:
+    """``rows`` with every request of the picked batch (``key``: instance, seq), or for a
+    generation step (seq ``-id``) every sequence alive during it, added."""
+    inst, seq = key
+    if seq >= 0:
+        b = rows.batches[(rows.batches["instance_id"] == inst) & (rows.batches["seq"] == seq)]
+        if not len(b):
+            return rows
+        # a batch's requests finish when it ends (answers follow the batch): the indexed
+        # finished_at narrows the search to that moment
+        sql = ("instance_id = :inst AND model = :model AND batch_seq = :seq AND "
+               "finished_at >= :t0 AND finished_at < :t1")
+        params = {"inst": inst, "model": b["model"].iloc[0], "seq": seq,
+                  "t0": float(b["started_at"].iloc[0]), "t1": float(b["ended_at"].iloc[0]) + 60}
+    else:
+        s = rows.steps[(rows.steps["instance_id"] == inst) & (rows.steps["id"] == -seq)]
+        if not len(s):
+            return rows
+        sql = ("instance_id = :inst AND model = :model AND finished_at >= :t0 AND "
+               "finished_at < :late AND arrived_at <= :t1")
+        t0, t1 = float(s["started_at"].iloc[0]), float(s["at"].iloc[0])
+        params = {"inst": inst, "model": s["model"].iloc[0], "t0": t0, "t1": t1,
+                  "late": t1 + MAX_SPAN_S}
+    found = read_frame(engine, f"SELECT {', '.join(REQUEST_COLUMNS)} FROM requests WHERE {sql} "
+                               "ORDER BY arrived_at, id", params)
+    rows.requests = _requests(_merged(rows.requests.drop(columns=["started_at"]), found))
+    return rows
+
+
+def _merged(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    if not len(b):
+        return a
+    if not len(a):
+        return b
+    return pd.concat([a, b]).drop_duplicates("id").sort_values(["arrived_at", "id"])
+
+
+def _batches(df: pd.DataFrame) -> pd.DataFrame:
+    df = _typed(df, BATCH_COLUMNS)
+    if len(df):
+        df["cuda_graph"] = df["cuda_graph"].astype(bool)
+    return df
+
+
+def _requests(df: pd.DataFrame) -> pd.DataFrame:
+    df = _typed(df, REQUEST_COLUMNS).reset_index(drop=True)
+    if len(df):
+        df["bypass"] = df["bypass"].astype(bool)
+        df["started_at"] = df["arrived_at"] + df["queue_wait_s"]
+    else:
+        df["started_at"] = pd.Series(dtype=float)
+    return df
+
+
+def _steps(df: pd.DataFrame) -> pd.DataFrame:
+    df = _typed(df, STEP_COLUMNS)
+    df["started_at"] = df["at"] - df["step_s"] if len(df) else pd.Series(dtype=float)
+    return df
 
 
 def _typed(df: pd.DataFrame, columns: tuple[str, ...]) -> pd.DataFrame:
