@@ -211,16 +211,16 @@ def db(db_url):
 
 
 @pytest.fixture()
-def app_db(tmp_path, monkeypatch):
-    """A SQLite database of five minutes of synthetic traffic (two OOMs, a settings change)
-    that the app reads (``BATCHSCOPE_DB_URL``; no demo runtime): for ``factories.run_app``."""
+def app_db(db_url, monkeypatch):
+    """A database (SQLite; PostgreSQL under ``backend``) of five minutes of synthetic traffic
+    (two OOMs, a settings change) that the app reads (``BATCHSCOPE_DB_URL``; no demo
+    runtime): for ``factories.run_app``."""
     from batchscope.testing import synthetic
-    url = f"sqlite:///{tmp_path / 'app.db'}"
-    engine = make_engine(url)
+    engine = make_engine(db_url)
     synthetic.generate(engine, synthetic.SCENARIOS["oom"].with_(
         duration_s=300, batches_per_s=4, settings_changes=((0.5, {"max_batch_size": 16}),)),
         end_s=time.time())
-    monkeypatch.setenv("BATCHSCOPE_DB_URL", url)
+    monkeypatch.setenv("BATCHSCOPE_DB_URL", db_url)
     monkeypatch.setenv("BATCHSCOPE_NO_DEMO", "1")
     yield engine
     engine.dispose()
