@@ -18,11 +18,11 @@ from batchscope.storage import db as storage_db
 from batchscope.storage.db import SchemaTooNew, make_engine, schema_revision, schema_version
 from batchscope.storage import control
 from batchscope.storage.migrations import SCRIPT_LOCATION, VERSION_TABLE
-from batchscope.storage.records import DeviceRow, RequestRow
+from batchscope.storage.records import DeviceRow, RequestRow, TraceRow
 from batchscope.storage.recorder import Recorder
-from batchscope.storage.schema import (SCHEMA_VERSION, Base, DeviceSample, RequestRecord, Rollup,
-                                       RuntimeInstance, StatsSummary, TuningSessionRecord,
-                                       TuningTrialRecord)
+from batchscope.storage.schema import (SCHEMA_VERSION, Base, DeviceSample, RequestRecord,
+                                       RequestTraceRecord, Rollup, RuntimeInstance, StatsSummary,
+                                       TuningSessionRecord, TuningTrialRecord)
 from tests.factories import count
 
 pytestmark = pytest.mark.both_backends
@@ -209,7 +209,7 @@ def test_a_database_of_schema_version_4_upgrades_in_place_with_its_rows(db_url):
     plain.dispose()
     engine = make_engine(db_url)
     try:
-        assert schema_version(engine) == SCHEMA_VERSION == 5 and schema_revision(engine) == "0004"
+        assert schema_version(engine) == SCHEMA_VERSION and schema_revision(engine) == storage_db._head()
         with engine.connect() as conn:
             req = conn.execute(select(RequestRecord.id, RequestRecord.outcome, RequestRecord.length,
                                       RequestRecord.input_shape_json, RequestRecord.timeout_ms)
@@ -231,6 +231,32 @@ def test_a_database_of_schema_version_4_upgrades_in_place_with_its_rows(db_url):
                                       RequestRecord.timeout_ms).where(RequestRecord.id == 3)).one()
             cpus = conn.execute(select(RuntimeInstance.cpu_count)).scalar()
         assert tuple(row) == (3, '{"X":[5]}', 250.0) and cpus == os.cpu_count()
+    finally:
+        engine.dispose()
+
+
+def test_a_database_of_schema_version_5_upgrades_in_place_and_takes_traces(db_url):
+    """Revision 0004 -> 0005: ``request_traces`` appears, empty, and takes rows."""
+    write_revision(db_url, "0004")
+    plain = create_engine(db_url)
+    assert not inspect(plain).has_table(RequestTraceRecord.__tablename__)
+    plain.dispose()
+    engine = make_engine(db_url)
+    try:
+        assert schema_version(engine) == SCHEMA_VERSION == 6 and schema_revision(engine) == "0005"
+        assert count(engine, RequestTraceRecord) == 0
+        rec = Recorder(engine)
+        rec.put(TraceRow("rt-1", "mlp", 1, "http", "ok", 12.0, 12.5, request_id="r-1",
+                         batch_seq=3, queue_start_at=12.1, w3c_trace_id="ab" * 16,
+                         w3c_parent_span_id="cd" * 8))
+        rec.put(TraceRow("rt-1", "mlp", 2, "grpc", "rejected", 13.0, 13.0))
+        assert rec.flush() == 2
+        with engine.connect() as conn:
+            rows = conn.execute(select(RequestTraceRecord.trace_id, RequestTraceRecord.request_id,
+                                       RequestTraceRecord.queue_start_at,
+                                       RequestTraceRecord.w3c_parent_span_id)
+                                .order_by(RequestTraceRecord.id)).all()
+        assert [tuple(r) for r in rows] == [(1, "r-1", 12.1, "cd" * 8), (2, None, None, None)]
     finally:
         engine.dispose()
 

@@ -265,9 +265,9 @@ def test_a_body_inflating_past_the_limit_is_a_413(url):
 # -- errors ------------------------------------------------------------------------------------
 def test_routes_the_server_lacks_answer_json_that_tritonclient_reads(client):
     with pytest.raises(InferenceServerException) as info:
-        client.get_trace_settings()
+        client.get_log_settings()
     assert info.value.status() == "404"
-    assert info.value.message().startswith("no route for GET /v2/trace/setting")
+    assert info.value.message().startswith("no route for GET /v2/logging")
     with pytest.raises(InferenceServerException) as info:
         client.load_model("mlp")
     assert info.value.status() == "404"

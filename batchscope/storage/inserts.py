@@ -34,8 +34,10 @@ from typing import Any
 from sqlalchemy import Boolean, Engine, Table, insert, text
 
 from batchscope.storage import summaries
-from batchscope.storage.records import BatchRow, DeviceRow, EventRow, GenStepRow, RequestRow
-from batchscope.storage.schema import BatchRecord, DeviceSample, EventRecord, GenerationStep, RequestRecord
+from batchscope.storage.records import (BatchRow, DeviceRow, EventRow, GenStepRow, RequestRow,
+                                        TraceRow)
+from batchscope.storage.schema import (BatchRecord, DeviceSample, EventRecord, GenerationStep,
+                                       RequestRecord, RequestTraceRecord)
 
 #: the table each row type is written to
 ROW_TABLES: dict[type, Table] = {
@@ -44,6 +46,7 @@ ROW_TABLES: dict[type, Table] = {
     EventRow: EventRecord.__table__,
     DeviceRow: DeviceSample.__table__,
     GenStepRow: GenerationStep.__table__,
+    TraceRow: RequestTraceRecord.__table__,
 }
 
 #: the tables whose rows are summarised as they are written

@@ -210,7 +210,38 @@ class GenStepRow:
     step_s: float
 
 
-Record = BatchRow | RequestRow | RequestBatch | EventRow | DeviceRow | GenStepRow
+@dataclass(slots=True)
+class TraceRow:
+    """One traced request (``runtime.core.tracing``): Triton's timestamps as wall-clock
+    seconds, None where the request did not get there or the server does not see it.
+    ``recv_*``/``send_*`` are the transport's (``protocol`` http or grpc);
+    ``trace_id`` numbers the traces of one instance from 1."""
+
+    instance_id: str
+    model: str
+    trace_id: int
+    protocol: str
+    outcome: str
+    request_start_at: float
+    request_end_at: float
+    #: the ``id`` the client sent with the request (KServe), if any
+    request_id: Optional[str] = None
+    batch_seq: Optional[int] = None
+    recv_start_at: Optional[float] = None
+    recv_end_at: Optional[float] = None
+    queue_start_at: Optional[float] = None
+    compute_start_at: Optional[float] = None
+    compute_input_end_at: Optional[float] = None
+    compute_output_start_at: Optional[float] = None
+    compute_end_at: Optional[float] = None
+    send_start_at: Optional[float] = None
+    send_end_at: Optional[float] = None
+    #: from the request's W3C ``traceparent`` header, if it carried one
+    w3c_trace_id: Optional[str] = None
+    w3c_parent_span_id: Optional[str] = None
+
+
+Record = BatchRow | RequestRow | RequestBatch | EventRow | DeviceRow | GenStepRow | TraceRow
 
 
 class RecorderLike(Protocol):

@@ -4,8 +4,8 @@
 (instance, model, interval) into ``rollups`` and deleted in the same transaction, so
 every row is counted exactly once: either raw or in a roll-up. Rows inside the raw
 window are never touched, so percentiles there stay exact. Events (except
-``settings_change``, kept for the settings history), device samples and generation
-steps older than the cutoff are deleted, and so are the live summaries of that time
+``settings_change``, kept for the settings history), device samples, generation
+steps and traced requests (``request_traces``) older than the cutoff are deleted, and so are the live summaries of that time
 (``batchscope.storage.summaries``).
 
 What a roll-up row holds:
@@ -44,7 +44,8 @@ from sqlalchemy import Connection, Engine, Integer, case, cast, delete, func, in
 from batchscope.storage import summaries
 from batchscope.storage.db import locked_transaction
 from batchscope.storage.schema import (BatchRecord, DeviceSample, EventRecord, GenerationStep, LatencySummary,
-                                       RequestRecord, Rollup, ShapeSummary, StatsSummary)
+                                       RequestRecord, RequestTraceRecord, Rollup, ShapeSummary,
+                                       StatsSummary)
 
 #: Upper bounds (seconds) of the latency histogram: 8 per decade from 0.1 ms to 100 s.
 LATENCY_BOUNDS_S: tuple[float, ...] = tuple(float(f"{1e-4 * 10 ** (i / 8):.4g}") for i in range(49))
@@ -67,6 +68,8 @@ class RollupStats:
     events_deleted: int = 0
     device_samples_deleted: int = 0
     generation_steps_deleted: int = 0
+    #: traced requests (``request_traces``) older than the cutoff
+    request_traces_deleted: int = 0
     rollups_deleted: int = 0
     #: rows of the live summaries (batchscope.storage.summaries) of the rolled-up time
     summary_rows_deleted: int = 0
@@ -201,9 +204,12 @@ def roll_up(engine: Engine, *, older_than: float, interval_s: float = 60.0,
             EventRecord.at < cutoff, EventRecord.kind.not_in(KEPT_EVENT_KINDS))).rowcount
         samples = conn.execute(delete(DeviceSample).where(DeviceSample.at < cutoff)).rowcount
         steps = conn.execute(delete(GenerationStep).where(GenerationStep.at < cutoff)).rowcount
+        traces = conn.execute(delete(RequestTraceRecord).where(
+            RequestTraceRecord.request_end_at < cutoff)).rowcount
         summary_rows = summaries.delete_before(conn, cutoff)
     return RollupStats(cutoff=cutoff, events_deleted=events, device_samples_deleted=samples,
-                       generation_steps_deleted=steps, summary_rows_deleted=summary_rows,
+                       generation_steps_deleted=steps, request_traces_deleted=traces,
+                       summary_rows_deleted=summary_rows,
                        chunks_retried=retries, **totals)
 
 

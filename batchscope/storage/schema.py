@@ -20,7 +20,7 @@ from typing import Optional
 from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 #: an autoincrementing row id: 64-bit everywhere (SQLite's rowid is 64-bit already)
 ID = BigInteger().with_variant(Integer(), "sqlite")
@@ -125,6 +125,49 @@ class RequestRecord(Base):
     __table_args__ = (
         Index("ix_requests_model_finished", "model", "finished_at"),
         Index("ix_requests_instance_finished", "instance_id", "finished_at"),
+    )
+
+
+class RequestTraceRecord(Base):
+    """One traced request (Triton's trace extension, ``runtime.core.tracing``): the
+    timestamps Triton's trace has, wall-clock seconds, NULL where the request did not
+    get there or the server does not see it. A request is traced when its model's trace
+    settings sample it, or when it carried a W3C ``traceparent`` marked sampled."""
+
+    __tablename__ = "request_traces"
+    id: Mapped[int] = mapped_column(ID, primary_key=True, autoincrement=True)
+    instance_id: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(128))
+    #: per-instance trace number (Triton's trace ``id``), from 1
+    trace_id: Mapped[int] = mapped_column(BigInteger)
+    #: http | grpc: which transport the ``recv_*``/``send_*`` timestamps are of
+    protocol: Mapped[str] = mapped_column(String(8))
+    #: the request's outcome, as in ``requests`` (ok | rejected | expired | error | ...)
+    outcome: Mapped[str] = mapped_column(String(16))
+    #: the ``id`` the client sent with the request (KServe), at most 256 characters
+    request_id: Mapped[Optional[str]] = mapped_column(String(256))
+    #: the batch it ran in (``batches.seq``; the first one, for a request of several items)
+    batch_seq: Mapped[Optional[int]] = mapped_column(BigInteger)
+    #: HTTP_RECV_START / GRPC_WAITREAD_START and HTTP_RECV_END / GRPC_WAITREAD_END
+    recv_start_at: Mapped[Optional[float]] = mapped_column(Float)
+    recv_end_at: Mapped[Optional[float]] = mapped_column(Float)
+    request_start_at: Mapped[float] = mapped_column(Float)
+    queue_start_at: Mapped[Optional[float]] = mapped_column(Float)
+    compute_start_at: Mapped[Optional[float]] = mapped_column(Float)
+    compute_input_end_at: Mapped[Optional[float]] = mapped_column(Float)
+    compute_output_start_at: Mapped[Optional[float]] = mapped_column(Float)
+    compute_end_at: Mapped[Optional[float]] = mapped_column(Float)
+    request_end_at: Mapped[float] = mapped_column(Float)
+    #: HTTP_SEND_START / GRPC_SEND_START and HTTP_SEND_END / GRPC_SEND_END
+    send_start_at: Mapped[Optional[float]] = mapped_column(Float)
+    send_end_at: Mapped[Optional[float]] = mapped_column(Float)
+    #: the W3C trace context the request carried (``traceparent``), if any
+    w3c_trace_id: Mapped[Optional[str]] = mapped_column(String(32))
+    w3c_parent_span_id: Mapped[Optional[str]] = mapped_column(String(16))
+
+    __table_args__ = (
+        Index("ix_request_traces_model_end", "model", "request_end_at"),
+        Index("ix_request_traces_end", "request_end_at"),
     )
 
 

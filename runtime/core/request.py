@@ -2,8 +2,9 @@
 
 ``PendingRequest`` is what the batcher holds: the decoded item plus the few facts
 the dispatch decision needs (length, priority, arrival, deadline, bypass). The
-``future`` slot belongs to the shell that awaits the answer; the core never
-touches it. Removing a request from the middle of a queue would cost O(n), so the
+``future`` slot belongs to the shell that awaits the answer, ``trace`` to the
+tracer (``runtime.engine.tracing``); the core never touches them. Removing a
+request from the middle of a queue would cost O(n), so the
 core marks it instead (``state``) and skips dead entries lazily when it meets them.
 """
 
@@ -25,11 +26,11 @@ class PendingRequest:
     """One queued request. Times are monotonic seconds."""
 
     __slots__ = ("item", "length", "priority", "bypass", "arrived_s", "deadline_s",
-                 "seq", "state", "future", "bucket")
+                 "seq", "state", "future", "bucket", "trace")
 
     def __init__(self, item: Any, *, length: int = 1, priority: int = 0, bypass: bool = False,
                  arrived_s: float = 0.0, deadline_s: float | None = None,
-                 future: Any = None) -> None:
+                 future: Any = None, trace: Any = None) -> None:
         self.item = item
         self.length = length
         self.priority = priority
@@ -42,6 +43,9 @@ class PendingRequest:
         self.state = QUEUED
         #: bucket edge it was queued under (None: fixed size or no bucketing; -1 overflow)
         self.bucket: int | None = None
+        #: the request's ``runtime.core.tracing.RequestTrace`` when it is traced, else None
+        #: (the only thing the engine checks for a request that is not)
+        self.trace = trace
 
     def __repr__(self) -> str:
         return (f"PendingRequest(seq={self.seq}, priority={self.priority}, length={self.length}, "

@@ -16,6 +16,9 @@ several when out-of-memory or a model error split it; see
 * the model's ``InferenceTotals``: each request's outcome with its latency and queue
   time, each batch that ran without error by its size with its compute time (what
   the Triton statistics report);
+* the timestamps of a traced request (``PendingRequest.trace``, see
+  ``runtime.engine.tracing``): queued, its batch's compute start, inputs ready, outputs
+  taken and end, and its outcome, stamped just before it is answered;
 * every request's one outcome: its result, ``OutOfMemory`` (507), ``ModelError``
   (500: "failed on this request" when it failed alone), ``ModelTimedOut`` (503) or
   ``ModelNotReady`` (503, a stuck model), with one ``RequestRow`` each (a
@@ -246,6 +249,10 @@ class Booking:
             fut = req.future
             if fut.done():
                 continue
+            if req.trace is not None:  # stamped before the answer goes out
+                ended = a.ended_s
+                req.trace.ran(req.arrived_s, a.started_s, a.started_s + a.input_s,
+                              ended - a.output_s, ended, seq, now, "ok")
             fut.set_result(outputs[i - start])
             priorities.append(req.priority)
             arrived.append(req.arrived_s)
@@ -385,6 +392,8 @@ class Booking:
         fut = req.future
         if fut.done():
             return
+        if req.trace is not None:
+            req.trace.settled(req.arrived_s, now, outcome, started_s, batch_seq)
         if error is None:
             fut.set_result(result)
         else:

@@ -9,6 +9,7 @@ parts of ``runtime.engine``, each a module of its own:
     turns.py       DeviceTurns: whose batch goes to the device next (FairArbiter)
     executors.py   where batches run: the device thread or the device process
     booking.py     Booking: records, events, governor and outcomes of a batch
+    tracing.py     Tracer: Triton's trace settings, which requests are traced, their records
 
 A request is checked and queued here (``infer``/``submit``); a request of several
 items (a client-side batch) is checked once and queued as one ``PendingRequest`` per
@@ -53,6 +54,7 @@ from runtime.engine.dispatch import Dispatcher
 from runtime.engine.executors import (HANDOFF_WAIT_S, MAX_AHEAD_BATCHES, DeviceThread,
                                       ProcessExecutor)
 from runtime.engine.served import InferenceTotals, ServedModel
+from runtime.engine.tracing import Tracer
 from runtime.engine.turns import DeviceTurns
 
 __all__ = ["Engine", "CallbackOutcome", "ItemsOutcome", "EVENT_INTERVAL_S",
@@ -227,6 +229,9 @@ class Engine:
             name: ServedModel(name, model, configs.get(name) or BatchingConfig(), event_interval_s)
             for name, model in models.items()}
         self._booking = Booking(recorder, instance_id, self._clock)
+        #: Triton's trace settings of the models and the traces' records
+        #: (``runtime.engine.tracing``)
+        self.tracer = Tracer(self._models, self._booking.recorder, instance_id, self._clock)
         self._arbiter = FairArbiter()
         served = list(self._models.values())
         #: the child processes batches run in (``device_process=True``): one per model,
@@ -308,6 +313,7 @@ class Engine:
         for d in dispatchers:
             d.cancel_running(now)
         await self._backend.stop()
+        await asyncio.to_thread(self.tracer.close)
 
     # -- requests -----------------------------------------------------------------------
     def _open(self, model: str) -> ServedModel:
@@ -344,7 +350,8 @@ class Engine:
         return item, length
 
     def _admit(self, model: str, inputs: dict[str, np.ndarray], priority: int | None,
-               timeout_ms: float | None, bypass: bool, outcome: Any) -> PendingRequest:
+               timeout_ms: float | None, bypass: bool, outcome: Any,
+               trace: Any = None) -> PendingRequest:
         """Check and queue one request whose answer goes to ``outcome`` (a future, or
         anything with ``done/set_result/set_exception``). Raises before queueing."""
         served = self._open(model)
@@ -355,7 +362,8 @@ class Engine:
         now = self._clock.now()
         req = PendingRequest(item, length=length, priority=priority,
                              bypass=bool(bypass) and cfg.allow_bypass, arrived_s=now,
-                             deadline_s=deadline_of(timeout_ms, cfg, now), future=outcome)
+                             deadline_s=deadline_of(timeout_ms, cfg, now), future=outcome,
+                             trace=trace)
         try:
             wake = batcher.submit(req, now)
         except QueueFull:
@@ -371,7 +379,8 @@ class Engine:
 
     def _admit_items(self, model: str, items: Sequence[dict[str, np.ndarray]],
                      priority: int | None, timeout_ms: float | None, bypass: bool,
-                     on_done: Callable[[Any, BaseException | None], None]) -> ItemsOutcome:
+                     on_done: Callable[[Any, BaseException | None], None],
+                     trace: Any = None) -> ItemsOutcome:
         """Check and queue the items of one request, all or none: every item is decoded
         and the queue's room checked before the first is queued. Raises before queueing."""
         served = self._open(model)
@@ -391,7 +400,8 @@ class Engine:
         bypass = bool(bypass) and cfg.allow_bypass
         group = ItemsOutcome(n, on_done)
         reqs = [PendingRequest(item, length=length, priority=priority, bypass=bypass,
-                               arrived_s=now, deadline_s=deadline, future=group.slot(i))
+                               arrived_s=now, deadline_s=deadline, future=group.slot(i),
+                               trace=trace)
                 for i, (item, length) in enumerate(decoded)]
         wake = False
         queued = 0
@@ -473,9 +483,13 @@ class Engine:
         return error
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray], *, priority: int | None = None,
-                    timeout_ms: float | None = None, bypass: bool = False) -> dict[str, np.ndarray]:
+                    timeout_ms: float | None = None, bypass: bool = False,
+                    trace: Any = None) -> dict[str, np.ndarray]:
+        """One request's outputs. ``trace``: its ``RequestTrace`` when it is traced
+        (``runtime.engine.tracing``; the same for every entry point below): booking
+        stamps its queue and compute times before answering."""
         fut = (self._loop or asyncio.get_running_loop()).create_future()
-        req = self._admit(model, inputs, priority, timeout_ms, bypass, fut)
+        req = self._admit(model, inputs, priority, timeout_ms, bypass, fut, trace)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -487,16 +501,16 @@ class Engine:
 
     def submit(self, model: str, inputs: dict[str, np.ndarray], priority: int | None,
                timeout_ms: float | None, bypass: bool,
-               on_done: Callable[[Any, BaseException | None], None]) -> None:
+               on_done: Callable[[Any, BaseException | None], None], trace: Any = None) -> None:
         """``infer`` without a coroutine: the same checks and errors (raised here, before
         anything is queued); an accepted request's outcome arrives exactly once as
         ``on_done(result, None)`` or ``on_done(None, error)``, called on the loop while its
         batch settles. ``on_done`` must not raise (what it raises is logged and dropped)."""
-        self._admit(model, inputs, priority, timeout_ms, bypass, CallbackOutcome(on_done))
+        self._admit(model, inputs, priority, timeout_ms, bypass, CallbackOutcome(on_done), trace)
 
     async def infer_items(self, model: str, items: Sequence[dict[str, np.ndarray]], *,
                           priority: int | None = None, timeout_ms: float | None = None,
-                          bypass: bool = False) -> list[dict[str, np.ndarray]]:
+                          bypass: bool = False, trace: Any = None) -> list[dict[str, np.ndarray]]:
         """``infer`` for a request of several items (a client-side batch): each item is
         one request in the queue, batched with whatever else waits, and the answer is
         the items' results in order, or the one error the first failing item got.
@@ -517,7 +531,7 @@ class Engine:
             else:
                 fut.set_exception(error)
 
-        group = self._admit_items(model, items, priority, timeout_ms, bypass, done)
+        group = self._admit_items(model, items, priority, timeout_ms, bypass, done, trace)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -527,12 +541,13 @@ class Engine:
 
     def submit_items(self, model: str, items: Sequence[dict[str, np.ndarray]],
                      priority: int | None, timeout_ms: float | None, bypass: bool,
-                     on_done: Callable[[Any, BaseException | None], None]) -> ItemsOutcome:
+                     on_done: Callable[[Any, BaseException | None], None],
+                     trace: Any = None) -> ItemsOutcome:
         """``infer_items`` without a coroutine, as ``submit`` is ``infer``'s: the checks
         raise here, before anything is queued; then exactly one ``on_done(results,
         None)`` or ``on_done(None, error)``. The returned outcome's ``abandon()``
         withdraws the request (no ``on_done`` follows)."""
-        return self._admit_items(model, items, priority, timeout_ms, bypass, on_done)
+        return self._admit_items(model, items, priority, timeout_ms, bypass, on_done, trace)
 
     # -- settings -----------------------------------------------------------------------
     def get_settings(self, model: str) -> tuple[int, BatchingConfig]:

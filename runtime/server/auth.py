@@ -1,7 +1,9 @@
 """Who may change a server's state, and from where: the control-request gate.
 
 A *control request* is one that changes what the server does (today: ``POST`` or
-``PATCH`` on ``/v2/models/{name}/batching``); inference and every ``GET`` are not.
+``PATCH`` on ``/v2/models/{name}/batching``, ``POST`` on Triton's trace settings,
+``/v2[/models/{name}]/trace/setting``, and the gRPC ``TraceSetting`` call that changes
+them); inference and every ``GET`` are not.
 ``AuthConfig.check(method, headers, peer)`` decides one control request and gives
 the identity it is recorded under, or raises an error that
 ``runtime.api.errors.error_answer`` answers:
@@ -20,7 +22,14 @@ the identity it is recorded under, or raises an error that
 3. **A JSON body** (400 otherwise): ``Content-Type: application/json``. A browser
    cannot send that cross-origin without asking first (a CORS preflight, which this
    server does not grant), so a page cannot forge a control request by posting a
-   form or ``text/plain``.
+   form or ``text/plain``. A route may also take a body sent without any
+   ``Content-Type`` (``untyped_json``: the trace settings, which ``tritonclient.http``
+   posts without one): a form or ``text/plain`` post always carries one, and a page
+   that sends a body without one from another site sends its ``Origin`` too (rule 1).
+
+``check_rpc(authorization, peer)`` decides a control call over gRPC, which no browser
+can make (there is no origin or body type to check): rule 2, and without a token the
+peer must be a loopback address.
 
 The identity is ``"token:<first 8 hex digits of the token's SHA-256>"`` with a token
 and ``"loopback"`` without: what the request proved, never what it claims
@@ -188,10 +197,12 @@ class AuthConfig:
             return f"control requests need the token ({self.identity})"
         return "control requests from this machine only (no token)"
 
-    def check(self, method: str, headers: Mapping[str, str], peer: str | None) -> str:
+    def check(self, method: str, headers: Mapping[str, str], peer: str | None, *,
+              untyped_json: bool = False) -> str:
         """The identity of the control request ``method`` with ``headers`` (lowercase
         names, as ASGI gives them) from ``peer`` (its address), or ``Unauthorized``,
-        ``Forbidden`` or ``ClientError``. Safe methods pass as the configured identity."""
+        ``Forbidden`` or ``ClientError``. Safe methods pass as the configured identity.
+        ``untyped_json``: a body without ``Content-Type`` is taken as JSON."""
         if method.upper() in SAFE_METHODS:
             return self.identity
         self._check_same_origin(headers)
@@ -203,10 +214,26 @@ class AuthConfig:
         else:
             self._check_local(headers, peer)
         kind = (headers.get("content-type") or "").split(";", 1)[0].strip().lower()
-        if kind != "application/json":
+        if kind != "application/json" and not (untyped_json and not kind):
             shown = f"Content-Type {kind!r}" if kind else "no Content-Type"
             raise ClientError(f"a control request must send a JSON body with 'Content-Type: "
                               f"application/json' (this one has {shown})")
+        return self.identity
+
+    def check_rpc(self, authorization: str | None, peer: str | None) -> str:
+        """The identity of a control call over gRPC with the ``authorization`` metadata
+        (``Bearer <token>``) from ``peer`` (its address), or ``Unauthorized`` or
+        ``Forbidden``: the token when the server has one, else a loopback peer."""
+        if self.token is not None:
+            self._check_token(authorization)
+        elif not self.loopback_only:
+            raise Forbidden("this server listens beyond loopback without a control token, so "
+                            f"it accepts no control requests; {_HOW_TO_CONFIGURE}")
+        elif not is_loopback(peer):
+            raise Unauthorized(f"this server has no control token, so it accepts control "
+                               f"calls from this machine only ({peer or 'unknown peer'} is "
+                               f"not); {_HOW_TO_CONFIGURE}, then send the metadata "
+                               "'authorization: Bearer <token>'")
         return self.identity
 
     # -- the steps --------------------------------------------------------------------

@@ -9,7 +9,11 @@ Starlette route gives: same codec, and every refusal is built by
 request to a path that is not an inference route) is left to the ASGI app.
 
 The success path allocates only what the answer needs: the parsed request, the
-settle callback and the encoded body.
+settle callback and the encoded body. Tracing (``runtime.engine.tracing``) adds one
+header comparison (``traceparent``) and one attribute check (are trace settings
+active) to a request that is not traced; a traced one gets a ``RequestTrace`` with its
+receive times (the first byte of its head, the read that completed it), its send
+times (around the write of its answer) and the engine's, recorded once answered.
 
 Shedding costs far less than serving: ``InferHook.early`` is asked by the HTTP
 server as soon as a request head is complete, before the body is read, and answers
@@ -49,6 +53,7 @@ from runtime.server.routes import MODEL_VERSION, find_model
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _HEADER_LENGTH_B = HEADER_LENGTH.encode()
 _CONTENT_ENCODING_B = b"content-encoding"
+_TRACEPARENT_B = b"traceparent"
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
 #: bodies larger than this are parsed on a parser thread, off the event loop
@@ -92,6 +97,10 @@ class InferHook:
         self._refused: tuple[BaseException, tuple[int, list[tuple[bytes, bytes]], bytes]] | None = None
         #: raw ``/infer`` request targets seen while shedding -> the model they name
         self._edge_paths: dict[bytes, Any] = {}
+        #: the engine's tracer (``runtime.engine.tracing``) and its settings, whose
+        #: ``active`` is the one thing asked of a request without ``traceparent``
+        self.tracer = getattr(self.engine, "tracer", None)
+        self._tracing = self.tracer.control if self.tracer is not None else _NO_TRACING
 
     def early(self, method: bytes, path: str,
               headers: list[tuple[bytes, bytes]]) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
@@ -154,12 +163,18 @@ class InferHook:
         target = infer_target(path)
         if target is None:
             return False
-        header_length = encoding = None
+        header_length = encoding = traceparent = None
         for key, value in headers:
             if key == _HEADER_LENGTH_B:
                 header_length = value.decode("latin-1")
             elif key == _CONTENT_ENCODING_B:
                 encoding = value.decode("latin-1")
+            elif key == _TRACEPARENT_B:
+                traceparent = value
+        traced = None
+        if traceparent is not None or self._tracing.active:  # maybe traced: its receive times
+            traced = (traceparent, getattr(conn, "began_s", 0.0) or None,
+                      getattr(conn, "last_active_s", 0.0) or None)
         try:
             served = find_model(self.models, target[0], target[1])
             name = served.name
@@ -178,18 +193,19 @@ class InferHook:
                 loop = _running_loop()
                 if loop is not None:  # parse off the loop: other clients keep being served
                     self._parse_aside(loop, path, body, header_length, encoding, served,
-                                      levels, bounds, answer)
+                                      levels, bounds, answer, traced)
                     return True
             req = parse_infer(body, header_length, name, model.inputs, outputs, levels,
                               encoding, bounds, self.budget)
-            self._submit(name, req, outputs, answer)
+            self._submit(name, req, outputs, answer, traced)
         except Exception as exc:  # a refusal (BatchScopeError) or a bug: answered alike
             answer(*error_answer(exc, f"POST {path}"))
         return True
 
     def _parse_aside(self, loop: asyncio.AbstractEventLoop, path: str, body: bytes,
                      header_length: str | None, encoding: str | None, served: Any,
-                     levels: int, bounds: RequestBounds, answer: Answer) -> None:
+                     levels: int, bounds: RequestBounds, answer: Answer,
+                     traced: tuple | None = None) -> None:
         """Parse a large body on the parser thread, then submit it back on the loop."""
         model = served.model
 
@@ -201,21 +217,30 @@ class InferHook:
                 loop.call_soon_threadsafe(answer, *error_answer(exc, f"POST {path}"))
                 return
             loop.call_soon_threadsafe(self._submit_guarded, path, served.name, req,
-                                      model.outputs, answer)
+                                      model.outputs, answer, traced)
 
         self.large_parses += 1
         _parser_pool().submit(parse)
 
     def _submit_guarded(self, path: str, name: str, req: Any, outputs: Any,
-                        answer: Answer) -> None:
+                        answer: Answer, traced: tuple | None = None) -> None:
         try:
-            self._submit(name, req, outputs, answer)
+            self._submit(name, req, outputs, answer, traced)
         except Exception as exc:
             answer(*error_answer(exc, f"POST {path}"))
 
-    def _submit(self, name: str, req: Any, outputs: Any, answer: Answer) -> None:
-        """Hand a parsed request to the engine; its answer goes to ``answer``."""
+    def _submit(self, name: str, req: Any, outputs: Any, answer: Answer,
+                traced: tuple | None = None) -> None:
+        """Hand a parsed request to the engine; its answer goes to ``answer``.
+        ``traced``: (``traceparent``, receive start, receive end) of a request that may
+        be traced (tracing is on, or it carries a ``traceparent``), else None."""
         engine = self.engine
+        trace = None
+        if traced is not None and self.tracer is not None:
+            trace = self.tracer.begin(name, "http", req.id, traced[0])
+            if trace is not None:
+                trace.recv_start, trace.recv_end = traced[1], traced[2]
+                answer = self._traced(trace, answer)
 
         def done(result: Any, error: BaseException | None) -> None:
             req.release()
@@ -235,10 +260,34 @@ class InferHook:
                 answer(*error_answer(error, f"POST /v2/models/{name}/infer"))
 
         try:
-            submit_infer(engine, name, req, done)
-        except BaseException:
+            submit_infer(engine, name, req, done, trace)
+        except BaseException as exc:
             req.release()
+            if trace is not None:  # refused before the engine took it
+                self.tracer.finish(trace, exc)
             raise
+
+    def _traced(self, trace: Any, answer: Answer) -> Answer:
+        """``answer`` stamping the send times of a traced request, then recording it."""
+        tracer = self.tracer
+        now = tracer.clock.now
+
+        def traced(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+            trace.send_start = now()
+            answer(status, headers, body)
+            trace.send_end = now()
+            tracer.finish(trace)
+
+        return traced
+
+
+class _NoTracing:
+    """The trace settings of an engine without a tracer: never active."""
+
+    active = False
+
+
+_NO_TRACING = _NoTracing()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

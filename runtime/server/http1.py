@@ -277,6 +277,9 @@ class _Connection(asyncio.Protocol):
         self.body_allowed = 0
         #: when the first byte of the head being read arrived (0.0: no head being read)
         self.head_since = 0.0
+        #: when the first byte of the latest request arrived (kept after its head: the
+        #: receive start of a traced request, ``runtime.engine.tracing``)
+        self.began_s = 0.0
         #: when the body being read was asked for (its head completed, or 100 Continue)
         self.body_since = 0.0
         self.closing = False
@@ -384,7 +387,7 @@ class _Connection(asyncio.Protocol):
         self.body_bytes = 0
         self.declared = 0
         # the data_received call that brought this first byte set last_active_s
-        self.head_since = self.last_active_s
+        self.head_since = self.began_s = self.last_active_s
 
     def on_url(self, url: bytes) -> None:
         ex = self.current

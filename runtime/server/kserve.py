@@ -706,10 +706,18 @@ def encode_infer(model: str, version: str, req: InferRequest, result: Result,
 
 
 # -- engine -------------------------------------------------------------------------
-async def run_infer(engine: Any, model: str, req: InferRequest) -> Result:
+async def run_infer(engine: Any, model: str, req: InferRequest, trace: Any = None) -> Result:
     """Run a decoded request through ``engine`` (the ``Engine`` contract): one item
     through ``Engine.infer``, several (``req.items``) through ``Engine.infer_items``.
-    The answer is what ``encode_infer`` and ``response_tensors`` take."""
+    The answer is what ``encode_infer`` and ``response_tensors`` take. ``trace``: the
+    request's ``RequestTrace`` when it is traced (passed on only then)."""
+    if trace is not None:
+        if req.items is None:
+            return await engine.infer(model, req.inputs, priority=req.priority,
+                                      timeout_ms=req.timeout_ms, bypass=req.bypass, trace=trace)
+        return await engine.infer_items(model, req.items, priority=req.priority,
+                                        timeout_ms=req.timeout_ms, bypass=req.bypass,
+                                        trace=trace)
     if req.items is None:
         return await engine.infer(model, req.inputs, priority=req.priority,
                                   timeout_ms=req.timeout_ms, bypass=req.bypass)
@@ -718,10 +726,19 @@ async def run_infer(engine: Any, model: str, req: InferRequest) -> Result:
 
 
 def submit_infer(engine: Any, model: str, req: InferRequest,
-                 on_done: Callable[[Result | None, BaseException | None], None]) -> None:
+                 on_done: Callable[[Result | None, BaseException | None], None],
+                 trace: Any = None) -> None:
     """``run_infer`` in the engine's callback form (``Engine.submit`` /
     ``Engine.submit_items``): admission errors are raised here, then exactly one
     ``on_done(result, None)`` or ``on_done(None, error)``."""
+    if trace is not None:
+        if req.items is None:
+            engine.submit(model, req.inputs, req.priority, req.timeout_ms, req.bypass, on_done,
+                          trace)
+        else:
+            engine.submit_items(model, req.items, req.priority, req.timeout_ms, req.bypass,
+                                on_done, trace)
+        return
     if req.items is None:
         engine.submit(model, req.inputs, req.priority, req.timeout_ms, req.bypass, on_done)
     else:

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from batchscope.storage.records import BatchRow, RequestBatch, RequestRow
+from batchscope.storage.records import BatchRow, RequestBatch, RequestRow, TraceRow
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -147,7 +147,8 @@ def _observe_many(child: Any, values: list[float]) -> None:
 
 
 class MetricsRecorder:
-    """Turns BatchRow/RequestRow records into Prometheus series; other records are ignored."""
+    """Turns BatchRow/RequestRow/TraceRow records into Prometheus series; other records
+    are ignored."""
 
     def __init__(self, *, stats: Callable[[], dict[str, dict[str, Any]]] | None = None,
                  dropped: Callable[[], int] | None = None) -> None:
@@ -176,6 +177,10 @@ class MetricsRecorder:
         self.tpot_seconds = Histogram("batchscope_time_per_output_token_seconds",
                                       "Generation: time per output token after the first",
                                       ["model_name"], buckets=_TPOT_BUCKETS, registry=r)
+        self.traced = Counter("batchscope_traced_requests",
+                              "Requests traced (Triton's trace extension: sampled by the trace "
+                              "settings, or carrying a sampled W3C traceparent)",
+                              ["model", "protocol"], registry=r)
         self.e2e_seconds = Histogram("batchscope_e2e_request_latency_seconds",
                                      "Generation: arrival to last token of finished requests",
                                      ["model_name"], buckets=_E2E_BUCKETS, registry=r)
@@ -239,6 +244,9 @@ class MetricsRecorder:
                 _append(observations, ch[0], record.batch_size)
                 _append(observations, ch[1], record.compute_s)
                 counts[ch[2]] = counts.get(ch[2], 0) + 1
+            elif kind is TraceRow:
+                child = self.traced.labels(record.model, record.protocol)
+                counts[child] = counts.get(child, 0) + 1
         for child, values in observations.items():
             _observe_many(child, values)
         for child, n in counts.items():

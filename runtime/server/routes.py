@@ -5,6 +5,8 @@ Triton's clients use that form: model metadata (shapes led by the batch dimensio
 -1), ``/ready``, ``POST /infer``, Triton's ``/config`` and statistics
 (``GET /v2/models/stats`` for every model, ``/v2/models/{name}/stats`` for one), and
 ``POST /v2/repository/index``; the documents come from ``runtime.server.triton``.
+Triton's trace extension (``GET``/``POST /v2/trace/setting`` and
+``/v2/models/{name}/trace/setting``) is ``runtime.server.trace_api``'s.
 
 ``build_app(engine, ...)`` only wires routes to an engine that follows the
 ``runtime.engine.engine.Engine`` contract; starting and stopping the engine belongs to
@@ -41,11 +43,12 @@ from runtime.server.control_api import (DEFAULT_AUTH, control_routes, json_respo
 from runtime.server.bounds import MemoryBudget, RequestBounds, check_json_size
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, run_infer
 from runtime.server.metrics import CONTENT_TYPE, MetricsRecorder
+from runtime.server.trace_api import trace_routes
 from runtime.server.triton import MODEL_VERSION
 
 SERVER_NAME = "batchscope"
 EXTENSIONS = ["binary_tensor_data", "schedule_policy", "batching_control", "metrics",
-              "model_configuration", "statistics"]
+              "model_configuration", "statistics", "trace"]
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -126,8 +129,11 @@ def _served(request: Request) -> ServedModel:
 
 async def answer_infer(state: Any, name: str, version: str | None, body: bytes,
                        header_length: str | None,
-                       content_encoding: str | None = None) -> tuple[bytes, dict[str, str]]:
-    """One ``/infer`` call: decode, run through the engine, encode. Raises BatchScopeError."""
+                       content_encoding: str | None = None,
+                       traceparent: str | None = None) -> tuple[bytes, dict[str, str]]:
+    """One ``/infer`` call: decode, run through the engine, encode. Raises BatchScopeError.
+    A traced request (``runtime.engine.tracing``) is recorded once encoded (no receive
+    or send times: the ASGI server has them)."""
     served = find_model(state.models, name, version)
     engine = state.engine
     if not engine.is_ready(served.name):
@@ -137,11 +143,22 @@ async def answer_infer(state: Any, name: str, version: str | None, body: bytes,
     req = parse_infer(body, header_length, served.name, model.inputs, model.outputs,
                       config.priority_levels, content_encoding,
                       RequestBounds.of(config.max_queue_size, model.max_length), state.budget)
+    tracer = getattr(engine, "tracer", None)
+    trace = None
+    if tracer is not None and (traceparent is not None or tracer.control.active):
+        trace = tracer.begin(served.name, "http", req.id, traceparent)
     try:
-        result = await run_infer(engine, served.name, req)
+        result = await run_infer(engine, served.name, req, trace)
+    except BaseException as exc:
+        if trace is not None:
+            tracer.finish(trace, exc)
+        raise
     finally:
         req.release()
-    return encode_infer(served.name, MODEL_VERSION, req, result, model.outputs)
+    answer = encode_infer(served.name, MODEL_VERSION, req, result, model.outputs)
+    if trace is not None:
+        tracer.finish(trace)
+    return answer
 
 
 # -- handlers -----------------------------------------------------------------------
@@ -173,7 +190,7 @@ async def infer(request: Request) -> Response:
     payload, headers = await answer_infer(
         request.app.state, request.path_params["name"], request.path_params.get("version"),
         await request.body(), request.headers.get(HEADER_LENGTH),
-        request.headers.get("content-encoding"))
+        request.headers.get("content-encoding"), request.headers.get("traceparent"))
     media = "application/octet-stream" if headers else "application/json"
     return Response(payload, headers=headers, media_type=media)
 
@@ -243,7 +260,7 @@ def build_app(engine: Any, *, metrics: MetricsRecorder | None = None,
     memory of decoded requests (``runtime.server.bounds``; default: a new one).
     """
     routes: list[BaseRoute] = []
-    for route in _kserve_routes() + control_routes():
+    for route in _kserve_routes() + control_routes() + trace_routes():
         routes.append(Route(route.path, guarded(route.endpoint), methods=route.methods))
     routes.extend(extra_routes)
     app = Starlette(routes=routes, lifespan=lifespan,

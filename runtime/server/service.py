@@ -178,7 +178,7 @@ class Service:
 
             self.grpc = GrpcServer(self.engine, version=version,
                                    generation=list(generation or {}),
-                                   budget=self.app.state.budget)
+                                   budget=self.app.state.budget, auth=self.auth)
         self._exit_requested = False
         self._exit: asyncio.Future | None = None
         self.started = threading.Event()
@@ -320,6 +320,8 @@ class Service:
         loopback and there is no token."""
         self.auth = auth_for_listening(host, self.auth.token)
         self.app.state.auth = self.auth
+        if self.grpc is not None:  # the trace settings' gate over gRPC
+            self.grpc.handlers.auth = self.auth
 
     def request_exit(self) -> None:
         """Ask ``serve()`` to stop (call on the loop's thread)."""

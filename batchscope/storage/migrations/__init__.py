@@ -11,6 +11,8 @@
   (``batchscope.storage.summaries``; schema version 4), filled from the raw rows there;
 * ``0004_tuning_sessions``: tuning sessions and their trials, the requests' input shapes
   and timeouts, the hosts' CPU count (schema version 5).
+* ``0005_request_traces``: the traced requests' timestamps (Triton's trace extension;
+  schema version 6).
 
 A new revision: a file here with the next number, ``down_revision`` the last one, its
 ``upgrade`` written against the tables as the previous revisions left them (never

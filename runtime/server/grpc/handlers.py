@@ -18,12 +18,20 @@
   stream are outstanding: past that, the stream's requests are not read until the
   client has taken answers;
 * Triton's extensions ``ModelConfig``, ``ModelStatistics`` (one model, or every model
-  for an empty name) and ``RepositoryIndex``, from ``runtime.server.triton``.
+  for an empty name) and ``RepositoryIndex``, from ``runtime.server.triton``;
+* ``TraceSetting`` (Triton's trace extension, as ``/v2[/models/{name}]/trace/setting``
+  over HTTP, ``runtime.server.trace_api``): a call without settings reads them, one with
+  settings changes them (an empty value clears a model's own) and is a control call
+  (``AuthConfig.check_rpc``: the token in the ``authorization`` metadata when the server
+  has one, else a loopback peer). A traced ``ModelInfer`` (or stream request) records
+  ``GRPC_WAITREAD_END`` (the handler is called with the message read) and
+  ``GRPC_SEND_START`` (its answer built); a ``traceparent`` in the call's metadata
+  follows the rule of ``runtime.engine.tracing``.
 
 Every failure is answered by ``runtime.server.grpc.status``: the HTTP answer's message
 under the matching status code. The methods of the service this server does not
-implement (shared memory, model loading, trace and log settings) answer UNIMPLEMENTED
-with their name.
+implement (shared memory, model loading, log settings) answer UNIMPLEMENTED with their
+name.
 """
 
 from __future__ import annotations
@@ -31,13 +39,16 @@ from __future__ import annotations
 import asyncio
 import functools
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+from urllib.parse import unquote
 
 import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from runtime.api.errors import ModelNotFound, ModelNotReady
+from runtime.core.tracing import parse_changes
 from runtime.server import triton
+from runtime.server.auth import AuthConfig
 from runtime.server.grpc.protocol import SERVICE, SERVICE_NAME, message
 from runtime.server.grpc.status import refusal
 from runtime.server.bounds import MemoryBudget, RequestBounds
@@ -50,6 +61,25 @@ from runtime.server.routes import EXTENSIONS, SERVER_NAME, ServedModel, find_mod
 STREAM_AHEAD = 256
 
 Unary = Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]
+
+
+def peer_host(peer: str | None) -> str | None:
+    """The address of a gRPC peer (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``), or None."""
+    if not peer:
+        return None
+    kind, _, rest = unquote(peer).partition(":")
+    if kind not in ("ipv4", "ipv6") or ":" not in rest:
+        return None
+    return rest.rsplit(":", 1)[0].strip("[]")
+
+
+def _metadata(context: Any, key: str) -> str | None:
+    """The value of the call's metadata ``key`` (lowercase), or None."""
+    for item in context.invocation_metadata() or ():
+        if item[0] == key:
+            value = item[1]
+            return value.decode("latin-1") if isinstance(value, bytes) else value
+    return None
 
 
 def _from_json(name: str, doc: dict[str, Any]) -> Message:
@@ -81,8 +111,13 @@ class InferenceHandlers:
     following the ``runtime.engine.engine.Engine`` contract, started on this loop)."""
 
     def __init__(self, engine: Any, *, version: str = "0.1.0",
-                 generation: Iterable[str] = (), budget: MemoryBudget | None = None) -> None:
+                 generation: Iterable[str] = (), budget: MemoryBudget | None = None,
+                 auth: AuthConfig | None = None) -> None:
         self.engine = engine
+        #: decides ``TraceSetting`` calls that change settings (the HTTP server's gate)
+        self.auth = auth if auth is not None else AuthConfig()
+        #: the engine's tracer (``runtime.engine.tracing``), None for an engine without
+        self.tracer = getattr(engine, "tracer", None)
         #: the memory of decoded requests, shared with the HTTP routes when given
         self.budget = budget if budget is not None else MemoryBudget()
         self.version = version
@@ -103,6 +138,7 @@ class InferenceHandlers:
             "ModelConfig": self.model_config,
             "ModelStatistics": self.model_statistics,
             "RepositoryIndex": self.repository_index,
+            "TraceSetting": self.trace_setting,
         }
 
     # -- registration -------------------------------------------------------------------
@@ -129,7 +165,8 @@ class InferenceHandlers:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 f"{name} is not supported by this server; it serves health, "
                                 "metadata, inference (ModelInfer, ModelStreamInfer), model "
-                                "configuration, statistics and the repository index")
+                                "configuration, statistics, the repository index and trace "
+                                "settings")
             raise AssertionError("unreachable: abort raises")
 
         return refuse
@@ -181,6 +218,30 @@ class InferenceHandlers:
         index = triton.repository_index(self.engine, ready_only=request.ready)
         return _from_json("RepositoryIndexResponse", {"models": index})
 
+    # -- trace settings -----------------------------------------------------------------
+    async def trace_setting(self, request: Message, context: Any) -> Message:
+        tracer = self.tracer
+        if tracer is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "this engine has no trace settings")
+        model = None
+        if request.model_name:
+            name = request.model_name
+            if name not in self.models:
+                self._served(name, "")  # raises what an unknown model is told
+            model = name
+        if request.settings:  # a change: a control call
+            self.auth.check_rpc(_metadata(context, "authorization"), peer_host(context.peer()))
+            changes = parse_changes({key: list(value.value) or None
+                                     for key, value in request.settings.items()})
+            settings = tracer.update(model, changes)
+        else:
+            settings = tracer.settings(model)
+        response = message("TraceSettingResponse")()
+        for key, value in settings.items():
+            response.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return response
+
     # -- inference ----------------------------------------------------------------------
     def _admit(self, request: Message) -> tuple[ServedModel, InferRequest]:
         """The model and the decoded request; raises what refuses it, before decoding
@@ -200,17 +261,35 @@ class InferenceHandlers:
                                       RequestBounds.of(cfg.max_queue_size, model.max_length),
                                       self.budget)
 
-    async def _infer(self, request: Message) -> Message:
+    async def _infer(self, request: Message, traceparent: str | None = None) -> Message:
+        tracer = self.tracer
+        traced = tracer is not None and (traceparent is not None or tracer.control.active)
+        received = tracer.clock.now() if traced else None
         served, req = self._admit(request)
+        trace = tracer.begin(served.name, "grpc", req.id, traceparent) if traced else None
+        if trace is None:
+            try:
+                result = await run_infer(self.engine, served.name, req)
+            finally:
+                req.release()
+            return encode_response(served.name, triton.MODEL_VERSION, req, result,
+                                   served.model.outputs)
+        trace.recv_end = received
         try:
-            result = await run_infer(self.engine, served.name, req)
+            result = await run_infer(self.engine, served.name, req, trace)
+        except BaseException as exc:
+            tracer.finish(trace, exc)
+            raise
         finally:
             req.release()
-        return encode_response(served.name, triton.MODEL_VERSION, req, result,
-                               served.model.outputs)
+        reply = encode_response(served.name, triton.MODEL_VERSION, req, result,
+                                served.model.outputs)
+        trace.send_start = tracer.clock.now()
+        tracer.finish(trace)
+        return reply
 
     async def model_infer(self, request: Message, context: Any) -> Message:
-        return await self._infer(request)
+        return await self._infer(request, _metadata(context, "traceparent"))
 
     async def model_stream_infer(self, requests: AsyncIterator[Message],
                                  context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
@@ -219,10 +298,11 @@ class InferenceHandlers:
         room = asyncio.Semaphore(STREAM_AHEAD)
         running: set[asyncio.Task] = set()
         stream_response = message("ModelStreamInferResponse")
+        traceparent = _metadata(context, "traceparent")
 
         async def answer(request: Message) -> None:
             try:
-                reply = stream_response(infer_response=await self._infer(request))
+                reply = stream_response(infer_response=await self._infer(request, traceparent))
             except Exception as exc:
                 reply = stream_response(
                     error_message=refusal(exc, "gRPC ModelStreamInfer").message,

@@ -25,6 +25,7 @@ from typing import Any, Iterable
 import grpc
 
 from runtime.api.errors import ConfigError
+from runtime.server.auth import AuthConfig
 from runtime.server.bounds import MemoryBudget
 from runtime.server.grpc.handlers import InferenceHandlers
 from runtime.server.kserve import MAX_DECODED_BYTES
@@ -54,17 +55,20 @@ class GrpcServer:
                  max_message_bytes: int = MAX_MESSAGE_BYTES,
                  max_request_bytes: int = MAX_REQUEST_BYTES,
                  max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
-                 generation: Iterable[str] = (), budget: MemoryBudget | None = None) -> None:
+                 generation: Iterable[str] = (), budget: MemoryBudget | None = None,
+                 auth: AuthConfig | None = None) -> None:
         """``generation``: names of generation models served over HTTP, so a gRPC call
         to one is told where it is served; ``budget``: the memory of decoded requests,
-        shared with the HTTP server's (``runtime.server.bounds``)."""
+        shared with the HTTP server's (``runtime.server.bounds``); ``auth``: who may
+        change the trace settings (``runtime.server.auth``; default: loopback peers,
+        no token; ``handlers.auth`` may be replaced before the server starts)."""
         for name, value in (("max_message_bytes", max_message_bytes),
                             ("max_request_bytes", max_request_bytes),
                             ("max_concurrent_rpcs", max_concurrent_rpcs)):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         self.handlers = InferenceHandlers(engine, version=version, generation=generation,
-                                          budget=budget)
+                                          budget=budget, auth=auth)
         self.max_message_bytes = max_message_bytes
         self.max_request_bytes = min(max_request_bytes, max_message_bytes)
         self.max_concurrent_rpcs = max_concurrent_rpcs

@@ -1,0 +1,445 @@
+"""Triton's trace settings and the per-request decision to trace: pure counts, no clock.
+
+Triton's trace extension (``docs/protocol/extension_trace.md`` of Triton's server) has
+one set of trace settings for the server and, per model, settings that override it key
+by key. The keys and their JSON form, values as strings (``trace_level`` a list):
+
+* ``trace_level``: ``["OFF"]`` (the default) or ``["TIMESTAMPS"]``. ``TENSORS`` is
+  refused (400): this server records timestamps only;
+* ``trace_rate``: ``"1000"`` (the default) traces 1 request in every 1000;
+* ``trace_count``: traces left to take, ``"-1"`` (the default) for no limit; it counts
+  down as requests are traced and tracing stops at ``"0"``;
+* ``log_frequency``: ``"0"`` (the default) appends every trace to ``trace_file``;
+  ``"N"`` to ``trace_file.0`` until it holds N traces, then ``trace_file.1``, ...;
+* ``trace_file``: where Triton's JSON trace format is written (``""``: nowhere; the
+  database rows are written either way);
+* ``trace_mode``: ``"triton"`` (the default) or ``"opentelemetry"``.
+
+``parse_changes(doc)`` checks a request's settings (unknown key or bad value: a
+``ClientError`` naming the known keys or the accepted form; JSON ``null`` clears a
+key); ``TraceControl`` holds the global settings, each model's overrides and the
+samplers, and answers ``effective(model)``, the settings a model is traced with, in
+that JSON form.
+
+Sampling is a count, never a draw: ``TraceSampler`` takes the first request and then
+every ``trace_rate``-th (so ``trace_rate`` 10 and 1,000 requests trace exactly 100),
+while its ``trace_count`` lasts. A model with settings of its own samples with a
+sampler of its own (its own 1-in-N counter and its own ``trace_count``, which starts
+from the model's effective ``trace_count`` when its settings change); the other models
+share the global sampler. Changing ``trace_level`` or ``trace_rate`` restarts the
+1-in-N count of the samplers it applies to; changing ``trace_count`` sets their count
+left.
+
+``RequestTrace`` is one traced request's timestamps (monotonic seconds, the engine's
+clock), filled in as the request goes: the transport stamps receiving, the start and
+the sending, the engine (``runtime.engine.booking``) the queue and the compute
+timestamps of the batch it ran in. A request that is not traced has none: the hot path
+checks one attribute for ``None``.
+
+``parse_traceparent(value)`` reads a W3C ``traceparent`` header: (trace id, parent
+span id, sampled) or None when it is malformed (then it is ignored, as W3C Trace
+Context says).
+
+Synchronous and clock-free: the caller passes the times in.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping
+
+from runtime.api.errors import ClientError
+
+#: the trace settings, in the order answers list them
+KEYS = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency",
+        "trace_mode")
+OFF = "OFF"
+TIMESTAMPS = "TIMESTAMPS"
+#: the trace levels accepted (``TENSORS`` is Triton's too, refused here)
+LEVELS = (OFF, TIMESTAMPS)
+MODES = ("triton", "opentelemetry")
+#: the server's settings before any change (Triton's defaults)
+DEFAULTS: dict[str, Any] = {"trace_file": "", "trace_level": (OFF,), "trace_rate": 1000,
+                            "trace_count": -1, "log_frequency": 0, "trace_mode": "triton"}
+#: the settings that decide which requests are traced
+_SAMPLING = frozenset({"trace_level", "trace_rate", "trace_count"})
+#: the largest number a setting takes (a signed 64-bit integer, as Triton's)
+_MOST = (1 << 63) - 1
+_INTEGER = re.compile(r"[+-]?[0-9]{1,19}")
+
+_FORMS = {
+    "trace_level": 'a list of levels: ["TIMESTAMPS"] to trace, ["OFF"] not to (a single '
+                   'string is taken as a list of one)',
+    "trace_rate": 'a whole number of at least 1 as a string, e.g. "1000" (1 request traced '
+                  'in every 1000)',
+    "trace_count": 'a whole number of at least -1 as a string, e.g. "100" (traces left to '
+                   'take) or "-1" (no limit)',
+    "log_frequency": 'a whole number of at least 0 as a string: "0" (every trace in '
+                     'trace_file) or e.g. "100" (a new file trace_file.N every 100 traces)',
+    "trace_file": 'a string: the path of the file Triton\'s JSON trace format is appended '
+                  'to, or "" for none',
+    "trace_mode": '"triton" or "opentelemetry"',
+}
+
+
+def _bad(key: str, value: Any) -> ClientError:
+    shown = repr(value)
+    if len(shown) > 100:
+        shown = shown[:100] + "..."
+    return ClientError(f"{key}={shown} is not accepted; send {_FORMS[key]}, or null to clear "
+                       "a model's own value (the global one applies again)")
+
+
+def _integer(key: str, value: Any, least: int) -> int:
+    if isinstance(value, list) and len(value) == 1:  # gRPC sends every value as a list
+        value = value[0]
+    if type(value) is int:
+        number = value
+    elif isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
+        number = int(value.strip())
+    else:
+        raise _bad(key, value)
+    if not least <= number <= _MOST:
+        raise _bad(key, value)
+    return number
+
+
+def _level(value: Any) -> tuple[str, ...]:
+    levels = [value] if isinstance(value, str) else value
+    if not isinstance(levels, list) or not levels or not all(isinstance(v, str) for v in levels):
+        raise _bad("trace_level", value)
+    out: list[str] = []
+    for level in levels:
+        name = level.strip().upper()
+        if name == "TENSORS":
+            raise ClientError('trace_level "TENSORS" is not supported: this server records '
+                              'timestamps only; send ["TIMESTAMPS"]')
+        if name not in LEVELS:
+            raise _bad("trace_level", value)
+        if name not in out:
+            out.append(name)
+    if OFF in out and len(out) > 1:
+        raise ClientError(f'trace_level {levels!r} asks for "OFF" and for tracing at once; '
+                          'send ["OFF"] or ["TIMESTAMPS"]')
+    return tuple(out)
+
+
+def _text(key: str, value: Any, choices: tuple[str, ...] | None = None) -> str:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str) or "\x00" in value:
+        raise _bad(key, value)
+    if choices is not None:
+        if value.strip().lower() not in choices:
+            raise _bad(key, value)
+        return value.strip().lower()
+    return value
+
+
+def parse_value(key: str, value: Any) -> Any:
+    """The setting ``key`` from its JSON form (None: clear it), or a ``ClientError``."""
+    if value is None:
+        return None
+    if key == "trace_level":
+        return _level(value)
+    if key == "trace_rate":
+        return _integer(key, value, 1)
+    if key == "trace_count":
+        return _integer(key, value, -1)
+    if key == "log_frequency":
+        return _integer(key, value, 0)
+    if key == "trace_file":
+        return _text(key, value)
+    if key == "trace_mode":
+        return _text(key, value, MODES)
+    raise unknown_keys([key])
+
+
+def unknown_keys(keys: Iterable[str]) -> ClientError:
+    shown = sorted(str(k)[:64] for k in keys)
+    return ClientError(f"unknown trace setting(s) {shown}; the trace settings are "
+                       f"{', '.join(KEYS)}")
+
+
+def parse_changes(doc: Any) -> dict[str, Any]:
+    """The changes a trace setting request asks for: key -> value, None to clear. Raises
+    ``ClientError`` (400) for a body that is not an object, an unknown key or a bad value,
+    before anything changes."""
+    if not isinstance(doc, Mapping):
+        raise ClientError('the body must be a JSON object of trace settings, e.g. '
+                          '{"trace_level": ["TIMESTAMPS"], "trace_rate": "100"}; the trace '
+                          f"settings are {', '.join(KEYS)}")
+    unknown = [k for k in doc if k not in DEFAULTS]
+    if unknown:
+        raise unknown_keys(unknown)
+    return {key: parse_value(key, value) for key, value in doc.items()}
+
+
+def to_json(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings in Triton's JSON form: strings, ``trace_level`` a list of strings."""
+    out: dict[str, Any] = {}
+    for key in KEYS:
+        value = values[key]
+        out[key] = list(value) if key == "trace_level" else str(value)
+    return out
+
+
+class TraceSampler:
+    """Whether to trace the next request: the first, then every ``rate``-th, while the
+    count lasts (``left``: traces left, -1 for no limit). Pure counts."""
+
+    __slots__ = ("on", "rate", "left", "_until")
+
+    def __init__(self, tracing: bool, rate: int, left: int) -> None:
+        if rate < 1:
+            raise ValueError(f"rate={rate!r} must be at least 1")
+        self.rate = rate
+        self.left = left
+        #: whether it may still trace: a level other than OFF and traces left
+        self.on = tracing and left != 0
+        #: requests until the next one traced (1: the next one)
+        self._until = 1
+
+    def sample(self) -> bool:
+        """Count one request; True when it is to be traced."""
+        if not self.on:
+            return False
+        until = self._until - 1
+        if until:
+            self._until = until
+            return False
+        self._until = self.rate
+        left = self.left
+        if left > 0:
+            self.left = left - 1
+            if left == 1:
+                self.on = False
+        return True
+
+
+class TraceControl:
+    """The trace settings of a server (global, and per model where set) and its samplers.
+
+    ``update(model, changes)`` applies checked changes (``parse_changes``; ``model``
+    None: the global settings) and returns the effective settings; ``sample(model)``
+    decides one request of ``model``. ``active`` is False while no sampler can trace,
+    so a caller checks that one attribute before anything else (the default: tracing
+    is OFF)."""
+
+    def __init__(self, models: Iterable[str] = (),
+                 settings: Mapping[str, Any] | None = None) -> None:
+        self.models = frozenset(models)
+        #: the global settings (every key)
+        self.values: dict[str, Any] = dict(DEFAULTS)
+        if settings:
+            self.values.update({k: v for k, v in settings.items() if v is not None})
+        #: model -> the keys it sets itself
+        self.overrides: dict[str, dict[str, Any]] = {}
+        self._global = self._sampler(self.values, self.values["trace_count"])
+        #: model -> its own sampler (models with overrides only)
+        self._own: dict[str, TraceSampler] = {}
+        self.active = self._global.on
+
+    @staticmethod
+    def _sampler(values: Mapping[str, Any], left: int) -> TraceSampler:
+        return TraceSampler(values["trace_level"] != (OFF,), values["trace_rate"], left)
+
+    def _check(self, model: str | None) -> None:
+        if model is not None and model not in self.models:
+            raise KeyError(model)
+
+    def values_of(self, model: str | None) -> dict[str, Any]:
+        """Every setting ``model`` (None: the server) is traced with, as values."""
+        self._check(model)
+        values = dict(self.values)
+        if model is not None:
+            values.update(self.overrides.get(model, {}))
+        values["trace_count"] = self.sampler_of(model).left
+        return values
+
+    def effective(self, model: str | None = None) -> dict[str, Any]:
+        """The settings ``model`` (None: the server) is traced with, in Triton's JSON form;
+        ``trace_count`` is the count left."""
+        return to_json(self.values_of(model))
+
+    def sampler_of(self, model: str | None) -> TraceSampler:
+        if model is None:
+            return self._global
+        return self._own.get(model, self._global)
+
+    def update(self, model: str | None, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Apply ``changes`` (checked values, None to clear) to the global settings
+        (``model`` None) or to ``model``'s own; returns its effective settings."""
+        self._check(model)
+        if model is None:
+            self._update_global(changes)
+        else:
+            self._update_model(model, changes)
+        self.active = self._global.on or any(s.on for s in self._own.values())
+        return self.effective(model)
+
+    def _update_global(self, changes: Mapping[str, Any]) -> None:
+        for key, value in changes.items():
+            self.values[key] = DEFAULTS[key] if value is None else value
+        changed = _SAMPLING.intersection(changes)
+        if changed:
+            left = self.values["trace_count"] if "trace_count" in changed else self._global.left
+            self._global = self._sampler(self.values, left)
+        # the models with samplers of their own follow what they inherit
+        for name, own in list(self._own.items()):
+            inherited = changed - set(self.overrides[name])
+            if inherited:
+                values = {**self.values, **self.overrides[name]}
+                left = values["trace_count"] if "trace_count" in inherited else own.left
+                self._own[name] = self._sampler(values, left)
+
+    def _update_model(self, model: str, changes: Mapping[str, Any]) -> None:
+        own = dict(self.overrides.get(model, {}))
+        for key, value in changes.items():
+            if value is None:
+                own.pop(key, None)
+            else:
+                own[key] = value
+        if not own:
+            self.overrides.pop(model, None)
+            self._own.pop(model, None)  # back on the global sampler
+            return
+        self.overrides[model] = own
+        values = {**self.values, **own}
+        before = self._own.get(model)
+        if before is None or _SAMPLING.intersection(changes):
+            self._own[model] = self._sampler(values, values["trace_count"] if (
+                before is None or "trace_count" in changes) else before.left)
+
+    def sample(self, model: str) -> bool:
+        """Count one request of ``model``; True when it is to be traced."""
+        sampler = self._own.get(model, self._global)
+        if sampler.sample():
+            if not sampler.on:  # its count ran out
+                self.active = self._global.on or any(s.on for s in self._own.values())
+            return True
+        return False
+
+
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+
+
+def parse_traceparent(value: str | bytes | None) -> tuple[str, str, bool] | None:
+    """(trace id, parent span id, sampled) of a W3C ``traceparent`` header, or None when
+    there is none or it is malformed (all-zero ids, version ff, a version 00 header with
+    more after the flags)."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    m = _TRACEPARENT.fullmatch(value.strip())
+    if m is None:
+        return None
+    version, trace_id, span_id, flags, rest = m.groups()
+    if version == "ff" or (version == "00" and rest) or trace_id == "0" * 32 \
+            or span_id == "0" * 16:
+        return None
+    return trace_id, span_id, bool(int(flags, 16) & 1)
+
+
+class RequestTrace:
+    """One traced request's timestamps, monotonic seconds (None: not reached or not seen).
+
+    The transport sets ``recv_start``/``recv_end`` (the request's bytes arriving),
+    ``request_start`` (handed to the engine) and ``send_start``/``send_end`` (its answer
+    going out); the engine's booking calls ``ran`` (or ``settled``) when the request's
+    batch is answered. A request of several items is traced once: each item's batch
+    widens the compute span (the earliest start, the latest end)."""
+
+    __slots__ = ("trace_id", "model", "protocol", "request_id", "w3c_trace_id",
+                 "w3c_parent_span_id", "recv_start", "recv_end", "request_start",
+                 "queue_start", "compute_start", "compute_input_end", "compute_output_start",
+                 "compute_end", "request_end", "send_start", "send_end", "batch_seq",
+                 "outcome")
+
+    def __init__(self, trace_id: int, model: str, protocol: str, request_start: float, *,
+                 request_id: str | None = None, w3c: tuple[str, str, bool] | None = None
+                 ) -> None:
+        self.trace_id = trace_id
+        self.model = model
+        self.protocol = protocol
+        self.request_id = request_id
+        self.w3c_trace_id = w3c[0] if w3c is not None else None
+        self.w3c_parent_span_id = w3c[1] if w3c is not None else None
+        self.recv_start: float | None = None
+        self.recv_end: float | None = None
+        self.request_start = request_start
+        self.queue_start: float | None = None
+        self.compute_start: float | None = None
+        self.compute_input_end: float | None = None
+        self.compute_output_start: float | None = None
+        self.compute_end: float | None = None
+        self.request_end: float | None = None
+        self.send_start: float | None = None
+        self.send_end: float | None = None
+        self.batch_seq: int | None = None
+        #: the request's outcome, as its ``RequestRow`` has it (None: not settled yet)
+        self.outcome: str | None = None
+
+    def ran(self, queued_s: float, started_s: float, input_end_s: float,
+            output_start_s: float, ended_s: float, batch_seq: int | None, now: float,
+            outcome: str) -> None:
+        """The request (or one of its items) queued at ``queued_s`` ran in a batch from
+        ``started_s`` to ``ended_s`` (inputs ready at ``input_end_s``, outputs taken from
+        ``output_start_s``) and was settled at ``now``."""
+        if self.compute_start is None:
+            self.compute_start = started_s
+            self.compute_input_end = input_end_s
+            self.compute_output_start = output_start_s
+            self.compute_end = ended_s
+            self.batch_seq = batch_seq
+        else:  # another item's batch: the span widens
+            self.compute_start = min(self.compute_start, started_s)
+            if self.compute_input_end is None or input_end_s < self.compute_input_end:
+                self.compute_input_end = input_end_s
+            if self.compute_output_start is None or output_start_s > self.compute_output_start:
+                self.compute_output_start = output_start_s
+            if self.compute_end is None or ended_s > self.compute_end:
+                self.compute_end = ended_s
+        self.settled(queued_s, now, outcome)
+
+    def settled(self, queued_s: float | None, now: float, outcome: str,
+                started_s: float | None = None, batch_seq: int | None = None) -> None:
+        """The request (or one of its items) got its outcome at ``now`` without a batch
+        that ran to the end (``started_s``: when its batch started, if one did)."""
+        if queued_s is not None and (self.queue_start is None or queued_s < self.queue_start):
+            self.queue_start = queued_s
+        if started_s is not None and self.compute_start is None:
+            self.compute_start = started_s
+            self.batch_seq = batch_seq
+        if self.request_end is None or now > self.request_end:
+            self.request_end = now
+        if self.outcome is None or self.outcome == "ok":
+            self.outcome = outcome
+
+    def timeline(self) -> list[tuple[str, float | None]]:
+        """(Triton's name, time) of every timestamp in the order they happen, each made
+        no earlier than the one before it (the items of one request may overlap)."""
+        grpc = self.protocol == "grpc"
+        stamps = [
+            ("GRPC_WAITREAD_START" if grpc else "HTTP_RECV_START", self.recv_start),
+            ("GRPC_WAITREAD_END" if grpc else "HTTP_RECV_END", self.recv_end),
+            ("REQUEST_START", self.request_start),
+            ("QUEUE_START", self.queue_start),
+            ("COMPUTE_START", self.compute_start),
+            ("COMPUTE_INPUT_END", self.compute_input_end),
+            ("COMPUTE_OUTPUT_START", self.compute_output_start),
+            ("COMPUTE_END", self.compute_end),
+            ("REQUEST_END", self.request_end),
+            ("GRPC_SEND_START" if grpc else "HTTP_SEND_START", self.send_start),
+            ("GRPC_SEND_END" if grpc else "HTTP_SEND_END", self.send_end),
+        ]
+        out: list[tuple[str, float | None]] = []
+        last = None
+        for name, at in stamps:
+            if at is not None:
+                if last is not None and at < last:
+                    at = last
+                last = at
+            out.append((name, at))
+        return out

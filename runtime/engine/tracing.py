@@ -1,0 +1,144 @@
+"""``Tracer``: the engine's trace settings, which requests are traced, and their records.
+
+The settings and the sampling decision are ``runtime.core.tracing``'s (pure counts);
+this shell numbers the traces of the instance, stamps them with the engine's clock,
+and records each traced request once it is answered: a ``TraceRow`` (the
+``request_traces`` table) through the engine's recorder, never blocking, and, when
+the model's ``trace_file`` is set and its ``trace_mode`` is ``triton``, Triton's JSON
+trace format through ``runtime.engine.tracefile`` (written on a thread of its own).
+
+How a transport uses it, on the event loop's thread::
+
+    trace = tracer.begin(model, "http", request_id, traceparent)   # None: not traced
+    ...engine.submit(..., trace=trace)...     # the engine stamps queue and compute times
+    tracer.finish(trace)                      # once answered (send times stamped first)
+
+A request that carries a W3C ``traceparent`` marked sampled (trace flags ``01``) is
+always traced, whatever the trace settings (also with ``trace_level`` OFF): its
+caller is tracing it, and the OpenTelemetry exporter to come will send this server's
+part of it to the same trace. It does not count against ``trace_rate`` or
+``trace_count``. A ``traceparent`` not marked sampled is traced only when the settings
+sample the request; its ids are kept either way. Nothing else is read for a request
+that is not traced: the transports check ``control.active`` and whether a
+``traceparent`` came, and allocate nothing more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Iterable, Mapping
+
+from batchscope.storage.records import RecorderLike, TraceRow
+from runtime.api.errors import ClientError, QueueFull
+from runtime.core.tracing import RequestTrace, TraceControl, parse_traceparent
+from runtime.engine.tracefile import TraceFileWriter
+
+#: ``TraceRow`` timestamp columns in order, with Triton's names over HTTP and gRPC
+COLUMNS = ("recv_start_at", "recv_end_at", "request_start_at", "queue_start_at",
+           "compute_start_at", "compute_input_end_at", "compute_output_start_at",
+           "compute_end_at", "request_end_at", "send_start_at", "send_end_at")
+HTTP_NAMES = ("HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START",
+              "COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END",
+              "REQUEST_END", "HTTP_SEND_START", "HTTP_SEND_END")
+GRPC_NAMES = ("GRPC_WAITREAD_START", "GRPC_WAITREAD_END") + HTTP_NAMES[2:9] + (
+    "GRPC_SEND_START", "GRPC_SEND_END")
+#: the longest request id kept
+MAX_REQUEST_ID_CHARS = 256
+
+
+def outcome_of(error: BaseException | None) -> str:
+    """The outcome of a request that ended with ``error`` before the engine settled it."""
+    if error is None:
+        return "ok"
+    if isinstance(error, QueueFull):
+        return "rejected"
+    if isinstance(error, asyncio.CancelledError):
+        return "cancelled"
+    return "error"
+
+
+class Tracer:
+    """The trace settings of one engine's request models and the recording of traces."""
+
+    def __init__(self, models: Iterable[str], recorder: RecorderLike, instance_id: str,
+                 clock: Any) -> None:
+        self.control = TraceControl(models)
+        self.recorder = recorder
+        self.instance_id = instance_id
+        self.clock = clock
+        #: the number of the last trace begun (Triton's trace ``id``)
+        self.last_id = 0
+        #: traces recorded so far
+        self.traced = 0
+        self.files = TraceFileWriter(list(zip(HTTP_NAMES, COLUMNS)),
+                                     grpc_names=list(zip(GRPC_NAMES, COLUMNS)))
+
+    # -- settings ---------------------------------------------------------------------
+    def settings(self, model: str | None = None) -> dict[str, Any]:
+        """The effective settings of ``model`` (None: the global ones), Triton's JSON form."""
+        return self.control.effective(model)
+
+    def update(self, model: str | None, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Apply checked changes (``runtime.core.tracing.parse_changes``); the effective
+        settings after them. A ``trace_file`` whose folder does not exist is refused."""
+        path = changes.get("trace_file")
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                raise ClientError(f"trace_file {path[:200]!r}: the folder {folder[:200]!r} "
+                                  "does not exist; give a file in an existing folder")
+            if os.path.isdir(path):
+                raise ClientError(f"trace_file {path[:200]!r} is a folder; give a file path")
+        if "trace_file" in changes or "log_frequency" in changes:
+            before = self.control.values_of(model)["trace_file"]
+            if before:
+                self.files.reset(before)
+        settings = self.control.update(model, changes)
+        if path:
+            self.files.reset(path)
+        return settings
+
+    # -- one request ------------------------------------------------------------------
+    def begin(self, model: str, protocol: str, request_id: str | None = None,
+              traceparent: str | bytes | None = None) -> RequestTrace | None:
+        """A new trace of one request of ``model`` about to be handed to the engine, or
+        None when it is not traced (see the module doc for the ``traceparent`` rule)."""
+        w3c = parse_traceparent(traceparent) if traceparent is not None else None
+        if w3c is None or not w3c[2]:
+            control = self.control
+            if not (control.active and control.sample(model)):
+                return None
+        self.last_id += 1
+        if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
+            request_id = request_id[:MAX_REQUEST_ID_CHARS]
+        return RequestTrace(self.last_id, model, protocol, self.clock.now(),
+                            request_id=request_id, w3c=w3c)
+
+    def finish(self, trace: RequestTrace, error: BaseException | None = None) -> None:
+        """Record ``trace`` once its request is answered (``error``: what it ended with,
+        when the engine did not settle it). Never raises into the answer path."""
+        if trace.request_end is None:
+            trace.request_end = self.clock.now()
+        if trace.outcome is None:
+            trace.outcome = outcome_of(error)
+        to_wall = self.clock.to_wall
+        at = [None if t is None else to_wall(t) for _, t in trace.timeline()]
+        row = TraceRow(self.instance_id, trace.model, trace.trace_id, trace.protocol,
+                       trace.outcome, at[2], at[8], trace.request_id, trace.batch_seq,
+                       at[0], at[1], at[3], at[4], at[5], at[6], at[7], at[9], at[10],
+                       trace.w3c_trace_id, trace.w3c_parent_span_id)
+        self.traced += 1
+        self.recorder.put(row)
+        control = self.control
+        if trace.model in control.overrides:
+            values = control.values_of(trace.model)
+        else:
+            values = control.values
+        path = values["trace_file"]
+        if path and values["trace_mode"] == "triton":
+            self.files.put(path, values["log_frequency"], row)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write the traces still waiting for the trace file and stop its thread."""
+        self.files.close(timeout_s)
