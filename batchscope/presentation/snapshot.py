@@ -6,6 +6,10 @@ Layout of the file::
                              fleet flags, resource recommendations
     tables/<table>.json      {"columns": [...], "rows": [[...], ...]}
     report.html              the offline report (Plotly inlined)
+    trace.pftrace            the window's batches and requests as a Perfetto trace
+                             (``batchscope.trace``), when it holds at most
+                             ``TRACE_MAX_ROWS`` of them; the manifest's ``trace`` entry
+                             says what it holds, or why it was left out
 
 The tables are the window's rows (``TABLES``), the tuning sessions started in it and
 their trials among them. The manifest also holds what the fleet rules
@@ -23,7 +27,8 @@ opening a large snapshot takes memory for a chunk, not for the file (a 60 MB
 snapshot: about 15 MB over the interpreter, against 1.5 GB when whole members were
 parsed; ``benchmarks/reliability/snapshot_import.py``). Whatever is wrong with a
 file (damaged, cut off, hostile, or not a snapshot) is a ``SnapshotError`` saying
-what. ``cli_export`` backs ``batchscope snapshot export``.
+what. ``trace_bytes`` gives the stored trace back (after the same member checks), to
+open in ui.perfetto.dev. ``cli_export`` backs ``batchscope snapshot export``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import sqlite3
 import sys
 import tempfile
@@ -64,6 +70,13 @@ FORMAT = "batchscope-snapshot"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 REPORT = "report.html"
+TRACE = "trace.pftrace"
+#: a window holding more batches and requests gets no trace (about 250 bytes of trace
+#: each, 4 s of writing per 60,000; ``batchscope trace`` exports any window on its own)
+TRACE_MAX_ROWS = 200_000
+#: nor does one whose trace comes out larger than this (generation steps and events
+#: are not counted in the rows)
+TRACE_MAX_BYTES = 96 * 1024 ** 2
 
 #: table -> (time column used to cut the window, whether the model filter applies)
 TABLES: dict[str, tuple[str | None, bool]] = {
@@ -101,6 +114,8 @@ class Limits:
     max_rows_per_table: int = 20_000_000
     max_text_chars: int = 100_000
     max_manifest_bytes: int = 16 * 1024 ** 2
+    #: the stored trace, expanded (twice what an export writes at most)
+    max_trace_bytes: int = 2 * TRACE_MAX_BYTES
 
 
 @dataclass
@@ -206,6 +221,41 @@ def tuning_sessions(engine: Engine, w: Window) -> tuple[list, dict]:
     return found, store.trials_of(engine, [s.id for s in found])
 
 
+def window_trace(engine: Engine, w: Window) -> tuple[dict, BinaryIO | None]:
+    """The Perfetto trace of ``w`` in a temporary file (read from its start), and the
+    manifest's ``trace`` entry; no file, and the entry saying why, for a window past
+    ``TRACE_MAX_ROWS`` or ``TRACE_MAX_BYTES``."""
+    from batchscope.trace import WindowTooLarge, export_trace
+
+    tmp = tempfile.TemporaryFile(prefix="batchscope-trace-")
+    try:
+        summary = export_trace(engine, w, tmp, "perfetto", max_rows=TRACE_MAX_ROWS)
+    except WindowTooLarge as exc:
+        tmp.close()
+        return {"member": None, "rows": exc.rows,
+                "skipped": f"the window holds {exc.rows:,} batches and requests, more than "
+                           f"the {TRACE_MAX_ROWS:,} a snapshot's trace takes; export a "
+                           "shorter window with: batchscope trace"}, None
+    except ImportError as exc:  # the perfetto package (a dependency) missing
+        tmp.close()
+        return {"member": None, "skipped": f"{exc.name} is not installed"}, None
+    except BaseException:
+        tmp.close()
+        raise
+    entry = {"member": TRACE, "format": "perfetto", "bytes": summary.bytes_written,
+             "rows": summary.rows, "batch_slices": summary.batch_slices,
+             "request_slices": summary.request_slices, "flows": summary.flows,
+             "step_slices": summary.step_slices, "notes": summary.notes}
+    if summary.bytes_written > TRACE_MAX_BYTES:
+        tmp.close()
+        return {"member": None, "rows": summary.rows,
+                "skipped": f"the window's trace is {summary.bytes_written:,} bytes, more than "
+                           f"the {TRACE_MAX_BYTES:,} a snapshot takes; export a shorter "
+                           "window with: batchscope trace"}, None
+    tmp.seek(0)
+    return entry, tmp
+
+
 def export_snapshot(engine: Engine, w: Window, out: str | Path | BinaryIO, *,
                     slo_ms: float | None = None, now: float | None = None) -> dict:
     """Write the window ``w`` of ``engine``'s data to ``out``; returns the manifest."""
@@ -231,11 +281,19 @@ def export_snapshot(engine: Engine, w: Window, out: str | Path | BinaryIO, *,
     sessions, trials = tuning_sessions(engine, w)
     html = report.render_html(bundle, flags, manifest=manifest, slo_ms=slo_ms,
                               sessions=sessions, trials=trials)
-    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
-        zf.writestr(MANIFEST, json.dumps(manifest, indent=1, allow_nan=False))
-        for name, payload in payloads.items():
-            zf.writestr(name, payload)
-        zf.writestr(REPORT, html)
+    manifest["trace"], trace = window_trace(engine, w)
+    try:
+        with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
+            zf.writestr(MANIFEST, json.dumps(manifest, indent=1, allow_nan=False))
+            for name, payload in payloads.items():
+                zf.writestr(name, payload)
+            zf.writestr(REPORT, html)
+            if trace is not None:  # streamed from its temporary file into the archive
+                with zf.open(TRACE, "w") as member:
+                    shutil.copyfileobj(trace, member, READ_CHUNK)
+    finally:
+        if trace is not None:
+            trace.close()
     return manifest
 
 
@@ -293,14 +351,14 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limits: Limits,
 
 
 def _check_members(zf: zipfile.ZipFile, limits: Limits) -> dict[str, zipfile.ZipInfo]:
-    allowed = {MANIFEST, REPORT} | {f"tables/{t}.json" for t in TABLES}
+    allowed = {MANIFEST, REPORT, TRACE} | {f"tables/{t}.json" for t in TABLES}
     members: dict[str, zipfile.ZipInfo] = {}
     total = 0
     for info in zf.infolist():
         name = info.filename
         if name not in allowed:
             raise SnapshotError(f"unexpected entry {name!r} in the snapshot; a snapshot holds only "
-                                f"{MANIFEST}, {REPORT} and tables/<table>.json")
+                                f"{MANIFEST}, {REPORT}, {TRACE} and tables/<table>.json")
         if name in members:
             raise SnapshotError(f"the entry {name!r} appears twice in the snapshot")
         if info.flag_bits & 0x1:
@@ -308,9 +366,10 @@ def _check_members(zf: zipfile.ZipFile, limits: Limits) -> dict[str, zipfile.Zip
         if info.compress_type not in COMPRESSIONS:
             raise SnapshotError(f"{name} uses compression method {info.compress_type}; snapshots "
                                 "are stored or deflated (re-export it with BatchScope)")
-        if info.file_size > limits.max_member_bytes:
+        cap = limits.max_trace_bytes if name == TRACE else limits.max_member_bytes
+        if info.file_size > cap:
             raise SnapshotError(f"{name} would expand to {info.file_size} bytes, more than the "
-                                f"limit of {limits.max_member_bytes}")
+                                f"limit of {cap}")
         ratio = info.file_size / max(1, info.compress_size)
         if ratio > limits.max_ratio and info.file_size > 1024 ** 2:
             raise SnapshotError(f"{name} expands {ratio:.0f}× (limit {limits.max_ratio:.0f}×): "
@@ -367,7 +426,7 @@ def _check_manifest(raw: bytes, limits: Limits) -> dict:
         entries = manifest.get(key, [])
         if not isinstance(entries, list) or not all(isinstance(f, dict) for f in entries):
             raise SnapshotError(f"{key} in {MANIFEST} must be a list of objects")
-    for key in ("environment", "tables"):
+    for key in ("environment", "tables", "trace"):
         if not isinstance(manifest.get(key, {}), dict):
             raise SnapshotError(f"{key} in {MANIFEST} must be an object")
     for name, entry in manifest.get("tables", {}).items():
@@ -728,6 +787,19 @@ def report_html(source: bytes) -> str:
             return _read_member(zf, members[REPORT], limits).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise SnapshotError(f"{REPORT} is not UTF-8 text: {exc}") from None
+
+
+def trace_bytes(source: str | Path | bytes | BinaryIO, *,
+                limits: Limits | None = None) -> bytes | None:
+    """The stored Perfetto trace of a snapshot (after the same member checks), or None
+    when it has none (written before traces, or its window was too large for one; the
+    manifest's ``trace`` entry says which)."""
+    limits = limits or Limits()
+    with _open_zip(source, limits) as zf:
+        members = _check_members(zf, limits)
+        if TRACE not in members:
+            return None
+        return _read_member(zf, members[TRACE], limits, limits.max_trace_bytes)
 
 
 # -- command line ---------------------------------------------------------------------

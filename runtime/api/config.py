@@ -199,6 +199,15 @@ class ServerConfig:
     #: many seconds; new requests are refused 503 meanwhile, those taken in are answered
     #: (``runtime.server.drain``)
     drain_timeout_s: float = 5.0
+    #: send the spans of traced requests and their batches over OTLP to this endpoint
+    #: (``runtime.engine.otel``); None: no OpenTelemetry export
+    otlp_traces_endpoint: str | None = None
+    #: trace settings at start (Triton's ``--trace-config``): (key, value) pairs with the
+    #: keys of ``/v2/trace/setting`` (``trace_rate``...) or Triton's short ones (``rate``)
+    trace_config: tuple[tuple[str, str], ...] = ()
+    #: NVTX ranges around each batch's and generation step's device work
+    #: (``runtime.device.nvtx``)
+    nvtx: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -211,7 +220,11 @@ class ServerConfig:
             v = getattr(self, name)
             if not (_is_number(v) and v > 0):
                 problems.append(f"{name}={v!r} must be a positive number of seconds")
-        for name in ("device_process", "recorder_process"):
+        if self.otlp_traces_endpoint is not None and not (
+                isinstance(self.otlp_traces_endpoint, str) and self.otlp_traces_endpoint.strip()):
+            problems.append(f"otlp_traces_endpoint={self.otlp_traces_endpoint!r} must be a "
+                            "URL such as http://127.0.0.1:4317")
+        for name in ("device_process", "recorder_process", "nvtx"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         if self.grpc_port is not None and not (_is_int(self.grpc_port) and 0 <= self.grpc_port <= 65535):

@@ -105,6 +105,9 @@ class Batch:
     queue_depth: int
     dispatched_s: float
     bypass: bool = False
+    #: the batch id its first recorded attempt gets (``Booking.reserve``, when it is sent
+    #: to the device, so the device work can be labelled with it: NVTX ranges)
+    seq: int | None = None
 
     def __len__(self) -> int:
         return len(self.requests)

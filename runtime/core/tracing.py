@@ -50,6 +50,8 @@ from typing import Any, Iterable, Mapping
 
 from runtime.api.errors import ClientError
 
+#: the answer header naming the batch a traced request ran in (its ``seq``)
+BATCH_ID_HEADER = "batchscope-batch-id"
 #: the trace settings, in the order answers list them
 KEYS = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency",
         "trace_mode")
@@ -355,7 +357,7 @@ class RequestTrace:
                  "w3c_parent_span_id", "recv_start", "recv_end", "request_start",
                  "queue_start", "compute_start", "compute_input_end", "compute_output_start",
                  "compute_end", "request_end", "send_start", "send_end", "batch_seq",
-                 "outcome")
+                 "outcome", "span")
 
     def __init__(self, trace_id: int, model: str, protocol: str, request_start: float, *,
                  request_id: str | None = None, w3c: tuple[str, str, bool] | None = None
@@ -380,6 +382,20 @@ class RequestTrace:
         self.batch_seq: int | None = None
         #: the request's outcome, as its ``RequestRow`` has it (None: not settled yet)
         self.outcome: str | None = None
+        #: (trace id, span id) of its OpenTelemetry span, drawn when it begins while spans
+        #: are exported (``runtime.engine.otel``); None otherwise
+        self.span: tuple[int, int] | None = None
+
+    def answer_headers(self) -> list[tuple[str, str]]:
+        """What its answer carries: the ``traceparent`` of its span (when spans are
+        exported) and the id of the batch it ran in."""
+        out = []
+        if self.span is not None:
+            trace_id, span_id = self.span
+            out.append(("traceparent", f"00-{trace_id:032x}-{span_id:016x}-01"))
+        if self.batch_seq is not None:
+            out.append((BATCH_ID_HEADER, str(self.batch_seq)))
+        return out
 
     def ran(self, queued_s: float, started_s: float, input_end_s: float,
             output_start_s: float, ended_s: float, batch_seq: int | None, now: float,

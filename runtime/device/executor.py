@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from runtime.device import memory as devicemem
+from runtime.device import nvtx
 from runtime.api.config import BatchingConfig
 from runtime.core.batcher import pad_length
 from runtime.api.errors import ModelError
@@ -46,12 +47,14 @@ def graph_runner(current: Any, model: ModelAPI, device: torch.device, max_batch_
 
 def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_to: int | None,
               bucket: int | None, cfg: BatchingConfig, variable: bool, device: torch.device,
-              clock: Any, graphs_for: GraphRunnerFor | None = None) -> list[Attempt]:
+              clock: Any, graphs_for: GraphRunnerFor | None = None, *,
+              seq: int | None = None, name: str = "") -> list[Attempt]:
     """Run ``items`` as one batch (split in halves on out-of-memory when
     ``cfg.oom_recovery``, and on a model error when ``cfg.isolate_errors``, so that
     only the requests that fail alone fail); every attempt in the order it ran. ``lengths`` are the
     items' lengths (only read for a variable-length model's sub-batches);
-    ``graphs_for(cfg)`` gives the CUDA-graph runner when ``cfg.cuda_graphs`` is on."""
+    ``graphs_for(cfg)`` gives the CUDA-graph runner when ``cfg.cuda_graphs`` is on;
+    ``seq`` and ``name``: the batch id and model an NVTX range names (``--nvtx``)."""
     whole = len(items)
     on_cuda = device.type == "cuda"
     graphs = graphs_for(cfg) if on_cuda and cfg.cuda_graphs and graphs_for is not None else None
@@ -102,9 +105,10 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
                        cuda_graph=used_graph, input_s=collated - started,
                        output_s=ended - predicted)
 
-    return run_splitting(whole, attempt, recover=cfg.oom_recovery,
-                         free=lambda: devicemem.free_cached(device),
-                         isolate=cfg.isolate_errors)
+    with nvtx.batch_range(seq, name, whole):
+        return run_splitting(whole, attempt, recover=cfg.oom_recovery,
+                             free=lambda: devicemem.free_cached(device),
+                             isolate=cfg.isolate_errors)
 
 
 # -- moving a batch between processes ---------------------------------------------------

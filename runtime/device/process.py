@@ -135,13 +135,14 @@ def child_main(conn: Any, specs: Sequence[str], names: Sequence[str], device: st
             msg = pickle.loads(data)
             if msg[0] == "stop":
                 return
-            _, job_id, name, cfg, packed, lengths, pad_to, bucket = msg
+            _, job_id, name, cfg, packed, lengths, pad_to, bucket, seq = msg
             if cfg is not None:
                 configs[name] = cfg
             model = models[name]
             items = unpack_items(packed)
             attempts = run_batch(model, items, lengths, pad_to, bucket, configs[name],
-                                 bool(model.variable_length), dev, clock, graphs_for(name))
+                                 bool(model.variable_length), dev, clock, graphs_for(name),
+                                 seq=seq, name=name)
             for a in attempts:
                 if a.outputs is not None:
                     a.outputs = pack_outputs(a.outputs)
@@ -172,6 +173,8 @@ class _Job:
     pad_to: int | None
     bucket: int | None
     on_done: OnDone
+    #: the batch id (NVTX ranges in the child)
+    seq: int | None = None
     sent_s: float = 0.0
     #: the model's execution_timeout_ms in seconds (None: none)
     timeout_s: float | None = None
@@ -287,12 +290,14 @@ class DeviceProcess:
     # -- batches ------------------------------------------------------------------------
     def submit(self, name: str, config: BatchingConfig, version: int, items: list,
                lengths: list[int] | None, pad_to: int | None, bucket: int | None,
-               on_done: OnDone, timeout_s: float | None | str = "config") -> None:
+               on_done: OnDone, timeout_s: float | None | str = "config", *,
+               seq: int | None = None) -> None:
         """Run a batch in the child; ``on_done(attempts)`` is called on the loop exactly once.
         ``timeout_s``: its execution timeout (None: none; default: the config's
         ``execution_timeout_ms``)."""
         self._next_id += 1
-        job = _Job(self._next_id, name, config, version, items, lengths, pad_to, bucket, on_done)
+        job = _Job(self._next_id, name, config, version, items, lengths, pad_to, bucket, on_done,
+                   seq)
         if timeout_s == "config":
             timeout_ms = config.execution_timeout_ms
             timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
@@ -316,7 +321,7 @@ class DeviceProcess:
         job.sent_s = self._clock.now()
         try:
             payload = _dumps(("run", job.job_id, job.name, cfg, pack_items(job.items),
-                              job.lengths, job.pad_to, job.bucket))
+                              job.lengths, job.pad_to, job.bucket, job.seq))
         except Exception as exc:  # items that cannot be pickled fail this batch only
             self._versions.pop(job.name, None)
             self._finish_failed(job, f"its items cannot be sent to the device process "

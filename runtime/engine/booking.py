@@ -46,7 +46,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from batchscope.storage.records import (BatchRow, EventRow, ListRecorder, RecorderLike,
                                         RequestBatch, RequestRow, declared_shapes, put_many_of,
@@ -57,6 +57,7 @@ from runtime.core.batcher import Batch, pad_length
 from runtime.core.request import PendingRequest
 from runtime.device.oom import Attempt
 from runtime.device.timeouts import FLOOR_S, MULTIPLE
+from runtime.engine.otel import BatchInfo
 from runtime.engine.served import ServedModel
 
 log = logging.getLogger("batchscope.engine")
@@ -144,8 +145,17 @@ class Booking:
         #: the number of the last ``BatchRow``, across models
         self.batch_seq = 0
         self.failures = FailureLog()
+        #: given each batch with a traced member while spans are exported
+        #: (``runtime.engine.otel.OtlpSpans.batch``); None: nobody asks
+        self.on_traced_batch: Callable[[BatchInfo], None] | None = None
         #: model name -> its declared input shapes (see ``_shapes_of``)
         self._declared: dict[str, tuple] = {}
+
+    def reserve(self) -> int:
+        """A new batch id (``BatchRow.seq``): the first attempt of a batch sent to the
+        device gets the one reserved for it then; a split's other attempts new ones."""
+        self.batch_seq += 1
+        return self.batch_seq
 
     # -- a batch back from the device ---------------------------------------------------
     def batch_back(self, model: ServedModel, batch: Batch, attempts: list[Attempt],
@@ -287,8 +297,11 @@ class Booking:
     def _record_batch(self, model: ServedModel, batch: Batch,
                       a: Attempt) -> tuple[int, int, int]:
         """Record one attempt's batch row: (its number, real elements, padded elements)."""
-        self.batch_seq += 1
-        seq = self.batch_seq
+        seq = batch.seq
+        if seq is None:  # not reserved, or taken by an earlier attempt of the batch
+            seq = self.reserve()
+        else:
+            batch.seq = None
         model.counts.batches += 1
         reqs = batch.requests
         if a.size == len(reqs):
@@ -308,6 +321,11 @@ class Booking:
             start - max(arrived), start - sum(arrived) / len(arrived), start - min(arrived),
             a.compute_s, to_wall(a.started_s), to_wall(a.ended_s), a.outcome,
             a.peak_memory_bytes, a.cuda_graph, batch.queue_depth))
+        hook = self.on_traced_batch
+        if hook is not None and any(r.trace is not None for r in part):
+            hook(BatchInfo(seq, model.name, to_wall(a.started_s), to_wall(a.ended_s), len(part),
+                           cfg.max_batch_size, padded, real, batch.bucket, cfg.policy,
+                           batch.settings_version, a.outcome))
         return seq, real, padded
 
     # -- what went wrong ----------------------------------------------------------------

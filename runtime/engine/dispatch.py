@@ -317,6 +317,7 @@ class Dispatcher:
                        or 0.0)
             self._stall = self._loop.call_later(
                 max(STALL_FLOOR_S, STALL_FACTOR * typical * len(self.running)), self._on_stall)
+        batch.seq = self.booking.reserve()
         self.executor.submit(batch, lambda attempts: self._back(batch, attempts))
 
     def _on_stall(self) -> None:

@@ -579,6 +579,12 @@ class Engine:
                                 f"{sorted(self._models)}")
         return served
 
+    def export_spans(self, spans: Any) -> None:
+        """Send the traced requests' spans, and their batches', to ``spans`` (a
+        ``runtime.engine.otel.OtlpSpans``; None: stop)."""
+        self.tracer.otel = spans
+        self._booking.on_traced_batch = None if spans is None else spans.batch
+
     def model_names(self) -> list[str]:
         return list(self._models)
 

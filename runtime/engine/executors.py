@@ -312,7 +312,7 @@ class ThreadExecutor:
         return run_batch(model.api, [r.item for r in reqs],
                          [r.length for r in reqs] if model.variable else None, batch.pad_to,
                          batch.bucket, batch.config, model.variable, self._thread.device,
-                         self._thread.clock, self._graph_runner)
+                         self._thread.clock, self._graph_runner, seq=batch.seq, name=model.name)
 
     def _graph_runner(self, cfg: BatchingConfig) -> Any:
         """The model's CUDA-graph runner for the current max batch size (device thread)."""
@@ -372,7 +372,7 @@ class ProcessExecutor:
         self._process.submit(
             model.name, batch.config, batch.settings_version, [r.item for r in reqs],
             [r.length for r in reqs] if model.variable else None, batch.pad_to, batch.bucket,
-            on_done, model.batch_times.timeout_s(batch.config))
+            on_done, model.batch_times.timeout_s(batch.config), seq=batch.seq)
 
     def graph_stats(self) -> dict | None:
         return None  # the runner lives in the child

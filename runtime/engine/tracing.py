@@ -32,6 +32,7 @@ from typing import Any, Iterable, Mapping
 from batchscope.storage.records import RecorderLike, TraceRow
 from runtime.api.errors import ClientError, QueueFull
 from runtime.core.tracing import RequestTrace, TraceControl, parse_traceparent
+from runtime.engine.otel import FinishedTrace, new_ids
 from runtime.engine.tracefile import TraceFileWriter
 
 #: ``TraceRow`` timestamp columns in order, with Triton's names over HTTP and gRPC
@@ -58,6 +59,18 @@ def outcome_of(error: BaseException | None) -> str:
     return "error"
 
 
+def finished(trace: RequestTrace, at: list[float | None]) -> FinishedTrace:
+    """What the span thread needs of ``trace``, whose ``timeline`` in wall-clock seconds
+    is ``at`` (receive start/end, request start, queue, compute..., send start/end)."""
+    trace_id, span_id = trace.span  # type: ignore[misc]
+    parent = int(trace.w3c_parent_span_id, 16) if trace.w3c_parent_span_id else None
+    start = at[0] if at[0] is not None else at[2]
+    end = next((t for t in (at[10], at[9], at[8]) if t is not None), start)
+    return FinishedTrace(trace.model, "infer", trace_id, span_id, parent, start, end,
+                         at[3], at[4], at[7], trace.outcome or "error", trace.batch_seq,
+                         trace.request_id)
+
+
 class Tracer:
     """The trace settings of one engine's request models and the recording of traces."""
 
@@ -73,6 +86,8 @@ class Tracer:
         self.traced = 0
         self.files = TraceFileWriter(list(zip(HTTP_NAMES, COLUMNS)),
                                      grpc_names=list(zip(GRPC_NAMES, COLUMNS)))
+        #: the OpenTelemetry exporter (``runtime.engine.otel.OtlpSpans``), when one is set
+        self.otel: Any = None
 
     # -- settings ---------------------------------------------------------------------
     def settings(self, model: str | None = None) -> dict[str, Any]:
@@ -112,8 +127,11 @@ class Tracer:
         self.last_id += 1
         if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
             request_id = request_id[:MAX_REQUEST_ID_CHARS]
-        return RequestTrace(self.last_id, model, protocol, self.clock.now(),
-                            request_id=request_id, w3c=w3c)
+        trace = RequestTrace(self.last_id, model, protocol, self.clock.now(),
+                             request_id=request_id, w3c=w3c)
+        if self.otel is not None:
+            trace.span = new_ids(trace.w3c_trace_id)
+        return trace
 
     def finish(self, trace: RequestTrace, error: BaseException | None = None) -> None:
         """Record ``trace`` once its request is answered (``error``: what it ended with,
@@ -130,6 +148,8 @@ class Tracer:
                        trace.w3c_trace_id, trace.w3c_parent_span_id)
         self.traced += 1
         self.recorder.put(row)
+        if self.otel is not None and trace.span is not None:
+            self.otel.put(finished(trace, at))
         control = self.control
         if trace.model in control.overrides:
             values = control.values_of(trace.model)

@@ -22,6 +22,7 @@ from typing import Any
 from batchscope.storage.records import EventRow, GenStepRow, RecorderLike, RequestRow
 from runtime.core.clock import MonotonicClock
 from runtime.api.errors import ConfigError, QueueFull, ValidationError
+from runtime.device import nvtx
 from runtime.engine.admission import deadline_of, priority_of
 from runtime.generation.config import GenerationConfig
 from runtime.generation.model import GenerationModel, make_sampler_state, sample
@@ -134,7 +135,9 @@ class StepRunner:
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
         """Run the model on ``out`` and sample one token per completing chunk."""
-        logits = self.model.step(out.chunks)
+        with nvtx.step_range(self.steps + 1, self.model_name, out.num_live_chunks,
+                             out.prefill_tokens, out.decode_tokens):
+            logits = self.model.step(out.chunks)
         rows, ids = [], []
         for row, chunk in enumerate(out.chunks):
             if chunk.completes:

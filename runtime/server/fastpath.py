@@ -274,6 +274,9 @@ class InferHook:
 
         def traced(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
             trace.send_start = now()
+            more = trace.answer_headers()
+            if more:
+                headers = [*headers, *((k.encode(), v.encode()) for k, v in more)]
             answer(status, headers, body)
             trace.send_end = now()
             tracer.finish(trace)

@@ -155,10 +155,11 @@ async def answer_infer(state: Any, name: str, version: str | None, body: bytes,
         raise
     finally:
         req.release()
-    answer = encode_infer(served.name, MODEL_VERSION, req, result, model.outputs)
+    payload, headers = encode_infer(served.name, MODEL_VERSION, req, result, model.outputs)
     if trace is not None:
+        headers = {**headers, **dict(trace.answer_headers())}
         tracer.finish(trace)
-    return answer
+    return payload, headers
 
 
 # -- handlers -----------------------------------------------------------------------
@@ -191,7 +192,8 @@ async def infer(request: Request) -> Response:
         request.app.state, request.path_params["name"], request.path_params.get("version"),
         await request.body(), request.headers.get(HEADER_LENGTH),
         request.headers.get("content-encoding"), request.headers.get("traceparent"))
-    media = "application/octet-stream" if headers else "application/json"
+    media = ("application/octet-stream" if "Inference-Header-Content-Length" in headers
+             else "application/json")
     return Response(payload, headers=headers, media_type=media)
 
 

@@ -121,6 +121,10 @@ class Service:
         from runtime.engine.engine import Engine  # the engine pulls in torch; import on use
 
         self.server_config = server
+        if server.nvtx:  # before any device process starts: they inherit the switch
+            from runtime.device import nvtx
+            os.environ[nvtx.ENV] = "1"
+            nvtx.reload()
         self.auth = auth if auth is not None else AuthConfig()
         self.instance_id = instance_id or new_instance_id()
         self.device = device
@@ -151,6 +155,7 @@ class Service:
         self.engine = Engine(models, configs, recorder=recorder, instance_id=self.instance_id,
                              device=device, device_process=server.device_process,
                              model_specs=server.models if server.device_process else ())
+        self.spans = self._trace_settings(server, recorder)
         from runtime.autopilot.shell import Autopilot
 
         #: moves the settings of models with autopilot_slo_p99_ms set (runtime.autopilot)
@@ -182,6 +187,42 @@ class Service:
         self._exit_requested = False
         self._exit: asyncio.Future | None = None
         self.started = threading.Event()
+
+    def _trace_settings(self, server: ServerConfig, recorder: Any) -> Any:
+        """Apply ``trace_config``; start the OTLP span exporter when an endpoint is set
+        (tracing then defaults to ``TIMESTAMPS``, mode ``opentelemetry``). Its exporter."""
+        from runtime.core.tracing import parse_changes
+
+        changes = {}
+        if server.otlp_traces_endpoint:
+            changes = {"trace_level": ["TIMESTAMPS"], "trace_mode": "opentelemetry"}
+        changes.update({key if key.startswith("trace_") or key == "log_frequency"
+                        else f"trace_{key}": value for key, value in server.trace_config})
+        tracer = self.engine.tracer
+        if changes:
+            tracer.update(None, parse_changes(changes))
+        if not server.otlp_traces_endpoint:
+            return None
+        from batchscope.storage.records import EventRow
+        from runtime.engine.otel import OtlpSpans
+
+        def dropped(new: int, total: int) -> None:
+            recorder.put(EventRow(
+                instance_id=self.instance_id, model=None, at=tracer.clock.to_wall(
+                    tracer.clock.now()), kind="trace_export_drops", severity="warning",
+                message=f"{new} OpenTelemetry spans dropped ({total} so far): the export "
+                        "queue was full; raise OTEL_BSP_MAX_QUEUE_SIZE or lower trace_rate",
+                details_json=f'{{"dropped": {new}, "total": {total}}}'))
+
+        try:
+            spans = OtlpSpans(server.otlp_traces_endpoint, self.instance_id, on_drops=dropped)
+        except ImportError as exc:
+            from runtime.api.errors import ConfigError
+            raise ConfigError(f"--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP "
+                              f"exporters ({exc.name} is missing): pip install "
+                              "'batchscope[otel]'") from None
+        self.engine.export_spans(spans)
+        return spans
 
     # -- scrape-time sources ------------------------------------------------------------
     def _all_stats(self) -> dict[str, dict[str, Any]]:
@@ -238,6 +279,8 @@ class Service:
             if self.generation is not None:
                 await self.generation.stop()
             await self.engine.stop()
+            if self.spans is not None:
+                await asyncio.to_thread(self.spans.close)
         finally:
             if self.sampler is not None:
                 await asyncio.to_thread(self.sampler.stop)

@@ -1,4 +1,4 @@
-"""The ``batchscope`` command: ``serve``, ``load``, ``tune``, ``snapshot`` and ``k8s``.
+"""The ``batchscope`` command: ``serve``, ``load``, ``tune``, ``snapshot``, ``trace`` and ``k8s``.
 
 Input mistakes (unknown model, bad flag values, invalid settings) end with exit
 status 2 and one line on stderr saying what was wrong; no traceback.
@@ -133,6 +133,18 @@ def _add_serve(sub: Any) -> None:
                         "those taken in are answered (streams finish, or end with an error "
                         "event and [DONE]), and the process exits, all within S seconds "
                         "(default 5; keep it under the orchestrator's grace period)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry spans of traced requests and their batches to "
+                        "this OTLP endpoint (gRPC, or http/protobuf by "
+                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL); turns tracing on at Triton's "
+                        "default rate (1 in 1000; --trace-config rate=N to change it)")
+    p.add_argument("--trace-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="trace settings at start, as Triton's --trace-config: level=TIMESTAMPS, "
+                        "rate=N, count=N, log_frequency=N, file=PATH, mode=triton|opentelemetry "
+                        "(changeable later at /v2/trace/setting)")
+    p.add_argument("--nvtx", action="store_true",
+                   help="NVTX ranges around each batch and generation step (batch id as payload) "
+                        "for Nsight Systems; nothing without CUDA or a profiler")
     _add_setting_flags(p)
     p.add_argument("--model-config", action="append", default=[], metavar="NAME=PATH.json",
                    help="per-model settings from a JSON object (BatchingConfig fields; "
@@ -304,6 +316,26 @@ def serve_auth(args: argparse.Namespace, environ: Any = None) -> Any:
         raise UsageError(f"batchscope serve: {exc.message}") from None
 
 
+def trace_config(pairs: list[str]) -> tuple[tuple[str, str], ...]:
+    """``--trace-config KEY=VALUE`` flags, checked as ``/v2/trace/setting`` checks them."""
+    from runtime.api.errors import ClientError
+    from runtime.core.tracing import parse_changes
+
+    out = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"--trace-config {pair!r}: give KEY=VALUE, e.g. rate=100")
+        full = key if key.startswith("trace_") or key == "log_frequency" else f"trace_{key}"
+        try:
+            parse_changes({full: [value] if full == "trace_level" else value})
+        except ClientError as exc:
+            raise UsageError(f"--trace-config {pair!r}: {exc.message}") from None
+        out.append((full, [value] if full == "trace_level" else value))
+    return tuple(out)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from runtime.api.config import ServerConfig
     from batchscope.storage.db import ENV_URL, default_url
@@ -328,7 +360,9 @@ def _serve(args: argparse.Namespace) -> int:
                           device_process=device_process_default(args.device_process,
                                                                 args.device),
                           recorder_process=args.recorder_process, grpc_port=args.grpc_port,
-                          drain_timeout_s=args.drain_timeout_s)
+                          drain_timeout_s=args.drain_timeout_s,
+                          otlp_traces_endpoint=args.otlp_traces_endpoint,
+                          trace_config=trace_config(args.trace_config), nvtx=args.nvtx)
     if args.torch_threads is not None:
         import torch
 
@@ -606,6 +640,93 @@ def _snapshot(argv: list[str]) -> int:
     return int(export(argv[1:]) or 0)
 
 
+# -- trace --------------------------------------------------------------------------------
+def _add_trace(sub: Any) -> None:
+    p = sub.add_parser("trace", help="export a window's batches and requests as a trace for "
+                                     "ui.perfetto.dev or chrome://tracing")
+    p.add_argument("--db", default=None, help="database URL (default: $BATCHSCOPE_DB_URL or "
+                                              "sqlite:///data/batchscope.db)")
+    p.add_argument("--start", default=None, help="window start: epoch seconds, ISO date and "
+                                                 "time, now, or back from now (-30s, -5m)")
+    p.add_argument("--end", default=None, help="window end, written the same way (default: now)")
+    p.add_argument("--last", type=float, default=None, metavar="SECONDS",
+                   help="window length back from its end, instead of --start (default 10)")
+    p.add_argument("--model", default=None, help="only this model (default: all)")
+    p.add_argument("--instance", default=None, help="only this runtime instance")
+    p.add_argument("--format", choices=("perfetto", "json"), default=None,
+                   help="perfetto (.pftrace) or json (Chrome Trace Event); default: from the "
+                        "-o name")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="refuse a window holding more batches and requests (default 1,000,000)")
+    p.add_argument("-o", "--out", required=True, help="output file, e.g. run.pftrace or run.json")
+
+
+def _glued(argv: list[str]) -> list[str]:
+    """``--start -10s`` as ``--start=-10s`` (argparse takes a value that starts with a
+    dash for an option of its own)."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in ("--start", "--end") and arg.startswith("-"):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _trace(args: argparse.Namespace) -> int:
+    import time
+
+    try:
+        from batchscope.storage.db import DatabaseNotFound, make_engine
+        from batchscope.trace import WindowTooLarge, export_trace, format_for
+        from batchscope.trace.timespec import window_from
+    except ImportError as exc:
+        raise UsageError(f"trace export needs the dashboard packages ({exc.name} is not "
+                         "installed); install them with: pip install 'batchscope[dashboard]'"
+                         ) from None
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        fmt = args.format or format_for(args.out)
+        w = window_from(args.start, args.end, args.last, now=time.time(), model=args.model,
+                        instance_id=args.instance)
+    except ValueError as exc:
+        raise UsageError(f"batchscope trace: {exc}") from None
+    if args.db is not None:
+        check_database_url(args.db, "--db")
+    kwargs = {} if args.max_rows is None else {"max_rows": args.max_rows}
+    try:
+        engine = make_engine(args.db, create=False)
+        try:
+            summary = export_trace(engine, w, args.out, fmt, **kwargs)
+        finally:
+            engine.dispose()
+    except WindowTooLarge as exc:
+        return _fail(f"batchscope trace: {exc}; or raise --max-rows (the rows are read into "
+                     "memory)")
+    except DatabaseNotFound as exc:
+        return _fail(f"batchscope trace: {exc}")
+    except SQLAlchemyError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return _fail(f"batchscope trace: cannot read the database: {first}")
+    except OSError as exc:
+        return _fail(f"batchscope trace: cannot write {args.out}: {exc.strerror or exc}")
+    except ImportError as exc:  # the perfetto package, imported when a trace is written
+        raise UsageError(f"batchscope trace: {exc.name} is not installed; install it with: "
+                         f"pip install {exc.name}") from None
+    written = summary.bytes_written
+    size = f"{written / 1e6:.1f} MB" if written >= 100_000 else f"{written:,} bytes"
+    where = "ui.perfetto.dev" if fmt == "perfetto" else "ui.perfetto.dev or chrome://tracing"
+    if summary.empty:
+        print(f"wrote {args.out} ({fmt}, {size}): no batch, request or step was recorded in "
+              "this window; the trace holds only a note saying so")
+        return 0
+    print(f"wrote {args.out} ({fmt}, {size}): {summary.batch_slices:,} batches, "
+          f"{summary.request_slices:,} requests, {summary.flows:,} flows, "
+          f"{summary.step_slices:,} steps, {summary.events:,} events; open it in {where}")
+    return 0
+
+
 # -- entry point --------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="batchscope", description="BatchScope: batching inference runtime "
@@ -615,6 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_load(sub)
     _add_tune(sub)
+    _add_trace(sub)
     sub.add_parser("snapshot", help="diagnostic snapshots: batchscope snapshot export ...",
                    add_help=False)
     sub.add_parser("k8s", help="Kubernetes manifests for one model: batchscope k8s --model "
@@ -637,6 +759,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from batchscope.deploy import k8s
 
             return k8s.main(argv[1:])
+        if "trace" in argv:
+            argv = _glued(argv)
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -644,6 +768,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "tune":
             return _tune(args)
+        if args.command == "trace":
+            return _trace(args)
         return _load(args)
     except UsageError as exc:
         return _fail(str(exc))

@@ -1,0 +1,115 @@
+"""Traces of recorded windows, for Perfetto (ui.perfetto.dev) and chrome://tracing.
+
+``export_trace(engine, window, out, fmt)`` reads the window's batches, requests,
+generation steps and events (``analysis.queries.timeline.timeline_rows``, which refuses
+a window holding more than ``max_rows`` batches and requests with ``WindowTooLarge``),
+lays them out as tracks and slices (``layout``) and writes them in one of two formats:
+
+* ``perfetto`` (``.pftrace``): Perfetto's native protobuf trace (``perfetto``), the
+  compact one, with every time exact to the nanosecond;
+* ``json`` (``.json``): Chrome's Trace Event JSON (``chrome``), which chrome://tracing
+  and most trace tools open too.
+
+Both hold the same picture: a process per instance; per model a batch track (more
+lanes while batches overlap), a step track for generation models and a pool of request
+tracks; each request a slice with ``queue`` and ``compute`` parts and an arrow to its
+batch. An empty window still gives a valid trace, holding a note that says so.
+
+``format_for(path)`` picks the format from a file name (``FORMATS``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from sqlalchemy import Engine
+
+from batchscope.analysis.queries.timeline import MAX_ROWS, WindowTooLarge, timeline_rows
+from batchscope.analysis.queries.window import Window
+from batchscope.trace import layout as layout_module
+
+#: file name suffix -> format
+FORMATS = {".pftrace": "perfetto", ".perfetto-trace": "perfetto", ".pb": "perfetto",
+           ".json": "json"}
+
+__all__ = ["ExportSummary", "FORMATS", "WindowTooLarge", "export_trace", "format_for"]
+
+
+@dataclass
+class ExportSummary:
+    """What one export wrote."""
+
+    format: str
+    batch_slices: int = 0
+    #: requests drawn (a batched one is a slice with a queue and a compute slice in it)
+    request_slices: int = 0
+    flows: int = 0
+    step_slices: int = 0
+    events: int = 0
+    processes: int = 0
+    tracks: int = 0
+    bytes_written: int = 0
+    #: batches and requests read from the database
+    rows: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.batch_slices or self.request_slices or self.step_slices)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def format_for(path: str | os.PathLike) -> str:
+    """The format a file name asks for (``FORMATS``); ``ValueError`` for another one."""
+    name = str(path).lower()
+    for suffix, fmt in FORMATS.items():
+        if name.endswith(suffix):
+            return fmt
+    raise ValueError(f"cannot tell the trace format from the name {os.fspath(path)!r}: end it "
+                     f"with {', '.join(FORMATS)}, or name the format (perfetto or json)")
+
+
+class _Counting:
+    """A binary file that counts what goes through it."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh = fh
+        self.written = 0
+
+    def write(self, data: bytes) -> int:
+        self.fh.write(data)
+        self.written += len(data)
+        return len(data)
+
+
+def export_trace(engine: Engine, window: Window, out: str | os.PathLike | BinaryIO,
+                 fmt: str = "perfetto", *, max_rows: int = MAX_ROWS) -> ExportSummary:
+    """Write the trace of ``window`` to ``out`` (a path, or a binary file left open) in
+    ``fmt`` (``perfetto`` or ``json``); see the module doc. Raises ``WindowTooLarge``
+    (nothing written) past ``max_rows`` batches and requests, ``ValueError`` for an
+    unknown format."""
+    if fmt not in ("perfetto", "json"):
+        raise ValueError(f"unknown trace format {fmt!r}; use perfetto or json")
+    rows = timeline_rows(engine, window, max_rows=max_rows)
+    laid = layout_module.build(rows)
+    if fmt == "perfetto":
+        from batchscope.trace import perfetto as writer
+    else:
+        from batchscope.trace import chrome as writer
+    if isinstance(out, (str, os.PathLike)):
+        with open(Path(out), "wb") as fh:
+            counting = _Counting(fh)
+            writer.write(laid, counting)
+    else:
+        counting = _Counting(out)
+        writer.write(laid, counting)
+    c = laid.counts
+    return ExportSummary(format=fmt, batch_slices=c.batch_slices, request_slices=c.request_slices,
+                         flows=c.flows, step_slices=c.step_slices, events=c.events,
+                         processes=c.processes, tracks=c.tracks, bytes_written=counting.written,
+                         rows=len(rows.batches) + len(rows.requests), notes=list(laid.notes))

@@ -1,0 +1,66 @@
+"""The window of ``batchscope trace``, from what a person types.
+
+A time is epoch seconds (``1767225600.5``), an ISO 8601 date and time
+(``2026-01-01T12:00:00``, local time unless it names a zone, ``Z`` for UTC), ``now``,
+or an offset back from now (``-10s``, ``-1.5m``, ``-2h``, ``-500ms``).
+``window_from(start, end, last_s, now=...)`` turns the three options into a ``Window``:
+by default the last ``DEFAULT_LAST_S`` seconds before the end (itself ``now`` unless
+given). Anything it cannot read is a ``ValueError`` that says what it accepts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import datetime
+
+from batchscope.analysis.queries.window import Window
+
+#: the window when neither a start nor a length is given
+DEFAULT_LAST_S = 10.0
+_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_OFFSET = re.compile(r"^-\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)$")
+ACCEPTED = ("epoch seconds (1767225600), an ISO date and time (2026-01-01T12:00:00, "
+            "local time unless it ends in Z or +HH:MM), now, or an offset back from now "
+            "(-10s, -5m, -1h)")
+
+
+def parse_time(text: str, *, now: float) -> float:
+    """Epoch seconds of ``text`` (see module doc)."""
+    raw = text.strip()
+    if raw.lower() == "now":
+        return now
+    m = _OFFSET.match(raw.lower())
+    if m:
+        return now - float(m.group(1)) * _UNITS_S[m.group(2)]
+    try:
+        value = float(raw)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{text!r} is not a time: give {ACCEPTED}")
+        return value
+    try:
+        when = datetime.fromisoformat(raw[:-1] + "+00:00" if raw.endswith(("Z", "z")) else raw)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a time: give {ACCEPTED}") from None
+    return when.timestamp()  # a naive time is local time
+
+
+def window_from(start: str | None, end: str | None, last_s: float | None, *, now: float,
+                model: str | None = None, instance_id: str | None = None) -> Window:
+    """The window of the options (see module doc); ``ValueError`` when they clash."""
+    end_s = parse_time(end, now=now) if end is not None else now
+    if last_s is not None:
+        if start is not None:
+            raise ValueError("give --start or --last, not both")
+        if not (math.isfinite(last_s) and last_s > 0):
+            raise ValueError(f"--last {last_s} must be a positive number of seconds")
+        start_s = end_s - last_s
+    else:
+        start_s = parse_time(start, now=now) if start is not None else end_s - DEFAULT_LAST_S
+    if start_s >= end_s:
+        raise ValueError(f"the window starts ({start_s:.3f}) at or after its end ({end_s:.3f}); "
+                         "the start must come first")
+    return Window(start_s, end_s, model, instance_id)

@@ -1,0 +1,356 @@
+"""OpenTelemetry spans of traced requests and their batches, sent over OTLP.
+
+``batchscope serve --otlp-traces-endpoint URL`` turns it on. Each traced request (see
+``runtime.engine.tracing``: 1 in ``trace_rate``, or any request whose caller sent a
+sampled W3C ``traceparent``) becomes:
+
+* a ``SERVER`` span ``infer <model>`` (``<operation> <model>`` on the OpenAI routes)
+  from the request's first byte to its answer's last, child of the caller's span when
+  a ``traceparent`` came (so it joins the caller's trace), else the root of a new trace;
+* under it a ``queue`` span (queued until its batch started) and a ``compute`` span
+  (the batch's run; for a generation request ``prefill`` until its first token, then
+  ``decode``);
+* a link to the span of the batch it ran in: one ``INTERNAL`` span ``batch <model>``
+  per batch with a traced member, in a trace of its own (a batch serves many traces),
+  with ``batchscope.batch.*`` attributes.
+
+Attributes follow the GenAI semantic conventions where they apply
+(``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.usage.*``,
+``gen_ai.response.finish_reasons``) and vLLM's latency names
+(``gen_ai.latency.time_in_queue``, ``time_to_first_token``, ``e2e``), in seconds.
+
+Off the request path: the event loop only draws the request span's ids when the trace
+begins (so the answer can carry its ``traceparent``) and appends the finished trace to
+a bounded queue; a thread of this module builds the spans (``ReadableSpan`` objects
+with the recorded times and ids) and hands them to the SDK's ``BatchSpanProcessor``,
+which exports them from its own thread. Spans lost to a full queue (ours, or the
+processor's) are counted (``dropped``) and reported as a ``trace_export_drops`` event.
+
+The exporter follows the standard variables: ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (or
+``OTEL_EXPORTER_OTLP_PROTOCOL``): ``grpc`` (the default) or ``http/protobuf``; headers,
+timeouts, compression and TLS from ``OTEL_EXPORTER_OTLP_*``; the processor's queue and
+batch sizes from ``OTEL_BSP_*``; the resource from ``OTEL_SERVICE_NAME`` and
+``OTEL_RESOURCE_ATTRIBUTES`` (``service.name`` defaults to ``batchscope``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import random
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+#: finished traces waiting for the span thread (past it they are dropped and counted)
+QUEUE_MAX = 8192
+#: the batches remembered for the spans of their traced members (newest kept)
+BATCHES_KEPT = 4096
+PROTOCOLS = ("grpc", "http/protobuf")
+
+
+def new_ids(w3c_trace_id: str | None) -> tuple[int, int]:
+    """(trace id, span id) of a request span: the caller's trace when it sent one."""
+    trace_id = int(w3c_trace_id, 16) if w3c_trace_id else random.getrandbits(128) or 1
+    return trace_id, random.getrandbits(64) or 1
+
+
+def traceparent(trace_id: int, span_id: int) -> str:
+    """The W3C ``traceparent`` header naming a span (sampled)."""
+    return f"00-{trace_id:032x}-{span_id:016x}-01"
+
+
+@dataclass(slots=True)
+class BatchInfo:
+    """What a batch span says: wall-clock times and the batch's shape and settings."""
+
+    seq: int
+    model: str
+    started_at: float
+    ended_at: float
+    size: int
+    max_batch_size: int
+    padded_elements: int
+    real_elements: int
+    bucket: int | None
+    policy: str
+    settings_version: int
+    outcome: str
+
+
+@dataclass(slots=True)
+class FinishedTrace:
+    """One traced request, in wall-clock seconds, as the span thread needs it."""
+
+    model: str
+    operation: str
+    trace_id: int
+    span_id: int
+    parent_span_id: int | None
+    start_at: float
+    end_at: float
+    queue_start_at: float | None
+    compute_start_at: float | None
+    compute_end_at: float | None
+    outcome: str
+    batch_seq: int | None
+    request_id: str | None = None
+    first_token_at: float | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    finish_reasons: tuple[str, ...] = ()
+
+
+def _ns(t: float) -> int:
+    return int(round(t * 1e9))
+
+
+class SpanBuilder:
+    """Spans of finished traces (``spans``); remembers which batch spans it made."""
+
+    def __init__(self, resource: Any, instance_id: str) -> None:
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        self.resource = resource
+        self.instance_id = instance_id
+        self.scope = InstrumentationScope("batchscope.runtime")
+        #: seq -> the batch span's context, for batches whose span was made
+        self.batch_spans: collections.OrderedDict[int, Any] = collections.OrderedDict()
+
+    def _span(self, name: str, ctx: Any, parent: Any, start: float, end: float, *,
+              kind: Any = None, attributes: dict | None = None, links=(), error: bool = False):
+        from opentelemetry.sdk.trace import ReadableSpan
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        return ReadableSpan(
+            name, context=ctx, parent=parent, resource=self.resource,
+            attributes=attributes or {}, links=links, kind=kind or SpanKind.INTERNAL,
+            status=Status(StatusCode.ERROR) if error else Status(StatusCode.UNSET),
+            start_time=_ns(start), end_time=_ns(max(end, start)),
+            instrumentation_scope=self.scope)
+
+    @staticmethod
+    def _context(trace_id: int, span_id: int, remote: bool = False):
+        from opentelemetry.trace import SpanContext, TraceFlags
+
+        return SpanContext(trace_id, span_id, is_remote=remote,
+                           trace_flags=TraceFlags(TraceFlags.SAMPLED))
+
+    def batch_span(self, b: BatchInfo) -> tuple[Any, Any]:
+        """(the span, its context) of batch ``b``."""
+        ctx = self._context(random.getrandbits(128) or 1, random.getrandbits(64) or 1)
+        span = self._span(f"batch {b.model}", ctx, None, b.started_at, b.ended_at,
+                          attributes={
+                              "batchscope.batch.id": b.seq, "batchscope.batch.size": b.size,
+                              "batchscope.batch.max_size": b.max_batch_size,
+                              "batchscope.batch.padded_size": b.padded_elements,
+                              "batchscope.batch.real_size": b.real_elements,
+                              "batchscope.batch.bucket": -2 if b.bucket is None else b.bucket,
+                              "batchscope.batch.policy": b.policy,
+                              "batchscope.batch.settings_version": b.settings_version,
+                              "batchscope.batch.outcome": b.outcome,
+                              "batchscope.instance.id": self.instance_id,
+                              "gen_ai.request.model": b.model},
+                          error=b.outcome != "ok")
+        return span, ctx
+
+    def spans(self, t: FinishedTrace, batch: BatchInfo | None) -> list:
+        """The spans of one finished trace: its batch's (the first time), the request's
+        and its children's."""
+        from opentelemetry.trace import Link, SpanKind
+
+        out = []
+        links = ()
+        if batch is not None:
+            ctx = self.batch_spans.get(batch.seq)
+            if ctx is None:
+                span, ctx = self.batch_span(batch)
+                out.append(span)
+                self.batch_spans[batch.seq] = ctx
+                while len(self.batch_spans) > BATCHES_KEPT:
+                    self.batch_spans.popitem(last=False)
+            links = (Link(ctx, {"batchscope.batch.id": batch.seq}),)
+        ctx = self._context(t.trace_id, t.span_id)
+        parent = None if t.parent_span_id is None else self._context(
+            t.trace_id, t.parent_span_id, remote=True)
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": t.operation, "gen_ai.request.model": t.model,
+            "gen_ai.latency.e2e": t.end_at - t.start_at,
+            "batchscope.request.outcome": t.outcome,
+            "batchscope.instance.id": self.instance_id}
+        if t.request_id:
+            attributes["batchscope.request.id"] = t.request_id
+        if t.queue_start_at is not None and t.compute_start_at is not None:
+            attributes["gen_ai.latency.time_in_queue"] = t.compute_start_at - t.queue_start_at
+        if t.first_token_at is not None:
+            attributes["gen_ai.latency.time_to_first_token"] = t.first_token_at - t.start_at
+        if t.input_tokens is not None:
+            attributes["gen_ai.usage.input_tokens"] = t.input_tokens
+        if t.output_tokens is not None:
+            attributes["gen_ai.usage.output_tokens"] = t.output_tokens
+        if t.finish_reasons:
+            attributes["gen_ai.response.finish_reasons"] = list(t.finish_reasons)
+        if batch is not None:
+            attributes.update({"batchscope.batch.id": batch.seq,
+                               "batchscope.batch.size": batch.size,
+                               "batchscope.batch.padded_size": batch.padded_elements,
+                               "batchscope.batch.bucket": -2 if batch.bucket is None
+                               else batch.bucket,
+                               "batchscope.batch.policy": batch.policy,
+                               "batchscope.batch.settings_version": batch.settings_version})
+        failed = t.outcome != "ok"
+        out.append(self._span(f"{t.operation} {t.model}", ctx, parent, t.start_at, t.end_at,
+                              kind=SpanKind.SERVER, attributes=attributes, links=links,
+                              error=failed))
+        for name, a, z in self._phases(t):
+            child = self._context(t.trace_id, random.getrandbits(64) or 1)
+            out.append(self._span(name, child, ctx, a, z))
+        return out
+
+    @staticmethod
+    def _phases(t: FinishedTrace) -> list[tuple[str, float, float]]:
+        queued, started, ended = t.queue_start_at, t.compute_start_at, t.compute_end_at
+        out = []
+        if queued is not None:
+            out.append(("queue", queued, started if started is not None else t.end_at))
+        if started is not None:
+            end = ended if ended is not None else t.end_at
+            if t.first_token_at is not None:
+                out.append(("prefill", started, t.first_token_at))
+                out.append(("decode", t.first_token_at, end))
+            else:
+                out.append(("compute", started, end))
+        return out
+
+
+class _DropCounter:
+    """Stands for the processor's own metrics: counts what it drops (queue full)."""
+
+    def __init__(self, inner: Any, on_drop: Callable[[int], None]) -> None:
+        self.inner = inner
+        self.on_drop = on_drop
+
+    def register_queue_size(self, get_queue_size) -> None:
+        self.inner.register_queue_size(get_queue_size)
+
+    def drop_items(self, count: int, error_type: str = "queue_full") -> None:
+        self.on_drop(count)
+        self.inner.drop_items(count, error_type)
+
+    def finish_items(self, count: int) -> None:
+        self.inner.finish_items(count)
+
+
+def exporter_for(endpoint: str, protocol: str | None = None) -> Any:
+    """The OTLP span exporter for ``endpoint`` over ``protocol`` (default: the
+    standard variables', else ``grpc``)."""
+    protocol = (protocol or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip().lower()
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        insecure = endpoint.startswith("http://") or None
+        return OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        if "://" in endpoint and not endpoint.rstrip("/").endswith("/v1/traces"):
+            endpoint = endpoint.rstrip("/") + "/v1/traces"
+        return OTLPSpanExporter(endpoint=endpoint)
+    raise ValueError(f"OTLP protocol {protocol!r} is not supported; use one of {PROTOCOLS}")
+
+
+class OtlpSpans:
+    """The span thread, the SDK's ``BatchSpanProcessor`` and the exporter (module doc)."""
+
+    def __init__(self, endpoint: str, instance_id: str, *, protocol: str | None = None,
+                 exporter: Any = None, on_drops: Callable[[int, int], None] | None = None,
+                 queue_max: int = QUEUE_MAX) -> None:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        attributes = {"service.instance.id": instance_id}
+        if not os.environ.get("OTEL_SERVICE_NAME"):
+            attributes["service.name"] = "batchscope"
+        self.builder = SpanBuilder(Resource.create(attributes), instance_id)
+        self.processor = BatchSpanProcessor(exporter or exporter_for(endpoint, protocol))
+        inner = getattr(self.processor, "_batch_processor", None)
+        if inner is not None and hasattr(inner, "_metrics"):
+            inner._metrics = _DropCounter(inner._metrics, self._dropped_by_processor)
+        self.endpoint = endpoint
+        self.on_drops = on_drops
+        self.queue: collections.deque = collections.deque()
+        self.queue_max = queue_max
+        self.batches: collections.OrderedDict[int, BatchInfo] = collections.OrderedDict()
+        self.lock = threading.Lock()
+        #: spans (and traces refused by our queue) lost, and spans handed to the processor
+        self.dropped = 0
+        self.reported = 0
+        self.spans_out = 0
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="otlp-spans", daemon=True)
+        self._thread.start()
+
+    # -- on the event loop --------------------------------------------------------------
+    def batch(self, info: BatchInfo) -> None:
+        """Remember a batch that has a traced member (its span is made with the first)."""
+        with self.lock:
+            self.batches[info.seq] = info
+            while len(self.batches) > BATCHES_KEPT:
+                self.batches.popitem(last=False)
+
+    def put(self, trace: FinishedTrace) -> None:
+        """Queue a finished trace for its spans; dropped (and counted) when full."""
+        if len(self.queue) >= self.queue_max:
+            self.dropped += 1
+            return
+        self.queue.append(trace)
+        if len(self.queue) == 1:
+            self._wake.set()
+
+    # -- the span thread ----------------------------------------------------------------
+    def _dropped_by_processor(self, count: int) -> None:
+        self.dropped += count
+
+    def _work(self) -> None:
+        while True:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            self._drain()
+            self._report()
+            if self._closed and not self.queue:
+                return
+
+    def _drain(self) -> None:
+        while self.queue:
+            t = self.queue.popleft()
+            with self.lock:
+                batch = self.batches.get(t.batch_seq) if t.batch_seq is not None else None
+            try:
+                for span in self.builder.spans(t, batch):
+                    self.processor.on_end(span)
+                    self.spans_out += 1
+            except Exception:  # noqa: BLE001 - a bad trace must not stop the exporter
+                log.exception("could not build the spans of a trace")
+
+    def _report(self) -> None:
+        dropped = self.dropped
+        if dropped > self.reported and self.on_drops is not None:
+            new = dropped - self.reported
+            self.reported = dropped
+            try:
+                self.on_drops(new, dropped)
+            except Exception:  # noqa: BLE001
+                log.exception("could not report dropped spans")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Build what is queued, export it (up to ``timeout_s``) and stop."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+        try:
+            self.processor.force_flush(int(timeout_s * 1000))
+        finally:
+            self.processor.shutdown()

@@ -1,0 +1,261 @@
+"""OpenTelemetry export (``--otlp-traces-endpoint``) to real OTLP receivers in this
+process (a gRPC ``TraceService`` and an HTTP ``/v1/traces`` handler built from
+``opentelemetry-proto``), and NVTX ranges (``--nvtx``) on a machine without CUDA."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from runtime.api.config import ServerConfig
+from runtime.device import nvtx
+from runtime.engine.otel import BatchInfo, FinishedTrace, OtlpSpans, SpanBuilder
+from runtime.models.toys import DoubleModel
+from runtime.server.service import Service, ServiceThread
+from tests.factories import wait_until
+
+BODY = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER_SPAN = "00f067aa0ba902b7"
+
+
+class Received:
+    """Spans received, from either transport, as (span, resource attributes)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.spans: list = []
+
+    def add(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
+        with self.lock:
+            for rs in request.resource_spans:
+                attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
+                for ss in rs.scope_spans:
+                    self.spans.extend((s, attrs) for s in ss.spans)
+
+
+class GrpcReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, received: Received) -> None:
+        self.received = received
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def Export(self, request, context):  # noqa: N802 - the gRPC method's name
+        self.received.add(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def http_receiver(received: Received) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path == "/v1/traces":
+                request = trace_service_pb2.ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                received.add(request)
+                self.send_response(200)
+            else:
+                self.send_response(404)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+            self.wfile.write(trace_service_pb2.ExportTraceServiceResponse().SerializeToString())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def serve_and_send(tmp_path, endpoint: str, n: int) -> tuple[list[httpx.Response], httpx.Response]:
+    """A real server exporting to ``endpoint`` and tracing every request: ``n`` plain
+    requests and one carrying a caller's ``traceparent``; the server is stopped (its
+    spans flushed) before this returns."""
+    service = Service({"a": DoubleModel()}, None, ServerConfig(
+        database_url=f"sqlite:///{tmp_path / 'otel.db'}", otlp_traces_endpoint=endpoint,
+        trace_config=(("trace_rate", "1"),)), instance_id="otel-test")
+    runner = ServiceThread(service)
+    url = runner.start()
+    try:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            answers = [http.post("/v2/models/a/infer", json=BODY) for _ in range(n)]
+            joined = http.post("/v2/models/a/infer", json=BODY, headers={
+                "traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"})
+    finally:
+        runner.stop()
+    return answers, joined
+
+
+def check_spans(received: Received, answers: list[httpx.Response], joined: httpx.Response) -> None:
+    spans = [s for s, _ in received.spans]
+    requests = [s for s in spans if s.name == "infer a"]
+    batches = {s.span_id: s for s in spans if s.name == "batch a"}
+    assert len(requests) == len(answers) + 1
+    by_parent: dict[bytes, list] = {}
+    for s in spans:
+        by_parent.setdefault(s.parent_span_id, []).append(s)
+    batch_ids = {}
+    for b in batches.values():
+        attrs = {a.key: a.value for a in b.attributes}
+        batch_ids[b.span_id] = attrs["batchscope.batch.id"].int_value
+        assert attrs["batchscope.batch.size"].int_value >= 1
+    for r in requests:
+        assert r.kind == r.SPAN_KIND_SERVER
+        children = sorted(c.name for c in by_parent.get(r.span_id, []))
+        assert children == ["compute", "queue"]
+        assert len(r.links) == 1 and r.links[0].span_id in batches  # exactly one, received
+        attrs = {a.key: a.value for a in r.attributes}
+        assert attrs["gen_ai.request.model"].string_value == "a"
+        assert attrs["gen_ai.latency.time_in_queue"].double_value >= 0
+        assert attrs["batchscope.batch.id"].int_value == batch_ids[r.links[0].span_id]
+        assert r.start_time_unix_nano <= r.end_time_unix_nano
+    # every answer names its span and its batch
+    for answer in [*answers, joined]:
+        assert answer.status_code == 200
+        _, trace_id, span_id, _ = answer.headers["traceparent"].split("-")
+        mine = [r for r in requests if r.span_id.hex() == span_id]
+        assert len(mine) == 1 and mine[0].trace_id.hex() == trace_id
+        assert int(answer.headers["batchscope-batch-id"]) == batch_ids[mine[0].links[0].span_id]
+    # the caller's trace, end to end
+    [caller] = [r for r in requests if r.trace_id.hex() == CALLER_TRACE]
+    assert caller.parent_span_id.hex() == CALLER_SPAN
+    assert all(r.parent_span_id == b"" for r in requests if r is not caller)
+    assert {a["service.name"] for _, a in received.spans} == {"batchscope"}
+
+
+@pytest.mark.slow
+def test_spans_reach_an_otlp_grpc_receiver(tmp_path, monkeypatch):
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    received = Received()
+    receiver = GrpcReceiver(received)
+    try:
+        answers, joined = serve_and_send(tmp_path, f"http://127.0.0.1:{receiver.port}", 20)
+        assert wait_until(lambda: len(received.spans) >= 21 * 3, limit=400)
+        check_spans(received, answers, joined)
+    finally:
+        receiver.server.stop(None)
+
+
+@pytest.mark.slow
+def test_spans_reach_an_otlp_http_receiver(tmp_path, monkeypatch):
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    received = Received()
+    server = http_receiver(received)
+    try:
+        answers, joined = serve_and_send(
+            tmp_path, f"http://127.0.0.1:{server.server_address[1]}", 8)
+        assert wait_until(lambda: len(received.spans) >= 9 * 3, limit=400)
+        check_spans(received, answers, joined)
+    finally:
+        server.shutdown()
+
+
+def trace(n: int, seq: int | None = 1, first_token: float | None = None) -> FinishedTrace:
+    return FinishedTrace("m", "infer", 7, 100 + n, None, 10.0, 10.5, 10.0, 10.1, 10.4, "ok",
+                         seq, first_token_at=first_token)
+
+
+def batch(seq: int) -> BatchInfo:
+    return BatchInfo(seq, "m", 10.1, 10.4, 4, 8, 32, 20, 16, "dynamic", 3, "ok")
+
+
+def test_one_batch_span_serves_all_its_members_and_generation_has_prefill_and_decode():
+    from opentelemetry.sdk.resources import Resource
+    builder = SpanBuilder(Resource.create({}), "i")
+    first = builder.spans(trace(1), batch(1))
+    again = builder.spans(trace(2), batch(1))
+    assert [s.name for s in first] == ["batch m", "infer m", "queue", "compute"]
+    assert [s.name for s in again] == ["infer m", "queue", "compute"]  # the batch span once
+    assert first[1].links[0].context.span_id == again[0].links[0].context.span_id \
+        == first[0].context.span_id
+    assert first[0].attributes["batchscope.batch.padded_size"] == 32
+    gen = builder.spans(trace(3, seq=None, first_token=10.2), None)
+    assert [s.name for s in gen] == ["infer m", "queue", "prefill", "decode"]
+    assert gen[0].attributes["gen_ai.latency.time_to_first_token"] == pytest.approx(0.2)
+    assert gen[0].links == () or len(gen[0].links) == 0
+
+
+class SlowExporter:
+    """An exporter that holds its first export until released, so queues fill."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+        self.ok = SpanExportResult.SUCCESS
+        self.release = threading.Event()
+        self.exported = 0
+
+    def export(self, spans):
+        self.release.wait(10)
+        self.exported += len(spans)
+        return self.ok
+
+    def shutdown(self):
+        pass
+
+    def force_flush(self, timeout_millis=None):
+        return True
+
+
+def test_spans_lost_to_a_full_queue_are_counted_and_reported(monkeypatch):
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "2")
+    reports = []
+    exporter = SlowExporter()
+    spans = OtlpSpans("unused", "i", exporter=exporter, queue_max=5,
+                      on_drops=lambda new, total: reports.append((new, total)))
+    spans.batch(batch(1))
+    for n in range(40):
+        spans.put(trace(n))
+    assert wait_until(lambda: not spans.queue, limit=400)
+    exporter.release.set()
+    spans.close()
+    offered = spans.spans_out + 0
+    assert spans.dropped > 0
+    # every span handed to the processor was exported or counted as dropped by it; every
+    # trace refused by our queue was counted too
+    refused = 40 - (offered - 1) // 3
+    assert exporter.exported + spans.dropped == offered + refused
+    assert reports and reports[-1][1] == spans.dropped
+
+
+def test_nvtx_ranges_never_raise_without_cuda(monkeypatch):
+    monkeypatch.setenv(nvtx.ENV, "1")
+    try:
+        source = nvtx.reload()
+        assert source in ("nvtx", "off")  # torch.cuda.nvtx needs a CUDA build
+        with nvtx.batch_range(12, "mlp", 8):
+            pass
+        with nvtx.step_range(3, "decoder", 4, 16, 3):
+            pass
+    finally:
+        monkeypatch.delenv(nvtx.ENV)
+        assert nvtx.reload() == "off"
+    with nvtx.batch_range(None, "mlp", 1):  # off: a null context
+        pass
+
+
+@pytest.mark.slow
+def test_a_server_with_nvtx_on_serves_as_usual(tmp_path, monkeypatch):
+    monkeypatch.delenv(nvtx.ENV, raising=False)
+    service = Service({"a": DoubleModel()}, None, ServerConfig(
+        database_url=f"sqlite:///{tmp_path / 'nvtx.db'}", nvtx=True), instance_id="nvtx")
+    runner = ServiceThread(service)
+    url = runner.start()
+    try:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for _ in range(5):
+                assert http.post("/v2/models/a/infer", json=BODY).status_code == 200
+    finally:
+        runner.stop()
+        monkeypatch.delenv(nvtx.ENV, raising=False)
+        nvtx.reload()

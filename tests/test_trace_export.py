@@ -1,0 +1,363 @@
+"""Trace export (``batchscope.trace``): the Perfetto and Chrome JSON files hold exactly the
+window's rows, at their recorded times, nested the way the viewers need; the
+``batchscope trace`` command; the trace inside a snapshot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from decimal import Decimal
+
+import pytest
+from sqlalchemy.orm import Session
+
+from batchscope.analysis.queries.timeline import WindowTooLarge, timeline_rows
+from batchscope.analysis.queries.window import Window
+from batchscope.presentation import snapshot
+from batchscope.storage.db import make_engine
+from batchscope.storage.schema import BatchRecord, RequestRecord
+from batchscope.testing import synthetic
+from batchscope.trace import ExportSummary, export_trace, format_for
+from batchscope.trace.check import read_chrome, read_perfetto
+from batchscope.trace.perfetto import protos
+from batchscope.trace.timespec import DEFAULT_LAST_S, parse_time, window_from
+
+END = 2_000_000_000.0
+WINDOW = Window(END - 21, END + 1)
+CLI = [sys.executable, "-m", "runtime.tools.cli"]
+
+
+def _ns(t: float) -> int:
+    return round(t * 1e9)
+
+
+@pytest.fixture(scope="module")
+def filled(backend, new_database_url):
+    """Two instances: ``mlp`` (overlapping batches, refused and expired requests, an
+    OOM, a settings change) and the generation model ``decoder`` with its steps."""
+    engine = make_engine(new_database_url(backend))
+    synthetic.generate(engine, synthetic.SCENARIOS["healthy"].with_(
+        duration_s=20, batches_per_s=8, rejected_per_s=1, expired_per_s=0.5, oom_events=1,
+        settings_changes=((0.5, {"max_batch_size": 16}),)), end_s=END)
+    synthetic.generate(engine, synthetic.SCENARIOS["generation"].with_(
+        duration_s=20, batches_per_s=2, gen_steps_per_s=10, instance_id="synthetic-2"),
+        end_s=END, seed=5)
+    yield engine, timeline_rows(engine, WINDOW)
+    engine.dispose()
+
+
+def _export(engine, fmt: str, tmp_path, window: Window = WINDOW, **kw) -> tuple[bytes, ExportSummary]:
+    path = tmp_path / ("t.pftrace" if fmt == "perfetto" else "t.json")
+    summary = export_trace(engine, window, path, fmt, **kw)
+    data = path.read_bytes()
+    assert summary.bytes_written == len(data)
+    return data, summary
+
+
+def _batched(rows) -> list[int]:
+    """Indexes of the requests whose batch is among the window's batches."""
+    seqs = {(i, m, int(s)) for i, m, s in zip(rows.batches["instance_id"], rows.batches["model"],
+                                              rows.batches["seq"])}
+    r = rows.requests
+    return [k for k in range(len(r)) if r["outcome"].iloc[k] not in ("rejected", "expired")
+            and r["batch_seq"].iloc[k] == r["batch_seq"].iloc[k]
+            and (r["instance_id"].iloc[k], r["model"].iloc[k], int(r["batch_seq"].iloc[k])) in seqs]
+
+
+def _assert_nested(slices) -> None:
+    """No two slices of one track overlap unless one holds the other."""
+    by_track = defaultdict(list)
+    for s in slices:
+        by_track[s.track].append(s)
+    for track, items in by_track.items():
+        items.sort(key=lambda s: (s.start_ns, -s.end_ns))
+        open_: list = []
+        for s in items:
+            while open_ and open_[-1].end_ns <= s.start_ns:
+                open_.pop()
+            assert not open_ or s.end_ns <= open_[-1].end_ns, (track, s, open_[-1])
+            open_.append(s)
+
+
+@pytest.mark.both_backends
+def test_perfetto_trace_holds_every_row_at_its_recorded_time(filled, tmp_path):
+    engine, rows = filled
+    data, summary = _export(engine, "perfetto", tmp_path)
+    pb = protos()
+    trace = pb.Trace()
+    trace.ParseFromString(data)
+    packets = list(trace.packet)
+    assert all(p.trusted_packet_sequence_id == 1 for p in packets)
+    first = next(p for p in packets if p.sequence_flags)
+    assert first.sequence_flags & pb.TracePacket.SEQ_INCREMENTAL_STATE_CLEARED
+    processes = [p.track_descriptor for p in packets
+                 if p.HasField("track_descriptor") and p.track_descriptor.HasField("process")]
+    assert len(processes) == 2 and len({d.process.pid for d in processes}) == 2
+    assert all("cpu" in d.process.process_name for d in processes)
+
+    got = read_perfetto(data)
+    assert got.ok, got.problems
+    _assert_nested([s for s in got.slices if s.end_ns > s.start_ns])
+    cats = got.by_category()
+
+    # one batch slice per batch row, from its start to its end
+    batches = {s.args["batch_id"]: s for s in got.slices if s.category == "batch"}
+    assert cats["batch"] == len(batches) == len(rows.batches) == summary.batch_slices
+    for row in rows.batches.itertuples():
+        s = batches[row.id]
+        assert (s.start_ns, s.end_ns) == (_ns(row.started_at), _ns(row.ended_at))
+        assert s.name == f"batch {row.seq} n={row.batch_size}/{row.max_batch_size}" + (
+            "" if row.outcome == "ok" else f" {row.outcome}")
+        assert s.args["seq"] == row.seq and s.args["policy"] == row.policy
+    # batches of one model overlap here, so they need more than one lane
+    assert any("· batches · lane 2" in name for name in got.track_names.values())
+
+    # one request slice per request row; a batched one holds its queue and compute
+    requests = {s.args["request_id"]: s for s in got.slices if s.category == "request"}
+    assert cats["request"] == len(requests) == len(rows.requests) == summary.request_slices
+    batched = _batched(rows)
+    assert cats["queue"] == cats["compute"] == len(batched)
+    for row in rows.requests.itertuples():
+        s = requests[row.id]
+        assert (s.start_ns, s.end_ns) == (_ns(row.arrived_at), _ns(row.finished_at))
+        assert s.depth == 0 and s.args["outcome"] == row.outcome
+        if row.outcome in ("rejected", "expired"):
+            assert s.name == row.outcome
+    outcomes = Counter(rows.requests["outcome"])
+    assert outcomes["rejected"] and outcomes["expired"]  # the scenario made some
+
+    # one flow per batched request: its queue slice -> its batch's slice
+    assert len(got.flows) == len(batched) == summary.flows
+    seq_of = {(s.track, s.start_ns): s.args.get("batch_seq") for s in requests.values()}
+    for src, dst in got.flows.values():
+        assert src.category == "queue" and dst.category == "batch" and src.depth == 1
+        assert seq_of[(src.track, src.start_ns)] == dst.args["seq"]
+        assert src.start_ns <= dst.start_ns
+    for s in batches.values():
+        assert len(s.flows_in) == s.args["requests_in_trace"]
+    queues = {(q.track, q.start_ns): q for q in got.slices if q.category == "queue"}
+    computes = {(c.track, c.end_ns): c for c in got.slices if c.category == "compute"}
+    for k in batched:
+        row = rows.requests.iloc[k]
+        track = requests[row.id].track
+        queue = queues[(track, _ns(row.arrived_at))]
+        start = min(max(_ns(row.started_at), _ns(row.arrived_at)), _ns(row.finished_at))
+        assert queue.end_ns == start == computes[(track, _ns(row.finished_at))].start_ns
+
+    # generation steps, and the events as instants on their instance's own track
+    assert cats["step"] == len(rows.steps) == summary.step_slices > 0
+    steps = sorted((s.start_ns, s.end_ns, s.args["running"]) for s in got.slices
+                   if s.category == "step")
+    assert steps == sorted(zip(map(_ns, rows.steps["started_at"]), map(_ns, rows.steps["at"]),
+                               rows.steps["running"]))
+    assert cats["event"] == len(rows.events) == summary.events
+    kinds = Counter(s.name for s in got.slices if s.category == "event")
+    assert kinds["oom"] == 1 and kinds["settings_change"] == 1
+
+
+def test_json_trace_nests_and_pairs_every_event(filled, tmp_path):
+    engine, rows = filled
+    data, summary = _export(engine, "json", tmp_path)
+    doc = json.loads(data)
+    assert doc["displayTimeUnit"] == "ms"
+    events = doc["traceEvents"]
+    phases = Counter(e["ph"] for e in events)
+    assert phases["b"] == phases["e"]  # none written; any would come in pairs
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+
+    # complete events: on a batch or step thread none overlap; on a request thread only
+    # a request's own queue and compute sit inside it
+    by_tid = defaultdict(list)
+    for e in events:
+        if e["ph"] == "X":
+            start = int(Decimal(str(e["ts"])) * 1000)
+            by_tid[(e["pid"], e["tid"])].append((start, start + int(Decimal(str(e["dur"])) * 1000),
+                                                 e["cat"]))
+    for key, items in by_tid.items():
+        items.sort()
+        if "requests" not in names[key]:
+            assert all(a[1] <= b[0] for a, b in zip(items, items[1:])), names[key]
+
+    got = read_chrome(data)
+    assert got.ok, got.problems
+    cats = got.by_category()
+    assert cats["batch"] == len(rows.batches) and cats["step"] == len(rows.steps) > 0
+    assert cats["request"] == len(rows.requests)
+    assert cats["queue"] == cats["compute"] == len(_batched(rows)) == len(got.flows)
+    assert phases["s"] == phases["f"] == summary.flows
+    for src, dst in got.flows.values():
+        assert src.category == "queue" and dst.category == "batch"
+    # times are exact decimals of the recorded nanoseconds
+    raw = json.loads(data, parse_float=Decimal)["traceEvents"]
+    starts = {e["args"]["batch_id"]: int(e["ts"] * 1000) for e in raw
+              if e["ph"] == "X" and e["cat"] == "batch"}
+    assert starts == {r.id: _ns(r.started_at) for r in rows.batches.itertuples()}
+
+
+def test_empty_window_gives_a_valid_trace_with_one_note(filled, tmp_path):
+    engine, _ = filled
+    empty = Window(END - 5000, END - 4000)
+    data, summary = _export(engine, "perfetto", tmp_path, empty)
+    got = read_perfetto(data)
+    assert got.ok, got.problems
+    assert summary.empty and len(got.slices) == 1 and got.slices[0].category == "note"
+    assert got.slices[0].name.startswith("no data")
+    assert summary.notes == [got.slices[0].name]
+    data, _ = _export(engine, "json", tmp_path, empty)
+    doc = json.loads(data)
+    assert [e["ph"] for e in doc["traceEvents"]] == ["i"]
+    assert doc["otherData"]["notes"].startswith("no data")
+
+
+def test_contradictory_rows_still_make_a_valid_trace(tmp_path):
+    """A queue wait longer than the latency, a batch ending before it starts, a request
+    pointing at a batch not recorded, an instance never registered: clamped, noted."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'bad.db'}")
+    t = END - 10
+    batch = dict(instance_id="ghost", model="m", policy="dynamic", settings_version=1,
+                 max_batch_size=8, batch_size=2, real_elements=2, padded_elements=2,
+                 queue_wait_min_s=0.0, queue_wait_mean_s=0.0, queue_wait_max_s=0.0,
+                 compute_s=0.01)
+    request = dict(instance_id="ghost", model="m", priority=1, latency_s=0.02, outcome="ok")
+    with Session(engine) as s:
+        s.add_all([
+            BatchRecord(seq=1, started_at=t, ended_at=t - 0.5, **batch),
+            BatchRecord(seq=2, started_at=t + 1, ended_at=t + 1.01, **batch),
+            RequestRecord(batch_seq=1, arrived_at=t - 0.01, finished_at=t + 0.01,
+                          queue_wait_s=5.0, **request),
+            RequestRecord(batch_seq=2, arrived_at=t + 1.5, finished_at=t + 1.52,
+                          queue_wait_s=0.01, **request),
+            RequestRecord(batch_seq=99, arrived_at=t + 2, finished_at=t + 2.02,
+                          queue_wait_s=0.01, **request),
+            RequestRecord(batch_seq=None, arrived_at=t + 3, finished_at=t + 2,
+                          queue_wait_s=0.0, **{**request, "outcome": "rejected"}),
+        ])
+        s.commit()
+    w = Window(END - 20, END)
+    for fmt, read in (("perfetto", read_perfetto), ("json", read_chrome)):
+        data, summary = _export(engine, fmt, tmp_path, w)
+        got = read(data)
+        assert got.ok, got.problems
+        assert summary.batch_slices == 2 and summary.request_slices == 4
+        assert summary.flows == 1  # the first one; the second arrived after its batch began
+        assert any("arriving after their batch started" in n for n in summary.notes)
+        assert any("outside the window" in n for n in summary.notes)
+    engine.dispose()
+
+
+def test_window_too_large_is_refused_before_writing(filled, tmp_path):
+    engine, rows = filled
+    path = tmp_path / "big.pftrace"
+    with pytest.raises(WindowTooLarge) as err:
+        export_trace(engine, WINDOW, path, "perfetto", max_rows=10)
+    assert err.value.rows == len(rows.batches) + len(rows.requests)
+    assert not path.exists()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(CLI + ["trace", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_cli_writes_traces_and_refuses_clearly(tmp_path):
+    engine = make_engine(f"sqlite:///{tmp_path / 'cli.db'}")
+    synthetic.generate(engine, synthetic.SCENARIOS["healthy"].with_(duration_s=10,
+                                                                    batches_per_s=4), end_s=END)
+    engine.dispose()
+    db = f"sqlite:///{tmp_path / 'cli.db'}"
+    out = tmp_path / "run.pftrace"
+    r = _cli("--db", db, "--end", str(END + 1), "--last", "12", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stdout and "batches" in r.stdout
+    assert read_perfetto(out.read_bytes()).ok
+
+    r = _cli("--db", db, "--start", str(END - 11), "--end", str(END + 1), "--format", "json",
+             "-o", str(tmp_path / "run.trace"))
+    assert r.returncode == 0, r.stderr
+    assert read_chrome((tmp_path / "run.trace").read_bytes()).ok
+
+    too_big = tmp_path / "big.pftrace"
+    r = _cli("--db", db, "--end", str(END + 1), "--last", "12", "--max-rows", "50",
+             "-o", str(too_big))
+    assert r.returncode != 0 and not too_big.exists()
+    line = r.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert "more than 50" in line and "batches and requests" in line and "--max-rows" in line
+
+    r = _cli("--db", db, "-o", str(tmp_path / "now.json"))  # the last 10 s: nothing then
+    assert r.returncode == 0 and "no batch, request or step" in r.stdout
+    assert json.loads((tmp_path / "now.json").read_bytes())["traceEvents"]
+    r = _cli("--db", db, "--start", "-30s", "--end", "-20s", "-o", str(tmp_path / "then.json"))
+    assert r.returncode == 0 and "no batch, request or step" in r.stdout, r.stderr
+
+    for bad in (["--start", "yesterday"], ["--start", "-5s", "--last", "3"]):
+        r = _cli("--db", db, *bad, "-o", str(tmp_path / "x.json"))
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    r = _cli("--db", db, "-o", str(tmp_path / "x.bin"))
+    assert r.returncode == 2 and "cannot tell the trace format" in r.stderr
+
+
+def test_snapshot_carries_the_trace_of_its_window(filled, tmp_path, monkeypatch):
+    engine, rows = filled
+    data = snapshot.export_bytes(engine, WINDOW)
+    snap = snapshot.load_snapshot(data)
+    try:
+        entry = snap.manifest["trace"]
+        assert entry["member"] == snapshot.TRACE and entry["format"] == "perfetto"
+        assert entry["batch_slices"] == len(rows.batches)
+    finally:
+        snap.close()
+    trace = snapshot.trace_bytes(data)
+    assert len(trace) == entry["bytes"]
+    got = read_perfetto(trace)
+    assert got.ok and got.by_category()["request"] == len(rows.requests)
+    # a trace over the reader's limit is refused like any oversized member
+    with pytest.raises(snapshot.SnapshotError, match="trace.pftrace would expand"):
+        snapshot.trace_bytes(data, limits=snapshot.Limits(max_trace_bytes=1000))
+
+    # a window too large for a snapshot's trace: left out, the manifest says why
+    monkeypatch.setattr(snapshot, "TRACE_MAX_ROWS", 10)
+    data = snapshot.export_bytes(engine, WINDOW)
+    snap = snapshot.load_snapshot(data)
+    try:
+        assert snap.manifest["trace"]["member"] is None
+        assert "batchscope trace" in snap.manifest["trace"]["skipped"]
+    finally:
+        snap.close()
+    assert snapshot.trace_bytes(data) is None
+
+
+def test_time_options():
+    now = 1_800_000_000.0
+    assert parse_time("now", now=now) == now
+    assert parse_time("-10s", now=now) == now - 10
+    assert parse_time("-1.5m", now=now) == now - 90
+    assert parse_time("-250ms", now=now) == now - 0.25
+    assert parse_time("1700000000.5", now=now) == 1_700_000_000.5
+    assert parse_time("2027-01-15T08:00:00Z", now=now) == parse_time(
+        "2027-01-15T10:00:00+02:00", now=0) == 1_800_000_000.0
+    assert parse_time("1970-01-01T00:01:00Z", now=now) == 60.0
+    for bad in ("yesterday", "-10", "nan", "-5x"):
+        with pytest.raises(ValueError, match="not a time"):
+            parse_time(bad, now=now)
+    assert window_from(None, None, None, now=now) == Window(now - DEFAULT_LAST_S, now)
+    assert window_from(None, "-5s", 20, now=now, model="m") == Window(now - 25, now - 5, "m")
+    with pytest.raises(ValueError, match="not both"):
+        window_from("-5s", None, 3, now=now)
+    with pytest.raises(ValueError, match="start must come first"):
+        window_from("-1s", "-2s", None, now=now)
+    assert format_for("a.pftrace") == format_for("b.perfetto-trace") == "perfetto"
+    assert format_for("RUN.JSON") == "json"
+    with pytest.raises(ValueError, match="cannot tell"):
+        format_for("run.bin")
+
+
+def test_importing_the_exporter_leaves_the_protos_unloaded():
+    code = ("import sys, batchscope, batchscope.trace, batchscope.trace.perfetto; "
+            "print('perfetto_trace_pb2' in ' '.join(sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
