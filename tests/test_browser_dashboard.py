@@ -23,6 +23,7 @@ import pytest
 
 from batchscope.storage import control
 from batchscope.presentation import snapshot
+from batchscope.trace import check
 from batchscope.storage.db import make_engine
 from sqlalchemy import text
 
@@ -135,6 +136,30 @@ def test_max_batch_size_from_the_ui_reaches_the_runtime(page, stack):
                                    "started_at > :t + 0.5 AND batch_size > 3"),
                               {"t": cmd.handled_at}).scalar()
     assert bigger == 0
+
+
+def test_timeline_shows_a_picked_batch_and_downloads_its_trace(page, stack):
+    go_to(page, "Batch timeline", page.get_by_text("Slowest requests in the window"))
+    wait_for(lambda: plots(page) >= 1, 60, "the batch timeline")
+    with stack["engine"].connect() as conn:
+        seq = conn.execute(text("SELECT seq FROM batches WHERE model = 'encoder' "
+                                "ORDER BY ended_at DESC LIMIT 1")).scalar()
+    box = page.get_by_label("Go to batch number")
+    box.fill(str(seq))
+    box.press("Enter")
+    page.get_by_text(f"Batch {seq}:", exact=False).first.wait_for(timeout=60_000)
+    settle(page)
+    assert plots(page) >= 2  # the timeline and the batch's requests
+    page.screenshot(path=str(ARTIFACTS / "timeline.png"), full_page=True)
+    with page.expect_download(timeout=60_000) as dl:
+        page.get_by_role("button", name="Download Perfetto trace").click()
+    path = stack["base"] / "window.pftrace"
+    dl.value.save_as(str(path))
+    read = check.read_perfetto(path.read_bytes())
+    assert read.ok, read.problems
+    batches = [s for s in read.slices if s.category == "batch"]
+    assert batches and any(s.args.get("seq") == seq for s in batches), \
+        sorted({k for s in batches for k in s.args})
 
 
 def test_snapshot_downloads_and_reopens(page, stack):

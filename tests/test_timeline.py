@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from batchscope.analysis.queries import Window
@@ -155,6 +158,21 @@ def test_the_page_shows_a_batch_picked_by_number(app_db):
     assert len(at.get("plotly_chart")) == 2  # the timeline and the batch's members
     assert any(f"**Batch {int(seq)}**" in m.value for m in at.markdown)
     assert not at.toggle(key="timeline_follow").value  # picking stopped following
+    at.text_input(key="timeline_batch_number").input("99999999").run()  # no such batch
+    assert not at.exception and at.session_state["timeline_selected"][1] == int(seq)
+
+
+def test_going_to_an_older_batch_moves_the_window_to_it(app_db):
+    with app_db.connect() as conn:  # a batch two minutes back, outside the first window
+        seq, ended = conn.execute(text(
+            "SELECT seq, ended_at FROM batches WHERE ended_at < :t ORDER BY ended_at DESC "
+            "LIMIT 1"), {"t": time.time() - 120}).one()
+    at = run_app("timeline")
+    at.text_input(key="timeline_batch_number").input(str(seq)).run()
+    assert not at.exception, [e.value for e in at.exception]
+    end = at.session_state["timeline_end"].timestamp()
+    assert end - 10 <= ended <= end
+    assert any(f"**Batch {seq}**" in m.value for m in at.markdown)
 
 
 def test_the_page_refuses_a_window_too_large(app_db, monkeypatch):

@@ -25,8 +25,8 @@ import streamlit as st
 from sqlalchemy import Engine
 
 from batchscope.analysis.queries import Window
-from batchscope.analysis.queries.timeline import (TimelineRows, WindowTooLarge, timeline_rows,
-                                                  with_members)
+from batchscope.analysis.queries.timeline import (TimelineRows, WindowTooLarge, find_batch,
+                                                  timeline_rows, with_members)
 from batchscope.dashboard.scope import Scope, data_engine, fmt_time
 from batchscope.presentation import timeline_chart
 
@@ -73,6 +73,9 @@ def _end_slider(where, scope: Scope, length: float) -> float:
 def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -> None:
     if end_s is None and not st.session_state.get(FOLLOW):  # a pick stopped following
         st.rerun(scope="app")
+    wanted = st.session_state.get(END)
+    if end_s is not None and wanted is not None and abs(wanted.timestamp() - end_s) >= 1.0:
+        st.rerun(scope="app")  # a pick moved the window: the slider outside must follow
     end = time.time() if end_s is None else end_s
     w = Window(end - length_s, end, scope.model, scope.instance)
     st.session_state["timeline_window_end"] = end
@@ -93,7 +96,7 @@ def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -
                f"{len(rows.batches):,} batches, {rows.requests_in_window:,} requests, "
                f"{len(rows.steps):,} steps · read {1000 * read_s:.0f} ms, drawn "
                f"{1000 * build_s:.0f} ms")
-    for note in rows.notes:
+    for note in rows.notes if not rows.empty else ():  # an empty chart says so itself
         st.info(note)
     st.plotly_chart(fig, key="timeline_chart", on_select=_picked_on_chart,
                     selection_mode=("points", "box"), config={"displaylogo": False})
@@ -111,7 +114,7 @@ def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -
                          "compute_ms": st.column_config.NumberColumn(format="%.2f")})
         st.session_state["timeline_slowest_rows"] = table[["instance_id", "batch"]]
         st.text_input("Go to batch number", key="timeline_batch_number",
-                      on_change=_picked_by_number, args=(rows,),
+                      on_change=_picked_by_number, args=(engine, scope, length_s),
                       placeholder="e.g. 1234")
     with chosen:
         if selected is None:
@@ -163,16 +166,20 @@ def _picked_in_table() -> None:
             _pick(inst, int(seq))
 
 
-def _picked_by_number(rows: TimelineRows) -> None:
+def _picked_by_number(engine: Engine, scope: Scope, length_s: float) -> None:
+    """Go to the batch typed: the window stops following and centres on it."""
     text = st.session_state.get("timeline_batch_number", "").strip()
     if not text.isdigit():
         return
-    b = rows.batches[rows.batches["seq"] == int(text)]
-    if len(b):
-        _pick(b["instance_id"].iloc[0], int(text))
-    else:
-        st.session_state[SELECTED] = None
-        st.toast(f"batch {text} is not in this window")
+    found = find_batch(engine, int(text), model=scope.model, instance_id=scope.instance)
+    if found is None:
+        st.toast(f"there is no batch {text} in this database"
+                 + (f" for {scope.model}" if scope.model else ""))
+        return
+    _pick(found["instance_id"], int(text))
+    st.session_state[FOLLOW] = False
+    st.session_state[END] = datetime.fromtimestamp(
+        float(found["ended_at"]) + length_s / 2, timezone.utc)
 
 
 def _show_selected(rows: TimelineRows, key: tuple[str, int]) -> None:

@@ -7,9 +7,9 @@ overlap, as with several device processes); a generation model's engine steps ge
 lane of their own; requests refused or expired in the queue, and bypassed ones, are
 marks in a lane under their model.
 
-Drawing: WebGL (``Scattergl``) throughout, one trace per model and kind, so the cost
-follows the number of traces, not of bars: each bar is a thick line segment (``x``:
-start, end, gap), and a point at its middle carries the hover text and the batch key
+Drawing: one trace per model and kind, so the cost follows the number of traces, not
+of bars: the bars of a lane are one SVG path of thick line segments (``x``: start, end,
+gap), and a WebGL point at the middle of each carries the hover text and the batch key
 (``customdata``: instance, seq) that a click or box selection returns. Labels
 (``size/max``) are written on the bars while a window has at most ``LABEL_MAX`` of
 them. x is seconds after the window's start (floats draw and serialise faster than
@@ -103,7 +103,7 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
     several = len({inst for inst, _ in keys}) > 1
     colors = model_colors(model for _, model in keys)
     lanes = Lanes()
-    traces: list[go.Scattergl] = []
+    traces: list = []
     label_bars = len(b) + len(s) <= LABEL_MAX
     for inst, model in keys:
         name = f"{model} @ {inst[:12]}" if several else model
@@ -153,7 +153,7 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
 def _bars(df: pd.DataFrame, ys: np.ndarray, t0: float, name: str, color: str,
           hover: list[str], *, custom: np.ndarray, labels: list[str] | None,
           failed: np.ndarray | None, start_col: str = "started_at",
-          end_col: str = "ended_at") -> list[go.Scattergl]:
+          end_col: str = "ended_at") -> list:
     """Bars as line segments, and their middles as the points that hover and select."""
     start = df[start_col].to_numpy(float) - t0
     end = df[end_col].to_numpy(float) - t0
@@ -164,8 +164,10 @@ def _bars(df: pd.DataFrame, ys: np.ndarray, t0: float, name: str, color: str,
         if not mask.any():
             continue
         x, y = _segments(start[mask], end[mask], ys[mask])
-        out.append(go.Scattergl(x=x, y=y, mode="lines", name=label, legendgroup=label,
-                                line=dict(color=c, width=BAR_WIDTH_PX), hoverinfo="skip"))
+        # one SVG path per trace (WebGL lines are drawn off their lane in Streamlit's
+        # resizing container); the points that hover and select stay WebGL
+        out.append(go.Scatter(x=x, y=y, mode="lines", name=label, legendgroup=label,
+                              line=dict(color=c, width=BAR_WIDTH_PX), hoverinfo="skip"))
         out.append(go.Scattergl(
             x=(start[mask] + end[mask]) / 2, y=ys[mask], name=label, legendgroup=label,
             showlegend=False, mode="markers+text" if labels else "markers",

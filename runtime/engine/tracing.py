@@ -15,8 +15,10 @@ How a transport uses it, on the event loop's thread::
 
 A request that carries a W3C ``traceparent`` marked sampled (trace flags ``01``) is
 always traced, whatever the trace settings (also with ``trace_level`` OFF): its
-caller is tracing it, and the OpenTelemetry exporter to come will send this server's
-part of it to the same trace. It does not count against ``trace_rate`` or
+caller is tracing it, and the OpenTelemetry exporter (``runtime.engine.otel``, when
+``--otlp-traces-endpoint`` is set) sends this server's part of it to the same trace.
+Other traced requests become spans when their model's ``trace_mode`` is
+``opentelemetry`` (the default once an endpoint is set). It does not count against ``trace_rate`` or
 ``trace_count``. A ``traceparent`` not marked sampled is traced only when the settings
 sample the request; its ids are kept either way. Nothing else is read for a request
 that is not traced: the transports check ``control.active`` and whether a
@@ -129,9 +131,15 @@ class Tracer:
             request_id = request_id[:MAX_REQUEST_ID_CHARS]
         trace = RequestTrace(self.last_id, model, protocol, self.clock.now(),
                              request_id=request_id, w3c=w3c)
-        if self.otel is not None:
+        if self.otel is not None and (w3c is not None and w3c[2]
+                                      or self._values(model)["trace_mode"] == "opentelemetry"):
             trace.span = new_ids(trace.w3c_trace_id)
         return trace
+
+    def _values(self, model: str) -> Mapping[str, Any]:
+        """The settings ``model`` is traced with (its own, or the global ones)."""
+        control = self.control
+        return control.values_of(model) if model in control.overrides else control.values
 
     def finish(self, trace: RequestTrace, error: BaseException | None = None) -> None:
         """Record ``trace`` once its request is answered (``error``: what it ended with,
@@ -150,11 +158,7 @@ class Tracer:
         self.recorder.put(row)
         if self.otel is not None and trace.span is not None:
             self.otel.put(finished(trace, at))
-        control = self.control
-        if trace.model in control.overrides:
-            values = control.values_of(trace.model)
-        else:
-            values = control.values
+        values = self._values(trace.model)
         path = values["trace_file"]
         if path and values["trace_mode"] == "triton":
             self.files.put(path, values["log_frequency"], row)

@@ -184,6 +184,17 @@ def with_members(engine: Engine, rows: TimelineRows, key: tuple[str, int]) -> Ti
     return rows
 
 
+def find_batch(engine: Engine, seq: int, *, model: str | None = None,
+               instance_id: str | None = None) -> dict | None:
+    """Batch ``seq`` (of ``model`` / ``instance_id`` when given; the newest when several
+    instances have one): its instance, model, start and end, or None."""
+    where, params = filtered(Window(0.0, 0.0, model, instance_id), ["seq = :seq"],
+                             {"seq": int(seq)})
+    found = read_frame(engine, f"SELECT instance_id, model, started_at, ended_at FROM batches "
+                               f"WHERE {where} ORDER BY ended_at DESC LIMIT 1", params)
+    return None if not len(found) else found.iloc[0].to_dict()
+
+
 def _merged(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     if not len(b):
         return a

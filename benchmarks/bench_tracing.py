@@ -1,0 +1,131 @@
+"""What tracing costs: the same server, trace settings changed between slices.
+
+Starts ``batchscope serve --model mlp --otlp-traces-endpoint ...`` with an OTLP gRPC
+receiver in a child process of its own (it counts the spans it gets), then drives
+``mlp`` with ``--clients`` closed-loop clients in slices of ``--slice-s`` seconds,
+changing the trace settings through ``POST /v2/trace/setting`` between slices, the
+modes in turn, ``--rounds`` times:
+
+* ``off``: ``trace_level`` OFF (the default; the tracing code is there, idle);
+* ``timestamps``: every request traced (``trace_rate`` 1), its Triton timestamps a
+  ``request_traces`` row (``trace_mode`` triton, no file);
+* ``otel``: every request traced and sent as spans (``trace_mode`` opentelemetry);
+* ``otel_1_in_100``: 1 request in 100 sent as spans.
+
+Prints each mode's median throughput and p99 and their ratios to ``off`` measured in
+the same run, the spans received against those the server says it traced, and the
+spans it reported dropped (``trace_export_drops`` events).
+
+    python -m benchmarks.bench_tracing                      # 4 rounds of 10-s slices
+    python -m benchmarks.bench_tracing --rounds 2 --slice-s 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx
+from sqlalchemy import create_engine, text
+
+from batchscope.load.loadgen import run_load
+from benchmarks.reliability.server import Server
+
+MODES = {
+    "off": {"trace_level": ["OFF"]},
+    "timestamps": {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_mode": "triton"},
+    "otel": {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_mode": "opentelemetry"},
+    "otel_1_in_100": {"trace_level": ["TIMESTAMPS"], "trace_rate": "100",
+                      "trace_mode": "opentelemetry"},
+}
+
+
+def _receiver(conn, count) -> None:
+    """An OTLP gRPC trace receiver that counts spans (child process)."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    class Counting(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802
+            n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            with count.get_lock():
+                count.value += n
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Counting(), server)
+    conn.send(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    server.wait_for_termination()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--slice-s", type=float, default=10.0)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--model", default="mlp")
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    count = ctx.Value("q", 0)
+    parent, child = ctx.Pipe()
+    receiver = ctx.Process(target=_receiver, args=(child, count), daemon=True)
+    receiver.start()
+    port = parent.recv()
+    db = Path(tempfile.mkdtemp()) / "tracing.db"
+    server = Server([sys.executable, "-m", "runtime", "serve", "--model", args.model,
+                     "--port", "0", "--db", f"sqlite:///{db}",
+                     "--otlp-traces-endpoint", f"http://127.0.0.1:{port}"])
+    results: dict[str, list] = {m: [] for m in MODES}
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            run_load(server.url, args.model, concurrency=args.clients, duration_s=2.0)  # warm
+            for r in range(args.rounds):
+                order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
+                for mode in order:
+                    assert http.post("/v2/trace/setting", json=MODES[mode]).status_code == 200
+                    rep = run_load(server.url, args.model, concurrency=args.clients,
+                                   duration_s=args.slice_s)
+                    results[mode].append(rep)
+                    print(f"round {r + 1} {mode:14s} {rep.throughput_rps:8.0f} req/s  p99 "
+                          f"{rep.latency_p99_ms:6.2f} ms", flush=True)
+            http.post("/v2/trace/setting", json=MODES["off"])
+            metrics = http.get("/metrics").text
+    finally:
+        server.stop()
+    traced = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("batchscope_traced_requests_total{"))
+    time.sleep(1.0)
+    eng = create_engine(f"sqlite:///{db}")
+    with eng.connect() as conn:
+        drops = conn.execute(text("SELECT details_json FROM events WHERE kind = "
+                                  "'trace_export_drops'")).scalars().all()
+        rows = conn.execute(text("SELECT COUNT(*) FROM request_traces")).scalar()
+    receiver.terminate()
+    dropped = max([json.loads(d)["total"] for d in drops], default=0)
+    base_rps = statistics.median(r.throughput_rps for r in results["off"])
+    base_p99 = statistics.median(r.latency_p99_ms for r in results["off"])
+    print(f"\n{args.model}, {args.clients} clients, {args.rounds} rounds of {args.slice_s:g} s "
+          "per mode (medians; ratios to 'off' in this run)")
+    print(f"{'mode':16s}{'req/s':>9s}{'ratio':>8s}{'p99 ms':>9s}{'ratio':>8s}")
+    for mode, reps in results.items():
+        rps = statistics.median(r.throughput_rps for r in reps)
+        p99 = statistics.median(r.latency_p99_ms for r in reps)
+        print(f"{mode:16s}{rps:9.0f}{rps / base_rps:8.3f}{p99:9.2f}{p99 / base_p99:8.3f}")
+    print(f"traced requests {traced:,.0f} (request_traces rows {rows:,}), spans received "
+          f"{count.value:,}, spans dropped (reported) {dropped:,}")
+
+
+if __name__ == "__main__":
+    main()
