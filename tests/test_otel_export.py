@@ -259,3 +259,57 @@ def test_a_server_with_nvtx_on_serves_as_usual(tmp_path, monkeypatch):
         runner.stop()
         monkeypatch.delenv(nvtx.ENV, raising=False)
         nvtx.reload()
+
+
+@pytest.mark.slow
+def test_generation_requests_become_spans_with_prefill_decode_and_token_counts(tmp_path, monkeypatch):
+    from sqlalchemy import create_engine, text
+
+    from runtime.models.decoder import TinyDecoder
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    received = Received()
+    receiver = GrpcReceiver(received)
+    url_db = f"sqlite:///{tmp_path / 'gen.db'}"
+    service = Service({"a": DoubleModel()}, None, ServerConfig(
+        database_url=url_db, otlp_traces_endpoint=f"http://127.0.0.1:{receiver.port}",
+        trace_config=(("trace_rate", "1"),)),
+        generation={"decoder": TinyDecoder(d_model=16, n_layers=1)}, instance_id="gen-otel")
+    runner = ServiceThread(service)
+    url = runner.start()
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            plain = http.post("/v1/completions", json={
+                "model": "decoder", "prompt": [1, 2, 3, 4], "max_tokens": 5, "n": 2,
+                "ignore_eos": True})
+            streamed = http.post("/v1/completions", json={
+                "model": "decoder", "prompt": [5, 6, 7], "max_tokens": 4, "stream": True,
+                "ignore_eos": True}, headers={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"})
+            settings = http.get("/v2/models/decoder/trace/setting")
+        assert plain.status_code == streamed.status_code == settings.status_code == 200
+        assert "traceparent" in plain.headers and "traceparent" in streamed.headers
+    finally:
+        runner.stop()
+        try:
+            assert wait_until(lambda: sum(s.name == "text_completion decoder"
+                                          for s, _ in received.spans) >= 2, limit=400)
+        finally:
+            receiver.server.stop(None)
+    spans = [s for s, _ in received.spans]
+    [first, second] = sorted((s for s in spans if s.name == "text_completion decoder"),
+                             key=lambda s: s.start_time_unix_nano)
+    kids = {s.parent_span_id: [] for s in spans}
+    for s in spans:
+        kids[s.parent_span_id].append(s.name)
+    for span, n_in, n_out in ((first, 8, 10), (second, 3, 4)):
+        attrs = {a.key: a.value for a in span.attributes}
+        assert attrs["gen_ai.operation.name"].string_value == "text_completion"
+        assert attrs["gen_ai.usage.input_tokens"].int_value == n_in  # over both choices
+        assert attrs["gen_ai.usage.output_tokens"].int_value == n_out
+        assert attrs["gen_ai.latency.time_to_first_token"].double_value > 0
+        assert [v.string_value for v in attrs["gen_ai.response.finish_reasons"].array_value.values]
+        assert sorted(kids[span.span_id]) == ["decode", "prefill", "queue"]
+    assert second.trace_id.hex() == CALLER_TRACE and second.parent_span_id.hex() == CALLER_SPAN
+    with create_engine(url_db).connect() as conn:
+        rows = conn.execute(text("SELECT COUNT(*) FROM request_traces WHERE model = 'decoder'")
+                            ).scalar()
+    assert rows == 2

@@ -242,6 +242,10 @@ class TraceControl:
         self._own: dict[str, TraceSampler] = {}
         self.active = self._global.on
 
+    def add_models(self, names: Iterable[str]) -> None:
+        """Trace ``names`` too (the generation models of the same server)."""
+        self.models = self.models | frozenset(names)
+
     @staticmethod
     def _sampler(values: Mapping[str, Any], left: int) -> TraceSampler:
         return TraceSampler(values["trace_level"] != (OFF,), values["trace_rate"], left)
@@ -357,7 +361,8 @@ class RequestTrace:
                  "w3c_parent_span_id", "recv_start", "recv_end", "request_start",
                  "queue_start", "compute_start", "compute_input_end", "compute_output_start",
                  "compute_end", "request_end", "send_start", "send_end", "batch_seq",
-                 "outcome", "span")
+                 "outcome", "span", "operation", "first_token", "input_tokens",
+                 "output_tokens", "finish_reasons")
 
     def __init__(self, trace_id: int, model: str, protocol: str, request_start: float, *,
                  request_id: str | None = None, w3c: tuple[str, str, bool] | None = None
@@ -385,6 +390,15 @@ class RequestTrace:
         #: (trace id, span id) of its OpenTelemetry span, drawn when it begins while spans
         #: are exported (``runtime.engine.otel``); None otherwise
         self.span: tuple[int, int] | None = None
+        #: what the request asked for, in GenAI's words: infer (a request model),
+        #: text_completion or chat (a generation model)
+        self.operation = "infer"
+        #: a generation request's first token (monotonic s), its prompt and output tokens
+        #: (over its choices) and why each choice ended
+        self.first_token: float | None = None
+        self.input_tokens: int | None = None
+        self.output_tokens: int | None = None
+        self.finish_reasons: tuple[str, ...] = ()
 
     def answer_headers(self) -> list[tuple[str, str]]:
         """What its answer carries: the ``traceparent`` of its span (when spans are

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from batchscope.storage.records import RecorderLike, TraceRow
 from runtime.api.errors import ClientError, QueueFull
@@ -61,16 +61,21 @@ def outcome_of(error: BaseException | None) -> str:
     return "error"
 
 
-def finished(trace: RequestTrace, at: list[float | None]) -> FinishedTrace:
+def finished(trace: RequestTrace, at: list[float | None],
+             to_wall: Callable[[float], float]) -> FinishedTrace:
     """What the span thread needs of ``trace``, whose ``timeline`` in wall-clock seconds
     is ``at`` (receive start/end, request start, queue, compute..., send start/end)."""
     trace_id, span_id = trace.span  # type: ignore[misc]
     parent = int(trace.w3c_parent_span_id, 16) if trace.w3c_parent_span_id else None
     start = at[0] if at[0] is not None else at[2]
     end = next((t for t in (at[10], at[9], at[8]) if t is not None), start)
-    return FinishedTrace(trace.model, "infer", trace_id, span_id, parent, start, end,
+    first = trace.first_token
+    return FinishedTrace(trace.model, trace.operation, trace_id, span_id, parent, start, end,
                          at[3], at[4], at[7], trace.outcome or "error", trace.batch_seq,
-                         trace.request_id)
+                         trace.request_id,
+                         first_token_at=None if first is None else to_wall(first),
+                         input_tokens=trace.input_tokens, output_tokens=trace.output_tokens,
+                         finish_reasons=trace.finish_reasons)
 
 
 class Tracer:
@@ -118,7 +123,8 @@ class Tracer:
 
     # -- one request ------------------------------------------------------------------
     def begin(self, model: str, protocol: str, request_id: str | None = None,
-              traceparent: str | bytes | None = None) -> RequestTrace | None:
+              traceparent: str | bytes | None = None, operation: str = "infer"
+              ) -> RequestTrace | None:
         """A new trace of one request of ``model`` about to be handed to the engine, or
         None when it is not traced (see the module doc for the ``traceparent`` rule)."""
         w3c = parse_traceparent(traceparent) if traceparent is not None else None
@@ -131,6 +137,7 @@ class Tracer:
             request_id = request_id[:MAX_REQUEST_ID_CHARS]
         trace = RequestTrace(self.last_id, model, protocol, self.clock.now(),
                              request_id=request_id, w3c=w3c)
+        trace.operation = operation
         if self.otel is not None and (w3c is not None and w3c[2]
                                       or self._values(model)["trace_mode"] == "opentelemetry"):
             trace.span = new_ids(trace.w3c_trace_id)
@@ -157,7 +164,7 @@ class Tracer:
         self.traced += 1
         self.recorder.put(row)
         if self.otel is not None and trace.span is not None:
-            self.otel.put(finished(trace, at))
+            self.otel.put(finished(trace, at, to_wall))
         values = self._values(trace.model)
         path = values["trace_file"]
         if path and values["trace_mode"] == "triton":

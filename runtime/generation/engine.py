@@ -139,6 +139,9 @@ class GenerationEngine:
         self._accepting = False
         self._stopping = False
         self._seed_counter = 0
+        #: the server's tracer (``runtime.engine.tracing``) when it traces this model's
+        #: requests (set by the service; the HTTP layer begins and ends the traces)
+        self.tracer: Any = None
 
     @property
     def name(self) -> str:

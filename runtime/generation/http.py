@@ -175,6 +175,47 @@ async def _gather_all(events: AsyncIterator[tuple[int, TokenEvent]], count: int
     return ["".join(t) for t in texts], reasons
 
 
+def _begin_trace(engine: GenerationEngine, shape: "_Shape", request: Request) -> Any:
+    """The request's ``RequestTrace`` when the server's tracer (``engine.tracer``, set by
+    the service) traces it, else None (see ``runtime.engine.tracing``)."""
+    tracer = getattr(engine, "tracer", None)
+    if tracer is None:
+        return None
+    traceparent = request.headers.get("traceparent")
+    if traceparent is None and not tracer.control.active:
+        return None
+    return tracer.begin(engine.name, "http", None, traceparent,
+                        operation="chat" if shape.chat else "text_completion")
+
+
+def _end_trace(engine: GenerationEngine, trace: Any, streams: list[GenerationStream],
+               error: BaseException | None = None) -> None:
+    """Stamp ``trace`` from its choices' sequences and record it: queued at arrival,
+    computing from the first scheduling until the last choice ended, its first token,
+    its tokens and finish reasons."""
+    if trace is None:
+        return
+    seqs = [s.seq for s in streams]
+    if seqs:
+        trace.queue_start = min(s.arrival_s for s in seqs)
+        started = [s.first_scheduled_s for s in seqs if s.first_scheduled_s is not None]
+        firsts = [s.first_token_s for s in seqs if s.first_token_s is not None]
+        ended = [s.finished_s for s in seqs if s.finished_s is not None]
+        trace.compute_start = min(started) if started else None
+        trace.first_token = min(firsts) if firsts else None
+        trace.compute_end = max(ended) if ended else None
+        trace.input_tokens = sum(len(s.prompt_ids) for s in seqs)
+        trace.output_tokens = sum(len(s.output_ids) for s in seqs)
+        trace.finish_reasons = tuple(s.finish_reason for s in seqs if s.finish_reason)
+        bad = [s.outcome for s in seqs if s.outcome not in (None, "ok")]
+        trace.outcome = bad[0] if bad else ("ok" if error is None else None)
+    engine.tracer.finish(trace, error)
+
+
+def _trace_headers(trace: Any) -> dict[str, str]:
+    return dict(trace.answer_headers()) if trace is not None else {}
+
+
 def _usage(streams: list[GenerationStream]) -> dict[str, int]:
     prompt = sum(s.prompt_tokens for s in streams)
     completion = sum(s.output_tokens for s in streams)
@@ -186,16 +227,21 @@ class _EventStream(StreamingResponse):
     """Server-Sent Events that close the request's streams however the response ends
     (finished, the client gone, the server stopping), also when it never started."""
 
-    def __init__(self, body: AsyncIterator[bytes], streams: list[GenerationStream]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], streams: list[GenerationStream],
+                 headers: dict[str, str] | None = None,
+                 on_end: Callable[[], None] | None = None) -> None:
         super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+                         headers={"Cache-Control": "no-cache", **(headers or {})})
         self._streams = streams
+        self._on_end = on_end
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             _close(self._streams)
+            if self._on_end is not None:
+                self._on_end()
 
 
 def _sse_line(data: Any) -> bytes:
@@ -233,7 +279,12 @@ def _answerer(engines: dict[str, GenerationEngine], shape: _Shape,
             if engine is None:
                 raise model_not_found(req.model, sorted(engines), "generation model")
             prompts = _chat_prompt(engine, req) if shape.chat else req.prompts
-            streams = _submit_all(engine, req, prompts)
+            trace = _begin_trace(engine, shape, request)
+            try:
+                streams = _submit_all(engine, req, prompts)
+            except BaseException as exc:
+                _end_trace(engine, trace, [], exc)
+                raise
         except Exception as exc:
             return error_response(exc, shape.where)
         head = {"id": f"{shape.id_prefix}{uuid.uuid4().hex}", "object": shape.chunk_object,
@@ -243,18 +294,22 @@ def _answerer(engines: dict[str, GenerationEngine], shape: _Shape,
             if req.stream:
                 first = await until_disconnected(request, _first_of_each(events, len(streams)))
                 return _EventStream(_sse(shape, head, first, events, streams, req.include_usage),
-                                    streams)
+                                    streams, _trace_headers(trace),
+                                    lambda: _end_trace(engine, trace, streams))
             texts, reasons = await until_disconnected(request, _gather_all(events, len(streams)))
-        except ClientGone:
+        except ClientGone as exc:
             _close(streams)
+            _end_trace(engine, trace, streams, exc)
             return Response(status_code=GONE_STATUS)
         except Exception as exc:
             _close(streams)
+            _end_trace(engine, trace, streams, exc)
             return error_response(exc, shape.where)
         _close(streams)
+        _end_trace(engine, trace, streams)
         choices = [shape.choice(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons))]
         return json_response({**head, "object": shape.object, "choices": choices,
-                              "usage": _usage(streams)})
+                              "usage": _usage(streams)}, headers=_trace_headers(trace))
 
     return answer
 

@@ -26,8 +26,10 @@ from runtime.server.openai_errors import InvalidParam, error_response, model_not
 T = TypeVar("T")
 
 
-def json_response(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+def json_response(data: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json",
+                    headers=headers or None)
 
 
 def read_object(raw: bytes) -> dict[str, Any]:

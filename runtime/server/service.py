@@ -167,6 +167,10 @@ class Service:
         if generation:
             self.generation = GenerationMount(generation, recorder=recorder,
                                               instance_id=self.instance_id, device=device)
+            # one set of trace settings and one exporter for every model of the server
+            self.engine.tracer.control.add_models(self.generation.engines)
+            for gen in self.generation.engines.values():
+                gen.tracer = self.engine.tracer
         self.on_started = on_started
         from runtime.server.openai_api import openai_routes
 

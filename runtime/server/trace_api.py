@@ -46,11 +46,12 @@ def tracer_of(app: Any) -> Any:
 def traced_model(app: Any, name: str) -> str:
     """``name`` when it is a request model of the app's engine, else ``ModelNotFound``."""
     engine = app.state.engine
-    if name in engine.model_names():
+    traced = engine.tracer.control.models if getattr(engine, "tracer", None) else ()
+    if name in engine.model_names() or name in traced:
         return name
     if name in model_directory(app).generation:
-        raise ModelNotFound(f"model {name!r} is a generation model; trace settings cover the "
-                            f"request models: {sorted(engine.model_names())}")
+        raise ModelNotFound(f"model {name!r} is a generation model this server does not "
+                            f"trace; traced models: {sorted(traced)}")
     raise ModelNotFound(f"unknown model {name!r}; served models are "
                         f"{sorted(engine.model_names())}")
 
