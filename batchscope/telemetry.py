@@ -2,7 +2,11 @@
 
 With a CUDA device and NVML (package ``nvidia-ml-py``) each sample holds the GPU's
 utilisation, memory used/total, power, SM clock and temperature, plus the PyTorch
-allocator's allocated/reserved bytes. Without a GPU, or when NVML cannot start, the
+allocator's allocated/reserved bytes. Those two are this process' allocator's: when
+this process has not initialised CUDA (the models run in the device process,
+``runtime.device.process``, and the sampler in the serving process) they are None
+(unknown), not 0; NVML's memory used still covers every process on the GPU. Without a
+GPU, or when NVML cannot start, the
 sampler falls back to the CPU: system-wide CPU utilisation (from ``cpu_times`` deltas),
 system memory used/total and the process' resident size. The fallback is announced
 with one INFO line; nothing raises and nothing repeats in the log.
@@ -63,7 +67,8 @@ def _cuda_index(torch_device: str) -> int:
 
 
 class NvmlSource:
-    """One GPU through NVML (the one PyTorch uses), plus the PyTorch allocator's figures."""
+    """One GPU through NVML (the one PyTorch uses), plus the PyTorch allocator's figures
+    when this process has initialised CUDA (else they are left None: unknown)."""
 
     kind = "gpu"
 
@@ -125,7 +130,7 @@ class NvmlSource:
                "sm_clock_mhz": None if clock is None else float(clock),
                "temperature_c": None if temp is None else float(temp),
                "process_rss_bytes": int(self._process.memory_info().rss)}
-        if self._torch is not None:
+        if self._torch is not None and self._torch.cuda.is_initialized():
             row["torch_allocated_bytes"] = int(self._torch.cuda.memory_allocated(self.index))
             row["torch_reserved_bytes"] = int(self._torch.cuda.memory_reserved(self.index))
         return row

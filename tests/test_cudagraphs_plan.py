@@ -45,10 +45,12 @@ def test_graph_book_remembers_captures_and_failures():
     assert book.decide("b") == EAGER and book.decide("c") == CAPTURE
     assert book.disabled_reason is None
     book.captured("c")
-    assert book.decide("d") == EAGER            # max_graphs reached
+    assert book.decide("d") == CAPTURE          # max_graphs reached: capturing evicts the oldest
+    assert book.captured("d") == ["a"] and book.decide("a") == CAPTURE
     book.failed("e", "again")
     assert "2 shapes" in book.disabled_reason and "again" in book.disabled_reason
-    assert book.decide("a") == REPLAY          # captured graphs keep working
+    assert book.decide("c") == REPLAY          # captured graphs keep working
+    assert book.decide("a") == EAGER           # nothing new is captured
 
 
 @dataclass

@@ -64,13 +64,16 @@ def _batch_hover(b: pd.DataFrame) -> list[str]:
                    .where(b["padded_elements"] > 0, 1), 0.0)
     bucket = b["bucket"].map(lambda v: "–" if pd.isna(v) else ("overflow" if v == -1 else
                                                                 f"≤{int(v)}"))
+    grew = b["peak_memory_increase_bytes"] if "peak_memory_increase_bytes" in b else \
+        pd.Series([None] * len(b), index=b.index)
+    memory = ["" if pd.isna(m) else f" · memory +{float(m) / 2**20:.1f} MiB" for m in grew]
     return [f"<b>batch {int(seq)}</b> · {model}<br>size {int(n)}/{int(mx)} · bucket {bk} · "
             f"padding {100 * p:.0f}%<br>compute {_ms(c)} · wait {_ms(wmin)}–{_ms(wmax)}<br>"
-            f"{pol} · settings v{int(v)} · {out}{' · CUDA graph' if g else ''}"
-            for seq, model, n, mx, bk, p, c, wmin, wmax, pol, v, out, g in zip(
+            f"{pol} · settings v{int(v)} · {out}{' · CUDA graph' if g else ''}{mem}"
+            for seq, model, n, mx, bk, p, c, wmin, wmax, pol, v, out, g, mem in zip(
                 b["seq"], b["model"], b["batch_size"], b["max_batch_size"], bucket, pad,
                 b["compute_s"], b["queue_wait_min_s"], b["queue_wait_max_s"], b["policy"],
-                b["settings_version"], b["outcome"], b["cuda_graph"])]
+                b["settings_version"], b["outcome"], b["cuda_graph"], memory)]
 
 
 def _step_hover(s: pd.DataFrame) -> list[str]:

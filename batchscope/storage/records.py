@@ -36,6 +36,7 @@ class BatchRow:
     peak_memory_bytes: Optional[int] = None
     cuda_graph: bool = False
     queue_depth: Optional[int] = None
+    peak_memory_increase_bytes: Optional[int] = None
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from typing import Optional
 from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 #: an autoincrementing row id: 64-bit everywhere (SQLite's rowid is 64-bit already)
 ID = BigInteger().with_variant(Integer(), "sqlite")
@@ -84,9 +84,13 @@ class BatchRecord(Base):
     ended_at: Mapped[float] = mapped_column(Float)
     #: ok | error | oom (the attempt that ran out of memory and was split)
     outcome: Mapped[str] = mapped_column(String(16), default="ok")
+    #: the device's peak allocated bytes during the batch (weights and caches included)
     peak_memory_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
     cuda_graph: Mapped[bool] = mapped_column(Boolean, default=False)
     queue_depth: Mapped[Optional[int]] = mapped_column(Integer)
+    #: what the batch added at its peak to what was allocated when it started (its own
+    #: memory need); None: not a CUDA device, or recorded before schema version 7
+    peak_memory_increase_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
 
     __table_args__ = (
         Index("ix_batches_model_ended", "model", "ended_at"),

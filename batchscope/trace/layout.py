@@ -202,7 +202,8 @@ def _ms(seconds) -> float | None:
 
 #: columns that hold whole numbers (read as floats when a value is missing)
 INTEGERS = {"id", "seq", "settings_version", "max_batch_size", "bucket", "batch_size",
-            "real_elements", "padded_elements", "peak_memory_bytes", "queue_depth",
+            "real_elements", "padded_elements", "peak_memory_bytes",
+            "peak_memory_increase_bytes", "queue_depth",
             "batch_seq", "priority", "length", "prompt_tokens", "output_tokens", "running",
             "waiting", "prefill_tokens", "decode_tokens", "blocks_used", "blocks_free",
             "preemptions"}
@@ -287,8 +288,8 @@ def build(rows: TimelineRows) -> Layout:
     bcols = _columns(batches, ("id", "instance_id", "model", "seq", "policy", "settings_version",
                                "max_batch_size", "bucket", "batch_size", "real_elements",
                                "padded_elements", "queue_wait_mean_s", "queue_wait_max_s",
-                               "compute_s", "outcome", "peak_memory_bytes", "cuda_graph",
-                               "queue_depth"))
+                               "compute_s", "outcome", "peak_memory_bytes",
+                               "peak_memory_increase_bytes", "cuda_graph", "queue_depth"))
     b_start = ns(batches["started_at"])
     b_end = np.maximum(ns(batches["ended_at"]), b_start)
     rcols = _columns(requests, ("id", "instance_id", "model", "batch_seq", "priority", "bypass",
@@ -424,6 +425,7 @@ def _batch_source(idx, cols, start, end, flows_in):
                 ("queue_wait_mean_ms", _ms(cols["queue_wait_mean_s"][i])),
                 ("queue_wait_max_ms", _ms(cols["queue_wait_max_s"][i])),
                 ("peak_memory_bytes", cols["peak_memory_bytes"][i]),
+                ("peak_memory_increase_bytes", cols["peak_memory_increase_bytes"][i]),
                 ("requests_in_trace", len(flows_in.get(i, ())))))
             yield from _walk(Slice(track, int(start[i]), int(end[i]), name, "batch", args,
                                    flows_in=tuple(flows_in.get(i, ()))))

@@ -3,10 +3,17 @@
 ``run_batch`` is the whole execution of a batch: memory-budget check, ``collate``,
 ``predict`` (through the CUDA-graph runner when ``cuda_graphs`` is on), ``split``,
 out-of-memory detection with split-and-retry and the isolation of requests the model
-fails on (both ``runtime.device.oom.run_splitting``) and peak memory. The engine's
+fails on (both ``runtime.device.oom.run_splitting``) and peak memory (the device's
+absolute peak and the batch's own increase over what it found allocated). The engine's
 device thread calls it in the serving process; the device process
 (``runtime.device.process``) calls it in its child. Either way the engine
 books the returned ``Attempt`` list the same way.
+
+On CUDA, kernels run after the call that launched them has returned, so the device is
+synchronised after ``collate``, after ``predict`` and after ``split``, before each clock
+read: ``input_s``, the predict time and ``output_s`` (Triton's compute_input,
+compute_infer and compute_output) are each phase's own GPU time, not the time its
+kernels took to launch. On CPU nothing is added.
 
 ``pack_items``/``unpack_items`` and ``pack_outputs``/``unpack_outputs`` carry a
 batch's items and results between processes as a few large numpy arrays instead of
@@ -37,8 +44,10 @@ GraphRunnerFor = Callable[[BatchingConfig], Any]
 
 
 def graph_runner(current: Any, model: ModelAPI, device: torch.device, max_batch_size: int) -> Any:
-    """``current`` when it was made for ``max_batch_size``, else a new CUDA-graph runner."""
-    if current is not None and current.sizes[-1] == max_batch_size:
+    """``current`` when it was made for ``model`` (resized to ``max_batch_size``: the
+    graphs it captured are kept), else a new CUDA-graph runner."""
+    if current is not None and current.model is model:
+        current.resize(max_batch_size)
         return current
     from runtime.device.cudagraphs import CudaGraphRunner  # CUDA only: import on use
 
@@ -66,22 +75,28 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
             pad = pad_to
         else:
             pad = pad_length(list(lengths[lo:hi]), bucket, cfg, variable)
-        if on_cuda:
-            devicemem.reset_peak(device)
+        base = devicemem.reset_peak(device) if on_cuda else None
         started = clock.now()
         used_graph = False
         try:
             check_budget(model, n, pad, cfg.memory_budget_mb)
             with torch.inference_mode():
                 inputs = model.collate(part, pad)
+                if on_cuda:  # kernels run after their launch returns: wait for them
+                    torch.cuda.synchronize(device)
                 collated = clock.now()
                 if graphs is None:
                     output = model.predict(inputs)
                 else:
-                    output, used_graph = graphs.run(inputs, n)
+                    output, used_graph = graphs.run(inputs, n, padded_length=pad,
+                                                    bucket_edge=bucket)
+                if on_cuda:
+                    torch.cuda.synchronize(device)
                 predicted = clock.now()
                 outputs = model.split(output, n)
                 del inputs, output
+                if on_cuda:  # split may leave copies to the host in flight
+                    torch.cuda.synchronize(device)
             if outputs is None or len(outputs) != n:
                 got = "None" if outputs is None else len(outputs)
                 raise ModelError(f"split returned {got} outputs for a batch of {n}; it must "
@@ -94,14 +109,20 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
                 summary = devicemem.allocator_summary(device)
                 if summary:
                     memory["allocator_summary"] = summary
+                peak = devicemem.peak_bytes(device)
                 return Attempt(lo, hi, "oom", started, ended, ended - started,
-                               error=text[:MAX_ERROR_CHARS], memory=memory,
-                               peak_memory_bytes=devicemem.peak_bytes(device))
+                               error=text[:MAX_ERROR_CHARS], memory=memory, peak_memory_bytes=peak,
+                               peak_memory_increase_bytes=devicemem.peak_increase(peak, base))
             return Attempt(lo, hi, "error", started, ended, ended - started,
                            error=text[:MAX_ERROR_CHARS], trace=traceback.format_exc())
         ended = clock.now()
+        if on_cuda:
+            peak = devicemem.peak_bytes(device)
+            increase = devicemem.peak_increase(peak, base)
+        else:
+            peak = increase = None
         return Attempt(lo, hi, "ok", started, ended, ended - started, outputs=outputs,
-                       peak_memory_bytes=devicemem.peak_bytes(device) if on_cuda else None,
+                       peak_memory_bytes=peak, peak_memory_increase_bytes=increase,
                        cuda_graph=used_graph, input_s=collated - started,
                        output_s=ended - predicted)
 

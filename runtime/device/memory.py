@@ -1,4 +1,9 @@
-"""Memory figures for the device a model runs on (CUDA allocator, or the process on CPU)."""
+"""Memory figures for the device a model runs on (CUDA allocator, or the process on CPU).
+
+A batch's peak is read two ways: the device's absolute peak (``peak_bytes``: weights, KV
+cache and everything else allocated included) and the batch's own increase over what was
+allocated when it started (``reset_peak`` returns that baseline, ``peak_increase``).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +17,14 @@ def _is_cuda(device: Any) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
-def reset_peak(device: Any) -> None:
+def reset_peak(device: Any) -> int | None:
+    """Start measuring a batch: reset the allocator's peak and return the bytes allocated
+    now (the weights, caches and tensors the batch finds there), the baseline of its
+    ``peak_increase``. None on CPU."""
     if _is_cuda(device):
         torch.cuda.reset_peak_memory_stats(device)
+        return int(torch.cuda.memory_allocated(device))
+    return None
 
 
 def peak_bytes(device: Any) -> int | None:
@@ -22,6 +32,14 @@ def peak_bytes(device: Any) -> int | None:
     if _is_cuda(device):
         return int(torch.cuda.max_memory_allocated(device))
     return None
+
+
+def peak_increase(peak: int | None, baseline: int | None) -> int | None:
+    """What a batch allocated at its peak above the ``baseline`` it started from (its own
+    memory need, unlike the device's absolute peak); None when either is unknown."""
+    if peak is None or baseline is None:
+        return None
+    return max(peak - baseline, 0)
 
 
 def figures(device: Any) -> dict[str, int | None]:

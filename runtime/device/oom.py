@@ -1,8 +1,12 @@
 """Out-of-memory recovery: detection, split-and-retry, effective batch-size backoff.
 
-* ``is_oom(exc)`` recognises ``torch.cuda.OutOfMemoryError``, "out of memory"
-  RuntimeErrors, and ``MemoryBudgetExceeded`` (a CPU memory budget: the model's
-  ``estimate_batch_bytes`` above ``memory_budget_mb`` counts as OOM before running).
+* ``is_oom(exc)`` recognises ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``),
+  RuntimeErrors whose text names an allocation failure (``OOM_MESSAGES``: CUDA's "out
+  of memory", cuBLAS/cuDNN/cuFFT/cuSOLVER/cuSPARSE failing to allocate a workspace or
+  handle), and ``MemoryBudgetExceeded`` (a CPU memory budget: the model's
+  ``estimate_batch_bytes`` above ``memory_budget_mb`` counts as OOM before running);
+  also an error raised while handling one of those (the end of a CUDA-graph capture
+  that an OOM interrupted fails in its turn).
 * ``run_splitting`` runs a batch and, when an attempt runs out of memory, splits it
   in halves and retries each half, recursively, down to single requests. With
   ``isolate`` it does the same when an attempt raises a model error, so that one bad
@@ -27,10 +31,42 @@ class MemoryBudgetExceeded(RuntimeError):
     """A batch's estimated memory is above the configured budget (treated as OOM)."""
 
 
+#: lower-case texts of a RuntimeError that mean the device ran out of memory. The CUDA
+#: libraries allocate their handles and workspaces themselves and report a failure as
+#: a status, not as ``torch.OutOfMemoryError``. ``CUDNN_STATUS_NOT_SUPPORTED`` is also
+#: what cuDNN answers when no algorithm's workspace fits, and when a batch is larger
+#: than a kernel takes: both go away in smaller batches, which is what an OOM gets.
+OOM_MESSAGES = (
+    "out of memory",                 # the caching allocator; "CUDA error: out of memory"
+    "cublas_status_alloc_failed",
+    "cudnn_status_alloc_failed",
+    "cudnn_status_not_supported",
+    "cufft_alloc_failed",
+    "cusolver_status_alloc_failed",
+    "cusparse_status_alloc_failed",
+)
+
+#: how far back ``is_oom`` follows ``__cause__``/``__context__``
+_CHAIN_DEPTH = 4
+
+
 def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryBudgetExceeded)):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    """Whether ``exc``, or an exception it was raised from or while handling, is an
+    out-of-memory error (see the module docstring and ``OOM_MESSAGES``)."""
+    seen = 0
+    while exc is not None and seen < _CHAIN_DEPTH:
+        if isinstance(exc, (torch.OutOfMemoryError, MemoryBudgetExceeded)):
+            return True
+        if isinstance(exc, RuntimeError):
+            text = str(exc).lower()
+            if any(m in text for m in OOM_MESSAGES):
+                return True
+        cause = exc.__cause__
+        if cause is None and not exc.__suppress_context__:
+            cause = exc.__context__
+        exc = cause
+        seen += 1
+    return False
 
 
 def check_budget(model: Any, batch_size: int, padded_length: int | None,
@@ -66,7 +102,10 @@ class Attempt:
     #: an attempt (OOM, or a model error being isolated) that was split into halves:
     #: its requests got another chance
     split: bool = False
+    #: the device's peak allocated bytes during the attempt (CUDA only), and what the
+    #: attempt added at its peak to what was allocated when it started
     peak_memory_bytes: int | None = None
+    peak_memory_increase_bytes: int | None = None
     #: the forward pass replayed a captured CUDA graph
     cuda_graph: bool = False
     #: a ``timeout`` attempt: the execution timeout it ran past, in seconds
@@ -74,7 +113,7 @@ class Attempt:
     #: memory figures at the moment of an OOM
     memory: dict = field(default_factory=dict)
     #: of ``compute_s``: the time in ``collate`` (with the memory-budget check) and in
-    #: ``split``; the rest is ``predict`` (on a GPU, split also waits for the kernels)
+    #: ``split``; the rest is ``predict`` (on CUDA each phase waits for its kernels)
     input_s: float = 0.0
     output_s: float = 0.0
 

@@ -320,7 +320,7 @@ class Booking:
             cfg.max_batch_size, batch.bucket, len(part), real, padded,
             start - max(arrived), start - sum(arrived) / len(arrived), start - min(arrived),
             a.compute_s, to_wall(a.started_s), to_wall(a.ended_s), a.outcome,
-            a.peak_memory_bytes, a.cuda_graph, batch.queue_depth))
+            a.peak_memory_bytes, a.cuda_graph, batch.queue_depth, a.peak_memory_increase_bytes))
         hook = self.on_traced_batch
         if hook is not None and any(r.trace is not None for r in part):
             hook(BatchInfo(seq, model.name, to_wall(a.started_s), to_wall(a.ended_s), len(part),

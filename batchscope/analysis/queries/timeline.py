@@ -42,7 +42,7 @@ BATCH_COLUMNS = (
     "id", "instance_id", "model", "seq", "policy", "settings_version", "max_batch_size",
     "bucket", "batch_size", "real_elements", "padded_elements", "queue_wait_min_s",
     "queue_wait_mean_s", "queue_wait_max_s", "compute_s", "started_at", "ended_at", "outcome",
-    "peak_memory_bytes", "cuda_graph", "queue_depth")
+    "peak_memory_bytes", "peak_memory_increase_bytes", "cuda_graph", "queue_depth")
 REQUEST_COLUMNS = (
     "id", "instance_id", "model", "batch_seq", "priority", "bypass", "length", "arrived_at",
     "finished_at", "queue_wait_s", "latency_s", "outcome", "ttft_s", "tpot_s",

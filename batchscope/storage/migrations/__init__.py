@@ -13,6 +13,8 @@
   and timeouts, the hosts' CPU count (schema version 5).
 * ``0005_request_traces``: the traced requests' timestamps (Triton's trace extension;
   schema version 6).
+* ``0006_batch_memory_increase``: a batch's own peak memory increase beside the
+  device's absolute peak (schema version 7).
 
 A new revision: a file here with the next number, ``down_revision`` the last one, its
 ``upgrade`` written against the tables as the previous revisions left them (never
