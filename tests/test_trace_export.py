@@ -361,3 +361,45 @@ def test_importing_the_exporter_leaves_the_protos_unloaded():
             "print('perfetto_trace_pb2' in ' '.join(sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+# -- from the running server ------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_running_server_exports_its_recent_window(tmp_path):
+    import httpx
+
+    from runtime.api.config import ServerConfig
+    from runtime.models.toys import DoubleModel
+    from runtime.server.service import Service, ServiceThread
+    from tests.factories import wait_until
+
+    url = f"sqlite:///{tmp_path / 'served.db'}"
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
+                        "data": [1, 2, 3, 4]}]}
+    with ServiceThread(Service({"a": DoubleModel()}, None, ServerConfig(database_url=url),
+                               instance_id="export")) as runner, \
+            httpx.Client(base_url=runner.url, timeout=120) as http:
+        for _ in range(20):
+            assert http.post("/v2/models/a/infer", json=body).status_code == 200
+        engine = make_engine(url)
+        assert wait_until(lambda: timeline_rows(engine, Window(0, 4e9)).requests_in_window >= 20,
+                          limit=400)
+        got = http.get("/v2/trace/export", params={"last": "120"})
+        assert got.status_code == 200, got.text
+        assert got.headers["content-disposition"].endswith('.pftrace"')
+        read = read_perfetto(got.content)
+        assert read.ok, read.problems
+        assert sum(s.category == "request" for s in read.slices) >= 20
+        as_json = http.get("/v2/trace/export", params={"last": "120", "format": "json"})
+        assert as_json.status_code == 200 and read_chrome(as_json.content).ok
+        for params, status, words in (({"last": "0"}, 400, "more than 0"),
+                                      ({"format": "svg"}, 400, "perfetto or json"),
+                                      ({"since": "1"}, 400, "unknown parameter"),
+                                      ({"model": "nope"}, 404, "unknown model")):
+            r = http.get("/v2/trace/export", params=params)
+            assert r.status_code == status and words in r.json()["error"], (params, r.text)
+        engine.dispose()
+    with ServiceThread(Service({"a": DoubleModel()}, None, ServerConfig(record=False))) as bare, \
+            httpx.Client(base_url=bare.url, timeout=30) as http:
+        r = http.get("/v2/trace/export")
+        assert r.status_code == 404 and "records nothing" in r.json()["error"]

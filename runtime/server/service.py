@@ -179,6 +179,8 @@ class Service:
         self.app = build_app(self.engine, metrics=self.metrics, extra_routes=extra_routes,
                              version=version, auth=self.auth)
         self.app.state.autopilot = self.autopilot  # its state, for the control API
+        # where /v2/trace/export reads (in a child process: runtime.server.trace_api)
+        self.app.state.trace_db_url = server.database_url if server.record else None
         self.grpc = None
         #: the port the gRPC server listens on once started (None: no gRPC server)
         self.grpc_port: int | None = None

@@ -17,10 +17,21 @@ routes): another site's request is refused (403), the token is required when the
 has one (401 missing, 403 wrong), and without one only this machine may send it. The
 body must be JSON, sent as ``application/json`` or without a ``Content-Type`` (as
 ``tritonclient.http`` sends it); any other type is a 400.
+
+``GET /v2/trace/export?last=10&format=perfetto|json[&model=M][&end=EPOCH]`` answers the
+recorded window (at most ``EXPORT_MAX_S`` seconds and ``EXPORT_MAX_ROWS`` rows, else 413)
+as a trace file. It runs ``batchscope trace`` in a child process, one export at a time
+(429 while one runs): the serving process neither opens the database (a storage fault
+must not reach it) nor spends the CPU.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
+import tempfile
+import time
 from typing import Any
 
 import orjson
@@ -28,7 +39,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from runtime.api.errors import ClientError, ModelNotFound, RouteNotFound
+from runtime.api.errors import (ClientError, ModelNotFound, QueueFull, RequestTooLarge,
+                                RouteNotFound, ServerBusy)
 from runtime.core.tracing import KEYS, parse_changes
 from runtime.server.auth import AuthConfig
 from runtime.server.bounds import check_json_size
@@ -91,4 +103,85 @@ def trace_routes() -> list[Route]:
         Route("/v2/trace/setting", change_setting, methods=["POST"]),
         Route("/v2/models/{name}/trace/setting", get_setting, methods=["GET"]),
         Route("/v2/models/{name}/trace/setting", change_setting, methods=["POST"]),
+        Route("/v2/trace/export", export_trace, methods=["GET"]),
     ]
+
+
+# -- trace export from the running server -------------------------------------------------
+#: the longest window the server exports, seconds, and the most rows (batches + requests)
+EXPORT_MAX_S = 600.0
+EXPORT_MAX_ROWS = 200_000
+#: how long one export may take before it is abandoned
+EXPORT_TIMEOUT_S = 120.0
+_FORMATS = {"perfetto": ("pftrace", "application/octet-stream"),
+            "json": ("json", "application/json")}
+
+
+class _Exports:
+    """At most one export at a time (each runs ``batchscope trace`` in a child process,
+    so the serving process never opens the database or spends the CPU)."""
+
+    busy = False
+
+
+async def export_trace(request: Request) -> Response:
+    """``GET /v2/trace/export?last=10&format=perfetto|json[&model=M][&end=EPOCH]``: the
+    recorded window as a trace file (see ``batchscope.trace``)."""
+    url = getattr(request.app.state, "trace_db_url", None)
+    if not url:
+        raise RouteNotFound("this server records nothing (--no-record), so it has no trace "
+                            "to export; run it with a database")
+    q = request.query_params
+    unknown = set(q) - {"last", "format", "model", "end"}
+    if unknown:
+        raise ClientError(f"unknown parameter(s) {sorted(unknown)}; give last (seconds), "
+                          "format (perfetto or json), model, end (epoch seconds)")
+    fmt = q.get("format", "perfetto")
+    if fmt not in _FORMATS:
+        raise ClientError(f"format={fmt[:40]!r}: give perfetto or json")
+    try:
+        last = float(q.get("last", "10"))
+        end = float(q["end"]) if "end" in q else time.time()
+    except ValueError:
+        raise ClientError("last and end must be numbers of seconds") from None
+    if not 0 < last <= EXPORT_MAX_S:
+        raise ClientError(f"last={last:g}: give a window of more than 0 and at most "
+                          f"{EXPORT_MAX_S:g} seconds (longer ones: batchscope trace)")
+    model = q.get("model")
+    if model is not None:
+        traced_model(request.app, model)
+    if _Exports.busy:
+        raise QueueFull("another trace export is running; retry in a few seconds",
+                        retry_after_s=2.0)
+    _Exports.busy = True
+    suffix, media = _FORMATS[fmt]
+    fd, path = tempfile.mkstemp(suffix=f".{suffix}", prefix="batchscope-export-")
+    os.close(fd)
+    try:
+        cmd = [sys.executable, "-m", "runtime.tools.cli", "trace", "--db", url,
+               f"--start={end - last!r}", f"--end={end!r}", "--format", fmt,
+               "--max-rows", str(EXPORT_MAX_ROWS), "-o", path]
+        if model is not None:
+            cmd += ["--model", model]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), EXPORT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise ServerBusy(f"the export took longer than {EXPORT_TIMEOUT_S:g} s; ask for a "
+                             "shorter window", retry_after_s=5.0) from None
+        if proc.returncode != 0:
+            line = (err.decode("utf-8", "replace").strip().splitlines() or ["failed"])[-1]
+            if "rows" in line and "at most" in line:
+                raise RequestTooLarge(line.removeprefix("batchscope trace: "))
+            raise ServerBusy(f"the export failed: {line[:300]}", retry_after_s=5.0)
+        with open(path, "rb") as fh:
+            data = fh.read()
+    finally:
+        _Exports.busy = False
+        os.unlink(path)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(end - last))
+    return Response(data, media_type=media, headers={
+        "Content-Disposition": f'attachment; filename="batchscope-{stamp}.{suffix}"'})
