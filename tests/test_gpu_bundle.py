@@ -50,3 +50,16 @@ def test_every_imported_distribution_is_on_the_gpu_machine_or_carried():
 
 def test_the_launcher_is_valid_bash():
     subprocess.run(["bash", "-n", "benchmarks/gpu/launch.sh"], check=True)
+
+
+def test_the_gpu_check_dry_runs_on_the_cpu(tmp_path):
+    """``--device cpu`` runs the executor section (padded encoder batches through
+    ``run_batch``) and says which sections need CUDA."""
+    from benchmarks import gpu_check
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--device", "cpu", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    runs = doc["executor"]["runs"]
+    assert doc["all_ok"] and len(runs) == 4 and all(r["outcome"] == "ok" for r in runs)
+    assert all(r["compute_ms"] > 0 and r["input_ms"] >= 0 for r in runs)
+    assert "need CUDA" in doc["skipped"] and doc["executor"]["split_and_retry"].startswith("skipped")
