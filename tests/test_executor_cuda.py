@@ -234,3 +234,16 @@ def test_a_capture_failure_that_is_not_an_oom_still_runs_eagerly(gpu, monkeypatc
     cfg = BatchingConfig(max_batch_size=4, cuda_graphs=True)
     [a] = run(model, 4, gpu, cfg, graphs_for=lambda cfg: runner)
     assert a.outcome == "ok" and not a.cuda_graph and len(runner.book.failures) == 1
+
+
+def test_the_device_process_makes_cuda_n_its_current_device_before_loading(monkeypatch):
+    """``cuda:1`` in the device process: ``torch.cuda.set_device`` before any model is
+    made (else cuBLAS handles and streams land on device 0); cpu and bare cuda untouched."""
+    import torch
+
+    from runtime.device.process import current_device
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(str(d)))
+    assert str(current_device("cuda:1")) == "cuda:1" and calls == ["cuda:1"]
+    assert str(current_device("cpu")) == "cpu" and str(current_device("cuda")) == "cuda"
+    assert calls == ["cuda:1"]

@@ -92,6 +92,19 @@ def _load_models(specs: Sequence[str], names: Sequence[str]) -> dict[str, Any]:
     return found
 
 
+def current_device(device: str) -> Any:
+    """``device`` as a ``torch.device``, made this process's current CUDA device first
+    when it is ``cuda:N``: whatever a model or library then creates without naming a
+    device (a cuBLAS handle, a stream, ``torch.cuda.current_device()``) lands on N, not
+    on device 0, and so does what ``torch.cuda`` calls without an index measure."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    return dev
+
+
 def child_main(conn: Any, specs: Sequence[str], names: Sequence[str], device: str,
                torch_threads: int, log_level: int) -> None:
     """Entry point of the device process: set up, then run batches until told to stop
@@ -104,7 +117,7 @@ def child_main(conn: Any, specs: Sequence[str], names: Sequence[str], device: st
     from runtime.device.executor import graph_runner, pack_outputs, run_batch, unpack_items
 
     torch.set_num_threads(torch_threads)
-    dev = torch.device(device)
+    dev = current_device(device)
     try:
         models = _load_models(specs, names)
         for model in models.values():
