@@ -251,9 +251,14 @@ class Service:
         if self.db is not None:
             from runtime.server.live import LiveLink
 
+            from runtime.device import mps
+
+            # a GPU shared through MPS says so (and its thread share) where instances show
+            device = mps.describe(str(self.device), mps.detect()
+                                  if str(self.device).startswith("cuda") else None)
             self.live = LiveLink(self.engine, self.db_calls or self.db,
                                  instance_id=self.instance_id,
-                                 url=self.url, device=str(self.device), version=self.version,
+                                 url=self.url, device=device, version=self.version,
                                  recorder=self.db_recorder, server=self.server_config,
                                  generation=(self.generation.engines
                                              if self.generation is not None else None))
