@@ -90,6 +90,8 @@ def serve_and_send(tmp_path, endpoint: str, n: int) -> tuple[list[httpx.Response
             answers = [http.post("/v2/models/a/infer", json=BODY) for _ in range(n)]
             joined = http.post("/v2/models/a/infer", json=BODY, headers={
                 "traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"})
+            metrics = http.get("/metrics").text
+        assert "batchscope_trace_spans_dropped_total 0.0" in metrics
     finally:
         runner.stop()
     return answers, joined

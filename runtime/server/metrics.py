@@ -44,9 +44,11 @@ class _ScrapeCollector:
     """Gauges read when Prometheus scrapes: queue depth per model, recorder drops."""
 
     def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]],
-                 dropped: Callable[[], int]) -> None:
+                 dropped: Callable[[], int],
+                 spans_dropped: Callable[[], int | None] = lambda: None) -> None:
         self._stats = stats
         self._dropped = dropped
+        self._spans_dropped = spans_dropped
 
     def describe(self) -> Iterable:
         return []
@@ -67,7 +69,15 @@ class _ScrapeCollector:
                                     "Records the database recorder dropped since start (its "
                                     "buffer was full or the database refused them)")
         drops.add_metric([], float(self._dropped()))
-        return [depth, in_flight, eff, drops]
+        out = [depth, in_flight, eff, drops]
+        spans = self._spans_dropped()
+        if spans is not None:  # only while spans are exported (--otlp-traces-endpoint)
+            lost = CounterMetricFamily("batchscope_trace_spans_dropped",
+                                       "OpenTelemetry spans lost to a full export queue "
+                                       "since start")
+            lost.add_metric([], float(spans))
+            out.append(lost)
+        return out
 
 
 #: vLLM's buckets for the same series
@@ -186,7 +196,9 @@ class MetricsRecorder:
                                      ["model_name"], buckets=_E2E_BUCKETS, registry=r)
         self._stats = stats or (lambda: {})
         self._dropped = dropped or (lambda: 0)
-        r.register(_ScrapeCollector(lambda: self._stats(), lambda: self._dropped()))
+        self._spans_dropped: Callable[[], int | None] = lambda: None
+        r.register(_ScrapeCollector(lambda: self._stats(), lambda: self._dropped(),
+                                    lambda: self._spans_dropped()))
         r.register(_GenerationCollector(lambda: self._stats()))
         # labelled children cached: a dict lookup instead of prometheus' label resolution
         self._batch_children: dict[tuple[str, str], tuple] = {}
@@ -194,12 +206,15 @@ class MetricsRecorder:
         self._pending: list[Any] = []
 
     def bind(self, *, stats: Callable[[], dict[str, dict[str, Any]]] | None = None,
-             dropped: Callable[[], int] | None = None) -> None:
+             dropped: Callable[[], int] | None = None,
+             spans_dropped: Callable[[], int] | None = None) -> None:
         """Attach the scrape-time sources once the engine and recorder exist."""
         if stats is not None:
             self._stats = stats
         if dropped is not None:
             self._dropped = dropped
+        if spans_dropped is not None:
+            self._spans_dropped = spans_dropped
 
     # -- RecorderLike -------------------------------------------------------------------
     @property

@@ -228,6 +228,7 @@ class Service:
                               f"exporters ({exc.name} is missing): pip install "
                               "'batchscope[otel]'") from None
         self.engine.export_spans(spans)
+        self.metrics.bind(spans_dropped=lambda: spans.dropped)
         return spans
 
     # -- scrape-time sources ------------------------------------------------------------
