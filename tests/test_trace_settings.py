@@ -617,3 +617,18 @@ def test_the_trace_row_has_every_column_of_the_table():
     columns = {c.name for c in RequestTraceRecord.__table__.columns}
     assert set(TraceRow.__slots__) == columns - {"id"}
     assert set(COLUMNS) < set(TraceRow.__slots__)
+
+
+def test_start_up_trace_config_takes_triton_short_keys_and_refuses_bad_ones():
+    from runtime.core.tracing import config_changes
+    from runtime.tools.cli import UsageError, trace_config
+    assert config_changes([("level", "TIMESTAMPS"), ("rate", "10"), ("log_frequency", "5"),
+                           ("trace_mode", "opentelemetry")]) == {
+        "trace_level": ("TIMESTAMPS",), "trace_rate": 10, "log_frequency": 5,
+        "trace_mode": "opentelemetry"}
+    assert trace_config(["rate=100", "level=TIMESTAMPS"]) == (("rate", "100"),
+                                                              ("level", "TIMESTAMPS"))
+    for bad, words in (("rate", "give KEY=VALUE"), ("rate=zero", "trace_rate"),
+                       ("colour=red", "trace_colour")):
+        with pytest.raises(UsageError, match=words):
+            trace_config([bad])

@@ -203,7 +203,8 @@ class ServerConfig:
     #: (``runtime.engine.otel``); None: no OpenTelemetry export
     otlp_traces_endpoint: str | None = None
     #: trace settings at start (Triton's ``--trace-config``): (key, value) pairs with the
-    #: keys of ``/v2/trace/setting`` (``trace_rate``...) or Triton's short ones (``rate``)
+    #: keys of ``/v2/trace/setting`` (``trace_rate``...) or Triton's short ones (``rate``),
+    #: values as strings (``runtime.core.tracing.config_changes``)
     trace_config: tuple[tuple[str, str], ...] = ()
     #: NVTX ranges around each batch's and generation step's device work
     #: (``runtime.device.nvtx``)

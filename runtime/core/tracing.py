@@ -177,6 +177,13 @@ def parse_changes(doc: Any) -> dict[str, Any]:
     return {key: parse_value(key, value) for key, value in doc.items()}
 
 
+def config_changes(pairs: Iterable[tuple[str, str]]) -> dict[str, Any]:
+    """``parse_changes`` of start-up ``KEY=VALUE`` pairs (``--trace-config``), whose keys
+    may be Triton's short ones (``rate`` for ``trace_rate``, ``level``...)."""
+    return parse_changes({key if key in DEFAULTS else f"trace_{key}": value
+                          for key, value in pairs})
+
+
 def to_json(values: Mapping[str, Any]) -> dict[str, Any]:
     """Settings in Triton's JSON form: strings, ``trace_level`` a list of strings."""
     out: dict[str, Any] = {}

@@ -112,8 +112,14 @@ class SpanBuilder:
     """Spans of finished traces (``spans``); remembers which batch spans it made."""
 
     def __init__(self, resource: Any, instance_id: str) -> None:
+        from opentelemetry import trace as api
+        from opentelemetry.sdk.trace import ReadableSpan
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+        #: the SDK's types, looked up once (the module imports no OpenTelemetry itself)
+        self._api, self._readable = api, ReadableSpan
+        self._ok, self._error = api.Status(api.StatusCode.UNSET), api.Status(api.StatusCode.ERROR)
+        self._sampled = api.TraceFlags(api.TraceFlags.SAMPLED)
         self.resource = resource
         self.instance_id = instance_id
         self.scope = InstrumentationScope("batchscope.runtime")
@@ -122,22 +128,16 @@ class SpanBuilder:
 
     def _span(self, name: str, ctx: Any, parent: Any, start: float, end: float, *,
               kind: Any = None, attributes: dict | None = None, links=(), error: bool = False):
-        from opentelemetry.sdk.trace import ReadableSpan
-        from opentelemetry.trace import SpanKind, Status, StatusCode
-
-        return ReadableSpan(
+        return self._readable(
             name, context=ctx, parent=parent, resource=self.resource,
-            attributes=attributes or {}, links=links, kind=kind or SpanKind.INTERNAL,
-            status=Status(StatusCode.ERROR) if error else Status(StatusCode.UNSET),
+            attributes=attributes or {}, links=links, kind=kind or self._api.SpanKind.INTERNAL,
+            status=self._error if error else self._ok,
             start_time=_ns(start), end_time=_ns(max(end, start)),
             instrumentation_scope=self.scope)
 
-    @staticmethod
-    def _context(trace_id: int, span_id: int, remote: bool = False):
-        from opentelemetry.trace import SpanContext, TraceFlags
-
-        return SpanContext(trace_id, span_id, is_remote=remote,
-                           trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    def _context(self, trace_id: int, span_id: int, remote: bool = False):
+        return self._api.SpanContext(trace_id, span_id, is_remote=remote,
+                                     trace_flags=self._sampled)
 
     def batch_span(self, b: BatchInfo) -> tuple[Any, Any]:
         """(the span, its context) of batch ``b``."""
@@ -160,8 +160,7 @@ class SpanBuilder:
     def spans(self, t: FinishedTrace, batch: BatchInfo | None) -> list:
         """The spans of one finished trace: its batch's (the first time), the request's
         and its children's."""
-        from opentelemetry.trace import Link, SpanKind
-
+        Link, SpanKind = self._api.Link, self._api.SpanKind
         out = []
         links = ()
         if batch is not None:

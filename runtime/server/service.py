@@ -197,16 +197,14 @@ class Service:
     def _trace_settings(self, server: ServerConfig, recorder: Any) -> Any:
         """Apply ``trace_config``; start the OTLP span exporter when an endpoint is set
         (tracing then defaults to ``TIMESTAMPS``, mode ``opentelemetry``). Its exporter."""
-        from runtime.core.tracing import parse_changes
+        from runtime.core.tracing import config_changes
 
-        changes = {}
-        if server.otlp_traces_endpoint:
-            changes = {"trace_level": ["TIMESTAMPS"], "trace_mode": "opentelemetry"}
-        changes.update({key if key.startswith("trace_") or key == "log_frequency"
-                        else f"trace_{key}": value for key, value in server.trace_config})
+        pairs = list(server.trace_config)
+        if server.otlp_traces_endpoint:  # the flags, after these, may say otherwise
+            pairs[:0] = [("trace_level", "TIMESTAMPS"), ("trace_mode", "opentelemetry")]
         tracer = self.engine.tracer
-        if changes:
-            tracer.update(None, parse_changes(changes))
+        if pairs:
+            tracer.update(None, config_changes(pairs))
         if not server.otlp_traces_endpoint:
             return None
         from batchscope.storage.records import EventRow

@@ -319,7 +319,7 @@ def serve_auth(args: argparse.Namespace, environ: Any = None) -> Any:
 def trace_config(pairs: list[str]) -> tuple[tuple[str, str], ...]:
     """``--trace-config KEY=VALUE`` flags, checked as ``/v2/trace/setting`` checks them."""
     from runtime.api.errors import ClientError
-    from runtime.core.tracing import parse_changes
+    from runtime.core.tracing import config_changes
 
     out = []
     for pair in pairs:
@@ -327,12 +327,11 @@ def trace_config(pairs: list[str]) -> tuple[tuple[str, str], ...]:
         key = key.strip()
         if not sep or not key:
             raise UsageError(f"--trace-config {pair!r}: give KEY=VALUE, e.g. rate=100")
-        full = key if key.startswith("trace_") or key == "log_frequency" else f"trace_{key}"
         try:
-            parse_changes({full: [value] if full == "trace_level" else value})
+            config_changes([(key, value)])
         except ClientError as exc:
             raise UsageError(f"--trace-config {pair!r}: {exc.message}") from None
-        out.append((full, [value] if full == "trace_level" else value))
+        out.append((key, value))
     return tuple(out)
 
 
