@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import sys
+import queue
+import subprocess
+import threading
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
@@ -228,3 +235,44 @@ def run_app(page: str | None = None) -> Any:
         at.switch_page(f"{PAGES}/{page}.py").run()
         assert not at.exception, [e.value for e in at.exception]
     return at
+
+
+# -- a `batchscope serve` child ---------------------------------------------------------
+def lines_of(proc: subprocess.Popen) -> queue.Queue:
+    out: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            out.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return out
+
+
+def first_url(out: queue.Queue, timeout_s: float = 90.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = out.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if " on http://" in line:
+            return line.split(" on ", 1)[1].split()[0]
+    raise AssertionError("the server never printed its URL")
+
+
+@contextlib.contextmanager
+def serving(args: list[str], env: dict | None = None) -> Iterator[str]:
+    """``batchscope serve ARGS`` in a child; yields its URL once it listens. On leaving,
+    the child gets SIGTERM and must exit 0 (killed if it has not within the wait)."""
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.tools.cli", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env or {**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        yield first_url(lines_of(proc))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

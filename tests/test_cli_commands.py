@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -17,6 +15,7 @@ from sqlalchemy import text
 
 from batchscope.storage import control
 from batchscope.storage.db import make_engine
+from tests.factories import first_url, lines_of, serving
 
 pytestmark = pytest.mark.slow
 
@@ -24,39 +23,11 @@ CLI = [sys.executable, "-m", "runtime.tools.cli"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def lines_of(proc: subprocess.Popen) -> queue.Queue:
-    out: queue.Queue = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            out.put(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return out
-
-
-def first_url(out: queue.Queue, timeout_s: float = 90.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            line = out.get(timeout=1.0)
-        except queue.Empty:
-            continue
-        if " on http://" in line:
-            return line.split(" on ", 1)[1].split()[0]
-    raise AssertionError("the server never printed its URL")
-
-
 def test_serve_then_load_then_sigterm(tmp_path):
     url_db = f"sqlite:///{tmp_path / 'cli.db'}"
-    server = subprocess.Popen(
-        CLI + ["serve", "--model", "mlp", "--port", "0", "--db", url_db, "--torch-threads", "1",
-               "--max-batch-size", "16", "--set", "mlp.max_queue_size=512",
-               "--instance-id", "cli-test", "--heartbeat-interval-s", "0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        out = lines_of(server)
-        url = first_url(out)
+    with serving(["--model", "mlp", "--port", "0", "--db", url_db, "--torch-threads", "1",
+                  "--max-batch-size", "16", "--set", "mlp.max_queue_size=512",
+                  "--instance-id", "cli-test", "--heartbeat-interval-s", "0.2"], ENV) as url:
         assert url.startswith("http://127.0.0.1:")
         load = subprocess.run(CLI + ["load", "--url", url, "--model", "mlp", "--concurrency", "8",
                                      "--duration-s", "1", "--max-requests", "300", "--json"],
@@ -66,12 +37,6 @@ def test_serve_then_load_then_sigterm(tmp_path):
         assert report["mode"] == "closed" and 0 < report["sent"] <= 300
         assert report["ok"] == report["sent"] and report["errors_by_status"] == {}
         assert report["latency_p50_ms"] > 0
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=60) == 0
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
     db = make_engine(url_db)
     inst = control.all_instances(db)
     assert [i.id for i in inst] == ["cli-test"] and inst[0].stopped_at is not None

@@ -48,9 +48,15 @@ class TensorSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
+    #: a request may leave it out (the model takes one of several inputs, e.g. a text or
+    #: its token ids); ``decode`` says what is missing when nothing usable was sent
+    optional: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+        out: dict[str, Any] = {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+        if self.optional:
+            out["optional"] = True
+        return out
 
 
 def _missing(cls_name: str, hook: str, example: str) -> NotImplementedError:

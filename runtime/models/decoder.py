@@ -5,8 +5,8 @@ means nothing; what matters is that it does the real work of a decoder: causal
 attention over a per-sequence KV cache kept in fixed-size blocks of one shared pool,
 with every scheduled chunk (prompt pieces and decode tokens of many sequences)
 computed in one forward per step. The token-wise layers run on all tokens of the step
-at once; attention runs once for all single-token (decode) chunks together and once
-per longer chunk.
+at once; attention (``runtime.models.paged_attention``) runs once per group of decode
+tokens of similar context length and once per longer chunk.
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ import torch.nn.functional as F
 
 from runtime.generation.model import ByteTokenizer, GenerationModel
 from runtime.generation.scheduler import ScheduledChunk
-
-
-#: a group of decode tokens holds contexts down to this fraction of its longest one
-GROUP_RATIO = 0.7
+from runtime.models.paged_attention import PagedKV, StepPlan
 
 
 class TinyDecoder(GenerationModel):
     name = "decoder"
+    supports_num_logits = True
 
     def __init__(self, *, vocab_size: int = 512, d_model: int = 128, n_heads: int = 4,
                  n_layers: int = 3, max_model_len: int = 1024, seed: int = 0) -> None:
@@ -44,10 +42,8 @@ class TinyDecoder(GenerationModel):
         self.max_model_len = max_model_len
         self.seed = seed
         self.weights: dict[str, torch.Tensor] = {}
-        self.k_pool: torch.Tensor | None = None
-        self.v_pool: torch.Tensor | None = None
+        self.kv: PagedKV | None = None
         self.block_size = 0
-        self._gather_buffers: list[torch.Tensor | None] = [None, None]
 
     # -- weights and cache ------------------------------------------------------------
     def _generate_weights(self) -> dict[str, torch.Tensor]:
@@ -71,10 +67,8 @@ class TinyDecoder(GenerationModel):
         self.device = torch.device(device)
         self.weights = {k: v.to(self.device) for k, v in self._generate_weights().items()}
         self.block_size = block_size
-        shape = (self.n_layers, num_blocks, block_size, self.n_heads, self.head_dim)
-        # fill explicitly: lazily mapped zero pages make the first gathers several times slower
-        self.k_pool = torch.empty(shape, device=self.device).fill_(0.0)
-        self.v_pool = torch.empty(shape, device=self.device).fill_(0.0)
+        self.kv = PagedKV(self.n_layers, num_blocks, block_size, self.n_heads, self.n_heads,
+                          self.head_dim, self.device)
 
     def kv_bytes_per_block(self) -> int | None:
         return 2 * self.n_layers * self.block_size * self.d_model * 4
@@ -82,126 +76,19 @@ class TinyDecoder(GenerationModel):
     # -- the step ---------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        if self.k_pool is None:
+        if self.kv is None:
             raise RuntimeError("call setup(device, num_blocks, block_size) before step()")
-        bs, dev = self.block_size, self.device
-        # single tokens first, longest context first, so that each group of similar
-        # context lengths is a contiguous range of rows
-        decodes = sorted((c for c in chunks if len(c.token_ids) == 1),
-                         key=lambda c: c.start_pos, reverse=True)
-        longer = [c for c in chunks if len(c.token_ids) > 1]
-        ordered = decodes + longer
-
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for c in ordered:
-            table = c.block_table
-            for offset, tok in enumerate(c.token_ids):
-                p = c.start_pos + offset
-                tokens.append(tok)
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-        tok_t = torch.tensor(tokens, device=dev)
-        pos_t = torch.tensor(positions, device=dev)
-        slot_t = torch.tensor(slots, device=dev)
-
-        dec_groups = [(start, stop, self._decode_context(decodes[start:stop]))
-                      for start, stop in self._length_groups(decodes)]
-        long_ctx = [self._chunk_context(c) for c in longer]
-
+        plan = StepPlan.of(chunks, self.block_size, self.device)
         w = self.weights
-        x = w["embed"][tok_t] + w["pos"][pos_t]
+        x = w["embed"][plan.tokens] + w["pos"][plan.positions]
         n_tok, h, hd = x.shape[0], self.n_heads, self.head_dim
         for i in range(self.n_layers):
             qkv = (F.layer_norm(x, (self.d_model,)) @ w[f"{i}.qkv"]).view(n_tok, 3, h, hd)
-            q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-            k_flat = self.k_pool[i].view(-1, h, hd)
-            v_flat = self.v_pool[i].view(-1, h, hd)
-            k_flat[slot_t] = k
-            v_flat[slot_t] = v
-            attn = torch.empty(n_tok, h, hd, device=dev)
-            for start, stop, (blocks, mask) in dec_groups:
-                attn[start:stop] = self._attend(q[start:stop].unsqueeze(1), self.k_pool[i],
-                                                self.v_pool[i], blocks, mask)[:, 0]
-            row = len(decodes)
-            for c, (blocks, mask) in zip(longer, long_ctx):
-                n = len(c.token_ids)
-                attn[row:row + n] = self._attend(q[row:row + n].unsqueeze(0), self.k_pool[i],
-                                                 self.v_pool[i], blocks, mask)[0]
-                row += n
+            attn = self.kv.attend(i, qkv[:, 0], qkv[:, 1], qkv[:, 2], plan)
             x = x + attn.reshape(n_tok, self.d_model) @ w[f"{i}.out"]
             x = x + F.gelu(F.layer_norm(x, (self.d_model,)) @ w[f"{i}.up"]) @ w[f"{i}.down"]
-
-        last_rows, row = [], 0
-        for c in ordered:
-            row += len(c.token_ids)
-            last_rows.append(row - 1)
-        final = F.layer_norm(x[last_rows], (self.d_model,))
-        logits_ordered = final @ w["head"]
-        # back to the caller's chunk order
-        index = {id(c): j for j, c in enumerate(ordered)}
-        return logits_ordered[[index[id(c)] for c in chunks]]
-
-    def _length_groups(self, decodes: list[ScheduledChunk]) -> list[tuple[int, int]]:
-        """Row ranges of single-token chunks (sorted longest first) whose context lengths
-        are within ``GROUP_RATIO`` of the group's longest: attention pads each group only
-        to its own longest context instead of the step's."""
-        groups: list[tuple[int, int]] = []
-        start = 0
-        for j in range(1, len(decodes) + 1):
-            if j == len(decodes) or decodes[j].start_pos + 1 < GROUP_RATIO * (decodes[start].start_pos + 1):
-                groups.append((start, j))
-                start = j
-        return groups
-
-    def _decode_context(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded block tables [S, nb] and a key mask [S, 1, 1, nb*bs] for single-token chunks."""
-        bs = self.block_size
-        lens = [c.start_pos + 1 for c in decodes]
-        nb = max(-(-n // bs) for n in lens)
-        tables = [c.block_table[:nb] + [0] * (nb - len(c.block_table[:nb])) for c in decodes]
-        blocks = torch.tensor(tables, device=self.device)
-        key_pos = torch.arange(nb * bs, device=self.device)
-        mask = key_pos[None, :] < torch.tensor(lens, device=self.device)[:, None]
-        return blocks, mask[:, None, None, :]
-
-    def _chunk_context(self, c: ScheduledChunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block table [1, nb] and a causal mask [1, 1, n, nb*bs] for a multi-token chunk."""
-        bs = self.block_size
-        n = len(c.token_ids)
-        nb = -(-(c.start_pos + n) // bs)
-        blocks = torch.tensor([c.block_table[:nb]], device=self.device)
-        key_pos = torch.arange(nb * bs, device=self.device)
-        query_pos = torch.arange(c.start_pos, c.start_pos + n, device=self.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        return blocks, mask[None, None]
-
-    def _gather_buffer(self, which: int, rows: int) -> torch.Tensor:
-        buf = self._gather_buffers[which]
-        if buf is None or buf.shape[0] < rows:
-            width = self.block_size * self.d_model
-            buf = torch.empty(max(rows, 2 * (0 if buf is None else buf.shape[0])), width,
-                              device=self.device)
-            self._gather_buffers[which] = buf
-        return buf[:rows]
-
-    def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                blocks: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [S, n, H, D] over the keys in ``blocks`` [S, nb] -> [S, n, H, D]."""
-        s, nb = blocks.shape
-        h, hd = self.n_heads, self.head_dim
-        flat = blocks.flatten()
-        # index_select over whole blocks copies contiguous rows (far cheaper than fancy
-        # indexing) into reused buffers (fresh multi-megabyte buffers cost page faults)
-        keys = torch.index_select(k_pool.view(k_pool.shape[0], -1), 0, flat,
-                                  out=self._gather_buffer(0, flat.numel()))
-        values = torch.index_select(v_pool.view(v_pool.shape[0], -1), 0, flat,
-                                    out=self._gather_buffer(1, flat.numel()))
-        keys = keys.view(s, nb * self.block_size, h, hd).transpose(1, 2)
-        values = values.view(s, nb * self.block_size, h, hd).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
-        return out.transpose(1, 2)
+        final = F.layer_norm(x[plan.logit_rows], (self.d_model,))
+        return plan.restore(final @ w["head"])
 
     # -- a cache-free reference ----------------------------------------------------------
     @torch.inference_mode()

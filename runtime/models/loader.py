@@ -5,6 +5,8 @@ A spec is one of:
 * a builtin name: ``mlp``, ``encoder``, ``minilm``, ``wide`` (see ``runtime.models.BUILTIN_MODELS``);
 * ``package.module:ClassName`` — imported with ``importlib``;
 * ``path/to/file.py:ClassName`` — imported from that file;
+* ``hf:DIR``, ``onnx:FILE``, ``pt2:FILE`` with ``,key=value`` options — a model file or
+  directory served as it is (``runtime.models.files``);
 
 optionally prefixed with ``served_name=`` to serve it under another name (``fast=mlp``).
 The class must subclass ``runtime.api.model.ModelAPI`` (request/response models) or
@@ -26,6 +28,7 @@ from typing import Any
 from runtime.api.errors import ConfigError
 from runtime.api.model import ModelAPI, check_model
 from runtime.models import BUILTIN_MODELS
+from runtime.models.files import is_file_spec, load_file_model
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -66,12 +69,15 @@ def load_model(spec: str) -> Any:
     served_name, target = parse_spec(spec)
     if target in BUILTIN_MODELS:
         model = _instantiate(_resolve(BUILTIN_MODELS[target]), target)
+    elif is_file_spec(target):
+        model = load_file_model(target)
     elif ":" in target:
         model = _instantiate(_resolve(target), target)
     else:
         raise ConfigError(
             f"unknown model {target!r}: use a builtin name ({', '.join(sorted(BUILTIN_MODELS))}), "
-            "package.module:ClassName, or path/to/file.py:ClassName")
+            "package.module:ClassName, path/to/file.py:ClassName, or a model file: hf:DIR, "
+            "onnx:FILE, pt2:FILE")
     if served_name is not None:
         model.name = served_name
     if is_generation_model(model):

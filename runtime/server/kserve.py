@@ -411,6 +411,8 @@ def check_against_specs(model: str, specs: Sequence[TensorSpec], tensors: dict[s
     for spec in specs:
         arr = tensors.get(spec.name)
         if arr is None:
+            if spec.optional:
+                continue
             raise ClientError(f"model {model!r} needs input {spec.name!r} ({spec.datatype}, "
                               f"shape {list(spec.shape)}); the request has {sorted(tensors)}")
         if datatypes[spec.name] != spec.datatype:

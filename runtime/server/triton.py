@@ -85,7 +85,7 @@ def model_config(engine: Any, name: str) -> dict[str, Any]:
         "max_batch_size": cfg.max_batch_size,
         "input": [{"name": s.name, "data_type": CONFIG_TYPES[s.datatype],
                    "format": "FORMAT_NONE", "dims": list(s.shape), "is_shape_tensor": False,
-                   "allow_ragged_batch": False, "optional": False} for s in api.inputs],
+                   "allow_ragged_batch": False, "optional": s.optional} for s in api.inputs],
         "output": [{"name": s.name, "data_type": CONFIG_TYPES[s.datatype],
                     "dims": list(s.shape), "label_filename": "", "is_shape_tensor": False}
                    for s in api.outputs],

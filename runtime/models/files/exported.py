@@ -1,0 +1,107 @@
+"""``pt2:PATH``: a program saved with ``torch.export.save`` (see ``graph_model`` for batching).
+
+Inputs are the program's user inputs, named after the exported ``forward``'s
+parameters; their dtypes and axes come from the graph (an axis exported with a
+``torch.export.Dim`` is a symbol, so it is dynamic). Outputs are named ``OUTPUT0``,
+``OUTPUT1``... in order, or after their keys when ``forward`` returns a dict. The
+program runs with ``ExportedProgram.module()`` on ``--device`` under
+``torch.inference_mode()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import zipfile
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from runtime.api.errors import ConfigError
+from runtime.models.files.graph_model import GraphModel, GraphTensor, Signature
+from runtime.models.files.spec import FileSpec
+
+#: torch dtypes -> KServe datatypes
+TYPES = {torch.float32: "FP32", torch.float64: "FP64", torch.float16: "FP16",
+         torch.int64: "INT64", torch.int32: "INT32", torch.int16: "INT16", torch.int8: "INT8",
+         torch.uint8: "UINT8", torch.bool: "BOOL"}
+
+
+def load_program(spec: FileSpec) -> Any:
+    where = f"pt2:{spec.path}"
+    if not spec.path.is_file():
+        raise ConfigError(f"{where}: not a file; give the file torch.export.save wrote")
+    if not zipfile.is_zipfile(spec.path):
+        raise ConfigError(f"{where}: not a torch.export archive (a .pt2 file is a zip archive); "
+                          "save the program with torch.export.save")
+    quiet = logging.getLogger("torch.export")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # a failed load logs its traceback before raising
+    try:
+        return torch.export.load(str(spec.path))
+    except Exception as exc:  # noqa: BLE001 - zip, pickle and version errors alike
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{where}: torch {torch.__version__} cannot load it as an "
+                          f"ExportedProgram ({first}); save it with torch.export.save") from None
+    finally:
+        quiet.setLevel(level)
+
+
+def _tensor(name: str, value: Any, where: str) -> GraphTensor:
+    datatype = TYPES.get(getattr(value, "dtype", None))
+    if datatype is None:
+        raise ConfigError(f"{where}: {name!r} is not a tensor of a served dtype "
+                          f"({getattr(value, 'dtype', type(value).__name__)})")
+    axes = tuple(int(d) if not isinstance(d, torch.SymInt) else str(d) for d in value.shape)
+    return GraphTensor(name, datatype, axes)
+
+
+def read_signature(program: Any, where: str) -> Signature:
+    nodes = {n.name: n for n in program.graph.nodes}
+    user = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    # the graph's placeholders are renamed (lower case); forward's own parameter names are not
+    names = list(inspect.signature(program.module().forward).parameters)
+    if len(names) != len(user):
+        names = user
+    inputs = tuple(_tensor(name, nodes[node].meta.get("val"), where) for name, node in zip(names, user))
+    output_node = next(n for n in program.graph.nodes if n.op == "output")
+    produced = set(program.graph_signature.user_outputs)
+    values = [a for a in output_node.args[0] if getattr(a, "name", None) in produced]
+    keys = _output_keys(program, len(values))
+    outputs = tuple(_tensor(k, a.meta.get("val"), where) for k, a in zip(keys, values))
+    return Signature(inputs, outputs)
+
+
+def _output_keys(program: Any, n: int) -> Sequence[str]:
+    spec = getattr(program.call_spec, "out_spec", None)
+    context = getattr(spec, "context", None)
+    if spec is not None and getattr(spec, "type", None) is dict and context and len(context) == n:
+        return [str(k) for k in context]
+    return [f"OUTPUT{i}" for i in range(n)]
+
+
+class ExportedModel(GraphModel):
+    platform = "torch_export"
+
+    def __init__(self, spec: FileSpec) -> None:
+        program = load_program(spec)
+        super().__init__(spec, read_signature(program, f"pt2:{spec.path}"))
+        self.module: Any = None
+
+    def setup(self, device: Any) -> None:
+        self.device = torch.device(device)
+        self.module = load_program(self.spec).module().to(self.device)
+        self._order = [t.name for t in self.signature.inputs]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[torch.Tensor]:
+        args = [torch.from_numpy(feeds[name]).to(self.device, non_blocking=True)
+                for name in self._order]
+        with torch.inference_mode():
+            out = self.module(*args)
+        if isinstance(out, dict):
+            return list(out.values())
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def backend_options(self) -> dict[str, Any]:
+        return {"torch": torch.__version__}
