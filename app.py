@@ -5,7 +5,8 @@ instance, model, time window, SLO), says where the data comes from, and runs the
 picked in the top bar: Live, Batch timeline, Tuning, Fleet or Snapshots. The pages live in
 ``batchscope/dashboard/`` (see its ``__init__`` for the map). With no runtime reporting
 to the configured database the bundled demo runtime is started (once per server process;
-``BATCHSCOPE_NO_DEMO=1`` or the sidebar toggle turns that off).
+``BATCHSCOPE_NO_DEMO=1`` or the sidebar toggle turns that off). The sidebar ends with the
+version of BatchScope that draws the page.
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ from __future__ import annotations
 import streamlit as st
 
 from batchscope.dashboard import demo, scope
+from batchscope.version import version
 
 PAGES = "batchscope/dashboard/pages"
 # headline numbers sit six to a row: a smaller value font keeps "50.3 ms" or
 # "1.67 GiB" whole instead of cut to "50.3 …" on a laptop-sized window
 METRIC_CSS = ("<style>[data-testid='stMetricValue']{font-size:1.6rem}"
               "[data-testid='stMetricLabel'] p{font-size:0.8rem}</style>")
+
+
+def footer() -> str:
+    """The sidebar's last line: which BatchScope draws the page."""
+    return f"BatchScope {version()}"
 
 
 def main() -> None:
@@ -36,6 +43,7 @@ def main() -> None:
     ], position="top")
     current = scope.from_sidebar()
     demo_allowed = demo.allowed_from_sidebar()
+    st.sidebar.caption(footer())
     scope.remember(current)
     st.title("BatchScope")
     demo.show_source(current, demo_allowed=demo_allowed)

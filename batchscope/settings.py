@@ -8,15 +8,15 @@ explanation. From this one table come
 - the ``batchscope serve`` flags and their help texts (``Setting.parse_text``,
   ``Setting.describe``),
 - the dashboard's settings form (``group``, bounds, ``choices``, ``doc``),
-- the settings tables in the README (``markdown_table``).
+- the settings tables of ``docs/batching.md`` (``markdown_table``).
 
 Rules that relate several fields (a floor below a ceiling, a default priority below the
 number of levels, increasing bucket edges) are not here: they stay as code in the config
 dataclasses. This module imports nothing from ``runtime``.
 
 To add a setting: add the field to the dataclass, add its ``Setting`` here (the schema
-test fails until both agree), and regenerate the README table with
-``python -m batchscope.settings --write-readme``.
+test fails until both agree), and regenerate the tables of ``docs/batching.md`` with
+``python -m batchscope.settings --write-docs``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Setting:
     #: ``int_list`` only: how many items the list may hold
     max_items: int | None = None
     #: form section: "batching", "buckets", "queueing", "memory", "faults", "autopilot",
-    #: "events", "generation", "cache"
+    #: "events", "generation", "cache", "speculation"
     group: str = "batching"
     #: the lower bound itself is not allowed (a value must be above ``min``)
     min_exclusive: bool = False
@@ -214,7 +214,7 @@ class Setting:
         return str(value)
 
     def default_text(self) -> str:
-        """The default as shown in help texts and the README (``empty`` for an empty list)."""
+        """The default as shown in help texts and the docs (``empty`` for an empty list)."""
         if self.kind == "int_list" and self.default == ():
             return "empty"
         return self.to_text(self.default)
@@ -356,6 +356,13 @@ BATCHING: tuple[Setting, ...] = (
     Setting("cuda_graphs", "bool", False,
             "Capture and replay CUDA graphs per batch size seen (GPU only; ignored on the CPU).",
             group="memory"),
+    Setting("compile", "choice", "off",
+            "Run the model's predict through torch.compile with this mode. It compiles when "
+            "the setting takes effect, on two synthetic batches before the next batch (a "
+            "compile event records how long; models sharing the device wait meanwhile), then "
+            "reuses one graph for every batch size and length. reduce-overhead is torch's "
+            "own CUDA graphs: cuda_graphs is ignored while compile is on.",
+            choices=("off", "default", "reduce-overhead", "max-autotune"), group="memory"),
     Setting("isolate_errors", "bool", True,
             "When the model raises on a batch, split it in halves (recursively, like OOM "
             "recovery) so that only the requests it fails on alone get 500; gives up after "
@@ -407,6 +414,12 @@ GENERATION: tuple[Setting, ...] = (
             "The most tokens (prefill chunks + decode tokens) computed in one step; at least "
             "max_num_seqs.",
             unit="tokens", min=1, max=1_000_000, group="generation"),
+    Setting("long_prefill_token_threshold", "int", 0,
+            "The most tokens of one prompt a single step computes, as vLLM's setting of the "
+            "same name: a long prompt is prefilled in slices of this size, so the steps in "
+            "between keep serving the running sequences' decodes. 0 caps nothing beyond "
+            "max_num_batched_tokens.",
+            unit="tokens", min=0, max=1_000_000, group="generation"),
     *_queueing("How long a request that gives no timeout may wait for its first step."),
     Setting("default_max_new_tokens", "int", 16,
             "max_tokens for a request that gives none.",
@@ -415,6 +428,41 @@ GENERATION: tuple[Setting, ...] = (
             "Preemptions are reported as events at most once per this many seconds, "
             "aggregated.",
             unit="s", min=0, max=3600, group="events"),
+    Setting("speculative_method", "choice", "none",
+            "Speculative decoding: none; ngram proposes the tokens that followed the latest "
+            "occurrence of the sequence's last few tokens in its own prompt and output (no "
+            "extra model); draft runs the model's small draft decoder. The model verifies the "
+            "proposals in one forward; greedy output is token-identical to decoding without "
+            "speculation and sampled output keeps its distribution.",
+            choices=("none", "ngram", "draft"), group="speculation"),
+    Setting("num_speculative_tokens", "int", 4,
+            "Tokens proposed per sequence and step; each step then yields 1 to this + 1 "
+            "tokens per sequence.",
+            unit="tokens", min=1, max=16, group="speculation"),
+    Setting("prompt_lookup_max", "int", 4,
+            "ngram: the longest suffix of the sequence looked up in its earlier tokens.",
+            unit="tokens", min=1, max=64, group="speculation"),
+    Setting("prompt_lookup_min", "int", 1,
+            "ngram: the shortest suffix looked up; at most prompt_lookup_max.",
+            unit="tokens", min=1, max=64, group="speculation"),
+    Setting("speculative_disable_by_batch_size", "int", None,
+            "Speculation is off while more than this many sequences run, as vLLM's setting "
+            "of the same name.",
+            unit="requests", min=1, max=4096, nullable=True, null_means="no batch-size limit",
+            group="speculation"),
+    Setting("spec_auto_switch", "bool", True,
+            "Measure the step time per generated token with and without speculation at each "
+            "batch size and speculate only where it is cheaper; speculation that stopped "
+            "paying is probed again every spec_probe_interval_steps steps. Each switch is a "
+            "speculation event.",
+            group="speculation"),
+    Setting("spec_min_acceptance_rate", "float", 0.1,
+            "With spec_auto_switch: speculation is off while fewer than this share of the "
+            "proposed tokens are accepted (measured over the recent steps).",
+            min=0, max=1, group="speculation"),
+    Setting("spec_probe_interval_steps", "int", 256,
+            "With spec_auto_switch: steps without speculation before it is measured again.",
+            unit="steps", min=1, max=1_000_000, group="speculation"),
 )
 
 _KINDS: dict[str, tuple[Setting, ...]] = {"request": BATCHING, "generate": GENERATION}
@@ -438,46 +486,50 @@ def setting(kind: str, name: str) -> Setting | None:
 
 
 def markdown_table(kind: str) -> str:
-    """The README table of a model kind's settings (no trailing newline)."""
+    """The docs table of a model kind's settings (no trailing newline)."""
     rows = ["| setting | default | valid values | what it does |", "|---|---|---|---|"]
     for s in fields_for(kind):
         rows.append(f"| `{s.name}` | `{s.default_text()}` | {s.describe()} | {s.doc} |")
     return "\n".join(rows)
 
 
-# -- README upkeep ---------------------------------------------------------------------------
-def readme_markers(kind: str) -> tuple[str, str]:
-    """The comments around the generated table of ``kind`` in README.md."""
+# -- docs upkeep -----------------------------------------------------------------------------
+#: the guide that holds the generated tables, from the repository root
+DOCS_PAGE = "docs/batching.md"
+
+
+def table_markers(kind: str) -> tuple[str, str]:
+    """The comments around the generated table of ``kind`` in ``DOCS_PAGE``."""
     return f"<!-- settings:{kind} -->", f"<!-- /settings:{kind} -->"
 
 
-def with_tables(readme: str) -> str:
-    """``readme`` with every marked settings table replaced by the generated one."""
+def with_tables(page: str) -> str:
+    """``page`` with every marked settings table replaced by the generated one."""
     for kind in _KINDS:
-        start, end = readme_markers(kind)
-        head, found, rest = readme.partition(start)
+        start, end = table_markers(kind)
+        head, found, rest = page.partition(start)
         if not found:
             continue
         _, found_end, tail = rest.partition(end)
         if not found_end:
-            raise ValueError(f"README has {start} without {end}")
-        readme = f"{head}{start}\n{markdown_table(kind)}\n{end}{tail}"
-    return readme
+            raise ValueError(f"the page has {start} without {end}")
+        page = f"{head}{start}\n{markdown_table(kind)}\n{end}{tail}"
+    return page
 
 
 def _main(argv: list[str]) -> int:
     import sys
     from pathlib import Path
 
-    if argv[:1] == ["--write-readme"]:
-        path = Path(argv[1] if len(argv) > 1 else "README.md")
+    if argv[:1] == ["--write-docs"]:
+        path = Path(argv[1] if len(argv) > 1 else DOCS_PAGE)
         path.write_text(with_tables(path.read_text()))
         print(f"settings tables written to {path}")
         return 0
     if argv[:1] and argv[0] in _KINDS:
         print(markdown_table(argv[0]))
         return 0
-    print("usage: python -m batchscope.settings request|generate | --write-readme [README.md]",
+    print(f"usage: python -m batchscope.settings request|generate | --write-docs [{DOCS_PAGE}]",
           file=sys.stderr)
     return 2
 

@@ -63,7 +63,7 @@ except ImportError:  # pragma: no cover - older trees kept it with the runtime's
 
 #: per model: the SLO, the phases as shares of the capacity measured at the defaults
 #: (``--phases auto``), the lengths, and an explicit fixed setting for ``--fixed example``
-#: (what a 2-minute session chose on the 2-vCPU machine of the README's figures)
+#: (what a 2-minute session chose on the 2-vCPU machine of docs/performance.md)
 DEFAULTS = {
     "encoder": {"slo_ms": 80.0, "profile": (0.2, 0.6, 0.8, 0.2), "lengths": "uniform:8:128",
                 "example": "max_batch_size=8;max_queue_delay_ms=10;preferred_batch_sizes=2,4,8;"

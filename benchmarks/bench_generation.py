@@ -18,6 +18,15 @@ mean number of sequences per step, and the continuous/static ratios of that run.
     python -m benchmarks.bench_generation                      # 160 requests, all at once
     python -m benchmarks.bench_generation --arrival poisson --rate 40 --requests 200
     python -m benchmarks.bench_generation --quick --json       # a small run, JSON out
+    python -m benchmarks.bench_generation --speculation        # speculative decoding
+
+``--speculation`` compares decoding without speculation, with prompt lookup (ngram)
+and with the bundled draft model on the same requests, in the same run: at batch 1
+(one request at a time; prompt lookup on repetitive prompts, whose continuation
+recurs in them), and at a large batch with the automatic off-switch on. The target is
+``runtime.generation.draft.patterned_target`` (the decoder's size, trained on the
+patterns the draft was trained on, so acceptance is real); greedy, so every variant
+generates the same tokens, which is checked.
 """
 
 from __future__ import annotations
@@ -71,20 +80,24 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def run_mode(model: TinyDecoder, config: GenerationConfig, jobs: list[Job], *,
-             device: str = "cpu") -> dict[str, Any]:
-    """Drive ``jobs`` through one ``StepRunner`` on the real clock; the mode's figures."""
+             device: str = "cpu", draft_model: Any = None,
+             outputs: list | None = None) -> dict[str, Any]:
+    """Drive ``jobs`` through one ``StepRunner`` on the real clock; the mode's figures.
+    ``outputs``: a list that receives each job's generated tokens, in job order."""
     clock = MonotonicClock()
     rec = ListRecorder()
-    runner = StepRunner(model, config, recorder=rec, clock=clock)
+    runner = StepRunner(model, config, recorder=rec, clock=clock, draft_model=draft_model)
     runner.setup(device)
     pending = sorted(jobs, key=lambda j: j.arrival_s)
+    seqs = []
     start, cpu_start = clock.now(), time.process_time()
     i = 0
     while i < len(pending) or runner.has_work():
         now = clock.now() - start
         while i < len(pending) and pending[i].arrival_s <= now:
-            runner.new_sequence(pending[i].prompt_ids, max_new_tokens=pending[i].max_new_tokens,
-                                ignore_eos=True)
+            seqs.append(runner.new_sequence(pending[i].prompt_ids,
+                                            max_new_tokens=pending[i].max_new_tokens,
+                                            ignore_eos=True))
             i += 1
         if runner.has_work():
             runner.step()
@@ -98,7 +111,12 @@ def run_mode(model: TinyDecoder, config: GenerationConfig, jobs: list[Job], *,
     assert out_tokens == sum(j.max_new_tokens for j in jobs)
     latencies = [r.latency_s for r in reqs]
     ttfts = [r.ttft_s for r in reqs]
+    if outputs is not None:
+        outputs.extend(s.output_ids for s in seqs)
+    spec = runner.stats()["speculation"]
     return {
+        "acceptance_rate": spec["acceptance_rate"],
+        "mean_acceptance_length": spec["mean_acceptance_length"],
         "mode": config.mode, "requests": len(reqs), "output_tokens": out_tokens,
         "makespan_s": end - start, "tokens_per_s": out_tokens / (end - start),
         # CPU time of this process: steadier than wall time when the machine is shared
@@ -171,6 +189,72 @@ def run_benchmark(s: BenchSettings) -> dict[str, Any]:
             "runs": runs, "ratios": ratios}
 
 
+# -- speculative decoding -------------------------------------------------------------------
+def repetitive_prompts(count: int, *, seed: int = 0, length: int = 96) -> list[list[int]]:
+    """Prompts in which the patterns' continuation recurs: a run of the successor table,
+    then its first tokens again, so that what the target writes next is already there."""
+    from runtime.generation.draft import successor_table
+
+    succ, rng = successor_table(), random.Random(seed)
+    out = []
+    for _ in range(count):
+        run = [rng.randrange(256)]
+        while len(run) < length:
+            run.append(succ[run[-1]])
+        out.append(run + run[:rng.randint(4, 12)])
+    return out
+
+
+SPEC_COLUMNS = ("case", "method", "batch", "requests", "output_tokens", "makespan_s",
+                "tokens_per_s", "tokens_per_cpu_s", "steps", "acceptance_rate",
+                "mean_acceptance_length")
+
+
+def run_speculation(*, requests_batch1: int = 8, requests_batched: int = 32,
+                    output_tokens: int = 64, k: int = 4, seed: int = 0,
+                    device: str = "cpu", train_steps: int = 300) -> dict[str, Any]:
+    """Off / ngram / draft at batch 1 and at batch ``requests_batched`` (auto-switch on);
+    ratios of output tokens/s to no speculation, all measured in this run."""
+    from runtime.generation.draft import bundled_draft, patterned_target
+
+    target = patterned_target(train_steps=train_steps)
+    draft = bundled_draft(train_steps=train_steps)
+    rng = random.Random(seed)
+    plain_prompts = [[rng.randrange(256) for _ in range(rng.randint(8, 64))]
+                     for _ in range(max(requests_batch1, requests_batched))]
+    cases = [
+        # (case, prompts, max_num_seqs, auto-switch, methods)
+        ("batch 1", plain_prompts[:requests_batch1], 1, False, ("none", "draft")),
+        ("batch 1, repetitive prompts", repetitive_prompts(requests_batch1, seed=seed), 1,
+         False, ("none", "ngram")),
+        (f"batch {requests_batched}, auto-switch", plain_prompts[:requests_batched],
+         requests_batched, True, ("none", "ngram", "draft")),
+    ]
+    base = GenerationConfig(max_model_len=1024, num_cache_blocks=1024,
+                            max_num_batched_tokens=max(512, 64 * (k + 1)),
+                            num_speculative_tokens=k, max_queue_size=1024)
+    # warm up the kernels and the allocator outside the measurement
+    run_mode(target, base, [Job(0.0, plain_prompts[0], 8)], device=device)
+    rows, ratios = [], {}
+    for case, prompts, seqs, auto, methods in cases:
+        jobs = [Job(0.0, p, output_tokens) for p in prompts]
+        reference: list = []
+        plain: dict[str, Any] = {}
+        for method in methods:
+            config = base.with_changes({"max_num_seqs": seqs, "speculative_method": method,
+                                        "spec_auto_switch": auto})
+            outs: list = []
+            row = run_mode(target, config, jobs, device=device, draft_model=draft, outputs=outs)
+            if method == "none":
+                reference, plain = outs, row
+            assert outs == reference, f"{case}: {method} changed the greedy output"
+            row.update(case=case, method=method, batch=seqs)
+            rows.append(row)
+            if method != "none":
+                ratios[f"{case}: {method} / none"] = row["tokens_per_s"] / plain["tokens_per_s"]
+    return {"rows": rows, "ratios": ratios, "num_speculative_tokens": k}
+
+
 COLUMNS = ("repeat", "mode", "requests", "output_tokens", "makespan_s", "tokens_per_s",
            "tokens_per_cpu_s",
            "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_seqs_per_step",
@@ -192,6 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=BenchSettings.max_num_seqs)
     p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     p.add_argument("--quick", action="store_true", help="40 requests, outputs 4..64, one repeat")
+    p.add_argument("--speculation", action="store_true",
+                   help="compare no speculation, prompt lookup and the draft model instead")
+    p.add_argument("--spec-output", type=int, default=64,
+                   help="--speculation: tokens generated per request")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     pmin, pmax = (int(x) for x in a.prompt.split(":"))
@@ -204,6 +292,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.quick:
         s = BenchSettings(**{**asdict(s), "requests": 40, "output_max": 64, "repeats": 1})
     set_torch_threads(1)
+    if a.speculation:
+        return _print_speculation(run_speculation(output_tokens=a.spec_output, seed=a.seed,
+                                                  device=a.device, requests_batch1=4 if a.quick
+                                                  else 8, requests_batched=16 if a.quick
+                                                  else 32), a.json)
     result = run_benchmark(s)
     if a.json:
         print(json.dumps(result, indent=2))
@@ -224,6 +317,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"static / continuous steps:           {r['steps_static_over_continuous']:.2f}x  "
           "(the throughput ratio where a step costs the same whatever its batch size)")
     print("(medians over repeats, both modes measured in this run; a shared machine adds noise)")
+    return 0
+
+
+def _print_speculation(result: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"speculative decoding, greedy, num_speculative_tokens={result['num_speculative_tokens']}"
+          ", torch on 1 thread; every variant generated the same tokens")
+    print(format_table(result["rows"], SPEC_COLUMNS))
+    for name, ratio in result["ratios"].items():
+        print(f"{name} output tokens/s: {ratio:.2f}x")
+    print("(measured in this run; a shared machine adds noise)")
     return 0
 
 

@@ -64,12 +64,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def process(cmd: Sequence[str], *, ready: str, timeout_s: float = 120.0) -> Iterator[str]:
-    """Start ``cmd``, wait for a line containing ``ready`` and a URL; yield the URL."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+def process(cmd: Sequence[str], *, ready: str, timeout_s: float = 120.0, url: str | None = None,
+            health: str = "/v2/health/ready", env: dict | None = None) -> Iterator[str]:
+    """Start ``cmd``, wait for a line containing ``ready`` and a URL (or, given ``url``,
+    for ``health`` there to answer 200); yield the URL."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    url = None
+    given, url = url, None
     deadline = time.monotonic() + timeout_s
     lines: queue.Queue[str | None] = queue.Queue()
 
@@ -91,12 +93,12 @@ def process(cmd: Sequence[str], *, ready: str, timeout_s: float = 120.0) -> Iter
                 break
             seen.append(line)
             match = URL_RE.search(line)
-            if ready in line and match:
-                url = match.group(1)
+            if ready in line and (match or given):
+                url = given or match.group(1)
         if url is None:
             raise RuntimeError(f"{cmd[2:5]} did not start within {timeout_s:.0f} s:\n"
                                f"{''.join(seen[-20:])}")
-        wait_ready(url, deadline)
+        wait_ready(url, deadline, health)
         yield url
     finally:
         proc.terminate()
@@ -107,13 +109,13 @@ def process(cmd: Sequence[str], *, ready: str, timeout_s: float = 120.0) -> Iter
             proc.wait()
 
 
-def wait_ready(url: str, deadline: float) -> None:
-    """Poll the KServe readiness route until it answers 200 (bounded by ``deadline``)."""
+def wait_ready(url: str, deadline: float, health: str = "/v2/health/ready") -> None:
+    """Poll the readiness route until it answers 200 (bounded by ``deadline``)."""
     import urllib.request
 
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2) as resp:
+            with urllib.request.urlopen(f"{url}{health}", timeout=2) as resp:
                 if resp.status == 200:
                     return
         except OSError:

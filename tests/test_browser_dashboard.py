@@ -27,20 +27,11 @@ from batchscope.trace import check
 from batchscope.storage.db import make_engine
 from sqlalchemy import text
 
+from runtime.tools.screenshots import wait_for
 from tests.browser import ARTIFACTS, MARKS, ROOT, opened_page, settle, stop
 from tests.factories import free_port
 
 pytestmark = MARKS
-
-
-def wait_for(check, timeout_s: float, what: str, step_s: float = 0.25):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(step_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

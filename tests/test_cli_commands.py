@@ -163,3 +163,16 @@ def test_demo_traffic_runs_in_a_child_that_ends_with_the_demo_even_on_sigkill(tm
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_a_generation_model_alone():
+    import httpx
+
+    with serving(["--model", "decoder", "--port", "0", "--no-record", "--torch-threads", "1"],
+                 ENV) as url:
+        done = httpx.post(f"{url}/v1/completions", timeout=60,
+                          json={"model": "decoder", "prompt": "hi", "max_tokens": 4,
+                                "ignore_eos": True})
+        assert done.status_code == 200, done.text
+        assert done.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200

@@ -33,8 +33,8 @@ def test_a_database_of_schema_version_6_upgrades_and_takes_the_increase(db_url):
     plain.dispose()
     engine = make_engine(db_url)
     try:
-        assert schema_version(engine) == SCHEMA_VERSION == 7
-        assert schema_revision(engine) == storage_db._head() == "0006"
+        assert schema_version(engine) == SCHEMA_VERSION >= 7
+        assert schema_revision(engine) == storage_db._head()
         rec = Recorder(engine)
         rec.put(BatchRow("rt-1", "mlp", 2, "dynamic", 1, 8, None, 4, 4, 4, 0.0, 0.001, 0.002,
                          0.01, 11.0, 11.01, "ok", 80_000_000_000, True, 2,

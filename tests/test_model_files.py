@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -299,7 +300,8 @@ def test_serve_answers_from_every_kind_of_file(files, tmp_path):
     httpx = pytest.importorskip("httpx")
     from transformers import AutoModelForCausalLM
 
-    with serving(["--port", "0", "--no-record", "--torch-threads", "1",
+    db_url = f"sqlite:///{tmp_path / 'files.db'}"
+    with serving(["--port", "0", "--db", db_url, "--torch-threads", "1",
                   "--model", f"emb=hf:{MINILM}", "--model", f"cls=hf:{files['classifier']}",
                   "--model", f"enc=onnx:{files['encoder.onnx']}",
                   "--model", f"mlp2=pt2:{files['mlp.pt2']}", "--model", f"gen=hf:{files['gpt2']}"]
@@ -313,6 +315,11 @@ def test_serve_answers_from_every_kind_of_file(files, tmp_path):
             openai = http.post("/v1/embeddings", json={"model": "emb", "input": ["hello world"]})
             assert openai.status_code == 200, openai.text
             assert cosines([vec], [openai.json()["data"][0]["embedding"]])[0] > 1 - 1e-6
+
+            long = http.post("/v1/embeddings", json={"model": "emb", "input": "word " * 400})
+            assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 256
+            metrics = http.get("/metrics").text
+            assert 'batchscope_truncated_inputs_total{model="emb"} 1.0' in metrics
 
             label = http.post("/v2/models/cls/infer", json=text_in).json()
             assert {o["name"] for o in label["outputs"]} == {"LOGITS", "LABEL"}
@@ -341,6 +348,20 @@ def test_serve_answers_from_every_kind_of_file(files, tmp_path):
                                                       "max_tokens": 8, "temperature": 0,
                                                       "ignore_eos": True})
             assert done.status_code == 200, done.text
+    # what serves each model is recorded once at start, for the dashboard and snapshots
+    from batchscope.analysis.queries import Window, model_sources
+    from batchscope.presentation.snapshot import export_snapshot
+    from batchscope.storage.db import make_engine
+
+    db = make_engine(db_url)
+    sources = model_sources(db).set_index("model")
+    assert sources.loc["enc", "platform"] == "onnxruntime_onnx"
+    assert sources.loc["enc", "source"].startswith(str(files["encoder.onnx"]))
+    assert sources.loc["gen", "platform"] == "huggingface_transformers"
+    assert "task=classification" in sources.loc["cls", "source"]
+    now = time.time()
+    manifest = export_snapshot(db, Window(now - 5, now, "mlp2"), tmp_path / "snap.zip")
+    assert [(m["model"], m["platform"]) for m in manifest["models"]] == [("mlp2", "torch_export")]
     ref_lm = AutoModelForCausalLM.from_pretrained(str(files["gpt2"])).eval()
     tok = load_model(f"hf:{files['gpt2']}").tokenizer
     prompt_ids = tok.encode(prompt)

@@ -140,7 +140,7 @@ def test_generation_errors_have_the_openai_shape_and_the_same_retry_after():
 def test_routing_errors_say_what_to_do():
     missing = routing_error(404, "GET", "/x")
     assert isinstance(missing, RouteNotFound) and missing.http_status == 404
-    assert missing.message == ('no route for GET /x; see "HTTP API" in README.md for the '
+    assert missing.message == ('no route for GET /x; see "HTTP API" in docs/protocols.md for the '
                                "routes served")
     wrong = routing_error(405, "GET", "/v2/models/m/infer", ["POST"])
     assert error_answer(wrong, "w") == (405, [JSON, (b"allow", b"POST")], orjson.dumps(

@@ -92,8 +92,8 @@ def error_of(headers: dict[str, str], body: bytes) -> str:
 def test_unknown_route_is_a_json_404_naming_the_request(http, quiet_log, method, path):
     r = http.request(method, path)
     assert r.status_code == 404 and r.headers["content-type"] == "application/json"
-    assert r.json() == {"error": f"no route for {method} {path}; see \"HTTP API\" in README.md "
-                                 "for the routes served"}
+    assert r.json() == {"error": f"no route for {method} {path}; see \"HTTP API\" in "
+                                 "docs/protocols.md for the routes served"}
 
 
 def test_head_of_an_unknown_route_is_a_404_without_a_body(http, quiet_log):

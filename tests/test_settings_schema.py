@@ -1,5 +1,6 @@
 """The settings schema (``batchscope.settings``) agrees with the config dataclasses and
-the README, its bounds are what the dataclasses enforce, and its text forms round-trip."""
+the tables of docs/batching.md, its bounds are what the dataclasses enforce, and its text
+forms round-trip."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from batchscope.settings import (BATCHING, GENERATION, Setting, fields_for, markdown_table,
-                                 readme_markers, setting, with_tables)
+                                 setting, table_markers, with_tables)
 from runtime.api.config import BatchingConfig
 from runtime.api.errors import ConfigError
 from runtime.generation.config import FIXED_AT_START, GenerationConfig
 from runtime.tools.cli import build_parser, model_settings
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "batching.md"
 KINDS = {"request": BatchingConfig, "generate": GenerationConfig}
 
 
@@ -46,20 +47,21 @@ def test_schema_shape():
     assert FIXED_AT_START == ("block_size", "num_cache_blocks", "max_model_len")
 
 
-# -- (b) the README holds exactly the generated tables -----------------------------------------
+# -- (b) docs/batching.md holds exactly the generated tables -----------------------------------
 @pytest.mark.parametrize("kind", KINDS)
-def test_readme_holds_the_generated_table(kind):
-    text = README.read_text()
-    start, end = readme_markers(kind)
-    assert text.count(start) == 1 and text.count(end) == 1, f"README needs one {start} ... {end}"
+def test_the_batching_guide_holds_the_generated_table(kind):
+    text = DOCS_PAGE.read_text()
+    start, end = table_markers(kind)
+    assert text.count(start) == 1 and text.count(end) == 1, \
+        f"docs/batching.md needs one {start} ... {end}"
     between = text.split(start, 1)[1].split(end, 1)[0]
     assert between.strip() == markdown_table(kind), (
-        "the README settings table is out of date; run "
-        "`python -m batchscope.settings --write-readme`")
+        "the settings table of docs/batching.md is out of date; run "
+        "`python -m batchscope.settings --write-docs`")
 
 
 def test_with_tables_rewrites_only_between_the_markers():
-    start, end = readme_markers("request")
+    start, end = table_markers("request")
     doc = f"before\n{start}\nold table\n{end}\nafter\n"
     out = with_tables(doc)
     assert out == f"before\n{start}\n{markdown_table('request')}\n{end}\nafter\n"

@@ -25,6 +25,7 @@ import yaml
 from sqlalchemy import Engine
 
 from batchscope.analysis import fleet, fleet_rules, recommend
+from batchscope.analysis import queries
 from batchscope.analysis.queries import Window
 from batchscope.dashboard.live import render_flags, reused_while_fresh
 from batchscope.dashboard.scope import Scope, data_engine, fmt_time
@@ -89,6 +90,9 @@ def fleet_region(engine: Engine, scope: Scope) -> None:
     model = st.selectbox("Model", models, key="fleet_model",
                          index=pick(models, preferred, busiest[1] if busiest else None))
     rows = table[table["model"] == model]
+    served = queries.model_sources(engine)
+    rows = rows.merge(served[served["model"] == model][["instance_id", "platform", "source"]],
+                      on="instance_id", how="left")
     render_model_headline(fb["fleet"], model, rows)
     st.dataframe(display_table(rows), hide_index=True, width="stretch")
     timeline = fleet.throughput_timeline(engine, Window(w.start_s, w.end_s, model))
@@ -129,6 +133,7 @@ def display_table(rows: pd.DataFrame) -> pd.DataFrame:
     """The per-instance rows as the page shows them (units in the headers)."""
     out = pd.DataFrame({
         "instance": rows["instance_id"], "node": rows["node"],
+        "served by": rows["platform"] if "platform" in rows else None,
         "state": rows["state"].map(lambda s: STATE_ICON.get(s, s)),
         "heartbeat age (s)": rows["heartbeat_age_s"].round(1),
         "settings version": rows["settings_version"],

@@ -38,6 +38,12 @@ def live_region(engine: Engine, scope: Scope) -> None:
                f"{w.model or 'all'} · {int(head['requests'])} requests, "
                f"{int(head['batches'])} batches · {head.get('resolution', '')} · "
                f"refreshed {fmt_time(now)}")
+    if w.model is not None:
+        served = cached_sources(engine, w.instance_id)
+        served = served[served["model"] == w.model]
+        if len(served):
+            row = served.iloc[-1]
+            st.caption(f"{w.model} is served by **{row['platform']}** from `{row['source']}`")
     render_headline(bundle)
     flags = diagnosis.diagnose(bundle)
     chart_tab, flag_tab = st.tabs(["Charts", f"Diagnosis ({len(flags)})"])
@@ -51,6 +57,12 @@ def cached_bundle(engine: Engine, w: queries.Window) -> dict:
     """The live bundle, re-queried only when the last query is older than twice its cost."""
     key = (str(engine.url), w.duration_s, w.model, w.instance_id)
     return reused_while_fresh("bundle_cache", key, lambda: queries.live_bundle(engine, w))
+
+
+def cached_sources(engine: Engine, instance_id: str | None) -> pd.DataFrame:
+    """``queries.model_sources``, re-read like the bundle (it changes only at start-ups)."""
+    return reused_while_fresh("sources_cache", (str(engine.url), instance_id),
+                              lambda: queries.model_sources(engine, instance_id))
 
 
 def reused_while_fresh(name: str, key: tuple, compute):

@@ -69,7 +69,10 @@ def open_files() -> None:
         browse_snapshot(opened)
         st.rerun()
     if snaps:
-        st.caption("Opened: " + ", ".join(snaps) + " — pick one under Data in the sidebar.")
+        st.caption("Opened: " + ", ".join(f"{name} (written by BatchScope "
+                                          f"{snap.written_by or 'of an unknown version'})"
+                                          for name, snap in snaps.items())
+                   + " — pick one under Data in the sidebar.")
 
 
 def compare(snaps: dict[str, snapshot.Snapshot], slo_ms: float) -> None:

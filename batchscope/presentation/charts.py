@@ -31,6 +31,9 @@ SETTINGS_MARKER = "settings changes"
 FAULT_MARKER = "OOM / errors"
 FAULT_KINDS = ("oom", "oom_failed", "model_error")
 AUTOPILOT_MARKER = "autopilot decisions"
+COMPILE_MARKER = "compilation"
+COMPILE_KINDS = ("compile", "compile_failed")
+SPECULATION_MARKER = "speculation switched"
 GENERATION_PANELS = ("sequences", "tokens per step", "KV cache blocks used", "preemptions")
 
 #: chart key -> title (keys are what diagnosis flags point at)
@@ -155,8 +158,8 @@ def _describe_change(message: str, details_json: str) -> str:
 
 def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float | None = None,
                       axes: tuple[str, str] | None = None, x_of=_times) -> go.Figure:
-    """Mark settings changes, the autopilot's reasons and OOM / error events on a time
-    chart (``axes``: the x and y axes of the markers in a grid, e.g. ``("x", "y")``;
+    """Mark settings changes, the autopilot's reasons, OOM / error events, torch.compile
+    runs and the speculation switch's decisions on a time chart (``axes``: the x and y axes of the markers in a grid, e.g. ``("x", "y")``;
     ``x_of``: the chart's x of wall-clock seconds, date-times by default)."""
     if events is None or not len(events):
         return fig
@@ -169,7 +172,9 @@ def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float |
     for name, kinds, symbol, color in (
             (SETTINGS_MARKER, ("settings_change",), "diamond", "#6a3d9a"),
             (AUTOPILOT_MARKER, ("autopilot",), "triangle-up", "#2ca02c"),
-            (FAULT_MARKER, FAULT_KINDS, "x", "#d62728")):
+            (FAULT_MARKER, FAULT_KINDS, "x", "#d62728"),
+            (COMPILE_MARKER, COMPILE_KINDS, "star", "#8c564b"),
+            (SPECULATION_MARKER, ("speculation",), "triangle-down", "#17becf")):
         sel = events[events["kind"].isin(kinds)]
         if not len(sel):
             continue

@@ -2,8 +2,9 @@
 
 Layout of the file::
 
-    manifest.json            format, version, window, row counts, environment, flags,
-                             fleet flags, resource recommendations
+    manifest.json            format, version, the BatchScope version that wrote it,
+                             window, row counts, environment, flags, fleet flags,
+                             resource recommendations
     tables/<table>.json      {"columns": [...], "rows": [[...], ...]}
     report.html              the offline report (Plotly inlined)
     trace.pftrace            the window's batches and requests as a Perfetto trace
@@ -65,6 +66,7 @@ from batchscope.storage.db import make_engine, stamp_schema
 from batchscope.analysis.queries import Window
 from batchscope.storage.schema import SCHEMA_VERSION, Base
 from batchscope.tuning import store
+from batchscope.version import version as batchscope_version
 
 FORMAT = "batchscope-snapshot"
 FORMAT_VERSION = 1
@@ -135,6 +137,11 @@ class Snapshot:
         # nobody calls close(): a dashboard session that ends just drops its snapshots
         self._finalizer = weakref.finalize(self, _discard, self.engine, str(self.path))
 
+    @property
+    def written_by(self) -> str | None:
+        """The BatchScope version that wrote the file (``0.1.0``); None when it does not say."""
+        return written_by(self.manifest)
+
     def close(self) -> None:
         self._finalizer()
 
@@ -152,8 +159,8 @@ def _discard(engine: Engine | None, path: str) -> None:
 # -- export ---------------------------------------------------------------------------
 def environment(engine: Engine) -> dict:
     """Versions of the platform and libraries, and the devices the instances reported."""
-    versions = {}
-    for pkg in ("batchscope", "torch", "numpy", "pandas", "sqlalchemy", "plotly", "streamlit"):
+    versions = {"batchscope": batchscope_version()}
+    for pkg in ("torch", "numpy", "pandas", "sqlalchemy", "plotly", "streamlit"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -174,7 +181,9 @@ def _where(name: str, w: Window) -> tuple[str, dict]:
     time_col, by_model = TABLES[name]
     parts, params = [], {}
     if time_col:
-        parts += [f"{time_col} >= :t0", f"{time_col} < :t1"]
+        in_window = f"{time_col} >= :t0 AND {time_col} < :t1"
+        # what serves each model is said once, at start: keep it whenever it was said
+        parts.append(f"({in_window} OR kind = 'model_loaded')" if name == "events" else in_window)
         params.update(t0=w.start_s, t1=w.end_s)
     if by_model and w.model is not None:
         parts.append("(model = :model OR model IS NULL)" if name == "events" else "model = :model")
@@ -256,6 +265,15 @@ def window_trace(engine: Engine, w: Window) -> tuple[dict, BinaryIO | None]:
     return entry, tmp
 
 
+def served_models(engine: Engine, w: Window) -> list[dict]:
+    """What served each model of the window (backend and source), from the instances'
+    start-up ``model_loaded`` events."""
+    df = queries.model_sources(engine, w.instance_id)
+    if w.model is not None:
+        df = df[df["model"] == w.model]
+    return df.to_dict("records")
+
+
 def export_snapshot(engine: Engine, w: Window, out: str | Path | BinaryIO, *,
                     slo_ms: float | None = None, now: float | None = None) -> dict:
     """Write the window ``w`` of ``engine``'s data to ``out``; returns the manifest."""
@@ -264,13 +282,14 @@ def export_snapshot(engine: Engine, w: Window, out: str | Path | BinaryIO, *,
     created = time.time() if now is None else now
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "schema_version": SCHEMA_VERSION,
-        "created_at": created,
+        "batchscope_version": batchscope_version(), "created_at": created,
         "window": {"start_s": w.start_s, "end_s": w.end_s, "model": w.model,
                    "instance_id": w.instance_id},
         "slo_ms": slo_ms, "tables": {}, "environment": environment(engine),
         "flags": [f.to_dict() for f in flags],
         "fleet_flags": fleet_flags(engine, w, created),
         "recommendations": recommendations(engine, w),
+        "models": served_models(engine, w),
     }
     payloads = {}
     for name in TABLES:
@@ -440,7 +459,20 @@ def _check_manifest(raw: bytes, limits: Limits) -> dict:
     for key in ("slo_ms", "created_at"):
         if manifest.get(key) is not None and not _number(manifest[key]):
             raise SnapshotError(f"{key} in {MANIFEST} must be a number or null")
+    written = manifest.get("batchscope_version")
+    if written is not None and not (isinstance(written, str) and len(written) <= 64):
+        raise SnapshotError(f"batchscope_version in {MANIFEST} must be a short string or null")
     return manifest
+
+
+def written_by(manifest: dict) -> str | None:
+    """The BatchScope version that wrote a snapshot: the manifest's ``batchscope_version``,
+    else (files written before it was there) its environment's; None when neither says."""
+    found = manifest.get("batchscope_version")
+    if found is None:
+        versions = (manifest.get("environment") or {}).get("versions")
+        found = versions.get("batchscope") if isinstance(versions, dict) else None
+    return found if isinstance(found, str) else None
 
 
 def _value_checker(column, limits: Limits):
@@ -803,8 +835,8 @@ def trace_bytes(source: str | Path | bytes | BinaryIO, *,
 
 
 # -- command line ---------------------------------------------------------------------
-def cli_export(argv: list[str] | None = None) -> int:
-    """``batchscope snapshot export --db URL --model M --minutes 15 --out file.zip``."""
+def export_parser() -> argparse.ArgumentParser:
+    """The options of ``batchscope snapshot export``."""
     parser = argparse.ArgumentParser(prog="batchscope snapshot export",
                                      description="Export a window of recorded data to one file.")
     parser.add_argument("--db", default=None, help="database URL (default: $BATCHSCOPE_DB_URL "
@@ -816,6 +848,12 @@ def cli_export(argv: list[str] | None = None) -> int:
                         help="window end, epoch seconds (default: now)")
     parser.add_argument("--slo-ms", type=float, default=None, help="latency SLO for the report")
     parser.add_argument("--out", required=True, help="output .zip path")
+    return parser
+
+
+def cli_export(argv: list[str] | None = None) -> int:
+    """``batchscope snapshot export --db URL --model M --minutes 15 --out file.zip``."""
+    parser = export_parser()
     args = parser.parse_args(argv)
     if not (args.minutes > 0 and math.isfinite(args.minutes)):
         parser.error(f"--minutes={args.minutes} must be a positive number")

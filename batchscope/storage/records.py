@@ -209,6 +209,10 @@ class GenStepRow:
     blocks_free: int
     preemptions: int
     step_s: float
+    #: speculative decoding: tokens proposed (counted in decode_tokens too, as the model
+    #: computed them) and how many of them were accepted; None: no speculation set up
+    spec_draft_tokens: Optional[int] = None
+    spec_accepted_tokens: Optional[int] = None
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from typing import Optional
 from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 #: an autoincrementing row id: 64-bit everywhere (SQLite's rowid is 64-bit already)
 ID = BigInteger().with_variant(Integer(), "sqlite")
@@ -230,6 +230,10 @@ class GenerationStep(Base):
     blocks_free: Mapped[int] = mapped_column(Integer)
     preemptions: Mapped[int] = mapped_column(Integer)
     step_s: Mapped[float] = mapped_column(Float)
+    #: speculative decoding: proposed tokens (also in decode_tokens) and those accepted;
+    #: NULL where no speculation was set up (and in rows older than schema version 8)
+    spec_draft_tokens: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    spec_accepted_tokens: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
 
     __table_args__ = (Index("ix_gensteps_model_at", "model", "at"),)
 

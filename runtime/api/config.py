@@ -21,6 +21,7 @@ from runtime.api.errors import ConfigError
 
 Policy = Literal["static", "dynamic", "adaptive"]
 PadTo = Literal["bucket", "batch_max"]
+CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune"]
 POLICIES: tuple[str, ...] = next(s.choices for s in BATCHING if s.name == "policy")
 
 
@@ -84,8 +85,8 @@ class BatchingConfig:
     """How one model's requests are grouped into batches.
 
     What each field means, its unit and its valid values are in
-    ``batchscope.settings.BATCHING`` (also the README table and ``batchscope serve
-    --help``); the defaults here must equal the schema's, which a test checks.
+    ``batchscope.settings.BATCHING`` (also the table in docs/batching.md and
+    ``batchscope serve --help``); the defaults here must equal the schema's, which a test checks.
     """
 
     policy: Policy = "dynamic"
@@ -110,6 +111,7 @@ class BatchingConfig:
     oom_probe_after_batches: int = 50
     memory_budget_mb: float | None = None  # None: no budget
     cuda_graphs: bool = False
+    compile: CompileMode = "off"
     isolate_errors: bool = True
     execution_timeout_ms: float | None = 30_000.0  # None: no execution timeout
     execution_timeout_auto: bool = True  # follow the model's recent batch times

@@ -200,7 +200,7 @@ class InsufficientMemory(BatchScopeError):
 
 
 #: where the routes of the server are listed, for a request that matched none
-ROUTES_DOC = '"HTTP API" in README.md'
+ROUTES_DOC = '"HTTP API" in docs/protocols.md'
 
 
 def routing_error(status: int, method: str, path: str, allow: Sequence[str] = (),

@@ -35,6 +35,7 @@ from runtime.api.config import BatchingConfig
 from runtime.core.batcher import pad_length
 from runtime.api.errors import ModelError
 from runtime.api.model import ModelAPI
+from runtime.device.compiled import compiled_frames, compiled_predict
 from runtime.device.oom import Attempt, check_budget, is_oom, run_splitting
 
 #: longest model error text sent to a client
@@ -66,7 +67,11 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
     ``seq`` and ``name``: the batch id and model an NVTX range names (``--nvtx``)."""
     whole = len(items)
     on_cuda = device.type == "cuda"
-    graphs = graphs_for(cfg) if on_cuda and cfg.cuda_graphs and graphs_for is not None else None
+    compiled = compiled_predict(model, cfg.compile, clock)
+    graphs = graphs_for(cfg) if on_cuda and cfg.cuda_graphs and compiled is None \
+        and graphs_for is not None else None
+    #: the warm-up's seconds and error go on the first attempt only
+    pending = [compiled.warm_up_s if compiled else 0.0, compiled.error if compiled else None]
 
     def attempt(lo: int, hi: int) -> Attempt:
         n = hi - lo
@@ -85,7 +90,10 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
                 if on_cuda:  # kernels run after their launch returns: wait for them
                     torch.cuda.synchronize(device)
                 collated = clock.now()
-                if graphs is None:
+                frames = compiled_frames() if compiled is not None else 0
+                if compiled is not None:
+                    output = compiled.predict(inputs)
+                elif graphs is None:
                     output = model.predict(inputs)
                 else:
                     output, used_graph = graphs.run(inputs, n, padded_length=pad,
@@ -93,6 +101,9 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
                 if on_cuda:
                     torch.cuda.synchronize(device)
                 predicted = clock.now()
+                compile_s, pending[0] = pending[0], 0.0
+                if compiled is not None and compiled_frames() != frames:
+                    compile_s += predicted - collated
                 outputs = model.split(output, n)
                 del inputs, output
                 if on_cuda:  # split may leave copies to the host in flight
@@ -121,10 +132,11 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
             increase = devicemem.peak_increase(peak, base)
         else:
             peak = increase = None
+        error, pending[1] = pending[1], None
         return Attempt(lo, hi, "ok", started, ended, ended - started, outputs=outputs,
                        peak_memory_bytes=peak, peak_memory_increase_bytes=increase,
                        cuda_graph=used_graph, input_s=collated - started,
-                       output_s=ended - predicted)
+                       output_s=ended - predicted, compile_s=compile_s, compile_error=error)
 
     with nvtx.batch_range(seq, name, whole):
         return run_splitting(whole, attempt, recover=cfg.oom_recovery,

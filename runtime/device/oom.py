@@ -116,6 +116,11 @@ class Attempt:
     #: ``split``; the rest is ``predict`` (on CUDA each phase waits for its kernels)
     input_s: float = 0.0
     output_s: float = 0.0
+    #: seconds of torch.compile work in this attempt (``compile`` setting): the warm-up
+    #: before it, or a new shape compiled inside its predict; ``compile_error``: why
+    #: compiling failed (the model then runs eagerly)
+    compile_s: float = 0.0
+    compile_error: str | None = None
 
     @property
     def size(self) -> int:

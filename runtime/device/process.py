@@ -226,6 +226,8 @@ class DeviceProcess:
         self._sent: dict[int, _Job] = {}
         self._held: deque[_Job] = deque()
         self._versions: dict[str, int] = {}
+        #: model -> the compile mode the current child was last sent (it compiles on a change)
+        self._compiling: dict[str, str] = {}
         self._next_id = 0
         self._stopping = False
         #: ``loop.time()`` when the oldest batch sent (the one running) started
@@ -254,6 +256,7 @@ class DeviceProcess:
         self._proc, self._sock = proc, sock
         self._reader, self._writer = FrameReader(), FrameWriter()
         self._versions.clear()
+        self._compiling.clear()
         self._ready = loop.create_future()
         loop.add_reader(sock.fileno(), self._on_readable)
         try:
@@ -331,6 +334,9 @@ class DeviceProcess:
         if self._versions.get(job.name) != job.version:
             cfg = job.config
             self._versions[job.name] = job.version
+            if cfg.compile != "off" and self._compiling.get(job.name) != cfg.compile:
+                job.timeout_s = None  # the child compiles the model before running it
+            self._compiling[job.name] = cfg.compile
         job.sent_s = self._clock.now()
         try:
             payload = _dumps(("run", job.job_id, job.name, cfg, pack_items(job.items),

@@ -174,6 +174,8 @@ class Booking:
                 continue
             seq, real, padded = self._record_batch(model, batch, a)
             seqs.append(seq)
+            if a.compile_s or a.compile_error:
+                self._compile_event(model, batch, a, seq, now)
             if outcome == "ok":
                 totals = model.counts.inference
                 totals.executions += 1
@@ -327,6 +329,20 @@ class Booking:
                            cfg.max_batch_size, padded, real, batch.bucket, cfg.policy,
                            batch.settings_version, a.outcome))
         return seq, real, padded
+
+    def _compile_event(self, model: ServedModel, batch: Batch, a: Attempt, seq: int,
+                       now: float) -> None:
+        mode = batch.config.compile
+        if a.compile_error:
+            self.event(model.name, now, "compile_failed",
+                       f"{model.name!r}: torch.compile (mode {mode}) failed, the model runs "
+                       f"eagerly: {a.compile_error}", "warning", mode=mode, error=a.compile_error,
+                       compile_s=round(a.compile_s, 3), batch_seq=seq)
+            return
+        self.event(model.name, now, "compile",
+                   f"{model.name!r}: torch.compile (mode {mode}) compiled for {a.compile_s:.1f} s",
+                   mode=mode, compile_s=round(a.compile_s, 3), batch_seq=seq,
+                   batch_size=a.size, padded_length=batch.pad_to)
 
     # -- what went wrong ----------------------------------------------------------------
     def _oom_error(self, model: ServedModel, req: PendingRequest, a: Attempt) -> OutOfMemory:

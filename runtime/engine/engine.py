@@ -209,8 +209,6 @@ class Engine:
         if unknown:
             raise ConfigError(f"settings given for unknown model(s) {unknown}; served models are "
                               f"{sorted(models)}")
-        if not models:
-            raise ConfigError("no models to serve; pass at least one model")
         for name, model in models.items():
             check_model(model)
             if model.kind != "request":
@@ -632,4 +630,6 @@ class Engine:
             "settings_version": served.settings_version,
             "ready": self._ready,
             "cuda_graphs": dispatcher.executor.graph_stats(),
+            #: inputs a model cut to its length limit (models from files count them)
+            "truncated_inputs": getattr(served.api, "truncated_inputs", None),
         }

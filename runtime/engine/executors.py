@@ -48,6 +48,7 @@ import torch
 
 from runtime.api.config import BatchingConfig
 from runtime.core.batcher import Batch
+from runtime.device.compiled import compiled_already
 from runtime.device.executor import graph_runner, run_batch
 from runtime.device.oom import Attempt
 from runtime.device.process import DeviceProcess
@@ -273,6 +274,8 @@ class ThreadExecutor:
             return
         job = _Job(self, batch, on_done)
         timeout_s = self._model.batch_times.timeout_s(batch.config)
+        if not compiled_already(self._model.api, batch.config.compile):
+            timeout_s = None  # this batch compiles the model first
         if timeout_s is not None:
             job.timeout_s = timeout_s
             thread.arm(job, job.timeout_s)
@@ -289,7 +292,7 @@ class ThreadExecutor:
         """Whether the recent device time per request says this batch takes at most
         ``inline_max_compute_ms`` (CPU only)."""
         limit = self._thread.inline_max_s
-        if not limit:
+        if not limit or not compiled_already(self._model.api, batch.config.compile):
             return False
         per_request = self._model.batcher.mean_compute_per_request_s
         return per_request is not None and per_request * len(batch.requests) <= limit

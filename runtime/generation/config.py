@@ -19,6 +19,9 @@ from runtime.api.errors import ConfigError
 
 GenMode = Literal["continuous", "static"]
 GEN_MODES: tuple[str, ...] = next(s.choices for s in GENERATION if s.name == "mode")
+SpecMethod = Literal["none", "ngram", "draft"]
+SPEC_METHODS: tuple[str, ...] = next(s.choices for s in GENERATION
+                                     if s.name == "speculative_method")
 
 #: settings that size the KV cache; they cannot change while it is allocated
 FIXED_AT_START: tuple[str, ...] = tuple(s.name for s in GENERATION if s.fixed_at_start)
@@ -29,8 +32,8 @@ class GenerationConfig:
     """How a generation model's sequences share the steps and the KV cache.
 
     What each field means, its unit and its valid values are in
-    ``batchscope.settings.GENERATION`` (also the README table); the defaults here must
-    equal the schema's, which a test checks.
+    ``batchscope.settings.GENERATION`` (also the table in docs/batching.md); the defaults
+    here must equal the schema's, which a test checks.
     """
 
     mode: GenMode = "continuous"
@@ -39,12 +42,23 @@ class GenerationConfig:
     max_model_len: int = 1024
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    #: tokens of one prompt a single step computes at most; 0 = only the step budget caps it
+    long_prefill_token_threshold: int = 0
     max_queue_size: int = 1024
     priority_levels: int = 3
     default_priority: int = 1
     default_timeout_ms: float | None = None  # None: no timeout
     default_max_new_tokens: int = 16
     preemption_event_interval_s: float = 1.0
+    # -- speculative decoding (continuous mode only) --
+    speculative_method: SpecMethod = "none"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    speculative_disable_by_batch_size: int | None = None  # None: no batch-size limit
+    spec_auto_switch: bool = True
+    spec_min_acceptance_rate: float = 0.1
+    spec_probe_interval_steps: int = 256
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,9 +75,20 @@ class GenerationConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs="
                 f"{self.max_num_seqs}: every running sequence needs at least one token per step; "
                 "raise max_num_batched_tokens or lower max_num_seqs")
+        if not {"prompt_lookup_min", "prompt_lookup_max"} & bad.keys() \
+                and self.prompt_lookup_min > self.prompt_lookup_max:
+            problems.append(
+                f"prompt_lookup_min={self.prompt_lookup_min} is above prompt_lookup_max="
+                f"{self.prompt_lookup_max}; the shortest suffix looked up cannot be longer "
+                "than the longest")
         if problems:
             raise ConfigError("invalid generation settings: " + "; ".join(problems)
                               + ". Nothing was changed.")
+
+    @property
+    def speculating(self) -> bool:
+        """Whether steps may carry proposed tokens (a method chosen, continuous mode)."""
+        return self.speculative_method != "none" and self.mode == "continuous"
 
     @property
     def cache_tokens(self) -> int:

@@ -62,6 +62,8 @@ class GenerationStream:
         self._stops = stops
         self._queue: asyncio.Queue = asyncio.Queue()
         self.done = False
+        #: tokens handed on so far (a step may hand on several of one request)
+        self._delivered = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -110,8 +112,8 @@ class GenerationStream:
             elif final:
                 text += self._stops.flush()
         self._queue.put_nowait(TokenEvent(
-            token_id=token, text=text, index=len(self.seq.output_ids) - 1,
-            finish_reason=reason))
+            token_id=token, text=text, index=self._delivered, finish_reason=reason))
+        self._delivered += 1
         if final:
             self._queue.put_nowait(None)
         return final
@@ -123,10 +125,10 @@ class GenerationStream:
 class GenerationEngine:
     def __init__(self, model: GenerationModel, config: GenerationConfig | None = None, *,
                  recorder: RecorderLike | None = None, instance_id: str = "local",
-                 clock: Any = None, device: Any = "cpu") -> None:
+                 clock: Any = None, device: Any = "cpu", draft_model: Any = None) -> None:
         self.clock = clock or MonotonicClock()
         self.runner = StepRunner(model, config, recorder=recorder, instance_id=instance_id,
-                                 clock=self.clock)
+                                 clock=self.clock, draft_model=draft_model)
         self.model = model
         self.device = device
         self.on_settings_change: list[Callable[[str, int, GenerationConfig], None]] = []
@@ -197,10 +199,11 @@ class GenerationEngine:
                max_new_tokens: int | None = None, priority: int | None = None,
                timeout_ms: float | None = None, ignore_eos: bool = False,
                temperature: float = 0.0, seed: int | None = None,
-               stop: Seq[str] = ()) -> GenerationStream:
+               stop: Seq[str] = (), speculative: bool | None = None) -> GenerationStream:
         """Queue a request and return its stream; raises at once when it is refused.
         ``stop``: strings that end generation where the text reaches one (needs the
-        model's tokenizer to turn tokens into text)."""
+        model's tokenizer to turn tokens into text). ``speculative``: False opts out of
+        speculative decoding, True asks for it (served without where there is none)."""
         if not self._accepting:
             if self._stopping:
                 raise ShuttingDown(f"{self.name!r} is shutting down and takes no new requests")
@@ -232,7 +235,8 @@ class GenerationEngine:
             seed = self._seed_counter
         seq = self.runner.new_sequence(
             prompt_token_ids, max_new_tokens=max_new_tokens, priority=priority,
-            timeout_ms=timeout_ms, ignore_eos=ignore_eos, temperature=temperature, seed=seed)
+            timeout_ms=timeout_ms, ignore_eos=ignore_eos, temperature=temperature, seed=seed,
+            speculative=speculative)
         decoder = self.model.tokenizer.decoder() if self.model.tokenizer is not None else None
         stream = GenerationStream(self, seq, decoder, StopMatcher(stop) if any(stop) else None)
         self._streams[seq.seq_id] = stream
@@ -244,12 +248,13 @@ class GenerationEngine:
                        prompt_text: str | None = None, *, max_new_tokens: int | None = None,
                        priority: int | None = None, timeout_ms: float | None = None,
                        ignore_eos: bool = False, temperature: float = 0.0,
-                       seed: int | None = None, stop: Seq[str] = ()
-                       ) -> AsyncIterator[TokenEvent]:
+                       seed: int | None = None, stop: Seq[str] = (),
+                       speculative: bool | None = None) -> AsyncIterator[TokenEvent]:
         """Yield the request's tokens as they are generated (see ``submit`` for errors)."""
         stream = self.submit(prompt_token_ids, prompt_text, max_new_tokens=max_new_tokens,
                              priority=priority, timeout_ms=timeout_ms, ignore_eos=ignore_eos,
-                             temperature=temperature, seed=seed, stop=stop)
+                             temperature=temperature, seed=seed, stop=stop,
+                             speculative=speculative)
         try:
             async for event in stream:
                 yield event
@@ -305,11 +310,13 @@ class GenerationEngine:
             self._deliver(runner.commit(out, sampled, started))
 
     def _deliver(self, result: StepResult) -> None:
-        for seq, token in result.new_tokens:
+        # a sequence that verified proposed tokens gets several: only its last is final
+        last = {seq.seq_id: i for i, (seq, _) in enumerate(result.new_tokens)}
+        for i, (seq, token) in enumerate(result.new_tokens):
             stream = self._streams.get(seq.seq_id)
             if stream is None:
                 continue
-            ended = seq.outcome is not None
+            ended = seq.outcome is not None and last[seq.seq_id] == i
             if stream._token(token, ended):
                 self._streams.pop(seq.seq_id, None)
                 if not ended:  # its text reached a stop string

@@ -108,7 +108,8 @@ def _submit_all(engine: GenerationEngine, req: GenerationRequest,
                 streams.append(engine.submit(
                     ids, text, max_new_tokens=req.max_tokens, priority=req.priority,
                     timeout_ms=req.timeout_ms, ignore_eos=req.ignore_eos,
-                    temperature=req.temperature, seed=seed, stop=req.stop))
+                    temperature=req.temperature, seed=seed, stop=req.stop,
+                    speculative=req.speculative))
     except BaseException:
         _close(streams)
         raise

@@ -56,6 +56,19 @@ class BlockManager:
         self._free.extend(reversed(table))
         return len(table)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> int:
+        """Shrink ``seq_id``'s table to the blocks that hold its first ``num_tokens`` tokens
+        (the positions of rejected speculative tokens go back to the pool); returns how
+        many blocks were freed."""
+        table = self._tables.get(seq_id)
+        if not table:
+            return 0
+        keep = self.blocks_for(num_tokens)
+        freed = table[keep:]
+        del table[keep:]
+        self._free.extend(reversed(freed))
+        return len(freed)
+
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._tables.get(seq_id, ()))
 

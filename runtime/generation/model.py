@@ -13,6 +13,14 @@ positions ``<= p`` of the same sequence. A chunk may be a whole prompt, part of 
 (chunked prefill), a recomputation after preemption, or one decode token; the model
 need not know which. ``step`` runs off the event loop under ``torch.inference_mode()``.
 
+Speculative decoding needs the logits after several tokens of one chunk: a chunk
+with ``num_logits = n`` asks for one row per each of its last ``n`` tokens, so ``step``
+returns ``sum(c.num_logits for c in chunks)`` rows, in chunk order. A model that does
+this sets ``supports_num_logits = True``; for one that does not, the runner computes a
+chunk with proposed tokens as single-token chunks of the same sequence in the same
+step, which is right for a model that writes every chunk's keys/values before any
+chunk attends (as the bundled decoder does).
+
 Text goes through a ``Tokenizer`` (``encode``/``decode``); the bundled one is
 byte-level. Chat messages become a prompt through ``chat_template``
 (``runtime.generation.chat``; ``ROLE_TAGS`` unless the model gives its own, None
@@ -96,6 +104,11 @@ class GenerationModel:
     #: the settings to serve this model with when the engine is given none
     #: (``batchscope serve --model-config/--set`` put them here); None = defaults
     generation_config: Any = None
+    #: ``step`` honours ``ScheduledChunk.num_logits`` (see the module's docstring)
+    supports_num_logits: ClassVar[bool] = False
+    #: the small model that proposes tokens with ``speculative_method="draft"``: a
+    #: ``GenerationModel`` with the same vocabulary; None = the bundled one where it fits
+    draft_model: Any = None
 
     @property
     def eos_token_id(self) -> int | None:

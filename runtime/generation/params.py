@@ -16,6 +16,8 @@ both routes share:
     priority*       0 (most urgent) ... priority_levels - 1, as in vLLM
     timeout_ms*     how long the request may wait for its first step
     ignore_eos*     keep generating past the end token (benchmarks)
+    speculative*    false: no speculative decoding for this request; true: ask for it (a
+                    model served without a proposer serves it without, and counts it)
 
 (* extensions.) Fields for features this server does not have (logprobs, tools,
 penalties, top_p other than 1, ...) are refused unless they hold their neutral
@@ -82,6 +84,8 @@ class GenerationRequest:
     priority: int | None = None
     timeout_ms: float | None = None
     ignore_eos: bool = False
+    #: None: the model's setting; False: opt out of speculative decoding; True: ask for it
+    speculative: bool | None = None
     #: chat only: the messages, rendered into ``prompts`` by the model's template
     messages: list[ChatMessage] = field(default_factory=list)
 
@@ -154,7 +158,7 @@ def _common(body: dict[str, Any], neutral: dict, max_tokens: Any) -> dict[str, A
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and _SEED_RANGE[0] <= seed < _SEED_RANGE[1]):
         raise InvalidParam("seed", f"seed={seed!r} must be a 64-bit signed integer")
-    for key in ("stream", "ignore_eos"):
+    for key in ("stream", "ignore_eos", "speculative"):
         if body.get(key) not in (None, True, False):
             raise InvalidParam(key, f"{key}={body[key]!r} must be true or false")
     options = body.get("stream_options")
@@ -174,7 +178,7 @@ def _common(body: dict[str, Any], neutral: dict, max_tokens: Any) -> dict[str, A
             "temperature": float(temperature), "seed": seed, "stop": parse_stop(body.get("stop")),
             "stream": bool(body.get("stream")), "include_usage": bool(options.get("include_usage")),
             "priority": priority, "timeout_ms": timeout_ms,
-            "ignore_eos": bool(body.get("ignore_eos"))}
+            "ignore_eos": bool(body.get("ignore_eos")), "speculative": body.get("speculative")}
 
 
 def parse_completion(raw: bytes) -> GenerationRequest:

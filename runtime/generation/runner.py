@@ -10,7 +10,15 @@ so that the asyncio engine can run the middle one off the event loop::
     result = runner.commit(out, sampled, started_s)
 
 ``step()`` does all three in a row, for benchmarks and tests. All methods except
-``execute`` must be called from one thread; ``execute`` only reads ``out``.
+``execute`` must be called from one thread; ``execute`` reads ``out`` and only writes
+the proposed tokens into its chunks.
+
+Speculative decoding (``speculative_method`` ngram or draft; ``runtime.generation.spec``):
+``plan`` asks the ``SpecController`` how many slots each decoding sequence gets this
+step, ``execute`` has the proposer fill them, runs the model once over everything and
+verifies the proposals (``verify_greedy``, ``rejection_sample``), ``commit`` counts the
+proposed and accepted tokens (``spec_decode_*``, ``GenStepRow.spec_*``), feeds the
+controller and records its switches as ``speculation`` events.
 """
 
 from __future__ import annotations
@@ -26,7 +34,11 @@ from runtime.device import nvtx
 from runtime.engine.admission import deadline_of, priority_of
 from runtime.generation.config import GenerationConfig
 from runtime.generation.model import GenerationModel, make_sampler_state, sample
-from runtime.generation.scheduler import Scheduler, SchedulerOutput, Sequence, StepResult
+from runtime.generation.scheduler import (ScheduledChunk, Scheduler, SchedulerOutput, Sequence,
+                                          StepResult)
+from runtime.generation.spec import (DraftRequest, SpecController, SpecCounts, SpecSwitch,
+                                     make_proposer, rejection_sample, target_probs,
+                                     verify_greedy)
 
 OUTCOMES = ("ok", "expired", "cancelled", "error", "rejected")
 
@@ -34,7 +46,11 @@ OUTCOMES = ("ok", "expired", "cancelled", "error", "rejected")
 class StepRunner:
     def __init__(self, model: GenerationModel, config: GenerationConfig | None = None, *,
                  recorder: RecorderLike | None = None, instance_id: str = "local",
-                 clock: Any = None) -> None:
+                 clock: Any = None, draft_model: Any = None, proposer: Any = None) -> None:
+        """``draft_model``: the draft for ``speculative_method="draft"`` (default: the
+        model's own ``draft_model``, else the bundled one where it fits); ``proposer``: any
+        object with ``propose``/``release`` (``runtime.generation.spec``) used instead of
+        the one the method names (tests, experiments)."""
         config = config or model.generation_config or GenerationConfig.for_model(model.max_model_len)
         if model.max_model_len and config.max_model_len > model.max_model_len:
             raise ConfigError(f"max_model_len={config.max_model_len} exceeds what model "
@@ -56,6 +72,15 @@ class StepRunner:
         #: prompt tokens of the requests whose prefill completed (recomputation not counted)
         self.prompt_tokens = 0
         self.padding_rows = 0
+        self.device: Any = "cpu"
+        self._draft_model = draft_model
+        self._fixed_proposer = proposer
+        self.proposer = proposer if proposer is not None else make_proposer(config, model,
+                                                                             draft_model)
+        self.spec = SpecController()
+        self.spec_counts = SpecCounts()
+        #: the step's figures ``commit`` hands to ``_record_step``
+        self._step_spec: tuple[int, int] = (0, 0)
 
     @property
     def config(self) -> GenerationConfig:
@@ -67,14 +92,22 @@ class StepRunner:
 
     def setup(self, device: Any = "cpu") -> None:
         cfg = self.config
+        self.device = device
         self.model.setup(device, cfg.num_cache_blocks, cfg.block_size)
+        self._ready_proposer(self.proposer)
+
+    def _ready_proposer(self, proposer: Any) -> None:
+        if proposer is not None and hasattr(proposer, "setup"):
+            proposer.setup(self.device)
 
     # -- requests -------------------------------------------------------------------
     def new_sequence(self, prompt_ids: list[int], *, max_new_tokens: int | None = None,
                      priority: int | None = None, timeout_ms: float | None = None,
                      ignore_eos: bool = False, temperature: float = 0.0,
-                     seed: int | None = None) -> Sequence:
-        """Validate and queue a request; raises ClientError/ValidationError/QueueFull."""
+                     seed: int | None = None, speculative: bool | None = None) -> Sequence:
+        """Validate and queue a request; raises ClientError/ValidationError/QueueFull.
+        ``speculative``: False opts out of speculative decoding; True asks for it (a
+        model served without a proposer serves it without, and counts it)."""
         cfg = self.config
         now = self.clock.now()
         priority = priority_of(priority, cfg)
@@ -98,8 +131,13 @@ class StepRunner:
                        max_new_tokens=max_new, priority=priority, arrival_s=now,
                        deadline_s=deadline_s,
                        ignore_eos=bool(ignore_eos), temperature=float(temperature), seed=seed,
-                       sampler_state=make_sampler_state(float(temperature), seed))
+                       sampler_state=make_sampler_state(float(temperature), seed),
+                       speculate=speculative is not False)
         self.scheduler.add_request(seq)
+        if speculative is False:
+            self.spec_counts.requests_opted_out += 1
+        elif speculative and not (self.proposer is not None and cfg.speculating):
+            self.spec_counts.requests_without_proposer += 1
         return seq
 
     def abort(self, seq_id: int, outcome: str = "cancelled",
@@ -128,29 +166,111 @@ class StepRunner:
 
     # -- one step -------------------------------------------------------------------
     def plan(self) -> SchedulerOutput:
-        out = self.scheduler.schedule(self.clock.now())
+        k = 0
+        if self.proposer is not None:
+            k = self.spec.num_spec_tokens(self.config, len(self.scheduler.running))
+        out = self.scheduler.schedule(self.clock.now(), k)
         for seq in out.expired:
             self._record_end(seq)
+        for seq_id in out.preempted:  # recomputed from scratch when it resumes
+            self._release(seq_id)
         return out
 
-    def execute(self, out: SchedulerOutput) -> dict[int, int]:
-        """Run the model on ``out`` and sample one token per completing chunk."""
+    def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """Fill the proposal slots, run the model on ``out`` and pick each completing
+        chunk's tokens: one, or a verified proposal's accepted prefix and one more."""
+        probs = self._propose(out) if out.draft_slots else {}
         with nvtx.step_range(self.steps + 1, self.model_name, out.num_live_chunks,
-                             out.prefill_tokens, out.decode_tokens):
-            logits = self.model.step(out.chunks)
-        rows, ids = [], []
-        for row, chunk in enumerate(out.chunks):
+                             out.prefill_tokens, out.decode_tokens + out.draft_tokens):
+            logits = self.model.step(self._model_chunks(out))
+        rows, ids, picked = [], [], {}
+        row = 0
+        for chunk in out.chunks:
             if chunk.completes:
                 seq = self.scheduler.get(chunk.seq_id)
                 temperature = seq.temperature if seq is not None else 0.0
                 state = seq.sampler_state if seq is not None else None
-                rows.append((row, temperature, state))
-                ids.append(chunk.seq_id)
-        return dict(zip(ids, sample(logits, rows))) if rows else {}
+                if chunk.draft_ids:
+                    picked[chunk.seq_id] = self._verify(
+                        logits[row:row + chunk.num_logits], chunk.draft_ids,
+                        probs.get(chunk.seq_id), temperature, state)
+                else:
+                    rows.append((row, temperature, state))
+                    ids.append(chunk.seq_id)
+            row += chunk.num_logits
+        if rows:
+            picked.update((i, [t]) for i, t in zip(ids, sample(logits, rows)))
+        return picked
 
-    def commit(self, out: SchedulerOutput, sampled: dict[int, int], started_s: float) -> StepResult:
+    def _propose(self, out: SchedulerOutput) -> dict[int, Any]:
+        """Ask the proposer for each chunk with slots; put its tokens there. Returns the
+        distributions of the sequences whose guesses were drawn at random."""
+        proposer = self.proposer
+        chunks, requests = [], []
+        for chunk in out.chunks:
+            seq = self.scheduler.get(chunk.seq_id) if chunk.num_draft_slots else None
+            if seq is not None:
+                chunks.append(chunk)
+                requests.append(DraftRequest(seq, chunk.num_draft_slots))
+        if proposer is None or not requests:
+            return {}
+        self._ready_proposer(proposer)
+        probs = {}
+        for chunk, proposal in zip(chunks, proposer.propose(requests)):
+            chunk.add_drafts(proposal.token_ids)
+            out.draft_tokens += len(chunk.draft_ids)
+            if proposal.probs is not None and chunk.draft_ids:
+                probs[chunk.seq_id] = proposal.probs[:len(chunk.draft_ids)]
+        return probs
+
+    def _model_chunks(self, out: SchedulerOutput) -> list[ScheduledChunk]:
+        """``out.chunks``, or, for a model that returns one row per chunk, each chunk with
+        proposals as single-token chunks of the same sequence."""
+        if self.model.supports_num_logits or not out.draft_tokens:
+            return out.chunks
+        chunks = []
+        for c in out.chunks:
+            if c.num_logits == 1:
+                chunks.append(c)
+                continue
+            head = len(c.token_ids) - c.num_logits
+            if head:
+                chunks.append(ScheduledChunk(c.seq_id, c.token_ids[:head], c.start_pos,
+                                             c.block_table, False, False))
+            chunks.extend(ScheduledChunk(c.seq_id, [tok], c.start_pos + j, c.block_table,
+                                         True, True)
+                          for j, tok in enumerate(c.token_ids) if j >= head)
+        return chunks
+
+    @staticmethod
+    def _verify(logits: Any, draft_ids: list[int], draft_probs: Any, temperature: float,
+                state: Any) -> list[int]:
+        if temperature <= 0:
+            return verify_greedy(logits.argmax(dim=-1).tolist(), draft_ids)
+        import torch
+
+        p = target_probs(logits.float().cpu(), temperature)[None]
+        q = None if draft_probs is None else draft_probs[None]
+        tokens, counts = rejection_sample(p, torch.tensor([draft_ids]), q, state)
+        return tokens[0, :int(counts[0])].tolist()
+
+    def commit(self, out: SchedulerOutput, sampled: dict[int, Any], started_s: float) -> StepResult:
         now = self.clock.now()
+        batch = len(self.scheduler.running)
         result = self.scheduler.update_from_output(out, sampled, now)
+        drafted = accepted = 0
+        for chunk in out.chunks:
+            if chunk.draft_ids and chunk.seq_id in sampled:
+                n_acc = len(sampled[chunk.seq_id]) - 1
+                self.spec_counts.add(len(chunk.draft_ids), n_acc)
+                drafted += len(chunk.draft_ids)
+                accepted += n_acc
+        self._step_spec = (drafted, accepted)
+        if self.proposer is not None:
+            switch = self.spec.observe(self.config, batch, out.draft_slots > 0, drafted,
+                                       accepted, len(result.new_tokens), now - started_s)
+            if switch is not None:
+                self._emit_switch(switch, now)
         self.steps += 1
         self.tokens_generated += len(result.new_tokens)
         for seq, _ in result.new_tokens:
@@ -194,6 +314,15 @@ class StepRunner:
         """Validate ``changes`` (ConfigError, nothing changes) and apply them from the next step."""
         old = self.config
         new = old.with_runtime_changes(changes)
+        spec_keys = ("speculative_method", "prompt_lookup_min", "prompt_lookup_max",
+                     "num_speculative_tokens", "max_num_seqs")
+        if self._fixed_proposer is None and any(getattr(old, k) != getattr(new, k)
+                                                for k in spec_keys):
+            proposer = make_proposer(new, self.model, self._draft_model)  # may refuse
+            for seq in self.scheduler.running:
+                self._release(seq.seq_id)
+            self.proposer = proposer  # a draft model is set up at its first step
+            self.spec = SpecController()
         self.scheduler.config = new
         self.settings_version += 1
         changed = {k: v for k, v in new.to_dict().items() if old.to_dict()[k] != v}
@@ -206,6 +335,10 @@ class StepRunner:
                                      "requested_by": requested_by,
                                      "version": self.settings_version})))
         return self.settings_version, new
+
+    def _release(self, seq_id: int) -> None:
+        if self.proposer is not None:
+            self.proposer.release(seq_id)
 
     def flush_events(self) -> None:
         """Report preemptions still held back by the rate limit."""
@@ -226,6 +359,10 @@ class StepRunner:
             "tokens_generated": self.tokens_generated, "prompt_tokens": self.prompt_tokens,
             "padding_rows": self.padding_rows,
             "requests": dict(self.counts),
+            "speculation": {"method": self.config.speculative_method
+                            if self.proposer is not None else "none",
+                            "num_speculative_tokens": self.config.num_speculative_tokens,
+                            **self.spec_counts.as_dict()},
         }
 
     # -- records --------------------------------------------------------------------
@@ -237,14 +374,31 @@ class StepRunner:
         self._put(GenStepRow(
             instance_id=self.instance_id, model=self.model_name, at=self.clock.to_wall(now),
             mode=out.mode, running=out.num_live_chunks, waiting=out.num_waiting,
-            prefill_tokens=out.prefill_tokens, decode_tokens=out.decode_tokens,
+            prefill_tokens=out.prefill_tokens, decode_tokens=out.decode_tokens + out.draft_tokens,
             blocks_used=out.blocks_used, blocks_free=out.blocks_free,
-            preemptions=len(out.preempted), step_s=step_s))
+            preemptions=len(out.preempted), step_s=step_s,
+            spec_draft_tokens=out.draft_tokens if self.proposer is not None else None,
+            spec_accepted_tokens=self._step_spec[1] if self.proposer is not None else None))
+        self._step_spec = (0, 0)
         if out.preempted:
             self._preempted_pending.extend(out.preempted)
             last = self._last_preemption_event_s
             if last is None or now - last >= self.config.preemption_event_interval_s:
                 self._emit_preemptions(now)
+
+    def _emit_switch(self, switch: SpecSwitch, now: float) -> None:
+        top = switch.bucket
+        sizes = "1" if top == 1 else f"{top // 2 + 1}-{top}"
+        self._put(EventRow(
+            instance_id=self.instance_id, model=self.model_name, at=self.clock.to_wall(now),
+            kind="speculation", severity="info",
+            message=f"speculative decoding {'on' if switch.on else 'off'} at batch sizes "
+                    f"{sizes}: {switch.reason}",
+            details_json=json.dumps({
+                "on": switch.on, "batch_bucket": top, "cost_on_s": switch.cost_on_s,
+                "cost_off_s": switch.cost_off_s, "acceptance_rate": switch.acceptance_rate,
+                "method": self.config.speculative_method,
+                "num_speculative_tokens": self.config.num_speculative_tokens})))
 
     def _emit_preemptions(self, now: float) -> None:
         ids = self._preempted_pending
@@ -265,6 +419,7 @@ class StepRunner:
                 "waiting": len(sch.waiting)})))
 
     def _record_end(self, seq: Sequence) -> None:
+        self._release(seq.seq_id)
         self.counts[seq.outcome or "error"] = self.counts.get(seq.outcome or "error", 0) + 1
         end = seq.finished_s if seq.finished_s is not None else self.clock.now()
         n_out = len(seq.output_ids)

@@ -9,9 +9,18 @@ The caller drives it, passing the time in::
 
 Every sequence is described by its known tokens (prompt + generated so far) and how
 many of them already have KV entries (``num_computed``). A step computes the
-missing ones, capped by ``max_num_batched_tokens``: a long prompt is prefilled in
-chunks, a running sequence computes its one newest token. When a chunk reaches the
-end of a sequence's known tokens, the sampled token is appended.
+missing ones, capped by ``max_num_batched_tokens`` (and, per sequence, by
+``long_prefill_token_threshold``): a long prompt is prefilled in chunks, a running
+sequence computes its one newest token. When a chunk reaches the end of a sequence's
+known tokens, the sampled token is appended.
+
+Speculative decoding: ``schedule(now, num_spec_tokens=k)`` gives a running sequence
+that is decoding (and has not opted out) up to ``k`` more slots in its chunk, with
+their budget and KV blocks (never at the price of a preemption). The caller puts the
+proposed tokens there (``ScheduledChunk.add_drafts``), the model computes them all in
+one forward, and ``update_from_output`` appends the accepted prefix plus one more
+token, then rolls back what was rejected: ``num_computed`` stops before the newest
+token and the blocks beyond the sequence's tokens go back to the pool.
 
 Continuous mode: waiting requests join at the next step as long as their prompt's
 blocks fit, and a sequence leaves (freeing its blocks) as soon as it ends. When the
@@ -69,6 +78,8 @@ class Sequence:
     num_preemptions: int = 0
     #: sampling state kept across steps (e.g. a seeded torch.Generator)
     sampler_state: Any = None
+    #: False: this request opted out of speculative decoding
+    speculate: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +113,21 @@ class ScheduledChunk:
     is_decode: bool
     #: a static batch's finished member whose row is still computed (nothing is sampled)
     is_padding: bool = False
+    #: slots reserved after ``token_ids`` for proposed tokens (speculative decoding)
+    num_draft_slots: int = 0
+    #: the proposed tokens put in those slots (also appended to ``token_ids``)
+    draft_ids: list[int] = field(default_factory=list)
+    #: logits rows the model returns for this chunk: one per token of its last
+    #: ``num_logits`` tokens (1: the next-token logits after its last token)
+    num_logits: int = 1
+
+    def add_drafts(self, draft_ids: list[int]) -> None:
+        """Put proposed tokens in the reserved slots: they are computed after the chunk's
+        tokens, and the model returns the logits after each of them as well."""
+        draft_ids = list(draft_ids[:self.num_draft_slots])
+        self.draft_ids = draft_ids
+        self.token_ids = self.token_ids + draft_ids
+        self.num_logits = 1 + len(draft_ids)
 
 
 @dataclass
@@ -114,6 +140,10 @@ class SchedulerOutput:
     expired: list[Sequence] = field(default_factory=list)
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    #: slots reserved for proposed tokens (speculative decoding); the tokens actually
+    #: proposed are counted in ``draft_tokens`` once the caller filled them in
+    draft_slots: int = 0
+    draft_tokens: int = 0
     #: rows of finished static-batch members computed again (waste static batching pays)
     padding_tokens: int = 0
     num_running: int = 0
@@ -133,9 +163,13 @@ class SchedulerOutput:
 
 @dataclass
 class StepResult:
-    #: (sequence, token id) for every token generated this step, in chunk order
+    #: (sequence, token id) for every token generated this step, in chunk order (a
+    #: sequence that verified proposed tokens may get several, in its own order)
     new_tokens: list[tuple[Sequence, int]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
+    #: proposed tokens that were computed and then rejected, and blocks freed for them
+    rolled_back_tokens: int = 0
+    rolled_back_blocks: int = 0
 
 
 class Scheduler:
@@ -235,17 +269,27 @@ class Scheduler:
         return self._live.get(seq_id)
 
     # -- one step -------------------------------------------------------------------
-    def schedule(self, now: float) -> SchedulerOutput:
+    def schedule(self, now: float, num_spec_tokens: int = 0) -> SchedulerOutput:
+        """This step's chunks. ``num_spec_tokens``: slots for proposed tokens each decoding
+        sequence gets at most (0: no speculation this step; ignored in static mode)."""
         cfg = self.config
         out = SchedulerOutput(mode=cfg.mode)
         self._expire(now, out)
         budget = cfg.max_num_batched_tokens
         self.running.sort(key=Sequence.sort_key)
+        if cfg.mode == "static":
+            num_spec_tokens = 0
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            num_new = self._chunk_len(seq, budget)
+            slots = self._draft_slots(seq, num_new, budget, num_spec_tokens,
+                                      later=len(self.running) - i - 1)
+            if slots:
+                budget -= self._add_chunk(out, seq, num_new, slots)
+                i += 1
+                continue
             while not self.blocks.allocate(seq.seq_id, seq.num_computed + num_new):
                 victim = self.running[-1]  # lowest priority, newest
                 self._preempt(victim, out)
@@ -290,12 +334,17 @@ class Scheduler:
             seq.num_computed = chunk.start_pos + len(chunk.token_ids)
             if not chunk.completes:
                 continue
-            token = int(sampled[chunk.seq_id])
-            seq.output_ids.append(token)
-            if seq.first_token_s is None:
-                seq.first_token_s = now
-            result.new_tokens.append((seq, token))
-            reason = self._stop_reason(seq, token)
+            tokens = sampled[chunk.seq_id]
+            reason = None
+            for token in ([tokens] if isinstance(tokens, int) else tokens):
+                token = int(token)
+                seq.output_ids.append(token)
+                if seq.first_token_s is None:
+                    seq.first_token_s = now
+                result.new_tokens.append((seq, token))
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    break
             if reason is not None:
                 self.running.remove(seq)
                 keep_slot = out.mode == "static" and self.config.mode == "static"
@@ -303,6 +352,8 @@ class Scheduler:
                 if keep_slot:
                     self.padded.append(seq)
                 result.finished.append(seq)
+            elif chunk.num_draft_slots:
+                self._roll_back(seq, chunk, result)
         self._end_padding_if_batch_over()
         return result
 
@@ -318,19 +369,56 @@ class Scheduler:
         return failed
 
     # -- internals ------------------------------------------------------------------
-    def _add_chunk(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> int:
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        """How many of ``seq``'s missing tokens this step computes: the budget left, and
+        ``long_prefill_token_threshold`` for a long prompt."""
+        num_new = min(seq.num_tokens - seq.num_computed, budget)
+        threshold = self.config.long_prefill_token_threshold
+        return min(num_new, threshold) if threshold > 0 else num_new
+
+    def _draft_slots(self, seq: Sequence, num_new: int, budget: int, k: int, later: int) -> int:
+        """Slots for proposed tokens ``seq`` gets this step, its blocks allocated; 0 when it
+        is not decoding, opted out, is about to end, or the slots would not fit in the
+        budget or in the cache with a free block left for each of the ``later`` sequences
+        (speculation never preempts anyone)."""
+        if not (k and seq.speculate and seq.output_ids and num_new == 1
+                and seq.num_tokens - seq.num_computed == 1):
+            return 0
+        # every verified step yields one token more than it accepts: room for slots + 1
+        room = min(seq.max_new_tokens - len(seq.output_ids),
+                   self.config.max_model_len - seq.num_tokens)
+        slots = min(k, room - 1, budget - num_new)
+        if slots <= 0:
+            return 0
+        need = seq.num_computed + num_new + slots
+        if self.blocks.blocks_missing(seq.seq_id, need) + later > self.blocks.num_free:
+            return 0
+        self.blocks.allocate(seq.seq_id, need)
+        return slots
+
+    def _add_chunk(self, out: SchedulerOutput, seq: Sequence, num_new: int,
+                   draft_slots: int = 0) -> int:
         start = seq.num_computed
         stop = start + num_new
         is_decode = num_new == 1 and bool(seq.output_ids) and stop == seq.num_tokens
         out.chunks.append(ScheduledChunk(
             seq_id=seq.seq_id, token_ids=seq.token_slice(start, stop), start_pos=start,
             block_table=self.blocks.block_table(seq.seq_id), completes=stop == seq.num_tokens,
-            is_decode=is_decode))
+            is_decode=is_decode, num_draft_slots=draft_slots))
         if is_decode:
             out.decode_tokens += 1
         else:
             out.prefill_tokens += num_new
-        return num_new
+        out.draft_slots += draft_slots
+        return num_new + draft_slots
+
+    def _roll_back(self, seq: Sequence, chunk: ScheduledChunk, result: StepResult) -> None:
+        """After a verified step: the newest token has no KV entry yet, the positions of
+        rejected proposals are forgotten and the blocks past the sequence's tokens freed."""
+        computed = min(seq.num_computed, seq.num_tokens - 1)
+        result.rolled_back_tokens += seq.num_computed - computed
+        seq.num_computed = computed
+        result.rolled_back_blocks += self.blocks.truncate(seq.seq_id, seq.num_tokens)
 
     def _add_padding_chunk(self, out: SchedulerOutput, seq: Sequence) -> int:
         # the last computed position again: its slot is allocated and its values do not change
@@ -371,7 +459,7 @@ class Scheduler:
                 return  # strict order: a large request is not overtaken by smaller ones
             self.blocks.allocate(seq.seq_id, seq.num_tokens)
             self._start_running(out, seq, now)
-            budget -= self._add_chunk(out, seq, min(seq.num_tokens - seq.num_computed, budget))
+            budget -= self._add_chunk(out, seq, self._chunk_len(seq, budget))
 
     def _admit_static_batch(self, out: SchedulerOutput, budget: int, now: float) -> None:
         cfg = self.config
@@ -386,7 +474,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            budget -= self._add_chunk(out, seq, min(seq.num_tokens - seq.num_computed, budget))
+            budget -= self._add_chunk(out, seq, self._chunk_len(seq, budget))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -25,6 +25,8 @@ class SteppedModel(GenerationModel):
         self.vocab_size = inner.vocab_size
         self.max_model_len = inner.max_model_len
         self.tokenizer = inner.tokenizer
+        self.supports_num_logits = inner.supports_num_logits  # type: ignore[misc]
+        self.draft_model = inner.draft_model
         self.gate_timeout_s = gate_timeout_s
         self.steps_done = 0
         self.chunks_seen: list[list[ScheduledChunk]] = []

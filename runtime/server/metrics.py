@@ -16,7 +16,16 @@ time per output token is observed once per token after its first, so the sum and
 count are exact), ``prompt_tokens_total``, ``generation_tokens_total`` and
 ``num_preemptions_total`` (counters), ``num_requests_running``,
 ``num_requests_waiting`` and ``kv_cache_usage_perc`` (gauges, 1 = every block in
-use), the last four read from the generation engine's stats at scrape time.
+use), the last four read from the generation engine's stats at scrape time. Also as
+vLLM: ``iteration_tokens_total`` (histogram of the tokens computed per step, from the
+step records), ``request_prefill_time_seconds`` (first step to first token),
+``request_decode_time_seconds`` (first token to last) and ``inter_token_latency_seconds``
+(a request's mean gap between tokens, observed once per token after its first), and,
+read at scrape time, the speculative-decoding counters ``spec_decode_num_drafts``,
+``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
+``spec_decode_num_accepted_tokens_per_pos`` (label ``position``, from 0), with
+``spec_decode_requests_without_proposer`` (requests that asked for speculation from a
+model served without it).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from batchscope.storage.records import BatchRow, RequestBatch, RequestRow, TraceRow
+from batchscope.storage.records import BatchRow, GenStepRow, RequestBatch, RequestRow, TraceRow
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -60,7 +69,12 @@ class _ScrapeCollector:
                                       "Requests in the batch running now", labels=["model"])
         eff = GaugeMetricFamily("batchscope_effective_max_batch_size",
                                 "Max batch size after OOM backoff", labels=["model"])
+        truncated = CounterMetricFamily("batchscope_truncated_inputs",
+                                        "Inputs cut to the model's length limit (a text longer "
+                                        "than its tokenizer's maximum)", labels=["model"])
         for model, st in self._stats().items():
+            if st.get("truncated_inputs") is not None:
+                truncated.add_metric([model], float(st["truncated_inputs"]))
             depth.add_metric([model], float(st.get("queue_depth", 0)))
             in_flight.add_metric([model], float(st.get("in_flight", 0)))
             if st.get("effective_max_batch_size") is not None:
@@ -69,7 +83,7 @@ class _ScrapeCollector:
                                     "Records the database recorder dropped since start (its "
                                     "buffer was full or the database refused them)")
         drops.add_metric([], float(self._dropped()))
-        out = [depth, in_flight, eff, drops]
+        out = [depth, in_flight, eff, drops, truncated]
         spans = self._spans_dropped()
         if spans is not None:  # only while spans are exported (--otlp-traces-endpoint)
             lost = CounterMetricFamily("batchscope_trace_spans_dropped",
@@ -85,8 +99,24 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+#: (stats key, series name, help) of the speculative-decoding counters
+_SPEC_COUNTERS = (
+    ("num_drafts", "spec_decode_num_drafts", "Speculative decoding: verifications of "
+                                             "proposed tokens"),
+    ("num_draft_tokens", "spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens"),
+    ("num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Speculative decoding: proposed tokens accepted"),
+    ("requests_without_proposer", "spec_decode_requests_without_proposer",
+     "Requests that asked for speculative decoding from a model served without it (served "
+     "without)"),
+)
 
 
 class _GenerationCollector:
@@ -114,6 +144,12 @@ class _GenerationCollector:
         generated = family(CounterMetricFamily, "generation_tokens", "Generated tokens")
         preemptions = family(CounterMetricFamily, "num_preemptions",
                              "Sequences preempted because the KV cache ran short")
+        spec_counters = [(key, family(CounterMetricFamily, name, doc))
+                         for key, name, doc in _SPEC_COUNTERS]
+        per_pos = CounterMetricFamily("batchscope_spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative decoding: accepted tokens by their position "
+                                      "among the proposed ones (0 first)",
+                                      labels=["model_name", "position"])
         for model, st in self._stats().items():
             blocks = st.get("num_cache_blocks")
             if not blocks:
@@ -124,7 +160,14 @@ class _GenerationCollector:
             prompt.add_metric([model], float(st.get("prompt_tokens", 0)))
             generated.add_metric([model], float(st.get("tokens_generated", 0)))
             preemptions.add_metric([model], float(st.get("preemptions", 0)))
-        return [running, waiting, usage, prompt, generated, preemptions]
+            spec = st.get("speculation")
+            if spec:
+                for key, counter in spec_counters:
+                    counter.add_metric([model], float(spec[key]))
+                for pos, n in enumerate(spec["accepted_per_pos"]):
+                    per_pos.add_metric([model, str(pos)], float(n))
+        return [running, waiting, usage, prompt, generated, preemptions,
+                *(c for _, c in spec_counters), per_pos]
 
 
 def _append(groups: dict[Any, list[float]], key: Any, value: float) -> None:
@@ -194,6 +237,21 @@ class MetricsRecorder:
         self.e2e_seconds = Histogram("batchscope_e2e_request_latency_seconds",
                                      "Generation: arrival to last token of finished requests",
                                      ["model_name"], buckets=_E2E_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram("batchscope_iteration_tokens_total",
+                                          "Generation: tokens computed per step (prefill "
+                                          "chunks, decode and proposed tokens)",
+                                          ["model_name"], buckets=_ITERATION_TOKEN_BUCKETS,
+                                          registry=r)
+        self.prefill_seconds = Histogram("batchscope_request_prefill_time_seconds",
+                                         "Generation: first step to first token",
+                                         ["model_name"], buckets=_TTFT_BUCKETS, registry=r)
+        self.decode_seconds = Histogram("batchscope_request_decode_time_seconds",
+                                        "Generation: first token to last", ["model_name"],
+                                        buckets=_E2E_BUCKETS, registry=r)
+        self.itl_seconds = Histogram("batchscope_inter_token_latency_seconds",
+                                     "Generation: a request's mean time between tokens, once "
+                                     "per token after its first", ["model_name"],
+                                     buckets=_ITL_BUCKETS, registry=r)
         self._stats = stats or (lambda: {})
         self._dropped = dropped or (lambda: 0)
         self._spans_dropped: Callable[[], int | None] = lambda: None
@@ -259,6 +317,9 @@ class MetricsRecorder:
                 _append(observations, ch[0], record.batch_size)
                 _append(observations, ch[1], record.compute_s)
                 counts[ch[2]] = counts.get(ch[2], 0) + 1
+            elif kind is GenStepRow:
+                _append(observations, self.iteration_tokens.labels(record.model),
+                        record.prefill_tokens + record.decode_tokens)
             elif kind is TraceRow:
                 child = self.traced.labels(record.model, record.protocol)
                 counts[child] = counts.get(child, 0) + 1
@@ -272,10 +333,16 @@ class MetricsRecorder:
         if row.ttft_s is not None:
             _append(observations, self.ttft_seconds.labels(model), row.ttft_s)
         if row.tpot_s is not None and row.output_tokens and row.output_tokens > 1:
-            observations.setdefault(self.tpot_seconds.labels(model), []).extend(
-                [row.tpot_s] * (row.output_tokens - 1))
+            gaps = [row.tpot_s] * (row.output_tokens - 1)
+            observations.setdefault(self.tpot_seconds.labels(model), []).extend(gaps)
+            observations.setdefault(self.itl_seconds.labels(model), []).extend(gaps)
         if row.outcome == "ok":
             _append(observations, self.e2e_seconds.labels(model), row.latency_s)
+            if row.ttft_s is not None:
+                _append(observations, self.prefill_seconds.labels(model),
+                        max(0.0, row.ttft_s - row.queue_wait_s))
+                _append(observations, self.decode_seconds.labels(model),
+                        max(0.0, row.latency_s - row.ttft_s))
 
     def _batch_child(self, b: BatchRow) -> tuple:
         key = (b.model, b.outcome)

@@ -31,6 +31,7 @@ import threading
 import uuid
 from typing import Any, Callable, Iterator
 
+from batchscope.version import version
 from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.api.model import ModelAPI
 from runtime.server.auth import AuthConfig, auth_for_listening
@@ -42,7 +43,8 @@ from runtime.server.metrics import MetricsRecorder
 
 log = logging.getLogger("batchscope.server")
 
-VERSION = "0.1.0"
+#: the installed BatchScope's version, as ``batchscope --version`` says it
+VERSION = version()
 #: idle keep-alive connections stay open this long (load generators reuse them)
 KEEP_ALIVE_S = 60
 #: the default drain timeout: from the signal to the end of ``serve()``, at most this
@@ -172,6 +174,9 @@ class Service:
             for gen in self.generation.engines.values():
                 gen.tracer = self.engine.tracer
         self.on_started = on_started
+        self._recorder = recorder
+        #: every served model, for the start-up event saying what serves each
+        self._all_models: dict[str, Any] = {**models, **(generation or {})}
         from runtime.server.openai_api import openai_routes
 
         extra_routes = openai_routes(self.engine, self.generation.engines
@@ -240,10 +245,32 @@ class Service:
         return self.db_recorder.dropped if self.db_recorder is not None else 0
 
     # -- lifecycle ------------------------------------------------------------------------
+    def _record_models(self) -> None:
+        """One ``model_loaded`` event per model: which backend serves it, from where, with
+        which options (the metadata's ``platform`` and ``source``), for the dashboard and
+        snapshots."""
+        import json
+
+        from batchscope.storage.records import EventRow
+
+        clock = self.engine.tracer.clock
+        for name, model in self._all_models.items():
+            meta = model.metadata()
+            platform = meta.get("platform", "pytorch")
+            source = meta.get("source") or {"kind": "python", "class": type(model).__qualname__,
+                                             "module": type(model).__module__}
+            where = source.get("path") or f"{source.get('module')}.{source.get('class')}"
+            self._recorder.put(EventRow(
+                instance_id=self.instance_id, model=name, at=clock.to_wall(clock.now()),
+                kind="model_loaded", severity="info",
+                message=f"{name!r} is served by {platform} from {where}",
+                details_json=json.dumps({"platform": platform, "source": source}, default=str)))
+
     async def startup(self) -> None:
         if self.db_recorder is not None:
             self.db_recorder.start()
         await self.engine.start()
+        self._record_models()
         self.autopilot.start()
         if self.generation is not None:
             await self.generation.start()

@@ -239,9 +239,6 @@ def load_models(specs: Sequence[str]) -> tuple[dict, dict]:
             raise UsageError(f"two models are named {model.name!r}; serve one under another name "
                              f"with NAME=SPEC, e.g. --model {model.name}2={spec}")
         (generation if is_generation_model(model) else models)[model.name] = model
-    if not models:
-        raise UsageError("serve at least one request/response model (e.g. --model mlp) next to "
-                         "the generation model(s)")
     return models, generation
 
 
@@ -731,6 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="batchscope", description="BatchScope: batching inference runtime "
                                                     "with a live observability dashboard")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_serve(sub)
     _add_load(sub)
@@ -749,8 +748,18 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
+def version_line() -> str:
+    """What ``batchscope --version`` prints: ``batchscope 0.1.0``."""
+    from batchscope.version import version
+
+    return f"batchscope {version()}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--version"]:
+        print(version_line())
+        return 0
     try:
         if argv[:1] == ["snapshot"]:
             return _snapshot(argv[1:])

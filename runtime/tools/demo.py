@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from batchscope.storage.db import default_url
     from runtime.tools.cli import load_models
-    from runtime.server.service import Service, ServiceThread
+    from runtime.server.service import VERSION, Service, ServiceThread
 
     torch.set_num_threads(max(1, args.torch_threads))
     specs = ["mlp", "encoder"] + ([] if args.no_generation else ["decoder"])
@@ -198,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = dict(CONFIGS)
     if args.no_autopilot:
         configs = {name: replace(c, autopilot_slo_p99_ms=None) for name, c in configs.items()}
-    service = Service(models, configs, server, generation=generation, version="0.1.0-demo")
+    service = Service(models, configs, server, generation=generation, version=f"{VERSION}-demo")
     runner = ServiceThread(service, host=args.host, port=args.port)
     url = runner.start()
     print(f"batchscope demo on {url}  models: {', '.join(specs)}  database: "

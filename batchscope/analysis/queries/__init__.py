@@ -28,7 +28,8 @@ from __future__ import annotations
 import pandas as pd
 from sqlalchemy import Engine, text
 
-from batchscope.analysis.queries.catalog import event_counts, events, instances, model_kinds, models
+from batchscope.analysis.queries.catalog import (event_counts, events, instances, model_kinds,
+                                                 model_sources, models)
 from batchscope.analysis.queries.live import summary_frames
 from batchscope.analysis.queries.raw import (
     batch_sizes, batch_timeline, device_timeline, generation_summary, generation_timeline,
@@ -42,7 +43,7 @@ __all__ = [
     "EXACT_PERCENTILES_MAX_OK", "NICE_BUCKETS_S", "PCTS", "RAW", "Resolution", "Window",
     "batch_sizes", "batch_timeline", "device_timeline", "event_counts", "events",
     "generation_summary", "generation_timeline", "headline", "instances", "live_bundle",
-    "model_kinds", "model_share", "models", "nearest_rank", "padding_by_bucket",
+    "model_kinds", "model_share", "model_sources", "models", "nearest_rank", "padding_by_bucket",
     "priority_stats", "raw_bundle", "request_timeline", "tail_breakdown",
 ]
 

@@ -66,3 +66,33 @@ def event_counts(engine: Engine, w: Window) -> pd.DataFrame:
     where, params = in_window(w, "at")
     return read_frame(engine, f"SELECT kind, COUNT(*) AS events FROM events WHERE {where} "
                        "GROUP BY kind ORDER BY kind", params)
+
+
+def model_sources(engine: Engine, instance_id: str | None = None) -> pd.DataFrame:
+    """What serves each model of each instance (its latest ``model_loaded`` event):
+    instance_id, model, platform (``pytorch``, ``onnxruntime_onnx``, ...) and ``source``,
+    a short text of where it was loaded from and with which options."""
+    params: dict = {}
+    only = ""
+    if instance_id is not None:
+        only = "AND instance_id = :inst"
+        params["inst"] = instance_id
+    df = read_frame(engine, f"""
+        SELECT e.instance_id, e.model, e.details_json FROM events e
+        JOIN (SELECT instance_id, model, MAX(at) AS at FROM events
+              WHERE kind = 'model_loaded' {only} GROUP BY instance_id, model) latest
+          ON e.instance_id = latest.instance_id AND e.model = latest.model AND e.at = latest.at
+        WHERE e.kind = 'model_loaded'""", params)
+    rows = []
+    for inst, model, raw in zip(df["instance_id"], df["model"], df["details_json"]):
+        details = json.loads(raw or "{}")
+        source = details.get("source") or {}
+        where = source.get("path") or ".".join(str(source[k]) for k in ("module", "class")
+                                                if source.get(k))
+        options = ", ".join(f"{k}={v}" for k, v in source.items()
+                            if k not in ("path", "module", "class", "kind") and v not in (None, {}, []))
+        rows.append({"instance_id": inst, "model": model,
+                     "platform": details.get("platform", "pytorch"),
+                     "source": where + (f" ({options})" if options else "")})
+    return pd.DataFrame(rows, columns=["instance_id", "model", "platform", "source"]).drop_duplicates(
+        ["instance_id", "model"])

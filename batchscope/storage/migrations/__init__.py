@@ -15,6 +15,8 @@
   schema version 6).
 * ``0006_batch_memory_increase``: a batch's own peak memory increase beside the
   device's absolute peak (schema version 7).
+* ``0007_generation_step_speculation``: the proposed and accepted tokens of each
+  generation step (speculative decoding; schema version 8).
 
 A new revision: a file here with the next number, ``down_revision`` the last one, its
 ``upgrade`` written against the tables as the previous revisions left them (never

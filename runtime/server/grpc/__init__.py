@@ -7,7 +7,7 @@
     server.py     GrpcServer: grpc.aio on the engine's loop, its bounds and its stop
 
 ``tritonclient.grpc`` (and any client built from KServe's ``grpc_predict_v2.proto``)
-talks to it unchanged; see "gRPC" in README.md.
+talks to it unchanged; see "gRPC" in docs/protocols.md.
 """
 
 from runtime.server.grpc.server import GrpcServer

@@ -1,0 +1,145 @@
+"""``compile``: a model's ``predict`` through ``torch.compile``, in whichever process runs it.
+
+The setting takes ``off`` or one of torch.compile's modes: ``default``,
+``reduce-overhead`` (on CUDA, torch records CUDA graphs of the compiled code itself) or
+``max-autotune`` (also searches kernel configurations: long compiles, fastest kernels).
+``compiled_predict(model, mode)`` gives the callable ``run_batch`` uses, made once per
+model and mode in the process that runs its batches (the device process, or the
+serving process' device thread) and kept while the mode stays.
+
+Compiling happens when the setting takes effect, on the first batch after it: before
+that batch runs, ``warm_up`` runs the compiled ``predict`` on synthetic batches of
+different sizes and lengths (made from the declared inputs), so torch compiles once,
+once more with the batch and length dimensions dynamic, and once for a batch of one
+(torch specialises sizes 0 and 1); later batches of any size reuse those graphs (a
+request of length 1 compiles one more, on first use). A model that refuses synthetic inputs compiles on its first
+real batches instead. Either way the time is booked as a ``compile`` event (from
+dynamo's counters), the batch that carried the setting runs without an execution
+timeout, and other models sharing the device process wait while it compiles: turn
+``compile`` on at start (``--set NAME.compile=default``), not under load.
+
+How it relates to ``cuda_graphs``: both remove per-batch launch overhead on a GPU;
+``cuda_graphs`` replays graphs of the eager model captured per batch size by the
+runtime, ``reduce-overhead`` has torch capture graphs of the compiled model. Turn on
+one, not both: with ``compile`` on, ``cuda_graphs`` is ignored for that model. On the
+CPU, ``default`` fuses element-wise work into C++ kernels; whether that pays off is
+model-specific (``benchmarks/bench_compile.py`` measures it per model and batch size).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from runtime.api.model import DATATYPES
+
+MODES = ("off", "default", "reduce-overhead", "max-autotune")
+#: (batch size, length) of the warm-up batches: two shapes that differ in both, so the
+#: second compile leaves both dimensions dynamic, then a batch of one (torch gives sizes
+#: 0 and 1 graphs of their own) with the length already dynamic
+WARM_UP_SHAPES = ((2, 8), (3, 16), (1, 8))
+
+_compiled: "weakref.WeakKeyDictionary[Any, tuple[str, Callable]]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+@dataclass(slots=True)
+class Compiled:
+    predict: Callable
+    #: seconds spent compiling when it was made (the warm-up); 0 when reused
+    warm_up_s: float = 0.0
+    #: why compiling failed when it was made (``predict`` is then the eager one)
+    error: str | None = None
+
+
+def compiled_already(model: Any, mode: str) -> bool:
+    """Whether ``model`` is compiled (or tried) with ``mode`` in this process: the next
+    batch will not compile it from scratch."""
+    held = _compiled.get(model)
+    return mode == "off" or (held is not None and held[0] == mode)
+
+
+def compiled_predict(model: Any, mode: str, clock: Any) -> Compiled | None:
+    """``model.predict`` compiled with ``mode`` (None for ``off``); the first call for a
+    model and mode compiles it on synthetic batches (``warm_up``) before returning. When
+    torch cannot compile it (no C++ compiler, an operation inductor lacks), the model
+    stays eager and ``error`` says why, once."""
+    if mode == "off":
+        return None
+    with _lock:
+        held = _compiled.get(model)
+        if held is not None and held[0] == mode:
+            return Compiled(held[1])
+        import torch
+
+        fn = torch.compile(model.predict, mode=mode)
+        started = clock.now()
+        try:
+            warm_up(model, fn)
+        except CompileFailed as exc:
+            _compiled[model] = (mode, model.predict)
+            return Compiled(model.predict, clock.now() - started, str(exc))
+        _compiled[model] = (mode, fn)
+        return Compiled(fn, clock.now() - started)
+
+
+class CompileFailed(Exception):
+    """The model runs eagerly on a synthetic batch but not compiled."""
+
+
+def synthetic_inputs(model: Any, length: int) -> dict[str, np.ndarray] | None:
+    """One request's inputs of the declared shapes (variable axes ``length`` long):
+    zeros, or the text "a" for BYTES; None when an input's shape cannot be made."""
+    out: dict[str, np.ndarray] = {}
+    for spec in model.inputs:
+        if getattr(spec, "optional", False) and out:
+            continue
+        shape = tuple(length if d == -1 else d for d in spec.shape)
+        if spec.datatype == "BYTES":
+            arr = np.empty(shape, dtype=object)
+            arr[...] = b"a " * (length // 2)
+        else:
+            arr = np.zeros(shape, dtype=DATATYPES[spec.datatype])
+        out[spec.name] = arr
+    return out or None
+
+
+def warm_up(model: Any, fn: Callable) -> int:
+    """Run ``fn`` on synthetic batches of ``WARM_UP_SHAPES`` so that compiling happens
+    now rather than inside a client's batch; how many ran (0: the model refused the
+    synthetic inputs, and compiling happens on the first batches instead). Raises
+    ``CompileFailed`` when the eager model runs a batch the compiled one fails on."""
+    import torch
+
+    limit = getattr(model, "max_length", None) or 16
+    ran = 0
+    for n, length in WARM_UP_SHAPES:
+        inputs = synthetic_inputs(model, min(length, limit))
+        try:
+            item = model.decode(inputs)
+            with torch.inference_mode():  # as run_batch collates: same tensor kind, same guards
+                batch = model.collate([item] * n, None)
+                model.predict(batch)
+        except Exception:  # noqa: BLE001 - a model may refuse made-up inputs
+            return ran
+        try:
+            with torch.inference_mode():
+                fn(batch)
+        except Exception as exc:  # noqa: BLE001 - eager ran: the compiler failed
+            first = str(exc).strip().splitlines()
+            raise CompileFailed(f"{type(exc).__name__}: {first[0] if first else ''}"[:300]) from None
+        ran += 1
+    return ran
+
+
+def compiled_frames() -> int:
+    """How many graphs dynamo has compiled in this process so far."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return 0
+    return int(counters["stats"].get("unique_graphs", 0))

@@ -1,0 +1,105 @@
+"""``compile``: predict through torch.compile, compiled when the setting takes effect.
+
+Real torch.compile (inductor, C++ on the CPU). Whether a call compiled is read from
+dynamo's graph counter, so the assertions count graphs, never seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from batchscope.storage.records import EventRow, ListRecorder
+from runtime.api.config import BatchingConfig
+from runtime.device import compiled as compiled_mod
+from runtime.device.compiled import compiled_frames, synthetic_inputs
+from runtime.device.executor import run_batch
+from runtime.engine.engine import Engine
+from runtime.models.toys import DoubleModel, VarLenModel
+from runtime.core.clock import MonotonicClock
+
+pytestmark = pytest.mark.slow
+CPU = torch.device("cpu")
+
+
+def batch(model, n, length=4):
+    return [model.decode({"INPUT0": np.arange(length, dtype=np.float32) + i}) for i in range(n)]
+
+
+class Smooth(VarLenModel):
+    """A variable-length model whose predict is all tensor work (nothing dynamo must
+    specialise on)."""
+
+    def predict(self, batch):
+        return torch.tanh(batch * 0.5).sum(dim=1), batch.shape[1]
+
+
+def test_compiles_once_on_synthetic_batches_then_reuses_one_graph_for_every_size():
+    model = Smooth()
+    model.setup(CPU)
+    cfg = BatchingConfig(compile="default")
+    clock = MonotonicClock()
+    before = compiled_frames()
+    items = batch(model, 3, 5)
+    first = run_batch(model, items, [5] * 3, None, None, cfg, True, CPU, clock)
+    [a] = first
+    assert a.outcome == "ok" and a.compile_s > 0 and a.compile_error is None
+    warm = compiled_frames()
+    assert warm > before  # the warm-up compiled, before the real batch ran
+    eager = model.split(model.predict(model.collate(items, None)), 3)
+    for got, want in zip(a.outputs, eager):
+        np.testing.assert_allclose(got["SUM"], want["SUM"], rtol=1e-6)
+    for n, length in ((1, 3), (7, 11), (5, 2), (1, 9)):  # new sizes and lengths: no new graph
+        [b] = run_batch(model, batch(model, n, length), [length] * n, None, None, cfg, True, CPU, clock)
+        assert b.outcome == "ok" and b.compile_s == 0
+    assert compiled_frames() == warm
+
+
+def test_synthetic_inputs_follow_the_declared_shapes():
+    model = Smooth()
+    inputs = synthetic_inputs(model, 6)
+    assert list(inputs) == ["INPUT0"] and inputs["INPUT0"].shape == (6,)
+    assert inputs["INPUT0"].dtype == np.float32
+
+
+def test_a_compiler_that_fails_leaves_the_model_eager_and_says_why():
+    import torch._inductor.config as inductor
+
+    model = DoubleModel()
+    model.setup(CPU)
+    cfg = BatchingConfig(compile="max-autotune")
+    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):  # a machine without a compiler
+        [a] = run_batch(model, batch(model, 2), None, None, None, cfg, False, CPU, MonotonicClock())
+    assert a.outcome == "ok" and a.compile_error
+    assert [o["OUTPUT0"].tolist() for o in a.outputs] == [[0, 2, 4, 6], [2, 4, 6, 8]]
+    [b] = run_batch(model, batch(model, 2), None, None, None, cfg, False, CPU, MonotonicClock())
+    assert b.outcome == "ok" and b.compile_error is None  # said once
+    assert compiled_mod.compiled_already(model, "max-autotune")
+
+
+def test_the_engine_books_a_compile_event_and_answers_every_request():
+    rec = ListRecorder()
+    cfg = BatchingConfig(max_batch_size=8, compile="default")
+    model = DoubleModel()
+    engine = Engine({"double": model}, {"double": cfg}, recorder=rec)
+
+    async def main() -> list:
+        await engine.start()
+        try:
+            results = await asyncio.gather(*[
+                engine.infer("double", {"INPUT0": np.full(4, float(i), dtype=np.float32)})
+                for i in range(6)])
+        finally:
+            await engine.stop()
+        return results
+
+    results = asyncio.run(asyncio.wait_for(main(), 300))
+    assert [float(r["OUTPUT0"][0]) for r in results] == [2.0 * i for i in range(6)]
+    events = [e for e in rec.of(EventRow) if e.kind.startswith("compile")]
+    assert [e.kind for e in events] == ["compile"], [e.message for e in events]
+    details = json.loads(events[0].details_json)
+    assert details["mode"] == "default" and details["compile_s"] > 0
