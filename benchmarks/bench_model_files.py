@@ -92,7 +92,7 @@ def infinity_python(given: str | None, install: bool) -> str | None:
     return str(python)
 
 
-def embedding_servers(duration_s: float, infinity: str | None) -> list[dict]:
+def embedding_servers(duration_s: float, infinity: str | None, open_duration_s: float) -> list[dict]:
     model_dir = minilm_dir()
     port = free_port()
     servers: list[tuple[str, list[str], dict]] = [
@@ -105,7 +105,8 @@ def embedding_servers(duration_s: float, infinity: str | None) -> list[dict]:
     ]
     if infinity:
         iport = free_port()
-        servers.append(("infinity", [infinity, "-m", "infinity_emb.cli", "v2", "--model-id", model_dir,
+        cli = str(Path(infinity).parent / "infinity_emb")
+        servers.append(("infinity", [cli, "v2", "--model-id", model_dir,
                                      "--served-model-name", "emb", "--port", str(iport),
                                      "--engine", "torch", "--device", "cpu", "--no-bettertransformer"],
                         {"path": "/embeddings", "url": f"http://127.0.0.1:{iport}",
@@ -127,7 +128,7 @@ def embedding_servers(duration_s: float, infinity: str | None) -> list[dict]:
                      health=how.get("health", "/v2/health/ready"), env=how.get("env"),
                      timeout_s=300) as url:
             print(f"{row['server']}:", flush=True)
-            row["open"] = measure(url, "emb", row["path"], duration_s, rate=rate)
+            row["open"] = measure(url, "emb", row["path"], open_duration_s, rate=rate)
     return rows
 
 
@@ -143,9 +144,9 @@ def onnx_section(duration_s: float, workdir: Path) -> dict:
                                  duration_s=3.0)
     print(f"onnx encoder offline, sorted batches of 32: {offline.items_per_s:.1f} items/s", flush=True)
     with process(serve_cmd(models=[f"enc=onnx:{path}"]), ready="on http://", timeout_s=300) as url:
-        run_load(url, "enc", concurrency=CLIENTS, duration_s=2.0, lengths="8..128")
+        run_load(url, "enc", concurrency=CLIENTS, duration_s=2.0, lengths="uniform:8:128")
         report = run_load(url, "enc", concurrency=CLIENTS, duration_s=duration_s,
-                          lengths="8..128").to_dict()
+                          lengths="uniform:8:128").to_dict()
     print(f"onnx encoder served, c={CLIENTS}: {report['throughput_rps']:.1f} req/s", flush=True)
     return {"offline_items_per_s": offline.items_per_s, "served": report,
             "served_vs_offline": report["throughput_rps"] / offline.items_per_s}
@@ -189,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration-s", type=float, default=10.0, help="measuring time per load run")
+    parser.add_argument("--open-duration-s", type=float, default=30.0,
+                        help="measuring time of each open-loop run (its p99 needs many requests)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
     parser.add_argument("--infinity-python", help="a Python with infinity-emb installed")
     parser.add_argument("--install-infinity", action="store_true",
@@ -203,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             infinity = infinity_python(args.infinity_python, args.install_infinity)
             if infinity is None:
                 print("infinity: not installed (pass --install-infinity); left out", flush=True)
-            rows = embedding_servers(args.duration_s, infinity)
+            rows = embedding_servers(args.duration_s, infinity, args.open_duration_s)
             by = {r["server"]: r for r in rows}
             hf = by["batchscope hf:"]
             out["embeddings"] = [{k: v for k, v in r.items() if k not in ("cmd", "how")} for r in rows]

@@ -35,6 +35,8 @@ COMPILE_MARKER = "compilation"
 COMPILE_KINDS = ("compile", "compile_failed")
 SPECULATION_MARKER = "speculation switched"
 GENERATION_PANELS = ("sequences", "tokens per step", "KV cache blocks used", "preemptions")
+#: the generation chart's third row, drawn when a step in the window had a proposer
+SPECULATION_PANELS = ("speculation: acceptance rate", "speculation: tokens per verification")
 
 #: chart key -> title (keys are what diagnosis flags point at)
 CHARTS: dict[str, str] = {
@@ -69,11 +71,15 @@ def _template() -> dict:
 @functools.cache
 def _grid_json(kind: str) -> dict:
     """The layout ``make_subplots`` gives a grid, without its template: ``secondary_y``
-    (one plot, a second y axis on the right) or ``generation`` (two by two, titled)."""
+    (one plot, a second y axis on the right), ``generation`` (two by two, titled) or
+    ``speculation`` (the generation grid with a third row for speculation)."""
     from plotly.subplots import make_subplots
 
     if kind == "secondary_y":
         fig = make_subplots(specs=[[{"secondary_y": True}]])
+    elif kind == "speculation":
+        fig = make_subplots(rows=3, cols=2, shared_xaxes=True, vertical_spacing=0.09,
+                            subplot_titles=GENERATION_PANELS + SPECULATION_PANELS)
     else:
         fig = make_subplots(rows=2, cols=2, shared_xaxes=True, vertical_spacing=0.12,
                             subplot_titles=GENERATION_PANELS)
@@ -116,10 +122,13 @@ def _annotate(fig: go.Figure, annotations: list[dict] = (), shapes: list[dict] =
     return fig
 
 
-def _vline(x, line: dict, label: str | None = None) -> list[dict]:
+def _vline(x, line: dict, label: str | None = None,
+           axes: tuple[str, str] = ("x", "y")) -> list[dict]:
     """A vertical line across the plot at ``x`` (and its label above it), as
-    ``fig.add_vline(x, line=..., annotation_text=label, annotation_position="top")``."""
-    out = [dict(type="line", x0=x, x1=x, xref="x", y0=0, y1=1, yref="y domain", line=line)]
+    ``fig.add_vline(x, line=..., annotation_text=label, annotation_position="top")``
+    (``axes``: the x and y axes of the plot in a grid)."""
+    out = [dict(type="line", x0=x, x1=x, xref=axes[0], y0=0, y1=1, yref=f"{axes[1]} domain",
+                line=line)]
     if label is not None:
         out.append(dict(showarrow=False, text=label, x=x, xanchor="center", xref="x", y=1,
                         yanchor="bottom", yref="y domain"))
@@ -157,10 +166,13 @@ def _describe_change(message: str, details_json: str) -> str:
 
 
 def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float | None = None,
-                      axes: tuple[str, str] | None = None, x_of=_times) -> go.Figure:
+                      axes: tuple[str, str] | None = None, x_of=_times,
+                      legend: bool = True) -> go.Figure:
     """Mark settings changes, the autopilot's reasons, OOM / error events, torch.compile
-    runs and the speculation switch's decisions on a time chart (``axes``: the x and y axes of the markers in a grid, e.g. ``("x", "y")``;
-    ``x_of``: the chart's x of wall-clock seconds, date-times by default)."""
+    runs and the speculation switch's decisions on a time chart (``axes``: the x and y
+    axes of the markers in a grid, e.g. ``("x", "y")``; ``x_of``: the chart's x of
+    wall-clock seconds, date-times by default; ``legend`` False: the same markers on
+    another panel, shown and hidden with the first ones' legend entry)."""
     if events is None or not len(events):
         return fig
     if y is None:
@@ -183,9 +195,10 @@ def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float |
         x = x_of(sel["at"])
         fig.add_trace(go.Scatter(x=x, y=[y] * len(sel), mode="markers", name=name,
                                  marker=dict(symbol=symbol, size=11, color=color),
-                                 hovertext=hover, hoverinfo="text+x", **where))
+                                 hovertext=hover, hoverinfo="text+x", legendgroup=name,
+                                 showlegend=legend, **where))
         line = dict(color=color, width=1, dash="dot")
-        shapes += [shape for t in x for shape in _vline(t, line)]
+        shapes += [shape for t in x for shape in _vline(t, line, axes=axes or ("x", "y"))]
     return _annotate(fig, shapes=shapes)
 
 
@@ -329,23 +342,67 @@ def model_share(share: pd.DataFrame) -> go.Figure:
     return fig
 
 
+def speculating(gen_t: pd.DataFrame) -> bool:
+    """Whether a step of the window had a proposer (speculative decoding set up)."""
+    return "spec_steps" in gen_t and bool((gen_t["spec_steps"].fillna(0) > 0).any())
+
+
 def generation(gen_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Figure:
-    fig = _base(CHARTS["generation"], height=480, grid="generation")
+    """Sequences, tokens per step (prefill and decode stacked, and the proposed tokens
+    verified with the decodes), KV-cache blocks and preemptions; with speculative
+    decoding a third row: the acceptance rate with the share of steps that speculated,
+    and the tokens a sequence gains per verification, with the speculation switch's
+    decisions marked."""
+    spec = speculating(gen_t)
+    title = CHARTS["generation"] + (", speculation" if spec else "")
+    fig = _base(title, height=680 if spec else 480, grid="speculation" if spec else "generation")
     if not len(gen_t):
         return _empty(fig)
     x = _times(gen_t["t"])
-    # the panels' axes, left to right and top to bottom: x/y, x2/y2, x3/y3, x4/y4
+
+    def stacked(column: str, name: str) -> go.Scatter:
+        return go.Scatter(x=x, y=gen_t[column], name=name, mode="lines", stackgroup="tokens",
+                          xaxis="x2", yaxis="y2")
+
+    # the panels' axes, left to right and top to bottom: x/y, x2/y2, x3/y3, x4/y4 (x5/y5, x6/y6)
     fig.add_traces([
         go.Scatter(x=x, y=gen_t["running"], name="running", mode="lines", xaxis="x", yaxis="y"),
         go.Scatter(x=x, y=gen_t["waiting"], name="waiting", mode="lines", xaxis="x", yaxis="y"),
-        go.Scatter(x=x, y=gen_t["tokens_per_step"], name="tokens/step", mode="lines", xaxis="x2",
-                   yaxis="y2"),
+        stacked("prefill_per_step", "prefill tokens/step"),
+        stacked("decode_per_step", "decode tokens/step"),
+        *([stacked("proposed_per_step", "proposed tokens/step")] if spec else []),
         go.Scatter(x=x, y=gen_t["blocks_used"], name="blocks used", mode="lines", xaxis="x3",
                    yaxis="y3"),
         go.Scatter(x=x, y=gen_t["blocks_total"], name="blocks total", mode="lines",
                    line=dict(dash="dash", color="#999"), xaxis="x3", yaxis="y3"),
         go.Bar(x=x, y=gen_t["preemptions"], name="preemptions", xaxis="x4", yaxis="y4")])
-    return add_event_markers(fig, events, y=float(gen_t["running"].max()), axes=("x", "y"))
+    add_event_markers(fig, events, y=float(gen_t["running"].max()), axes=("x", "y"))
+    if spec:
+        _speculation_row(fig, gen_t, x, events)
+    return fig
+
+
+def _speculation_row(fig: go.Figure, gen_t: pd.DataFrame, x: pd.Series,
+                     events: pd.DataFrame | None) -> None:
+    """The generation chart's speculation panels, the switch's decisions marked on them
+    and on the tokens per step."""
+    fig.add_traces([
+        go.Scatter(x=x, y=gen_t["acceptance_rate"] * 100, name="acceptance rate %",
+                   mode="lines+markers", marker=dict(size=4), xaxis="x5", yaxis="y5"),
+        go.Scatter(x=x, y=gen_t["speculating_fraction"] * 100, name="steps speculating %",
+                   mode="lines", line=dict(dash="dot", color="#17becf"), xaxis="x5", yaxis="y5"),
+        go.Scatter(x=x, y=gen_t["acceptance_length"], name="tokens per verification",
+                   mode="lines+markers", marker=dict(size=4), xaxis="x6", yaxis="y6")])
+    fig.update_layout({"yaxis5.range": [0, 105], "yaxis5.ticksuffix": "%",
+                       "yaxis6.rangemode": "tozero"})
+    if events is None or not len(events):
+        return
+    switches = events[events["kind"] == "speculation"]
+    length = gen_t["acceptance_length"].max()
+    tokens = (gen_t["prefill_per_step"] + gen_t["decode_per_step"] + gen_t["proposed_per_step"]).max()
+    for axes, y in ((("x2", "y2"), tokens), (("x5", "y5"), 100.0),
+                    (("x6", "y6"), length if pd.notna(length) else 1.0)):
+        add_event_markers(fig, switches, y=float(y), axes=axes, legend=False)
 
 
 def generation_latency(summary: pd.DataFrame) -> go.Figure:

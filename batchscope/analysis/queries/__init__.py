@@ -32,9 +32,9 @@ from batchscope.analysis.queries.catalog import (event_counts, events, instances
                                                  model_sources, models)
 from batchscope.analysis.queries.live import summary_frames
 from batchscope.analysis.queries.raw import (
-    batch_sizes, batch_timeline, device_timeline, generation_summary, generation_timeline,
-    model_share, padding_by_bucket, priority_stats, raw_bundle, raw_headline, request_timeline,
-    tail_breakdown)
+    batch_sizes, batch_timeline, device_timeline, generation_prefill, generation_speculation,
+    generation_summary, generation_timeline, model_share, padding_by_bucket, priority_stats,
+    raw_bundle, raw_headline, request_timeline, tail_breakdown)
 from batchscope.analysis.queries.rollups import reaches_rollups, rollup_frames
 from batchscope.analysis.queries.window import (
     NICE_BUCKETS_S, PCTS, RAW, Resolution, Window, in_window, nearest_rank)
@@ -42,9 +42,10 @@ from batchscope.analysis.queries.window import (
 __all__ = [
     "EXACT_PERCENTILES_MAX_OK", "NICE_BUCKETS_S", "PCTS", "RAW", "Resolution", "Window",
     "batch_sizes", "batch_timeline", "device_timeline", "event_counts", "events",
-    "generation_summary", "generation_timeline", "headline", "instances", "live_bundle",
-    "model_kinds", "model_share", "model_sources", "models", "nearest_rank", "padding_by_bucket",
-    "priority_stats", "raw_bundle", "request_timeline", "tail_breakdown",
+    "generation_prefill", "generation_speculation", "generation_summary", "generation_timeline",
+    "headline", "instances", "live_bundle", "model_kinds", "model_share", "model_sources",
+    "models", "nearest_rank", "padding_by_bucket", "priority_stats", "raw_bundle",
+    "request_timeline", "tail_breakdown",
 ]
 
 #: a window with up to this many completed requests gets exact percentiles from the raw
@@ -79,7 +80,10 @@ def live_bundle(engine: Engine, w: Window, *, generation: bool | None = None) ->
 
 def _with_generation(engine: Engine, w: Window, out: dict, bucket: float,
                      generation: bool | None) -> dict[str, pd.DataFrame]:
-    """``out`` with the generation frames when the window has generation steps."""
+    """``out`` with the generation frames when the window has generation steps:
+    ``generation_t`` over time, ``generation`` (one row), ``generation_prefill`` (steps by
+    prefill tokens) and, when any step had a proposer, ``generation_spec`` (speculation
+    by batch size)."""
     if generation is None:
         with engine.connect() as conn:
             cond, params = in_window(w, "at")
@@ -88,4 +92,7 @@ def _with_generation(engine: Engine, w: Window, out: dict, bucket: float,
     if generation:
         out["generation_t"] = generation_timeline(engine, w, bucket)
         out["generation"] = generation_summary(engine, w)
+        out["generation_prefill"] = generation_prefill(engine, w)
+        if out["generation_t"]["spec_steps"].sum() > 0:
+            out["generation_spec"] = generation_speculation(engine, w)
     return out

@@ -261,7 +261,32 @@ def share_of(df: pd.DataFrame) -> pd.DataFrame:
 
 
 # -- generation -----------------------------------------------------------------------
+#: a step's decoding sequences: its decode tokens without the proposed tokens verified
+#: with them (``decode_tokens`` counts both; ``spec_draft_tokens`` is NULL without speculation)
+DECODES = "(decode_tokens - COALESCE(spec_draft_tokens, 0))"
+#: the lower edges of the prefill-token classes of ``generation_prefill``
+PREFILL_EDGES = (0, 1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+#: the tops of the batch-size buckets of ``generation_speculation``: 1, 2, 3-4, 5-8, ... as
+#: the runtime's speculation switch measures them
+BATCH_BUCKETS = tuple(1 << i for i in range(14))
+
+
+def lower_edge(col: str, edges: tuple[int, ...]) -> str:
+    """The largest of ``edges`` (increasing) at most ``col``, as SQL."""
+    whens = " ".join(f"WHEN {col} >= {e} THEN {e}" for e in reversed(edges[1:]))
+    return f"CASE {whens} ELSE {edges[0]} END"
+
+
+def upper_edge(col: str, edges: tuple[int, ...]) -> str:
+    """The smallest of ``edges`` (increasing) at least ``col`` (the last beyond it), as SQL."""
+    whens = " ".join(f"WHEN {col} <= {e} THEN {e}" for e in edges[:-1])
+    return f"CASE {whens} ELSE {edges[-1]} END"
+
+
 def generation_timeline(engine: Engine, w: Window, bucket_s: float | None = None) -> pd.DataFrame:
+    """Per time bucket: sequences, tokens per step (prefill, decode and proposed), cache
+    blocks, preemptions, step time, and speculation's proposed and accepted tokens with
+    their rates (``speculation_rates``)."""
     bucket_s = bucket_s or w.bucket_s()
     where, params = in_window(w, "at")
     params["bucket"] = bucket_s
@@ -269,19 +294,82 @@ def generation_timeline(engine: Engine, w: Window, bucket_s: float | None = None
         SELECT {bucket_index("at")} AS b, COUNT(*) AS steps,
                AVG(running) AS running, AVG(waiting) AS waiting,
                AVG(prefill_tokens + decode_tokens) AS tokens_per_step,
+               AVG(prefill_tokens) AS prefill_per_step, AVG({DECODES}) AS decode_per_step,
+               AVG(COALESCE(spec_draft_tokens, 0)) AS proposed_per_step,
                AVG(blocks_used) AS blocks_used, MAX(blocks_used + blocks_free) AS blocks_total,
-               SUM(preemptions) AS preemptions, AVG(step_s) AS step_mean_s
+               SUM(preemptions) AS preemptions, AVG(step_s) AS step_mean_s,
+               COUNT(spec_draft_tokens) AS spec_steps,
+               {count_if("spec_draft_tokens > 0")} AS speculating_steps,
+               SUM(spec_draft_tokens) AS spec_draft_tokens,
+               SUM(spec_accepted_tokens) AS spec_accepted_tokens,
+               SUM(CASE WHEN spec_draft_tokens > 0 THEN {DECODES} ELSE 0 END) AS spec_sequences
         FROM generation_steps WHERE {where}
         GROUP BY 1 ORDER BY b""", params)
-    return bucket_times(df, bucket_s)
+    return speculation_rates(bucket_times(df, bucket_s))
+
+
+def speculation_rates(df: pd.DataFrame) -> pd.DataFrame:
+    """``acceptance_rate`` (accepted over proposed tokens), ``acceptance_length`` (tokens
+    a sequence gains per verification: 1 + accepted per sequence decoding in the steps
+    that speculated) and ``speculating_fraction`` (of the steps with a proposer, those
+    that proposed), NaN where there is nothing to divide."""
+    for col in ("spec_steps", "speculating_steps", "spec_draft_tokens", "spec_accepted_tokens",
+                "spec_sequences"):
+        df[col] = df[col].astype("float64")
+    df["acceptance_rate"] = df["spec_accepted_tokens"] / df["spec_draft_tokens"].where(
+        df["spec_draft_tokens"] > 0)
+    df["acceptance_length"] = 1.0 + df["spec_accepted_tokens"] / df["spec_sequences"].where(
+        df["spec_sequences"] > 0)
+    df["speculating_fraction"] = df["speculating_steps"] / df["spec_steps"].where(
+        df["spec_steps"] > 0)
+    return df
+
+
+def generation_speculation(engine: Engine, w: Window) -> pd.DataFrame:
+    """Per batch-size bucket (``batch_bucket``: the top of 1, 2, 3-4, 5-8, ... running
+    sequences) and ``speculated`` (1: the step verified proposed tokens): steps, proposed
+    and accepted tokens, decoding sequences, and over the steps without prefill their
+    time and the tokens they gave (``decode_step_s``, ``decode_step_tokens``: what one
+    generated token costs with and without speculation)."""
+    where, params = in_window(w, "at")
+    decode_only = f"prefill_tokens = 0 AND {DECODES} > 0"
+    return read_frame(engine, f"""
+        SELECT {upper_edge("running", BATCH_BUCKETS)} AS batch_bucket,
+               CASE WHEN spec_draft_tokens > 0 THEN 1 ELSE 0 END AS speculated,
+               COUNT(*) AS steps, COALESCE(SUM(spec_draft_tokens), 0) AS draft_tokens,
+               COALESCE(SUM(spec_accepted_tokens), 0) AS accepted_tokens,
+               SUM({DECODES}) AS sequences, {count_if(decode_only)} AS decode_steps,
+               SUM(CASE WHEN {decode_only} THEN step_s ELSE 0 END) AS decode_step_s,
+               SUM(CASE WHEN {decode_only} THEN {DECODES} + COALESCE(spec_accepted_tokens, 0)
+                   ELSE 0 END) AS decode_step_tokens
+        FROM generation_steps WHERE {where}
+        GROUP BY 1, 2 ORDER BY 1, 2""", params)
+
+
+def generation_prefill(engine: Engine, w: Window) -> pd.DataFrame:
+    """Per class of prefill tokens in a step (``prefill_from``: the class's lower edge,
+    ``PREFILL_EDGES``; 0: no prefill) and ``decoding`` (1: the step also decoded): steps,
+    prefill tokens, decoding sequences, and the steps' total and longest time."""
+    where, params = in_window(w, "at")
+    return read_frame(engine, f"""
+        SELECT {lower_edge("prefill_tokens", PREFILL_EDGES)} AS prefill_from,
+               CASE WHEN {DECODES} > 0 THEN 1 ELSE 0 END AS decoding,
+               COUNT(*) AS steps, SUM(prefill_tokens) AS prefill_tokens,
+               SUM({DECODES}) AS decodes, SUM(step_s) AS step_s_sum, MAX(step_s) AS step_max_s
+        FROM generation_steps WHERE {where}
+        GROUP BY 1, 2 ORDER BY 1, 2""", params)
 
 
 def generation_summary(engine: Engine, w: Window) -> pd.DataFrame:
-    """Steps, preemptions, generated tokens, TTFT and per-token latency percentiles."""
+    """Steps, preemptions, decode and generated tokens, speculation's proposed and
+    accepted tokens (None without speculation), TTFT and per-token latency percentiles."""
     where, params = in_window(w, "at")
     steps = read_frame(engine, f"""
         SELECT COUNT(*) AS steps, COALESCE(SUM(preemptions), 0) AS preemptions,
-               COALESCE(SUM(decode_tokens), 0) AS decode_tokens, AVG(running) AS running_mean
+               COALESCE(SUM(decode_tokens), 0) AS decode_tokens,
+               COALESCE(SUM({DECODES} + COALESCE(spec_accepted_tokens, 0)), 0) AS generated_tokens,
+               SUM(spec_draft_tokens) AS spec_draft_tokens,
+               SUM(spec_accepted_tokens) AS spec_accepted_tokens, AVG(running) AS running_mean
         FROM generation_steps WHERE {where}""", params)
     where_r, params_r = in_window(w, "finished_at")
     req = read_frame(engine, f"""
@@ -293,7 +381,9 @@ def generation_summary(engine: Engine, w: Window) -> pd.DataFrame:
                {pct_select('ttft_s', 'ttft')}, {pct_select('tpot_s', 'tpot')} FROM ranked""",
                params_r)
     row = {**steps.iloc[0].to_dict(), **req.iloc[0].to_dict()}
-    row["tokens_per_s"] = row["decode_tokens"] / w.duration_s
+    # decode_tokens counts the proposed tokens verified too; a step generates its
+    # decodes and the proposed tokens accepted
+    row["tokens_per_s"] = row["generated_tokens"] / w.duration_s
     return pd.DataFrame([row])
 
 
