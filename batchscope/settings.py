@@ -358,9 +358,9 @@ BATCHING: tuple[Setting, ...] = (
             group="memory"),
     Setting("compile", "choice", "off",
             "Run the model's predict through torch.compile with this mode. It compiles when "
-            "the setting takes effect, on two synthetic batches before the next batch (a "
-            "compile event records how long; models sharing the device wait meanwhile), then "
-            "reuses one graph for every batch size and length. reduce-overhead is torch's "
+            "the setting takes effect, on synthetic batches before the next batch (a compile "
+            "event records how long; models sharing its device thread wait meanwhile, those in "
+            "device processes do not), then reuses its graphs for every batch size and length. reduce-overhead is torch's "
             "own CUDA graphs: cuda_graphs is ignored while compile is on.",
             choices=("off", "default", "reduce-overhead", "max-autotune"), group="memory"),
     Setting("isolate_errors", "bool", True,

@@ -368,3 +368,18 @@ def test_serve_answers_from_every_kind_of_file(files, tmp_path):
     out = ref_lm.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False,
                           min_new_tokens=8, pad_token_id=0)
     assert done.json()["choices"][0]["text"] == tok.decode(out[0, len(prompt_ids):].tolist())
+
+
+def test_onnx_providers_follow_the_device_and_refuse_what_is_missing():
+    from runtime.models.files.onnx_model import providers_for
+
+    cpu_only = ["CPUExecutionProvider"]
+    assert providers_for(torch.device("cpu"), "auto", cpu_only, "x") == cpu_only
+    with pytest.raises(ConfigError, match="no CUDAExecutionProvider .* onnxruntime-gpu"):
+        providers_for(torch.device("cuda:1"), "auto", cpu_only, "x")
+    gpu = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert providers_for(torch.device("cuda:1"), "tensorrt", gpu, "x") == [
+        ("TensorrtExecutionProvider", {"device_id": 1}), ("CUDAExecutionProvider", {"device_id": 1}),
+        "CPUExecutionProvider"]
+    with pytest.raises(ConfigError, match="provider=cuda needs --device cuda"):
+        providers_for(torch.device("cpu"), "cuda", gpu, "x")

@@ -15,8 +15,9 @@ once more with the batch and length dimensions dynamic, and once for a batch of 
 request of length 1 compiles one more, on first use). A model that refuses synthetic inputs compiles on its first
 real batches instead. Either way the time is booked as a ``compile`` event (from
 dynamo's counters), the batch that carried the setting runs without an execution
-timeout, and other models sharing the device process wait while it compiles: turn
-``compile`` on at start (``--set NAME.compile=default``), not under load.
+timeout. With device processes (one per model) the other models keep serving while it
+compiles; models sharing a device thread wait, so there turn ``compile`` on at start
+(``--set NAME.compile=default``), not under load.
 
 How it relates to ``cuda_graphs``: both remove per-batch launch overhead on a GPU;
 ``cuda_graphs`` replays graphs of the eager model captured per batch size by the

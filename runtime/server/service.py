@@ -29,7 +29,7 @@ import signal
 import socket
 import threading
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from batchscope.version import version
 from runtime.api.config import BatchingConfig, ServerConfig
@@ -112,6 +112,14 @@ class GenerationMount:
         await asyncio.gather(*(e.stop(drain_timeout_s) for e in self.engines.values()))
 
 
+def _request_specs(models: dict[str, Any], specs: Sequence[str]) -> list[str]:
+    """The specs the device processes load: those of the request models when the models
+    say which they came from (``source_spec``), so a generation model's weights are not
+    loaded again in a child that never runs it; else every spec."""
+    known = [getattr(m, "source_spec", None) for m in models.values()]
+    return [str(s) for s in known] if known and all(known) else list(specs)
+
+
 class Service:
     """Everything one serving process runs, built from models and settings."""
 
@@ -156,7 +164,8 @@ class Service:
             recorder = TeeRecorder(self.db_recorder, self.metrics)
         self.engine = Engine(models, configs, recorder=recorder, instance_id=self.instance_id,
                              device=device, device_process=server.device_process,
-                             model_specs=server.models if server.device_process else ())
+                             model_specs=_request_specs(models, server.models)
+                             if server.device_process else ())
         self.spans = self._trace_settings(server, recorder)
         from runtime.autopilot.shell import Autopilot
 

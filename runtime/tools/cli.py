@@ -238,6 +238,7 @@ def load_models(specs: Sequence[str]) -> tuple[dict, dict]:
         if model.name in models or model.name in generation:
             raise UsageError(f"two models are named {model.name!r}; serve one under another name "
                              f"with NAME=SPEC, e.g. --model {model.name}2={spec}")
+        model.source_spec = spec  # the device process loads request models again from it
         (generation if is_generation_model(model) else models)[model.name] = model
     return models, generation
 
