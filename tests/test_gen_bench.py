@@ -43,3 +43,16 @@ def test_both_modes_do_the_same_work_and_static_needs_more_steps():
     assert runs["static"]["preemptions"] == 0
     assert set(result["ratios"]) >= {"throughput_continuous_over_static",
                                      "p99_latency_static_over_continuous"}
+
+
+def test_chunked_prefill_benchmark_slices_the_long_prompt_and_keeps_the_tokens(capsys):
+    import json
+
+    from benchmarks.bench_chunked_prefill import main
+
+    with torch_threads(1):
+        assert main(["--long-prompt", "256", "--budget", "64", "--output", "40", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["outputs_identical"] is True
+    # the whole prompt lands in one step; chunked, it takes one slice of the budget a step
+    assert result["whole"]["gaps"] == 8 and result["chunked"]["gaps"] >= 8 * (256 // 64)
