@@ -79,7 +79,7 @@ class Setting:
     #: ``int_list`` only: how many items the list may hold
     max_items: int | None = None
     #: form section: "batching", "buckets", "queueing", "memory", "faults", "autopilot",
-    #: "events", "generation", "cache", "speculation"
+    #: "events", "generation", "cache", "speculation", "adapters"
     group: str = "batching"
     #: the lower bound itself is not allowed (a value must be above ``min``)
     min_exclusive: bool = False
@@ -380,6 +380,24 @@ BATCHING: tuple[Setting, ...] = (
             "its recent batch times (at least 2 s) instead of waiting for "
             "execution_timeout_ms, which stays the ceiling: a hung model is cut in seconds.",
             group="faults"),
+    Setting("adapter_mixing", "bool", True,
+            "For a model with LoRA adapters: one batch holds requests for different adapters "
+            "(and the base), the base layers computed once and each row's adapter term added "
+            "in the same forward. Off: a batch holds one adapter's requests only (per-adapter "
+            "batching).",
+            group="adapters"),
+    Setting("max_adapters_per_batch", "int", 8,
+            "The most distinct adapters one batch mixes; requests for further adapters wait "
+            "for the next batch.",
+            unit="adapters", min=1, max=1024, group="adapters"),
+    Setting("adapter_slots", "int", 16,
+            "Adapters kept on the device at once; a cold adapter takes the least recently used "
+            "slot no running batch holds (an adapter_load event, with what it evicted).",
+            unit="adapters", min=1, max=4096, group="adapters"),
+    Setting("adapter_memory_mb", "float", 512.0,
+            "The memory registered adapters may take together; loading one past it is "
+            "refused with 507.",
+            unit="MB", min=0, max=1_000_000, min_exclusive=True, group="adapters"),
     Setting("autopilot_slo_p99_ms", "float", None,
             "Turns the autopilot on: window by window it moves max_batch_size, "
             "max_queue_delay_ms (dynamic policy) and, for a variable-length model whose "

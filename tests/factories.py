@@ -18,7 +18,7 @@ from typing import Any, Iterator
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
-from batchscope.storage.records import BatchRow, RequestRow
+from batchscope.storage.records import BatchRow, GenStepRow, RequestRow
 
 #: the longest a test waits for a child process or a server to do something
 WAIT_S = 60.0
@@ -67,6 +67,14 @@ def stored(db, table, cls) -> list:
 
 
 # -- records for Prometheus tests ----------------------------------------------------------
+def gen_step(at: float, *, running: int = 4, prefill: int = 0, drafted: int | None = None,
+             accepted: int | None = None, step_s: float = 0.01, model: str = "decoder") -> GenStepRow:
+    """A continuous-batching step at ``at``: ``running`` sequences decoding, ``prefill``
+    prompt tokens, ``drafted``/``accepted`` proposed tokens (None: no speculation set up)."""
+    return GenStepRow("rt", model, at, "continuous", running, 0, prefill, running + (drafted or 0),
+                      10, 50, 0, step_s, spec_draft_tokens=drafted, spec_accepted_tokens=accepted)
+
+
 def metric_batch(model: str, size: int, compute_s: float) -> BatchRow:
     return BatchRow(instance_id="i", model=model, seq=1, policy="dynamic", settings_version=1,
                     max_batch_size=32, bucket=None, batch_size=size, real_elements=size,

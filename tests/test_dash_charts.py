@@ -72,7 +72,8 @@ def test_wait_vs_compute_is_stacked(bundle):
 
 def test_generation_views(bundle):
     fig = charts.generation(bundle["generation_t"])
-    assert {"running", "waiting", "tokens/step", "blocks used", "preemptions"} <= set(names(fig))
+    assert {"running", "waiting", "prefill tokens/step", "decode tokens/step", "blocks used",
+            "preemptions"} <= set(names(fig))
     lat = charts.generation_latency(bundle["generation"])
     assert names(lat) == ["p50", "p95", "p99"]
     assert list(lat.data[0].x) == ["time to first token", "time per output token"]
@@ -165,7 +166,7 @@ def test_grids_are_plotly_subplots(bundle):
     gen = charts.generation(bundle["generation_t"])
     assert [a.text for a in gen.layout.annotations] == list(charts.GENERATION_PANELS)
     axes = {t.name: (t.xaxis, t.yaxis) for t in gen.data}
-    assert axes["tokens/step"] == ("x2", "y2") and axes["preemptions"] == ("x4", "y4")
+    assert axes["decode tokens/step"] == ("x2", "y2") and axes["preemptions"] == ("x4", "y4")
     assert gen.layout.xaxis.matches == "x3"
 
 

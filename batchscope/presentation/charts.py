@@ -348,8 +348,8 @@ def speculating(gen_t: pd.DataFrame) -> bool:
 
 
 def generation(gen_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Figure:
-    """Sequences, tokens per step (prefill and decode stacked, and the proposed tokens
-    verified with the decodes), KV-cache blocks and preemptions; with speculative
+    """Sequences, tokens per step (decode, the proposed tokens verified with it, and
+    prefill on top, stacked), KV-cache blocks and preemptions; with speculative
     decoding a third row: the acceptance rate with the share of steps that speculated,
     and the tokens a sequence gains per verification, with the speculation switch's
     decisions marked."""
@@ -368,9 +368,9 @@ def generation(gen_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Fi
     fig.add_traces([
         go.Scatter(x=x, y=gen_t["running"], name="running", mode="lines", xaxis="x", yaxis="y"),
         go.Scatter(x=x, y=gen_t["waiting"], name="waiting", mode="lines", xaxis="x", yaxis="y"),
-        stacked("prefill_per_step", "prefill tokens/step"),
         stacked("decode_per_step", "decode tokens/step"),
         *([stacked("proposed_per_step", "proposed tokens/step")] if spec else []),
+        stacked("prefill_per_step", "prefill tokens/step"),
         go.Scatter(x=x, y=gen_t["blocks_used"], name="blocks used", mode="lines", xaxis="x3",
                    yaxis="y3"),
         go.Scatter(x=x, y=gen_t["blocks_total"], name="blocks total", mode="lines",
@@ -390,7 +390,7 @@ def _speculation_row(fig: go.Figure, gen_t: pd.DataFrame, x: pd.Series,
         go.Scatter(x=x, y=gen_t["acceptance_rate"] * 100, name="acceptance rate %",
                    mode="lines+markers", marker=dict(size=4), xaxis="x5", yaxis="y5"),
         go.Scatter(x=x, y=gen_t["speculating_fraction"] * 100, name="steps speculating %",
-                   mode="lines", line=dict(dash="dot", color="#17becf"), xaxis="x5", yaxis="y5"),
+                   mode="lines", line=dict(dash="dot", color="#7f7f7f"), xaxis="x5", yaxis="y5"),
         go.Scatter(x=x, y=gen_t["acceptance_length"], name="tokens per verification",
                    mode="lines+markers", marker=dict(size=4), xaxis="x6", yaxis="y6")])
     fig.update_layout({"yaxis5.range": [0, 105], "yaxis5.ticksuffix": "%",
@@ -399,7 +399,7 @@ def _speculation_row(fig: go.Figure, gen_t: pd.DataFrame, x: pd.Series,
         return
     switches = events[events["kind"] == "speculation"]
     length = gen_t["acceptance_length"].max()
-    tokens = (gen_t["prefill_per_step"] + gen_t["decode_per_step"] + gen_t["proposed_per_step"]).max()
+    tokens = gen_t[["prefill_per_step", "decode_per_step", "proposed_per_step"]].sum(axis=1).max()
     for axes, y in ((("x2", "y2"), tokens), (("x5", "y5"), 100.0),
                     (("x6", "y6"), length if pd.notna(length) else 1.0)):
         add_event_markers(fig, switches, y=float(y), axes=axes, legend=False)

@@ -115,6 +115,10 @@ class BatchingConfig:
     isolate_errors: bool = True
     execution_timeout_ms: float | None = 30_000.0  # None: no execution timeout
     execution_timeout_auto: bool = True  # follow the model's recent batch times
+    adapter_mixing: bool = True  # mixed-adapter batches (models with adapters)
+    max_adapters_per_batch: int = 8
+    adapter_slots: int = 16  # adapters resident on the device
+    adapter_memory_mb: float = 512.0  # registered adapters' memory together
     autopilot_slo_p99_ms: float | None = None  # None: autopilot off
 
     def __post_init__(self) -> None:
@@ -147,6 +151,11 @@ class BatchingConfig:
                             f"policy='dynamic' (policy={self.policy!r}): the autopilot moves "
                             "max_queue_delay_ms and max_batch_size of the dynamic policy; set "
                             "policy to dynamic or autopilot_slo_p99_ms to null")
+        if not {"max_adapters_per_batch", "adapter_slots"} & bad.keys() \
+                and self.max_adapters_per_batch > self.adapter_slots:
+            problems.append(f"max_adapters_per_batch={self.max_adapters_per_batch} exceeds "
+                            f"adapter_slots={self.adapter_slots}: a batch's adapters must all be "
+                            "on the device; raise adapter_slots or lower max_adapters_per_batch")
         if problems:
             raise ConfigError("invalid batching settings: " + "; ".join(problems)
                               + ". Nothing was changed.")

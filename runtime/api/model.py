@@ -18,13 +18,20 @@ An embedding model also names the output that holds its vector
 list of token ids -> the inputs ``decode`` takes, and how many tokens they hold.
 ``/v1/embeddings`` then serves it, each input a request of its own, batched with
 every other request of the model.
+
+A model that takes LoRA adapters declares the linear layers they may target
+(``adapter_targets``: module name -> ``(in_features, out_features)``, known without its
+weights, so the serving process checks an adapter's files before any device work) and
+makes an ``adapter_bank`` (``runtime.adapters.lora.AdapterBank``) in ``setup``; its
+``predict`` runs each row with the adapter the bank holds for it
+(``docs/adapters.md``).
 """
 
 from __future__ import annotations
 
 import textwrap
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
@@ -81,8 +88,16 @@ class ModelAPI:
     #: the output holding one embedding vector (shape ``(dim,)``); set it to serve the model
     #: at ``/v1/embeddings`` (with ``embedding_inputs``); None: not an embedding model
     embedding_output: ClassVar[str | None] = None
+    #: the linear layers LoRA adapters may target: module name -> (in_features,
+    #: out_features); empty: the model takes no adapters
+    adapter_targets: ClassVar[Mapping[str, tuple[int, int]]] = {}
+    #: the highest LoRA rank an adapter of this model may have
+    max_adapter_rank: ClassVar[int] = 64
 
     device: Any = None
+    #: the device-resident adapters (``runtime.adapters.lora.AdapterBank``), made in
+    #: ``setup`` by a model with ``adapter_targets``
+    adapter_bank: Any = None
 
     def setup(self, device: Any) -> None:
         """Load weights and move them to ``device`` (a ``torch.device``)."""

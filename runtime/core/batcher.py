@@ -56,13 +56,27 @@ Order of service:
 * Across length buckets, among the buckets whose batch is due: the bucket holding
   the most urgent priority; then a bucket holding a full batch (throughput); then
   the bucket whose oldest request has waited longest (fairness).
+
+Adapters (``enable_adapters``, for a model with LoRA adapters): while requests naming
+an adapter are queued, a batch is formed request by request in the order above through
+a ``runtime.adapters.slots.BatchPick``: with ``adapter_mixing`` it holds up to
+``max_adapters_per_batch`` distinct adapters whose slots it could pin in the slot cache
+(``adapter_slots``), without it only the adapter (or the base) of its first request.
+Requests it leaves stay queued in their place. When it can take none (every adapter
+queued waits for a slot that in-flight batches pin), the batcher is ``blocked``: no
+batch is due until one comes back (``complete`` releases its slots) or a request
+arrives. ``Batch.adapters`` carries the rows' slots to the device.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
+from runtime.adapters.lora import AdapterRef
+from runtime.adapters.slots import AdapterPlan, BatchPick, SlotCache
 from runtime.api.config import BatchingConfig
 from runtime.core import policy
 from runtime.core.queues import (OVERFLOW, BucketMap, LengthCounts, PriorityFifo, derive_edges,
@@ -108,6 +122,8 @@ class Batch:
     #: the batch id its first recorded attempt gets (``Booking.reserve``, when it is sent
     #: to the device, so the device work can be labelled with it: NVTX ranges)
     seq: int | None = None
+    #: the rows' adapter slots (None: no row names an adapter)
+    adapters: AdapterPlan | None = None
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -163,7 +179,20 @@ class Batcher:
         self._until_derivation = FIRST_DERIVATION_AFTER
         #: how often derived edges replaced the ones in use
         self.edge_changes = 0
+        #: adapters (``enable_adapters``): the slot cache, the adapters' current refs and
+        #: how many queued requests name each adapter
+        self.slots: SlotCache | None = None
+        self._adapter_ref: Callable[[str], AdapterRef | None] = lambda name: None
+        self.adapter_depth: Counter[str] = Counter()
+        #: no batch can be formed until a batch comes back or a request arrives
+        self.blocked = False
         self._build_queues(config, self._edges_for(config, None))
+
+    def enable_adapters(self, refs: Callable[[str], AdapterRef | None]) -> None:
+        """Serve requests naming adapters; ``refs(name)`` gives a registered adapter's
+        ``AdapterRef`` (None: not registered any more)."""
+        self.slots = SlotCache(self._config.adapter_slots)
+        self._adapter_ref = refs
 
     # -- structure ----------------------------------------------------------------------
     def _edges_for(self, config: BatchingConfig,
@@ -197,6 +226,8 @@ class Batcher:
         old = self._config
         self._config = config
         self.version = version
+        if self.slots is not None and old.adapter_slots != config.adapter_slots:
+            self.slots.resize(config.adapter_slots)
         if (old.bucketing, old.bucket_edges, old.auto_bucket_count, old.priority_levels) != (
                 config.bucketing, config.bucket_edges, config.auto_bucket_count,
                 config.priority_levels):
@@ -313,6 +344,9 @@ class Batcher:
                     raise error
         if self._lengths is not None:
             self._count_length(req.length)
+        if req.adapter is not None:
+            self.adapter_depth[req.adapter] += 1
+        self.blocked = False
         self._seq += 1
         req.seq = self._seq
         req.state = QUEUED
@@ -431,6 +465,14 @@ class Batcher:
         self._by_priority[req.priority] -= 1
         if req.deadline_s is not None:
             self._live_deadlines -= 1
+        if req.adapter is not None:
+            self._adapter_left(req.adapter)
+
+    def _adapter_left(self, name: str) -> None:
+        depth = self.adapter_depth
+        depth[name] -= 1
+        if depth[name] <= 0:
+            del depth[name]
 
     # -- deadlines ----------------------------------------------------------------------
     def _collect_expired(self, now: float) -> None:
@@ -497,7 +539,7 @@ class Batcher:
         hands them out) rather than dispatched.
         """
         self._collect_expired(now + lead_s if lead_s > 0.0 else now)
-        if not self.depth:
+        if not self.depth or self.blocked:
             return None
         if self.has_bypass():
             key, found, _ = self._scan(self._bypass, now, model_busy, True)
@@ -512,7 +554,7 @@ class Batcher:
         """When the next batch is due (at or before ``now``: due now); None = nothing
         becomes due until a request arrives or the model frees up."""
         self._collect_expired(now)
-        if not self.depth:
+        if not self.depth or self.blocked:
             return None
         if self.has_bypass():
             return now
@@ -539,7 +581,16 @@ class Batcher:
         tokens = cfg.max_batch_tokens if self.variable_length else None
         if tokens is not None and cfg.pad_to == "bucket" and key is not None and key != OVERFLOW:
             tokens = None  # padded to the edge: cap() has held the batch to the limit
-        reqs = queue.take(n, tokens)
+        plan = None
+        if self.adapter_depth and self.slots is not None:
+            pick = self._pick(now)
+            reqs = queue.take(n, tokens, lambda r: pick.accept(r.adapter))
+            if not reqs:
+                self.blocked = True
+                return None
+            plan = pick.finish([r.adapter for r in reqs])
+        else:
+            reqs = queue.take(n, tokens)
         depth_before = self.depth
         by_priority = self._by_priority
         real = 0
@@ -549,6 +600,8 @@ class Batcher:
             by_priority[req.priority] -= 1
             if req.deadline_s is not None:
                 self._live_deadlines -= 1
+            if req.adapter is not None:
+                self._adapter_left(req.adapter)
             length = req.length
             real += length
             if length > longest:
@@ -562,11 +615,26 @@ class Batcher:
         else:
             pad = key if (key is not None and key != OVERFLOW and cfg.pad_to == "bucket") else longest
             padded = pad * len(reqs)
-        return Batch(reqs, key, pad, self.version, cfg, real, padded, depth_before, now, bypass)
+        return Batch(reqs, key, pad, self.version, cfg, real, padded, depth_before, now, bypass,
+                     adapters=plan)
+
+    def _pick(self, now: float) -> BatchPick:
+        """A batch's adapter choice; waiters no queued request names any more are let go."""
+        cfg = self._config
+        slots = self.slots
+        depth = self.adapter_depth
+        for name in slots.waiting():
+            if not depth.get(name):
+                slots.forget_waiter(name)
+        return BatchPick(slots, self._adapter_ref, now, mixing=cfg.adapter_mixing,
+                         max_adapters=cfg.max_adapters_per_batch)
 
     # -- feedback -----------------------------------------------------------------------
     def complete(self, batch: Batch, now: float, compute_s: float) -> None:
         """A batch finished after ``compute_s`` of device time."""
+        if batch.adapters is not None and self.slots is not None:
+            self.slots.release(tuple(batch.adapters.slots))
+        self.blocked = False
         self._compute.add(compute_s)
         n = len(batch.requests)
         if n:
@@ -611,6 +679,7 @@ class Batcher:
         live = sorted(self._all_live(), key=lambda r: r.seq)
         for req in live:
             req.state = CANCELLED
+        self.adapter_depth.clear()
         for queue in (*self._queues.values(), *self._bypass.values()):
             queue.clear()
         self.depth = 0

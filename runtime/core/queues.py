@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -68,15 +68,19 @@ class PriorityFifo:
                 return level
         return None
 
-    def take(self, n: int, max_tokens: int | None = None) -> list[PendingRequest]:
+    def take(self, n: int, max_tokens: int | None = None,
+             accept: Callable[[PendingRequest], bool] | None = None) -> list[PendingRequest]:
         """Up to ``n`` live requests, most urgent first, in arrival order per priority.
 
         ``max_tokens``: also stop before the first request that would take the batch,
         padded to its longest request, past this many tokens (the first is always taken).
+        ``accept``: asked of each request in that order; those it refuses stay queued in
+        their place (adapter limits, ``runtime.adapters.slots``).
         """
         out: list[PendingRequest] = []
         longest = 0
         for lane in self._lanes:
+            kept: list[PendingRequest] = []
             while lane and len(out) < n:
                 req = lane[0]
                 if req.state != QUEUED:
@@ -88,9 +92,14 @@ class PriorityFifo:
                         n = len(out)
                         break
                 lane.popleft()
+                if accept is not None and not accept(req):
+                    kept.append(req)
+                    continue
                 out.append(req)
                 if req.length > longest:
                     longest = req.length
+            if kept:
+                lane.extendleft(reversed(kept))
             if len(out) >= n:
                 break
         self.count -= len(out)

@@ -26,11 +26,11 @@ class PendingRequest:
     """One queued request. Times are monotonic seconds."""
 
     __slots__ = ("item", "length", "priority", "bypass", "arrived_s", "deadline_s",
-                 "seq", "state", "future", "bucket", "trace")
+                 "seq", "state", "future", "bucket", "trace", "adapter")
 
     def __init__(self, item: Any, *, length: int = 1, priority: int = 0, bypass: bool = False,
                  arrived_s: float = 0.0, deadline_s: float | None = None,
-                 future: Any = None, trace: Any = None) -> None:
+                 future: Any = None, trace: Any = None, adapter: str | None = None) -> None:
         self.item = item
         self.length = length
         self.priority = priority
@@ -46,6 +46,8 @@ class PendingRequest:
         #: the request's ``runtime.core.tracing.RequestTrace`` when it is traced, else None
         #: (the only thing the engine checks for a request that is not)
         self.trace = trace
+        #: the LoRA adapter the request names (None: the base model)
+        self.adapter = adapter
 
     def __repr__(self) -> str:
         return (f"PendingRequest(seq={self.seq}, priority={self.priority}, length={self.length}, "

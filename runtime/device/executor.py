@@ -24,6 +24,7 @@ plain pickling for anything else.
 from __future__ import annotations
 
 import traceback
+from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -58,18 +59,20 @@ def graph_runner(current: Any, model: ModelAPI, device: torch.device, max_batch_
 def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_to: int | None,
               bucket: int | None, cfg: BatchingConfig, variable: bool, device: torch.device,
               clock: Any, graphs_for: GraphRunnerFor | None = None, *,
-              seq: int | None = None, name: str = "") -> list[Attempt]:
+              seq: int | None = None, name: str = "", adapters: Any = None) -> list[Attempt]:
     """Run ``items`` as one batch (split in halves on out-of-memory when
     ``cfg.oom_recovery``, and on a model error when ``cfg.isolate_errors``, so that
     only the requests that fail alone fail); every attempt in the order it ran. ``lengths`` are the
     items' lengths (only read for a variable-length model's sub-batches);
     ``graphs_for(cfg)`` gives the CUDA-graph runner when ``cfg.cuda_graphs`` is on;
-    ``seq`` and ``name``: the batch id and model an NVTX range names (``--nvtx``)."""
+    ``seq`` and ``name``: the batch id and model an NVTX range names (``--nvtx``);
+    ``adapters``: the rows' LoRA slots (``runtime.adapters.slots.AdapterPlan``), put in
+    the model's ``adapter_bank`` before the forward pass."""
     whole = len(items)
     on_cuda = device.type == "cuda"
     compiled = compiled_predict(model, cfg.compile, clock)
     graphs = graphs_for(cfg) if on_cuda and cfg.cuda_graphs and compiled is None \
-        and graphs_for is not None else None
+        and graphs_for is not None and adapters is None else None
     #: the warm-up's seconds and error go on the first attempt only
     pending = [compiled.warm_up_s if compiled else 0.0, compiled.error if compiled else None]
 
@@ -85,7 +88,14 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
         used_graph = False
         try:
             check_budget(model, n, pad, cfg.memory_budget_mb)
-            with torch.inference_mode():
+            if adapters is not None:
+                bank = model.adapter_bank
+                if bank is None:
+                    raise ModelError(f"model {name!r} made no adapter_bank in setup")
+                bank.prepare(adapters.slots)
+                rows = adapters.rows if n == whole else adapters.rows[lo:hi]
+            with torch.inference_mode(), (bank.activate(rows) if adapters is not None
+                                          else nullcontext()):
                 inputs = model.collate(part, pad)
                 if on_cuda:  # kernels run after their launch returns: wait for them
                     torch.cuda.synchronize(device)

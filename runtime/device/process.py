@@ -148,14 +148,14 @@ def child_main(conn: Any, specs: Sequence[str], names: Sequence[str], device: st
             msg = pickle.loads(data)
             if msg[0] == "stop":
                 return
-            _, job_id, name, cfg, packed, lengths, pad_to, bucket, seq = msg
+            _, job_id, name, cfg, packed, lengths, pad_to, bucket, seq, adapters = msg
             if cfg is not None:
                 configs[name] = cfg
             model = models[name]
             items = unpack_items(packed)
             attempts = run_batch(model, items, lengths, pad_to, bucket, configs[name],
                                  bool(model.variable_length), dev, clock, graphs_for(name),
-                                 seq=seq, name=name)
+                                 seq=seq, name=name, adapters=adapters)
             for a in attempts:
                 if a.outputs is not None:
                     a.outputs = pack_outputs(a.outputs)
@@ -191,6 +191,8 @@ class _Job:
     sent_s: float = 0.0
     #: the model's execution_timeout_ms in seconds (None: none)
     timeout_s: float | None = None
+    #: the rows' adapter slots (``runtime.adapters.slots.AdapterPlan``; None: none)
+    adapters: Any = None
 
 
 class DeviceProcess:
@@ -307,13 +309,15 @@ class DeviceProcess:
     def submit(self, name: str, config: BatchingConfig, version: int, items: list,
                lengths: list[int] | None, pad_to: int | None, bucket: int | None,
                on_done: OnDone, timeout_s: float | None | str = "config", *,
-               seq: int | None = None) -> None:
+               seq: int | None = None, adapters: Any = None) -> None:
         """Run a batch in the child; ``on_done(attempts)`` is called on the loop exactly once.
         ``timeout_s``: its execution timeout (None: none; default: the config's
         ``execution_timeout_ms``)."""
         self._next_id += 1
         job = _Job(self._next_id, name, config, version, items, lengths, pad_to, bucket, on_done,
                    seq)
+        if adapters is not None:  # the device needs the rows and slots, not the records
+            job.adapters = adapters.part(0, len(items))
         if timeout_s == "config":
             timeout_ms = config.execution_timeout_ms
             timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
@@ -340,7 +344,7 @@ class DeviceProcess:
         job.sent_s = self._clock.now()
         try:
             payload = _dumps(("run", job.job_id, job.name, cfg, pack_items(job.items),
-                              job.lengths, job.pad_to, job.bucket, job.seq))
+                              job.lengths, job.pad_to, job.bucket, job.seq, job.adapters))
         except Exception as exc:  # items that cannot be pickled fail this batch only
             self._versions.pop(job.name, None)
             self._finish_failed(job, f"its items cannot be sent to the device process "

@@ -161,6 +161,9 @@ class Booking:
     def batch_back(self, model: ServedModel, batch: Batch, attempts: list[Attempt],
                    now: float) -> BookedBatch:
         """Record the batch's attempts, report what went wrong and move the governor."""
+        plan = batch.adapters
+        if plan is not None and plan.changes:
+            self._slot_events(model.name, plan.changes)
         device_s = 0.0
         clean = True
         errors = False
@@ -495,6 +498,19 @@ class Booking:
             self.event(model.name, now, "expired",
                        f"{count} request(s) expired in the queue of {model.name!r}", "warning",
                        count=count, queue_depth=model.batcher.depth)
+
+    def _slot_events(self, model: str, changes: list) -> None:
+        """An ``adapter_load`` event per adapter the batch put in a slot (and an
+        ``adapter_evict`` for the one it replaced), at the time the batch was formed."""
+        for change in changes:
+            if change.evicted is not None:
+                self.event(model, change.at_s, "adapter_evict",
+                           f"adapter {change.evicted!r} left slot {change.slot} for "
+                           f"{change.name!r} (least recently used)", adapter=change.evicted,
+                           slot=change.slot, reason="lru", replaced_by=change.name)
+            self.event(model, change.at_s, "adapter_load",
+                       f"adapter {change.name!r} loaded into slot {change.slot}",
+                       adapter=change.name, slot=change.slot, evicted=change.evicted)
 
     def event(self, model: str | None, now: float, kind: str, message: str,
               severity: str = "info", **details: Any) -> None:

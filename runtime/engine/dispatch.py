@@ -257,7 +257,7 @@ class Dispatcher:
     def _due(self, now: float) -> bool:
         """Whether a batch is to be sent now."""
         running = len(self.running)
-        if running >= self.max_in_flight:
+        if running >= self.max_in_flight or self.model.batcher.blocked:
             return False
         if running:
             return (self._full_batch_waiting()

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from batchscope.storage.records import RecorderLike
+from runtime.adapters.registry import AdapterRegistry
 from runtime.api.config import MAX_REQUEST_ITEMS, BatchingConfig
 from runtime.api.errors import (BatchScopeError, ClientError, ConfigError, ModelNotFound,
                                 ModelNotReady, QueueFull, ShuttingDown, ValidationError)
@@ -257,6 +258,8 @@ class Engine:
         self._ready = False
         self._stopping = False
         self.on_settings_change: list[Callable[[str, int, BatchingConfig], None]] = []
+        #: told the model's name after an adapter was registered or unloaded
+        self.on_adapters_change: list[Callable[[str], None]] = []
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -349,10 +352,11 @@ class Engine:
 
     def _admit(self, model: str, inputs: dict[str, np.ndarray], priority: int | None,
                timeout_ms: float | None, bypass: bool, outcome: Any,
-               trace: Any = None) -> PendingRequest:
+               trace: Any = None, adapter: str | None = None) -> PendingRequest:
         """Check and queue one request whose answer goes to ``outcome`` (a future, or
         anything with ``done/set_result/set_exception``). Raises before queueing."""
         served = self._open(model)
+        adapter = self._adapter_of(served, adapter)
         item, length = self._decode(served, inputs)
         batcher = served.batcher
         cfg = batcher.config
@@ -361,7 +365,7 @@ class Engine:
         req = PendingRequest(item, length=length, priority=priority,
                              bypass=bool(bypass) and cfg.allow_bypass, arrived_s=now,
                              deadline_s=deadline_of(timeout_ms, cfg, now), future=outcome,
-                             trace=trace)
+                             trace=trace, adapter=adapter)
         try:
             wake = batcher.submit(req, now)
         except QueueFull:
@@ -378,10 +382,11 @@ class Engine:
     def _admit_items(self, model: str, items: Sequence[dict[str, np.ndarray]],
                      priority: int | None, timeout_ms: float | None, bypass: bool,
                      on_done: Callable[[Any, BaseException | None], None],
-                     trace: Any = None) -> ItemsOutcome:
+                     trace: Any = None, adapter: str | None = None) -> ItemsOutcome:
         """Check and queue the items of one request, all or none: every item is decoded
         and the queue's room checked before the first is queued. Raises before queueing."""
         served = self._open(model)
+        adapter = self._adapter_of(served, adapter)
         batcher = served.batcher
         cfg = batcher.config
         n = len(items)
@@ -399,7 +404,7 @@ class Engine:
         group = ItemsOutcome(n, on_done)
         reqs = [PendingRequest(item, length=length, priority=priority, bypass=bypass,
                                arrived_s=now, deadline_s=deadline, future=group.slot(i),
-                               trace=trace)
+                               trace=trace, adapter=adapter)
                 for i, (item, length) in enumerate(decoded)]
         wake = False
         queued = 0
@@ -482,12 +487,12 @@ class Engine:
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray], *, priority: int | None = None,
                     timeout_ms: float | None = None, bypass: bool = False,
-                    trace: Any = None) -> dict[str, np.ndarray]:
+                    trace: Any = None, adapter: str | None = None) -> dict[str, np.ndarray]:
         """One request's outputs. ``trace``: its ``RequestTrace`` when it is traced
         (``runtime.engine.tracing``; the same for every entry point below): booking
         stamps its queue and compute times before answering."""
         fut = (self._loop or asyncio.get_running_loop()).create_future()
-        req = self._admit(model, inputs, priority, timeout_ms, bypass, fut, trace)
+        req = self._admit(model, inputs, priority, timeout_ms, bypass, fut, trace, adapter)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -499,16 +504,19 @@ class Engine:
 
     def submit(self, model: str, inputs: dict[str, np.ndarray], priority: int | None,
                timeout_ms: float | None, bypass: bool,
-               on_done: Callable[[Any, BaseException | None], None], trace: Any = None) -> None:
+               on_done: Callable[[Any, BaseException | None], None], trace: Any = None,
+               adapter: str | None = None) -> None:
         """``infer`` without a coroutine: the same checks and errors (raised here, before
         anything is queued); an accepted request's outcome arrives exactly once as
         ``on_done(result, None)`` or ``on_done(None, error)``, called on the loop while its
         batch settles. ``on_done`` must not raise (what it raises is logged and dropped)."""
-        self._admit(model, inputs, priority, timeout_ms, bypass, CallbackOutcome(on_done), trace)
+        self._admit(model, inputs, priority, timeout_ms, bypass, CallbackOutcome(on_done), trace,
+                    adapter)
 
     async def infer_items(self, model: str, items: Sequence[dict[str, np.ndarray]], *,
                           priority: int | None = None, timeout_ms: float | None = None,
-                          bypass: bool = False, trace: Any = None) -> list[dict[str, np.ndarray]]:
+                          bypass: bool = False, trace: Any = None,
+                          adapter: str | None = None) -> list[dict[str, np.ndarray]]:
         """``infer`` for a request of several items (a client-side batch): each item is
         one request in the queue, batched with whatever else waits, and the answer is
         the items' results in order, or the one error the first failing item got.
@@ -529,7 +537,8 @@ class Engine:
             else:
                 fut.set_exception(error)
 
-        group = self._admit_items(model, items, priority, timeout_ms, bypass, done, trace)
+        group = self._admit_items(model, items, priority, timeout_ms, bypass, done, trace,
+                                  adapter)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -540,12 +549,111 @@ class Engine:
     def submit_items(self, model: str, items: Sequence[dict[str, np.ndarray]],
                      priority: int | None, timeout_ms: float | None, bypass: bool,
                      on_done: Callable[[Any, BaseException | None], None],
-                     trace: Any = None) -> ItemsOutcome:
+                     trace: Any = None, adapter: str | None = None) -> ItemsOutcome:
         """``infer_items`` without a coroutine, as ``submit`` is ``infer``'s: the checks
         raise here, before anything is queued; then exactly one ``on_done(results,
         None)`` or ``on_done(None, error)``. The returned outcome's ``abandon()``
         withdraws the request (no ``on_done`` follows)."""
-        return self._admit_items(model, items, priority, timeout_ms, bypass, on_done, trace)
+        return self._admit_items(model, items, priority, timeout_ms, bypass, on_done, trace,
+                                 adapter)
+
+    # -- adapters -----------------------------------------------------------------------
+    @staticmethod
+    def _adapter_of(served: ServedModel, adapter: str | None) -> str | None:
+        """The adapter a request names, checked (404 naming the loaded ones)."""
+        if adapter is None or adapter == "":
+            return None
+        registry = served.adapters
+        if registry is None:
+            raise ModelNotFound(f"model {served.name!r} takes no adapters; send the request "
+                                "without one")
+        return registry.require(adapter).name
+
+    def _registry(self, model: str) -> AdapterRegistry:
+        registry = self._served(model).adapters
+        if registry is None:
+            raise ValidationError(f"model {model!r} declares no adapter targets; it takes no "
+                                  "adapters")
+        return registry
+
+    def adapters(self, model: str) -> list[dict]:
+        """The adapters of ``model`` (empty for a model that takes none), each with
+        whether it is resident on the device now and in which slot."""
+        served = self._served(model)
+        if served.adapters is None:
+            return []
+        slots = served.batcher.slots
+        out = []
+        for entry in served.adapters.entries():
+            row = entry.to_dict()
+            row["slot"] = slots.slot_of(entry.name) if slots is not None else None
+            row["queued"] = served.batcher.adapter_depth.get(entry.name, 0)
+            out.append(row)
+        return out
+
+    def adapter_names(self, model: str) -> list[str]:
+        served = self._models.get(model)
+        return [] if served is None or served.adapters is None else served.adapters.names()
+
+    def register_adapter(self, model: str, name: str, path: str,
+                         requested_by: str = "api") -> dict:
+        """Read, check and register an adapter (ValidationError 422 when it does not fit
+        the base, InsufficientMemory 507 past ``adapter_memory_mb``: nothing changes)."""
+        registry = self._registry(model)
+        adapter = registry.read(name, path)
+        return self._add_adapter(model, registry, adapter, requested_by)
+
+    async def load_adapter(self, model: str, name: str, path: str,
+                           requested_by: str = "api") -> dict:
+        """``register_adapter`` with the files read off the event loop."""
+        registry = self._registry(model)
+        adapter = await asyncio.to_thread(registry.read, name, path)
+        return self._add_adapter(model, registry, adapter, requested_by)
+
+    def _add_adapter(self, model: str, registry: AdapterRegistry, adapter: Any,
+                     requested_by: str) -> dict:
+        served = self._served(model)
+        now = self._clock.now()
+        entry = registry.add(adapter, served.config.adapter_memory_mb, now)
+        slots = served.batcher.slots
+        if slots is not None and slots.slot_of(entry.name) is not None \
+                and not slots.pinned(entry.name):
+            slots.evict(entry.name)  # replaced: the next batch loads the new weights
+        self._booking.event(model, now, "adapter_registered",
+                            f"adapter {entry.name!r} of {model!r} registered from {entry.path}",
+                            adapter=entry.name, path=entry.path, bytes=entry.nbytes,
+                            requested_by=requested_by)
+        for listener in self.on_adapters_change:
+            listener(model)
+        return entry.to_dict()
+
+    async def unload_adapter(self, model: str, name: str, requested_by: str = "api",
+                             poll_s: float = 0.005) -> dict:
+        """Refuse new requests for the adapter, let those queued or running for it finish,
+        then take it off the device and forget it."""
+        registry = self._registry(model)
+        served = self._served(model)
+        registry.retire(name)
+        batcher = served.batcher
+        queued = batcher.adapter_depth.get(name, 0)
+        try:
+            while batcher.adapter_depth.get(name, 0) or (
+                    batcher.slots is not None and batcher.slots.pinned(name)):
+                await asyncio.sleep(poll_s)
+        finally:
+            slot = batcher.slots.evict(name) if batcher.slots is not None else None
+            registry.remove(name)
+        now = self._clock.now()
+        if slot is not None:
+            self._booking.event(model, now, "adapter_evict",
+                                f"adapter {name!r} left slot {slot} (unloaded)",
+                                adapter=name, slot=slot, reason="unloaded")
+        self._booking.event(model, now, "adapter_unloaded",
+                            f"adapter {name!r} of {model!r} unloaded", adapter=name,
+                            finished_queued=queued, requested_by=requested_by)
+        for listener in self.on_adapters_change:
+            listener(model)
+        return {"name": name, "unloaded": True, "finished_queued": queued}
 
     # -- settings -----------------------------------------------------------------------
     def get_settings(self, model: str) -> tuple[int, BatchingConfig]:

@@ -315,7 +315,8 @@ class ThreadExecutor:
         return run_batch(model.api, [r.item for r in reqs],
                          [r.length for r in reqs] if model.variable else None, batch.pad_to,
                          batch.bucket, batch.config, model.variable, self._thread.device,
-                         self._thread.clock, self._graph_runner, seq=batch.seq, name=model.name)
+                         self._thread.clock, self._graph_runner, seq=batch.seq, name=model.name,
+                         adapters=batch.adapters)
 
     def _graph_runner(self, cfg: BatchingConfig) -> Any:
         """The model's CUDA-graph runner for the current max batch size (device thread)."""
@@ -375,7 +376,8 @@ class ProcessExecutor:
         self._process.submit(
             model.name, batch.config, batch.settings_version, [r.item for r in reqs],
             [r.length for r in reqs] if model.variable else None, batch.pad_to, batch.bucket,
-            on_done, model.batch_times.timeout_s(batch.config), seq=batch.seq)
+            on_done, model.batch_times.timeout_s(batch.config), seq=batch.seq,
+            adapters=batch.adapters)
 
     def graph_stats(self) -> dict | None:
         return None  # the runner lives in the child

@@ -26,6 +26,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from runtime.adapters.registry import AdapterRegistry
 from runtime.api.config import BatchingConfig
 from runtime.api.model import ModelAPI
 from runtime.core.batcher import Batcher
@@ -114,7 +115,8 @@ class Counts:
 class ServedModel:
     """One request/response model the engine serves."""
 
-    __slots__ = ("name", "api", "variable", "batcher", "governor", "counts", "batch_times")
+    __slots__ = ("name", "api", "variable", "batcher", "governor", "counts", "batch_times",
+                 "adapters")
 
     def __init__(self, name: str, api: ModelAPI, config: BatchingConfig,
                  event_interval_s: float) -> None:
@@ -125,6 +127,12 @@ class ServedModel:
         self.governor = SizeGovernor(config.max_batch_size, config.oom_probe_after_batches)
         self.counts = Counts(event_interval_s)
         self.batch_times = BatchTimes()
+        #: the LoRA adapters it knows (None: the model takes none; changed by the engine's
+        #: ``load_adapter``/``unload_adapter``)
+        self.adapters: AdapterRegistry | None = None
+        if api.adapter_targets:
+            self.adapters = AdapterRegistry(name, api.adapter_targets, api.max_adapter_rank)
+            self.batcher.enable_adapters(self.adapters.ref)
 
     @property
     def config(self) -> BatchingConfig:

@@ -15,17 +15,25 @@ It is served at ``/v1/embeddings`` too (``embedding_output``). Having no tokeniz
 its own, it reads a text as its UTF-8 bytes, byte ``b`` as token id ``b + 1`` (0 stays
 the padding id), so a text embeds as long as it has 1..128 bytes; a list of token ids
 is taken as it is.
+
+Adapters: LoRA adapters may target the feed-forward layers of every encoder layer
+(``encoder.layers.N.linear1`` 256 -> 1024 and ``encoder.layers.N.linear2`` 1024 -> 256,
+PEFT's ``target_modules=["linear1", "linear2"]``), up to rank 64. A batch in which some
+row has an adapter runs the layers module by module (``explicit_forward``), each target
+adding its rows' terms (``runtime.adapters.lora.AdapterBank``); a batch without one runs
+torch's fused encoder layers as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
 
+from runtime.adapters.lora import AdapterBank
 from runtime.api.errors import ClientError, ValidationError
 from runtime.api.model import ModelAPI, TensorSpec
 from runtime.models import seeded_init, take_input
@@ -38,6 +46,13 @@ FEEDFORWARD = 1024
 MAX_LENGTH = 128
 PAD_ID = 0
 SEED = 4321
+#: the layers LoRA adapters may target: module name -> (in_features, out_features)
+ADAPTER_TARGETS: dict[str, tuple[int, int]] = {
+    f"encoder.layers.{i}.{name}": shape
+    for i in range(LAYERS)
+    for name, shape in (("linear1", (D_MODEL, FEEDFORWARD)), ("linear2", (FEEDFORWARD, D_MODEL)))}
+
+Linear = Callable[[str, nn.Module, torch.Tensor], torch.Tensor]
 
 
 class EncoderNet(nn.Module):
@@ -48,11 +63,37 @@ class EncoderNet(nn.Module):
                                            dropout=0.0, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
 
-    def forward(self, ids: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
-        """ids (n, L) int64, pad_mask (n, L) bool with True at padding -> (n, D_MODEL)."""
+    def forward(self, ids: torch.Tensor, pad_mask: torch.Tensor,
+                bank: AdapterBank | None = None) -> torch.Tensor:
+        """ids (n, L) int64, pad_mask (n, L) bool with True at padding -> (n, D_MODEL);
+        with an active adapter ``bank``, each row with its adapter."""
+        if bank is not None and bank.active:
+            return explicit_forward(self, ids, pad_mask, bank.apply)
         hidden = self.encoder(self.embedding(ids), src_key_padding_mask=pad_mask)
-        keep = (~pad_mask).unsqueeze(-1).to(hidden.dtype)
-        return (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
+        return pool(hidden, pad_mask)
+
+
+def _plain(module: str, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
+
+
+def explicit_forward(net: EncoderNet, ids: torch.Tensor, pad_mask: torch.Tensor,
+                     linear: Linear = _plain) -> torch.Tensor:
+    """``EncoderNet.forward`` module by module (post-norm layers, as torch's), the
+    feed-forward layers through ``linear(name, layer, x)``; PEFT's wrapped modules run
+    their adapters here too, which makes it the tests' oracle."""
+    x = net.embedding(ids)
+    for i, layer in enumerate(net.encoder.layers):
+        x = layer.norm1(x + layer._sa_block(x, None, pad_mask))
+        h = layer.activation(linear(f"encoder.layers.{i}.linear1", layer.linear1, x))
+        x = layer.norm2(x + linear(f"encoder.layers.{i}.linear2", layer.linear2, h))
+    return pool(x, pad_mask)
+
+
+def pool(hidden: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the real tokens."""
+    keep = (~pad_mask).unsqueeze(-1).to(hidden.dtype)
+    return (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
 
 
 def build_encoder() -> EncoderNet:
@@ -78,12 +119,14 @@ class EncoderModel(ModelAPI):
     variable_length = True
     max_length = MAX_LENGTH
     embedding_output = "EMBEDDING"
+    adapter_targets = ADAPTER_TARGETS
 
     net: EncoderNet | None = None
 
     def setup(self, device: Any) -> None:
         self.device = torch.device(device)
         self.net = build_encoder().to(self.device)
+        self.adapter_bank = AdapterBank(ADAPTER_TARGETS, self.device, max_rank=self.max_adapter_rank)
 
     def decode(self, inputs: dict[str, np.ndarray]) -> torch.Tensor:
         expected = f"INT64 [1..{MAX_LENGTH}] token ids in [0, {VOCAB_SIZE})"
@@ -128,7 +171,7 @@ class EncoderModel(ModelAPI):
 
     def predict(self, batch: EncoderBatch) -> torch.Tensor:
         with torch.inference_mode():
-            return self.net(batch.ids, batch.pad_mask)
+            return self.net(batch.ids, batch.pad_mask, self.adapter_bank)
 
     def split(self, output: torch.Tensor, n: int) -> list[dict[str, np.ndarray]]:
         out = output.numpy() if output.device.type == "cpu" else output.cpu().numpy()

@@ -80,6 +80,8 @@ class InferRequest:
     priority: int | None = None
     timeout_ms: float | None = None
     bypass: bool = False
+    #: the LoRA adapter the request names (parameter ``adapter``; None: the base model)
+    adapter: str | None = None
     #: names of the outputs asked for (None = all) and which of them go back as binary
     outputs: list[str] | None = None
     binary_outputs: set[str] | frozenset[str] = frozenset()
@@ -331,8 +333,8 @@ def _values(d: _Input, binary: memoryview | None, offset: int) -> np.ndarray:
 
 
 def apply_scheduling(params: dict, priority_levels: int, req: InferRequest) -> None:
-    """Set ``req``'s priority, timeout, bypass lane and ``binary_data_output`` from the
-    request's parameters (plain values), checked against the model's ``priority_levels``."""
+    """Set ``req``'s priority, timeout, bypass lane, adapter and ``binary_data_output``
+    from the request's parameters (plain values), checked against the model's ``priority_levels``."""
     pr = params.get("priority")
     if pr is not None:
         if not isinstance(pr, int) or isinstance(pr, bool):
@@ -357,6 +359,12 @@ def apply_scheduling(params: dict, priority_levels: int, req: InferRequest) -> N
             req.bypass = req.bypass or flag
     if params.get("binary_data_output") is True:
         req.binary_all = True
+    adapter = params.get("adapter")
+    if adapter is not None:
+        if not isinstance(adapter, str):
+            raise ClientError(f"parameter adapter={adapter!r} must be an adapter's name "
+                              "(a string)")
+        req.adapter = adapter or None
 
 
 def apply_requested_outputs(outputs: Any, specs: Sequence[TensorSpec],
@@ -713,6 +721,14 @@ async def run_infer(engine: Any, model: str, req: InferRequest, trace: Any = Non
     through ``Engine.infer``, several (``req.items``) through ``Engine.infer_items``.
     The answer is what ``encode_infer`` and ``response_tensors`` take. ``trace``: the
     request's ``RequestTrace`` when it is traced (passed on only then)."""
+    if req.adapter is not None:
+        if req.items is None:
+            return await engine.infer(model, req.inputs, priority=req.priority,
+                                      timeout_ms=req.timeout_ms, bypass=req.bypass, trace=trace,
+                                      adapter=req.adapter)
+        return await engine.infer_items(model, req.items, priority=req.priority,
+                                        timeout_ms=req.timeout_ms, bypass=req.bypass,
+                                        trace=trace, adapter=req.adapter)
     if trace is not None:
         if req.items is None:
             return await engine.infer(model, req.inputs, priority=req.priority,
@@ -733,6 +749,14 @@ def submit_infer(engine: Any, model: str, req: InferRequest,
     """``run_infer`` in the engine's callback form (``Engine.submit`` /
     ``Engine.submit_items``): admission errors are raised here, then exactly one
     ``on_done(result, None)`` or ``on_done(None, error)``."""
+    if req.adapter is not None:
+        if req.items is None:
+            engine.submit(model, req.inputs, req.priority, req.timeout_ms, req.bypass, on_done,
+                          trace, adapter=req.adapter)
+        else:
+            engine.submit_items(model, req.items, req.priority, req.timeout_ms, req.bypass,
+                                on_done, trace, adapter=req.adapter)
+        return
     if trace is not None:
         if req.items is None:
             engine.submit(model, req.inputs, req.priority, req.timeout_ms, req.bypass, on_done,

@@ -17,7 +17,9 @@ settings, one record each).
 little-endian float32 bytes in base64 (what the ``openai`` client asks for unless
 told otherwise, and decodes itself). ``dimensions`` may only repeat the model's own.
 ``priority`` (0 = most urgent, as on ``/v1/completions``) and ``timeout_ms`` are
-extensions. ``usage`` counts the tokens of every input. If one input fails (queue
+extensions. ``model: "<base>:<adapter>"`` embeds with one of the base model's LoRA
+adapters (404 naming the loaded ones for an adapter it does not have); the answer's
+``model`` repeats what was asked for. ``usage`` counts the tokens of every input. If one input fails (queue
 full, expired, invalid), the call answers that error and the inputs still queued are
 withdrawn; a client that goes away withdraws them too.
 """
@@ -143,6 +145,15 @@ def _options(body: dict[str, Any], dim: int | None) -> tuple[str, int | None, fl
     return fmt, priority, timeout_ms
 
 
+def _known_adapter(engine: Any, model: str, adapter: str) -> str:
+    """``adapter`` when ``model`` has it loaded; else OpenAI's 404 naming the loaded ones."""
+    known = engine.adapter_names(model)
+    if adapter not in known:
+        raise model_not_found(f"{model}:{adapter}", [f"{model}:{a}" for a in known] or [model],
+                              "adapter of " + repr(model) + " (or the base model)")
+    return adapter
+
+
 def embedding_routes(engine: Any) -> list[Route]:
     """``POST /v1/embeddings`` for ``engine``'s embedding models (``embedding_models``)."""
 
@@ -154,8 +165,14 @@ def embedding_routes(engine: Any) -> list[Route]:
             if not isinstance(name, str):
                 raise InvalidParam("model", "model is required: the name of an embedding "
                                             f"model, one of {served}")
+            asked = name
+            adapter = None
+            if name not in served and ":" in name:
+                name, adapter = name.split(":", 1)
             if name not in served:
-                raise model_not_found(name, served, "embedding model")
+                raise model_not_found(asked, served, "embedding model")
+            if adapter is not None:
+                adapter = _known_adapter(engine, name, adapter)
             model = engine.model(name)
             fmt, priority, timeout_ms = _options(body, _embedding_dim(model))
             cfg = engine.get_settings(name)[1]
@@ -167,16 +184,17 @@ def embedding_routes(engine: Any) -> list[Route]:
         except Exception as exc:
             return error_response(exc, _WHERE)
         try:
+            extra = {} if adapter is None else {"adapter": adapter}
             results = await until_disconnected(request, engine.infer_items(
                 name, [inputs for inputs, _ in prepared], priority=priority,
-                timeout_ms=timeout_ms))
+                timeout_ms=timeout_ms, **extra))
         except ClientGone:
             return Response(status_code=GONE_STATUS)
         except Exception as exc:
             return error_response(exc, _WHERE)
         tokens = sum(n for _, n in prepared)
         return json_response({
-            "object": "list", "model": name,
+            "object": "list", "model": asked,
             "data": [{"object": "embedding", "index": i,
                       "embedding": _encode(r[model.embedding_output], fmt)}
                      for i, r in enumerate(results)],

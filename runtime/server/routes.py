@@ -38,6 +38,7 @@ from runtime.api.errors import (ClientError, ModelNotFound, ModelNotReady, error
 from runtime.api.model import ModelAPI
 from runtime.server import openai_errors, triton
 from runtime.server.auth import AuthConfig, Unauthorized
+from runtime.server.adapter_api import adapter_routes
 from runtime.server.control_api import (DEFAULT_AUTH, control_routes, json_response,
                                         model_directory)
 from runtime.server.bounds import MemoryBudget, RequestBounds, check_json_size
@@ -178,7 +179,11 @@ async def server_metadata(request: Request) -> Response:
 
 
 async def model_metadata(request: Request) -> Response:
-    return json_response(_served(request).metadata)
+    served = _served(request)
+    if getattr(served.model, "adapter_targets", None):  # the adapters loaded now
+        return json_response({**served.metadata,
+                              "adapters": request.app.state.engine.adapter_names(served.name)})
+    return json_response(served.metadata)
 
 
 async def model_ready(request: Request) -> Response:
@@ -262,7 +267,7 @@ def build_app(engine: Any, *, metrics: MetricsRecorder | None = None,
     memory of decoded requests (``runtime.server.bounds``; default: a new one).
     """
     routes: list[BaseRoute] = []
-    for route in _kserve_routes() + control_routes() + trace_routes():
+    for route in _kserve_routes() + control_routes() + adapter_routes() + trace_routes():
         routes.append(Route(route.path, guarded(route.endpoint), methods=route.methods))
     routes.extend(extra_routes)
     app = Starlette(routes=routes, lifespan=lifespan,

@@ -127,7 +127,9 @@ class Service:
                  server: ServerConfig, *, instance_id: str | None = None, device: str = "cpu",
                  generation: dict[str, Any] | None = None, version: str = VERSION,
                  on_started: Callable[["Service"], None] | None = None,
-                 auth: AuthConfig | None = None) -> None:
+                 auth: AuthConfig | None = None,
+                 adapters: Sequence[tuple[str, str, str]] = ()) -> None:
+        """``adapters``: (model, name, path) of the LoRA adapters served from the start."""
         from runtime.engine.engine import Engine  # the engine pulls in torch; import on use
 
         self.server_config = server
@@ -166,6 +168,8 @@ class Service:
                              device=device, device_process=server.device_process,
                              model_specs=_request_specs(models, server.models)
                              if server.device_process else ())
+        for model, name, path in adapters:
+            self.engine.register_adapter(model, name, path, requested_by="start")
         self.spans = self._trace_settings(server, recorder)
         from runtime.autopilot.shell import Autopilot
 

@@ -146,6 +146,11 @@ def _add_serve(sub: Any) -> None:
                    help="NVTX ranges around each batch and generation step (batch id as payload) "
                         "for Nsight Systems; nothing without CUDA or a profiler")
     _add_setting_flags(p)
+    p.add_argument("--adapter", action="append", default=[], dest="adapters",
+                   metavar="[MODEL:]NAME=PATH",
+                   help="a LoRA adapter to serve from the start: a PEFT directory "
+                        "(adapter_config.json, adapter_model.safetensors); MODEL may be left "
+                        "out when one served model takes adapters (docs/adapters.md)")
     p.add_argument("--model-config", action="append", default=[], metavar="NAME=PATH.json",
                    help="per-model settings from a JSON object (BatchingConfig fields; "
                         "GenerationConfig fields for a generation model such as decoder)")
@@ -333,6 +338,27 @@ def trace_config(pairs: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def adapter_args(items: list[str], models: dict) -> list[tuple[str, str, str]]:
+    """``--adapter [MODEL:]NAME=PATH`` values as (model, name, path)."""
+    takers = [name for name, model in models.items() if getattr(model, "adapter_targets", None)]
+    out = []
+    for item in items:
+        head, eq, path = item.partition("=")
+        model, colon, name = head.rpartition(":")
+        if not eq or not name or not path:
+            raise UsageError(f"--adapter {item!r}: write NAME=PATH or MODEL:NAME=PATH")
+        if not colon:
+            if len(takers) != 1:
+                raise UsageError(f"--adapter {item!r}: name the model (MODEL:NAME=PATH); models "
+                                 f"that take adapters: {takers or 'none'}")
+            model = takers[0]
+        if model not in takers:
+            raise UsageError(f"--adapter {item!r}: model {model!r} takes no adapters; models "
+                             f"that do: {takers or 'none'}")
+        out.append((model, name, path))
+    return out
+
+
 def _serve(args: argparse.Namespace) -> int:
     from runtime.api.config import ServerConfig
     from batchscope.storage.db import ENV_URL, default_url
@@ -368,7 +394,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = model_settings(args, models, generation)
     configs = {name: settings[name] for name in models}
     return run_service(models, configs, server, device=args.device, instance_id=args.instance_id,
-                       generation=generation, auth=auth)
+                       generation=generation, auth=auth,
+                       adapters=adapter_args(args.adapters, models))
 
 
 def _serve_fleet(args: argparse.Namespace, specs: Sequence[str], database_url: str | None,
@@ -399,7 +426,8 @@ def _serve_fleet(args: argparse.Namespace, specs: Sequence[str], database_url: s
 
 def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu",
                 instance_id: str | None = None, generation: dict | None = None,
-                auth: Any = None, end_process: bool = True) -> int:
+                auth: Any = None, end_process: bool = True,
+                adapters: list[tuple[str, str, str]] = ()) -> int:
     """Serve in the foreground until SIGINT/SIGTERM; prints the URL once ready.
 
     Once the service has stopped (its drain is over, every answer written, the
@@ -415,8 +443,14 @@ def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu"
         print(f"batchscope serving on {service.url}{grpc}  models: {', '.join(names)}  "
               f"device: {device}  database: {where}  {service.auth.describe()}", flush=True)
 
-    service = Service(models, configs, server, device=device, instance_id=instance_id,
-                      generation=generation, on_started=announce, auth=auth)
+    from runtime.api.errors import BatchScopeError
+
+    try:
+        service = Service(models, configs, server, device=device, instance_id=instance_id,
+                          generation=generation, on_started=announce, auth=auth,
+                          adapters=adapters)
+    except BatchScopeError as exc:
+        raise UsageError(f"--adapter: {exc.message}") from None
     loop = new_event_loop()
     try:
         loop.run_until_complete(service.serve())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+
 def verify_greedy(argmax_rows: list[int], draft_ids: list[int]) -> list[int]:
     """Temperature 0: the proposed tokens up to the first the model would not have picked,
     then the model's own pick there (or after the last, when all matched)."""

@@ -1,0 +1,185 @@
+"""Mixed-adapter batching of the ``encoder``: one command, every ratio measured in one run.
+
+    python -m benchmarks.bench_adapters                  # about a minute
+    python -m benchmarks.bench_adapters --duration-s 1 --clients 16 --json
+
+Scenarios, each N closed-loop clients on the request engine in this process (the device
+thread, no HTTP, so the figures are the batching's and the model's), lengths 8..64:
+
+* ``base``: no adapters;
+* ``mixed``: 8 adapters, even traffic, ``adapter_mixing`` on;
+* ``per_adapter``: the same traffic with ``adapter_mixing`` off (a batch holds one
+  adapter's requests: how per-model batching serves a fleet of fine-tunes);
+* ``one_adapter``: every request for one adapter, and ``merged``: that adapter merged
+  into the base weights, served as the base.
+
+Ratios: mixed / per_adapter (target >= 2), mixed / base (>= 0.8), one_adapter / merged
+(>= 0.75, i.e. at most 25 % slower). Also: the three formulations of the batched LoRA
+term (``runtime.adapters.lora``) on one batch, and the slot cache driven by a scripted
+Zipf sequence over 64 adapters and 8 slots, its evictions against an LRU model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from runtime.adapters.demo import write_demo_adapters
+from runtime.adapters.lora import (AdapterRef, lora_term, read_peft, segment_term,
+                                   stacked_term)
+from runtime.adapters.slots import SlotCache
+from runtime.api.config import BatchingConfig
+from runtime.engine.engine import Engine
+from runtime.models.encoder import ADAPTER_TARGETS, EncoderModel
+
+
+class MergedEncoder(EncoderModel):
+    """The encoder with one adapter merged into its weights (W + scale * B A)."""
+
+    adapter_path = ""
+
+    def setup(self, device) -> None:
+        super().setup(device)
+        adapter = read_peft(self.adapter_path, ADAPTER_TARGETS, "merged")
+        modules = dict(self.net.named_modules())
+        with torch.no_grad():
+            for module, pair in adapter.pairs.items():
+                modules[module].weight += pair.scale * (pair.b @ pair.a)
+
+
+async def closed_loop(engine: Engine, clients: int, duration_s: float,
+                      adapters: list[str | None], seed: int = 0) -> float:
+    """Requests per second of ``clients`` closed loops, each request's adapter drawn
+    evenly from ``adapters``."""
+    rng = np.random.default_rng(seed)
+    pool = [rng.integers(1, 1000, int(n)).astype(np.int64) for n in rng.integers(8, 65, 256)]
+    done = 0
+    stop = time.perf_counter() + duration_s
+
+    async def client(k: int) -> None:
+        nonlocal done
+        i = k
+        while time.perf_counter() < stop:
+            adapter = adapters[i % len(adapters)]
+            extra = {} if adapter is None else {"adapter": adapter}
+            await engine.infer("encoder", {"INPUT_IDS": pool[i % len(pool)]}, **extra)
+            done += 1
+            i += clients
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    return done / (time.perf_counter() - started)
+
+
+async def scenario(model: EncoderModel, config: BatchingConfig, paths: dict[str, str],
+                   clients: int, duration_s: float, adapters: list[str | None]) -> float:
+    engine = Engine({"encoder": model}, {"encoder": config}, inline_max_compute_ms=0)
+    for name, path in paths.items():
+        engine.register_adapter("encoder", name, path)
+    await engine.start()
+    try:
+        await closed_loop(engine, clients, min(1.0, duration_s / 2), adapters)  # warm up
+        return await closed_loop(engine, clients, duration_s, adapters)
+    finally:
+        await engine.stop()
+
+
+def formulations(repeat: int = 10) -> dict[str, float]:
+    """ms per call of each formulation of the term on one encoder-sized batch:
+    32 rows x 64 tokens, 256 -> 1024, rank 8, 8 adapters."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, 256, generator=gen)
+    a = torch.randn(9, 8, 256, generator=gen)
+    b = torch.randn(9, 1024, 8, generator=gen)
+    rows = torch.arange(32) % 8
+    out = {}
+    with torch.inference_mode():
+        for name, fn in (("gather_bmm", lora_term), ("segment_loop", segment_term),
+                         ("stacked_mask", stacked_term)):
+            fn(x, a, b, rows)
+            started = time.perf_counter()
+            for _ in range(repeat):
+                fn(x, a, b, rows)
+            out[name] = (time.perf_counter() - started) / repeat * 1000.0
+    return out
+
+
+def lru_check(adapters: int = 64, slots: int = 8, steps: int = 5000, seed: int = 1) -> dict:
+    """The slot cache under a Zipf sequence, against an LRU model of the same sequence."""
+    rng = random.Random(seed)
+    names = [f"a{k}" for k in range(adapters)]
+    sequence = rng.choices(names, [1.0 / (k + 1) for k in range(adapters)], k=steps)
+    cache = SlotCache(slots)
+    lru: list[str] = []
+    mismatches = predicted = 0
+    for t, name in enumerate(sequence):
+        expected = None
+        if name in lru:
+            lru.remove(name)
+        elif len(lru) == slots:
+            expected = lru.pop(0)
+            predicted += 1
+        lru.append(name)
+        slot, change = cache.acquire(AdapterRef(name, "", 1), float(t))
+        cache.release([slot])
+        if (change.evicted if change else None) != expected:
+            mismatches += 1
+    return {"requests": steps, "evictions": cache.evictions, "predicted": predicted,
+            "mismatches": mismatches}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duration-s", type=float, default=6.0, help="seconds per scenario")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    config = BatchingConfig(max_batch_size=32)
+    with tempfile.TemporaryDirectory() as root:
+        paths = write_demo_adapters(root, 8)
+        names = list(paths)
+        MergedEncoder.adapter_path = paths[names[0]]
+
+        def run(model, cfg, registered, adapters):
+            return asyncio.run(scenario(model, cfg, registered, args.clients, args.duration_s,
+                                        adapters))
+
+        rates = {
+            "base": run(EncoderModel(), config, {}, [None]),
+            "mixed": run(EncoderModel(), config, paths, names),
+            "per_adapter": run(EncoderModel(), config.with_changes({"adapter_mixing": False}),
+                               paths, names),
+            "one_adapter": run(EncoderModel(), config, {names[0]: paths[names[0]]}, [names[0]]),
+            "merged": run(MergedEncoder(), config, {}, [None]),
+        }
+    ratios = {"mixed/per_adapter": rates["mixed"] / rates["per_adapter"],
+              "mixed/base": rates["mixed"] / rates["base"],
+              "one_adapter/merged": rates["one_adapter"] / rates["merged"]}
+    result = {"requests_per_s": rates, "ratios": ratios, "term_ms": formulations(),
+              "lru": lru_check()}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{'scenario':<14}{'requests/s':>12}")
+    for name, rate in rates.items():
+        print(f"{name:<14}{rate:>12.1f}")
+    targets = {"mixed/per_adapter": 2.0, "mixed/base": 0.8, "one_adapter/merged": 0.75}
+    for name, ratio in ratios.items():
+        print(f"{name:<20}{ratio:>7.2f}  (target >= {targets[name]})")
+    print("LoRA term, ms per call: " + ", ".join(f"{k} {v:.2f}" for k, v in result["term_ms"].items()))
+    lru = result["lru"]
+    print(f"slot cache, 64 adapters / 8 slots, Zipf: {lru['evictions']} evictions, LRU predicts "
+          f"{lru['predicted']}, {lru['mismatches']} mismatches")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
