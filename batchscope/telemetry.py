@@ -66,6 +66,26 @@ def _cuda_index(torch_device: str) -> int:
     return int(idx) if idx else 0
 
 
+def visible_devices(env: Any = None) -> list[str] | None:
+    """``CUDA_VISIBLE_DEVICES`` as CUDA reads it: None when unset; else its entries up to
+    the first invalid one (CUDA ignores the rest: ``-1`` or an empty value hides every
+    device). An entry is a CUDA ordinal or a UUID (``GPU-...``, ``MIG-...``, possibly
+    abbreviated to a unique prefix)."""
+    raw = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    out = []
+    for entry in (e.strip() for e in raw.split(",")):
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        out.append(entry)
+    return out
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class NvmlSource:
     """One GPU through NVML (the one PyTorch uses), plus the PyTorch allocator's figures
     when this process has initialised CUDA (else they are left None: unknown)."""
@@ -78,6 +98,7 @@ class NvmlSource:
         self._nvml = pynvml
         self.index = _cuda_index(torch_device)
         self.device = f"cuda:{self.index}"
+        self.mapping = ""
         pynvml.nvmlInit()
         try:
             self._handle = self._physical_handle(self.index)
@@ -97,14 +118,61 @@ class NvmlSource:
         self._missing: set[str] = set()
 
     def _physical_handle(self, index: int) -> Any:
-        """Map a CUDA index through CUDA_VISIBLE_DEVICES to the NVML device."""
-        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-        if index < len(visible):
-            entry = visible[index]
-            if entry.isdigit():
-                return self._nvml.nvmlDeviceGetHandleByIndex(int(entry))
-            return self._nvml.nvmlDeviceGetHandleByUUID(entry)
-        return self._nvml.nvmlDeviceGetHandleByIndex(index)
+        """The NVML device of torch's ``cuda:index``. NVML numbers every GPU of the machine
+        in PCI bus order; CUDA numbers the visible ones, in ``CUDA_DEVICE_ORDER``. So: by
+        UUID from torch when this process has a CUDA context (exact whatever the order);
+        else through ``CUDA_VISIBLE_DEVICES`` (an ordinal entry is taken as the NVML index,
+        which holds with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical GPUs; a UUID entry by
+        UUID); else the same index. ``self.mapping`` says which."""
+        uuid = self._torch_uuid(index)
+        if uuid is not None:
+            self.mapping = f"UUID {uuid} from torch"
+            return self._by_uuid(uuid)
+        visible = visible_devices()
+        if visible is None:
+            self.mapping = f"NVML index {index}"
+            return self._nvml.nvmlDeviceGetHandleByIndex(index)
+        if index >= len(visible):
+            raise LookupError(f"cuda:{index} is not among the {len(visible)} device(s) "
+                              f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} leaves")
+        entry = visible[index]
+        if entry.isdigit():
+            self.mapping = f"NVML index {entry} (CUDA_VISIBLE_DEVICES entry {index})"
+            if os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST") != "PCI_BUS_ID":
+                log.info("device telemetry: cuda:%d read as NVML index %s, which assumes PCI bus "
+                         "order; set CUDA_DEVICE_ORDER=PCI_BUS_ID when the GPUs differ", index, entry)
+            return self._nvml.nvmlDeviceGetHandleByIndex(int(entry))
+        self.mapping = f"{entry} (CUDA_VISIBLE_DEVICES entry {index})"
+        return self._by_uuid(entry)
+
+    def _torch_uuid(self, index: int) -> str | None:
+        """``GPU-...`` of ``cuda:index`` from torch, only where CUDA is initialised already
+        (never creates a context in a process that has none)."""
+        try:
+            import torch
+
+            if not torch.cuda.is_initialized():
+                return None
+            uuid = str(torch.cuda.get_device_properties(index).uuid)
+        except Exception:
+            return None
+        return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+    def _by_uuid(self, entry: str) -> Any:
+        """The device with UUID ``entry``, or the one whose UUID starts with it."""
+        nv = self._nvml
+        try:
+            return nv.nvmlDeviceGetHandleByUUID(entry)
+        except nv.NVMLError:
+            pass
+        found = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            handle = nv.nvmlDeviceGetHandleByIndex(i)
+            if _text(nv.nvmlDeviceGetUUID(handle)).startswith(entry):
+                found.append(handle)
+        if len(found) != 1:
+            raise LookupError(f"{len(found)} NVML devices match {entry!r}")
+        return found[0]
 
     def _get(self, field: str, fn: Callable[[], Any]) -> Any:
         if field in self._missing:
@@ -152,7 +220,7 @@ def open_source(torch_device: str) -> tuple[Any, str]:
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return CpuSource(), (f"CPU utilisation and process memory: NVML is unavailable for "
                              f"{torch_device} ({reason})")
-    return src, f"NVML on {src.device} ({src.name})"
+    return src, f"NVML on {src.device} ({src.name}; {src.mapping})"
 
 
 class DeviceSampler:

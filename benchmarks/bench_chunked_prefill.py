@@ -11,6 +11,7 @@ prompt's time to first token, and that every sequence's tokens are the same both
 
     python -m benchmarks.bench_chunked_prefill
     python -m benchmarks.bench_chunked_prefill --long-prompt 1024 --json
+    python -m benchmarks.bench_chunked_prefill --device cuda
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ LEAD_STEPS = 16
 
 
 def run(config: GenerationConfig, long_prompt: list[int], prompts: list[list[int]],
-        output_tokens: int) -> dict[str, Any]:
+        output_tokens: int, device: str = "cpu") -> dict[str, Any]:
     """Drive the scenario on the real clock; per-token times of every sequence."""
     model = TinyDecoder(max_model_len=config.max_model_len)
     clock = MonotonicClock()
     runner = StepRunner(model, config, clock=clock)
-    runner.setup("cpu")
+    runner.setup(device)
     running = [runner.new_sequence(p, max_new_tokens=output_tokens, ignore_eos=True) for p in prompts]
     times: dict[int, list[float]] = {id(s): [] for s in running}
     seen = {id(s): 0 for s in running}
@@ -67,34 +68,43 @@ def run(config: GenerationConfig, long_prompt: list[int], prompts: list[list[int
             "outputs": [list(s.output_ids) for s in running] + [list(long_seq.output_ids)]}
 
 
+def measure(long_prompt: int = 2048, budget: int = 512, output: int = 96,
+            device: str = "cpu") -> dict[str, Any]:
+    """Both ways on the same model and prompts (after a warm-up); the figures printed."""
+    rng = random.Random(0)
+    long_ids = [rng.randrange(256) for _ in range(long_prompt)]
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(16, 64))] for _ in range(RUNNING)]
+    max_len = long_prompt + 64
+    blocks = (max_len + RUNNING * (64 + output)) // 16 + 64
+    base = GenerationConfig(max_model_len=max_len, num_cache_blocks=blocks, max_num_seqs=RUNNING + 1)
+    whole = base.with_changes({"max_num_batched_tokens": long_prompt + RUNNING})
+    chunked = base.with_changes({"max_num_batched_tokens": budget})
+    run(chunked, long_ids[:64], prompts, LEAD_STEPS + 8, device)  # warm up kernels and the allocator
+    plain = run(whole, long_ids, prompts, output, device)
+    sliced = run(chunked, long_ids, prompts, output, device)
+    same = plain.pop("outputs") == sliced.pop("outputs")
+    return {"long_prompt_tokens": long_prompt, "budget_tokens": budget, "device": device,
+            "whole": plain, "chunked": sliced, "outputs_identical": same,
+            "itl_p99_whole_over_chunked": plain["itl_p99_s"] / sliced["itl_p99_s"],
+            "ttft_chunked_over_whole": sliced["ttft_long_s"] / plain["ttft_long_s"]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--long-prompt", type=int, default=2048, help="tokens of the arriving prompt")
     p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens when chunking")
     p.add_argument("--output", type=int, default=96, help="tokens each running sequence generates")
+    p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     set_torch_threads(1)
-    rng = random.Random(0)
-    long_prompt = [rng.randrange(256) for _ in range(a.long_prompt)]
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(16, 64))] for _ in range(RUNNING)]
-    max_len = a.long_prompt + 64
-    blocks = (max_len + RUNNING * (64 + a.output)) // 16 + 64
-    base = GenerationConfig(max_model_len=max_len, num_cache_blocks=blocks, max_num_seqs=RUNNING + 1)
-    whole = base.with_changes({"max_num_batched_tokens": a.long_prompt + RUNNING})
-    chunked = base.with_changes({"max_num_batched_tokens": a.budget})
-    run(chunked, long_prompt[:64], prompts, LEAD_STEPS + 8)  # warm up kernels and the allocator
-    plain = run(whole, long_prompt, prompts, a.output)
-    sliced = run(chunked, long_prompt, prompts, a.output)
-    same = plain.pop("outputs") == sliced.pop("outputs")
-    result = {"long_prompt_tokens": a.long_prompt, "budget_tokens": a.budget, "whole": plain,
-              "chunked": sliced, "outputs_identical": same,
-              "itl_p99_whole_over_chunked": plain["itl_p99_s"] / sliced["itl_p99_s"],
-              "ttft_chunked_over_whole": sliced["ttft_long_s"] / plain["ttft_long_s"]}
+    result = measure(a.long_prompt, a.budget, a.output, a.device)
+    plain, sliced, same = result["whole"], result["chunked"], result["outputs_identical"]
     if a.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{RUNNING} sequences decoding, a {a.long_prompt}-token prompt arrives; torch on 1 thread")
+    print(f"{RUNNING} sequences decoding, a {a.long_prompt}-token prompt arrives; device {a.device}, "
+          "torch on 1 thread")
     for name, row in (("whole prompt in one step", plain), (f"chunks of {a.budget} tokens", sliced)):
         print(f"  {name:26s} running sequences' p99 inter-token latency {row['itl_p99_s'] * 1000:7.1f} ms"
               f" (max {row['itl_max_s'] * 1000:.1f} ms, {row['gaps']} gaps);"

@@ -15,7 +15,7 @@ import runtime.tools.cli, runtime.server.service, runtime.engine.engine, runtime
 import runtime.server.grpc, runtime.generation.engine, runtime.engine.otel, runtime.device.nvtx
 import batchscope.storage.recorder, batchscope.storage.writer_process, batchscope.telemetry
 import batchscope.tuning.search, batchscope.trace
-import benchmarks.gpu_check
+import benchmarks.gpu_check, benchmarks.gpu_full
 import os
 owners = md.packages_distributions()
 files = {}

