@@ -416,3 +416,15 @@ def test_streams_get_every_token_once_in_order_and_stop_strings_cut_mid_step(tra
     assert [e.index for e in events] == list(range(30))
     assert [e.finish_reason for e in events] == [None] * 29 + ["length"]
     assert engine.runner.steps < 30
+
+
+def test_low_acceptance_at_a_large_batch_switches_off_after_one_step():
+    cfg = GenerationConfig(speculative_method="ngram")
+    ctl = SpecController()
+    # 32 sequences x 4 proposals: one step holds 128 proposals, enough to call 5 % low
+    first = feed(ctl, cfg, 32, 2e-3, 1e-3, 1, acceptance=0.05)
+    assert [s.on for s in first] == [False] and ctl.num_spec_tokens(cfg, 32) == 0
+    # at batch 1 four proposals a step are not enough evidence yet
+    ctl1 = SpecController()
+    assert feed(ctl1, cfg, 1, 2e-3, 1e-3, 1, acceptance=0.05) == []
+    assert ctl1.num_spec_tokens(cfg, 1) == 4

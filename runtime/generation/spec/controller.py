@@ -5,8 +5,9 @@
 ``SpecController`` is the automatic off-switch: fed each step's batch size, proposed
 and accepted tokens and time, it keeps, per batch-size bucket, the step time per
 generated token with and without speculation, speculates only where that is cheaper
-and the acceptance rate is above ``spec_min_acceptance_rate``, and probes again every
-``spec_probe_interval_steps`` steps. It is synchronous, with time passed in; the
+and the acceptance rate is above ``spec_min_acceptance_rate`` (a rate under it turns
+speculation off as soon as ``LOW_ACCEPTANCE_EVIDENCE_TOKENS`` proposals measured it: one
+step at a large batch), and probes again every ``spec_probe_interval_steps`` steps. It is synchronous, with time passed in; the
 runner records each ``SpecSwitch`` it returns as a ``speculation`` event.
 """
 
@@ -69,6 +70,9 @@ class SpecCounts:
 # -- the automatic off-switch ---------------------------------------------------------------
 #: steps measured in a row before a comparison counts (each way)
 MIN_SAMPLES = 8
+#: proposed tokens enough to call an acceptance rate low: at a large batch one step
+#: holds them, so a method that does not pay there is switched off after a step or two
+LOW_ACCEPTANCE_EVIDENCE_TOKENS = 64
 #: weight of the newest step in the running means
 EWMA_WEIGHT = 0.2
 
@@ -87,6 +91,8 @@ class _Bucket:
     acceptance: float | None = None
     n_on: int = 0
     n_off: int = 0
+    #: tokens proposed since speculation was last (re)measured
+    drafted_on: int = 0
     #: the step at which the current decision was taken (for probing again)
     since_step: int = 0
     #: what the measurement in progress is for: "explore", "probe" or None (settled)
@@ -149,6 +155,7 @@ class SpecController:
             b.cost_on, b.n_on = _ewma(b.cost_on, cost), b.n_on + 1
             if drafted:
                 b.acceptance = _ewma(b.acceptance, accepted / drafted)
+                b.drafted_on += drafted
         else:
             b.cost_off, b.n_off = _ewma(b.cost_off, cost), b.n_off + 1
         if b.measuring is None:
@@ -157,9 +164,11 @@ class SpecController:
                 if b.on:
                     b.n_off = 0
                 else:
-                    b.n_on = 0
+                    b.n_on = b.drafted_on = 0
             return None
         low = b.acceptance is not None and b.acceptance < config.spec_min_acceptance_rate
+        if low and b.drafted_on >= LOW_ACCEPTANCE_EVIDENCE_TOKENS:
+            return self._settle(config, b, batch_bucket(batch_size))
         if b.n_on < MIN_SAMPLES or (b.n_off < MIN_SAMPLES and not low):
             return None  # low acceptance settles without measuring the other side
         return self._settle(config, b, batch_bucket(batch_size))
