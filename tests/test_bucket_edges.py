@@ -237,3 +237,27 @@ def test_max_batch_tokens_is_bounded_and_nullable():
     for bad in (0, -5, 10_000_001):
         with pytest.raises(ConfigError, match="max_batch_tokens"):
             BatchingConfig(max_batch_tokens=bad)
+
+
+def at_rate(b: Batcher, clock: FakeClock, lengths, per_s: float) -> None:
+    for n in lengths:
+        submit(b, clock, [n])
+        clock.advance(1.0 / per_s)
+    drain(b, clock)
+
+
+def test_a_light_rate_gets_learned_edges_within_its_first_second_and_relearns_in_seconds():
+    from runtime.core.batcher import DERIVATION_INTERVAL_S, DERIVATION_MIN_NEW
+
+    b, clock = make()
+    rng = random.Random(5)
+    per_s = 80.0  # far below FIRST_DERIVATION_AFTER requests in the first second
+    first_second = int(per_s * DERIVATION_INTERVAL_S)
+    assert DERIVATION_MIN_NEW <= first_second < FIRST_DERIVATION_AFTER
+    at_rate(b, clock, [rng.randint(8, 64) for _ in range(first_second - 1)], per_s)
+    assert b.bucket_edges == INITIAL_EDGES  # not a second yet
+    at_rate(b, clock, [rng.randint(8, 64) for _ in range(2)], per_s)
+    assert b.edge_changes == 1 and b.bucket_edges[-1] <= 64 and b.bucket_edges[0] < 32
+    # the traffic shifts to long inputs; at 80 requests/s the edges follow within seconds
+    at_rate(b, clock, [rng.randint(200, 300) for _ in range(int(per_s * 4))], per_s)
+    assert sum(1 for e in b.bucket_edges if e >= 200) >= 4 and b.bucket_edges[-1] >= 290

@@ -39,10 +39,13 @@ answered when its batch ends, even if that is past its deadline.
 
 Bucket edges: with ``bucket_edges`` null (the default) the edges of a variable-length
 model are derived from the lengths submitted (``runtime.core.queues.derive_edges``):
-``INITIAL_EDGES`` until ``FIRST_DERIVATION_AFTER`` requests were counted, then the
-``auto_bucket_count`` edges with the least expected padding, searched again after every
-``DERIVATION_EVERY`` further requests with older counts halved, so the edges follow the
-traffic. New edges replace the current ones only when they pad at least ``MIN_GAIN``
+``INITIAL_EDGES`` until ``FIRST_DERIVATION_AFTER`` requests were counted, or
+``DERIVATION_INTERVAL_S`` passed with at least ``DERIVATION_MIN_NEW`` of them (a short or
+light run gets learned edges within its first second), then the ``auto_bucket_count``
+edges with the least expected padding, searched again after every ``DERIVATION_EVERY``
+further requests or, at a lighter rate, every ``DERIVATION_INTERVAL_S`` with at least
+``DERIVATION_MIN_NEW`` new ones. Older counts fade by half per ``DERIVATION_EVERY`` new
+requests however often the search runs, so the edges follow the traffic. New edges replace the current ones only when they pad at least ``MIN_GAIN``
 less (no churn on noise); the queued requests are then re-bucketed, as for a settings
 change. ``bucket_edges``/``bucket_keys()`` tell the edges in use, ``edge_changes`` how
 often they moved.
@@ -96,6 +99,10 @@ INITIAL_EDGES = (32, 64, 128, 256)
 #: derived edges: first searched after this many requests, then after this many more
 FIRST_DERIVATION_AFTER = 256
 DERIVATION_EVERY = 1024
+#: ... or searched when this long passed since the last search (the first: since the first
+#: length) and at least ``DERIVATION_MIN_NEW`` lengths were counted meanwhile
+DERIVATION_INTERVAL_S = 1.0
+DERIVATION_MIN_NEW = 64
 #: derived edges replace the current ones only when they pad at least this much less
 MIN_GAIN = 0.05
 #: after each search the length counts are scaled by this (recent traffic weighs most)
@@ -177,6 +184,9 @@ class Batcher:
         #: lengths seen, for derived edges (None: edges are given, or fixed-size inputs)
         self._lengths: LengthCounts | None = None
         self._until_derivation = FIRST_DERIVATION_AFTER
+        #: lengths counted since the last search, and when it ran (None: none counted yet)
+        self._since_search = 0
+        self._last_search_s: float | None = None
         #: how often derived edges replaced the ones in use
         self.edge_changes = 0
         #: adapters (``enable_adapters``): the slot cache, the adapters' current refs and
@@ -205,6 +215,7 @@ class Batcher:
         if self._lengths is None:
             self._lengths = LengthCounts()
             self._until_derivation = FIRST_DERIVATION_AFTER
+            self._since_search, self._last_search_s = 0, None
         return current or INITIAL_EDGES
 
     def _build_queues(self, config: BatchingConfig, edges: tuple[int, ...]) -> None:
@@ -262,18 +273,23 @@ class Batcher:
             self._by_priority[req.priority] += 1
             self._bypass_count += req.bypass
 
-    def _count_length(self, length: int) -> None:
+    def _count_length(self, length: int, now: float) -> None:
         """Derived bucketing: count a submitted length; search new edges when due."""
         lengths = self._lengths
         lengths.add(length)
         self._until_derivation -= 1
-        if self._until_derivation > 0:
+        self._since_search += 1
+        if self._last_search_s is None:
+            self._last_search_s = now
+        if self._until_derivation > 0 and (self._since_search < DERIVATION_MIN_NEW or
+                                           now - self._last_search_s < DERIVATION_INTERVAL_S):
             return
         self._until_derivation = DERIVATION_EVERY
         counts = lengths.counts
         current = self._buckets.edges
         edges = derive_edges(counts, self._config.auto_bucket_count)
-        lengths.decay(LENGTH_DECAY)
+        lengths.decay(LENGTH_DECAY ** (self._since_search / DERIVATION_EVERY))
+        self._since_search, self._last_search_s = 0, now
         if edges and edges != current and expected_padding(edges, counts) < \
                 (1.0 - MIN_GAIN) * expected_padding(current, counts):
             self.edge_changes += 1
@@ -343,7 +359,7 @@ class Batcher:
                 if error is not None:
                     raise error
         if self._lengths is not None:
-            self._count_length(req.length)
+            self._count_length(req.length, now)
         if req.adapter is not None:
             self.adapter_depth[req.adapter] += 1
         self.blocked = False
