@@ -170,8 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration-s", type=float, default=8.0, help="length of each load run")
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--only", default="mlp,encoder,latency,recording,core",
-                    help="comma list of parts: mlp, encoder, latency, recording, core")
+    ap.add_argument("--only", default="mlp,encoder,latency,recording,core,short",
+                    help="comma list of parts: mlp, encoder, latency, recording, core, short")
     ap.add_argument("--json", default=None, help="write all figures to this file")
     ap.add_argument("--no-device-process", action="store_true",
                     help="serve with batchscope serve --no-device-process (models on a thread of "
@@ -261,6 +261,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  duration_s=d / 2, warmup_s=0.5)
                         (on_runs if record else off_runs).append(r["throughput_rps"])
             results["recording"] = {"on_rps": on_runs, "off_rps": off_runs}
+
+    if "short" in parts:
+        from benchmarks.short_runs import ratios as short_ratios, short_runs
+
+        print("short runs (2-s warm-up, 10-s window): batchscope defaults vs the plain server",
+              flush=True)
+        results["short"] = short_runs([
+            ("batchscope", lambda: process(serve_cmd(), ready="serving")),
+            ("plain", lambda: process(baseline_cmd(), ready="baseline server"))])
+        ratios.update(short_ratios(results["short"], "batchscope", "plain"))
 
     if "core" in parts:
         results["core"] = core_overhead_us()
