@@ -32,8 +32,8 @@ def test_a_database_of_schema_version_7_upgrades_and_takes_the_speculation_colum
     plain.dispose()
     engine = make_engine(db_url)
     try:
-        assert schema_version(engine) == SCHEMA_VERSION == 8
-        assert schema_revision(engine) == storage_db._head() == "0007"
+        assert schema_version(engine) == SCHEMA_VERSION >= 8
+        assert schema_revision(engine) == storage_db._head() >= "0007"
         rec = Recorder(engine)
         rec.put(GenStepRow("rt-1", "decoder", 11.0, "continuous", 2, 0, 0, 10, 4, 60, 0, 0.01,
                            spec_draft_tokens=8, spec_accepted_tokens=5))

@@ -16,6 +16,7 @@ from sqlalchemy import Engine
 from batchscope.analysis import diagnosis, queries
 from batchscope.dashboard.scope import Scope, data_engine, fmt_time
 from batchscope.presentation import charts, report
+from batchscope.presentation.adapter_charts import ADAPTER_CHARTS, build_adapter_charts
 
 SEVERITY_ICON = {"critical": "🔴", "warning": "🟠", "info": "🔵"}
 #: the order charts are drawn in, two to a row (those a bundle has no data for are left out)
@@ -95,6 +96,16 @@ def render_charts(bundle: dict, slo_ms: float, prefix: str) -> dict:
         cols = st.columns(2)
         for col, key in zip(cols, keys[i:i + 2]):
             col.plotly_chart(figs[key], key=f"{prefix}-{key}", config={"displaylogo": False})
+    adapter_figs = build_adapter_charts(bundle)
+    if adapter_figs:  # a window with LoRA adapter traffic
+        st.subheader("LoRA adapters")
+        keys = list(ADAPTER_CHARTS)
+        for i in range(0, len(keys), 2):
+            cols = st.columns(2)
+            for col, key in zip(cols, keys[i:i + 2]):
+                col.plotly_chart(adapter_figs[key], key=f"{prefix}-{key}",
+                                 config={"displaylogo": False})
+        figs = {**figs, **adapter_figs}
     return figs
 
 

@@ -34,6 +34,8 @@ AUTOPILOT_MARKER = "autopilot decisions"
 COMPILE_MARKER = "compilation"
 COMPILE_KINDS = ("compile", "compile_failed")
 SPECULATION_MARKER = "speculation switched"
+ADAPTER_LOAD_MARKER = "adapter loaded"
+ADAPTER_EVICT_MARKER = "adapter evicted"
 GENERATION_PANELS = ("sequences", "tokens per step", "KV cache blocks used", "preemptions")
 #: the generation chart's third row, drawn when a step in the window had a proposer
 SPECULATION_PANELS = ("speculation: acceptance rate", "speculation: tokens per verification")
@@ -169,7 +171,8 @@ def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float |
                       axes: tuple[str, str] | None = None, x_of=_times,
                       legend: bool = True) -> go.Figure:
     """Mark settings changes, the autopilot's reasons, OOM / error events, torch.compile
-    runs and the speculation switch's decisions on a time chart (``axes``: the x and y
+    runs, the speculation switch's decisions and LoRA adapter loads and evictions on a
+    time chart (``axes``: the x and y
     axes of the markers in a grid, e.g. ``("x", "y")``; ``x_of``: the chart's x of
     wall-clock seconds, date-times by default; ``legend`` False: the same markers on
     another panel, shown and hidden with the first ones' legend entry)."""
@@ -186,7 +189,9 @@ def add_event_markers(fig: go.Figure, events: pd.DataFrame | None, *, y: float |
             (AUTOPILOT_MARKER, ("autopilot",), "triangle-up", "#2ca02c"),
             (FAULT_MARKER, FAULT_KINDS, "x", "#d62728"),
             (COMPILE_MARKER, COMPILE_KINDS, "star", "#8c564b"),
-            (SPECULATION_MARKER, ("speculation",), "triangle-down", "#17becf")):
+            (SPECULATION_MARKER, ("speculation",), "triangle-down", "#17becf"),
+            (ADAPTER_LOAD_MARKER, ("adapter_load",), "circle-open", "#bcbd22"),
+            (ADAPTER_EVICT_MARKER, ("adapter_evict",), "square-open", "#7f7f7f")):
         sel = events[events["kind"].isin(kinds)]
         if not len(sel):
             continue

@@ -37,6 +37,8 @@ class BatchRow:
     cuda_graph: bool = False
     queue_depth: Optional[int] = None
     peak_memory_increase_bytes: Optional[int] = None
+    #: distinct LoRA adapters the batch mixed (0: base rows only; None: no adapters served)
+    adapters: Optional[int] = None
 
 
 @dataclass(slots=True)
@@ -59,6 +61,8 @@ class RequestRow:
     #: JSON {input name: shape} (see ``shapes_json``) and the timeout it ran under, ms
     input_shape_json: Optional[str] = None
     timeout_ms: Optional[float] = None
+    #: the LoRA adapter the request named (None: the base model)
+    adapter: Optional[str] = None
 
 
 #: ``((input name, shape), ...)``: a model's declared per-request input shapes, ``-1``
@@ -125,6 +129,8 @@ class RequestBatch:
     #: the model's declared input shapes (``declared_shapes``): each row's
     #: ``input_shape_json`` at its length
     input_shapes: Optional[InputShapes] = None
+    #: each request's LoRA adapter (None: the base); None when no request named one
+    adapters: Optional[list] = None
 
     def __len__(self) -> int:
         return len(self.arrived_s)
@@ -145,10 +151,11 @@ class RequestBatch:
             shaped = map(by_length.__getitem__, self.lengths)
         timeouts: Any = repeat(None) if deadlines is None else [
             None if d is None else (d - a) * 1000.0 for d, a in zip(deadlines, arrived)]
+        adapters = self.adapters if self.adapters is not None else repeat(None)
         return [(inst, model, seq, p, a + off, finished_at, started - a, finished - a, outcome,
-                 b, n, None, None, None, None, j, t)
-                for p, a, b, n, j, t in zip(self.priorities, arrived, self.bypass, lengths, shaped,
-                                            timeouts)]
+                 b, n, None, None, None, None, j, t, ad)
+                for p, a, b, n, j, t, ad in zip(self.priorities, arrived, self.bypass, lengths,
+                                                shaped, timeouts, adapters)]
 
     def rows(self) -> list[RequestRow]:
         return list(starmap(RequestRow, self.tuples()))

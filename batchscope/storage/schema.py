@@ -20,7 +20,7 @@ from typing import Optional
 from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 #: an autoincrementing row id: 64-bit everywhere (SQLite's rowid is 64-bit already)
 ID = BigInteger().with_variant(Integer(), "sqlite")
@@ -91,6 +91,9 @@ class BatchRecord(Base):
     #: what the batch added at its peak to what was allocated when it started (its own
     #: memory need); None: not a CUDA device, or recorded before schema version 7
     peak_memory_increase_bytes: Mapped[Optional[int]] = mapped_column(BigInteger)
+    #: distinct LoRA adapters the batch mixed (0: base rows only); None: a model served
+    #: without adapters, or recorded before schema version 9
+    adapters: Mapped[Optional[int]] = mapped_column(Integer)
 
     __table_args__ = (
         Index("ix_batches_model_ended", "model", "ended_at"),
@@ -125,6 +128,8 @@ class RequestRecord(Base):
     input_shape_json: Mapped[Optional[str]] = mapped_column(Text)
     #: the timeout the request ran under (its own, or the model's default), ms; None: none
     timeout_ms: Mapped[Optional[float]] = mapped_column(Float)
+    #: the LoRA adapter the request named; None: the base model (or before schema version 9)
+    adapter: Mapped[Optional[str]] = mapped_column(String(64))
 
     __table_args__ = (
         Index("ix_requests_model_finished", "model", "finished_at"),

@@ -78,6 +78,9 @@ class SlotCache:
         self._where: dict[str, int] = {}
         self._waiting: deque[str] = deque()
         self._tick = 0
+        #: batches that found an adapter resident (hits), loaded it (``loads``: misses),
+        #: and adapters taken out of their slot (``evictions``)
+        self.hits = 0
         self.loads = 0
         self.evictions = 0
 
@@ -146,6 +149,7 @@ class SlotCache:
             if slot.reserved_for is not None and slot.reserved_for != name:
                 return None
             slot.pins += 1
+            self.hits += 1
             self._touch(index, now)
             return index, None
         # cold: adapters that asked earlier go first

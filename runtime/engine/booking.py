@@ -222,7 +222,7 @@ class Booking:
                 continue
             outcome = a.outcome
             if outcome == "ok":
-                self._answer_ok(model, reqs, a, seq, now)
+                self._answer_ok(model, reqs, a, seq, now, booked.batch.adapters)
             elif outcome == "oom":
                 for i in range(a.start, a.stop):
                     self.settle(model, reqs[i], now, "oom",
@@ -250,7 +250,7 @@ class Booking:
         return ModelError(f"model {name!r} failed on a batch of {a.size}: {a.error}")
 
     def _answer_ok(self, model: ServedModel, reqs: list[PendingRequest], a: Attempt, seq: int,
-                   now: float) -> None:
+                   now: float, batch_adapters: object = None) -> None:
         """``settle`` of a successful attempt's requests, unrolled for speed."""
         outputs = a.outputs
         start = a.start
@@ -259,6 +259,7 @@ class Booking:
         bypass: list[bool] = []
         deadlines: list[float | None] = []
         lengths: list[int] | None = [] if model.variable else None
+        adapters: list[str | None] | None = [] if batch_adapters is not None else None
         for i in range(start, a.stop):
             req = reqs[i]
             fut = req.future
@@ -275,11 +276,13 @@ class Booking:
             deadlines.append(req.deadline_s)
             if lengths is not None:
                 lengths.append(req.length)
+            if adapters is not None:
+                adapters.append(req.adapter)
         answered = len(arrived)
         if answered:
             block = RequestBatch(self.instance_id, model.name, seq, "ok", a.started_s, now,
                                  self.clock.to_wall(0.0), priorities, arrived, bypass, lengths,
-                                 deadlines, self._shapes_of(model))
+                                 deadlines, self._shapes_of(model), adapters)
             if self._request_batches:
                 self.recorder.put(block)
             else:
@@ -325,7 +328,8 @@ class Booking:
             cfg.max_batch_size, batch.bucket, len(part), real, padded,
             start - max(arrived), start - sum(arrived) / len(arrived), start - min(arrived),
             a.compute_s, to_wall(a.started_s), to_wall(a.ended_s), a.outcome,
-            a.peak_memory_bytes, a.cuda_graph, batch.queue_depth, a.peak_memory_increase_bytes))
+            a.peak_memory_bytes, a.cuda_graph, batch.queue_depth, a.peak_memory_increase_bytes,
+            None if model.batcher.slots is None else len({r.adapter for r in part} - {None})))
         hook = self.on_traced_batch
         if hook is not None and any(r.trace is not None for r in part):
             hook(BatchInfo(seq, model.name, to_wall(a.started_s), to_wall(a.ended_s), len(part),
@@ -460,7 +464,7 @@ class Booking:
             self.instance_id, model.name, batch_seq, req.priority, to_wall(arrived), to_wall(now),
             (started_s if started_s is not None else now) - arrived, now - arrived, outcome,
             req.bypass, length, input_shape_json=shapes_json(self._shapes_of(model), length),
-            timeout_ms=timeout_of(req.deadline_s, arrived)))
+            timeout_ms=timeout_of(req.deadline_s, arrived), adapter=req.adapter))
 
     def _shapes_of(self, model: ServedModel) -> tuple:
         """The model's declared input shapes (``declared_shapes``), worked out once."""

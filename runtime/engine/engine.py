@@ -740,4 +740,21 @@ class Engine:
             "cuda_graphs": dispatcher.executor.graph_stats(),
             #: inputs a model cut to its length limit (models from files count them)
             "truncated_inputs": getattr(served.api, "truncated_inputs", None),
+            #: the LoRA adapters and the slot cache (None: the model takes no adapters)
+            "adapters": self._adapter_stats(served),
         }
+
+    @staticmethod
+    def _adapter_stats(served: ServedModel) -> dict | None:
+        slots = served.batcher.slots
+        if served.adapters is None or slots is None:
+            return None
+        return {"registered": served.adapters.names(), "slots": slots.capacity,
+                "resident": len(slots.resident()), "slot_hits": slots.hits,
+                "slot_misses": slots.loads, "slot_evictions": slots.evictions}
+
+    def adapter_models(self) -> dict[str, list[str]]:
+        """Model -> its registered adapters' names (those being unloaded included), for
+        the models that take adapters."""
+        return {name: [e.name for e in served.adapters.entries()]
+                for name, served in self._models.items() if served.adapters is not None}

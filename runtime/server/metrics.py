@@ -199,6 +199,32 @@ def _observe_many(child: Any, values: list[float]) -> None:
     total.inc(math.fsum(values))
 
 
+class _AdapterSlotCollector:
+    """The LoRA slot cache's counters of the models that take adapters (``Engine.stats``'
+    ``adapters``), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        families = [(key, CounterMetricFamily(f"batchscope_adapter_{key}", doc, labels=["model"]))
+                    for key, doc in (
+                        ("slot_hits", "Adapters a batch found resident in their device slot"),
+                        ("slot_misses", "Adapters a batch had to load into a device slot"),
+                        ("slot_evictions", "Adapters taken out of their device slot (least "
+                                           "recently used, or unloaded)"))]
+        for model, st in self._stats().items():
+            adapters = st.get("adapters")
+            if not adapters:
+                continue
+            for key, family in families:
+                family.add_metric([model], float(adapters.get(key, 0)))
+        return [family for _, family in families]
+
+
 class MetricsRecorder:
     """Turns BatchRow/RequestRow/TraceRow records into Prometheus series; other records
     are ignored."""
@@ -252,6 +278,23 @@ class MetricsRecorder:
                                      "Generation: a request's mean time between tokens, once "
                                      "per token after its first", ["model_name"],
                                      buckets=_ITL_BUCKETS, registry=r)
+        self.adapter_requests = Counter("batchscope_adapter_requests",
+                                        "Finished requests of a model that takes LoRA adapters, "
+                                        "by adapter (\"\" for the base model) and outcome",
+                                        ["model", "adapter", "outcome"], registry=r)
+        self.adapter_latency_seconds = Histogram("batchscope_adapter_request_latency_seconds",
+                                                 "Arrival to answer of the answered requests of "
+                                                 "a model that takes LoRA adapters, by adapter "
+                                                 "(\"\" for the base model)",
+                                                 ["model", "adapter"], buckets=_SECONDS_BUCKETS,
+                                                 registry=r)
+        r.register(_AdapterSlotCollector(lambda: self._stats()))
+        #: model -> its registered adapters' names, for the models that take adapters: the
+        #: ``adapter`` label takes only these (or "" for the base), so it stays bounded
+        self._adapters: Callable[[], dict[str, list[str]]] = lambda: {}
+        self._adapter_names: dict[str, frozenset] = {}
+        self._adapter_children: dict[tuple[str, str, str], tuple] = {}
+        self._adapters_read = False
         self._stats = stats or (lambda: {})
         self._dropped = dropped or (lambda: 0)
         self._spans_dropped: Callable[[], int | None] = lambda: None
@@ -265,8 +308,12 @@ class MetricsRecorder:
 
     def bind(self, *, stats: Callable[[], dict[str, dict[str, Any]]] | None = None,
              dropped: Callable[[], int] | None = None,
-             spans_dropped: Callable[[], int] | None = None) -> None:
-        """Attach the scrape-time sources once the engine and recorder exist."""
+             spans_dropped: Callable[[], int] | None = None,
+             adapters: Callable[[], dict[str, list[str]]] | None = None) -> None:
+        """Attach the scrape-time sources once the engine and recorder exist
+        (``adapters``: model -> registered adapter names, ``Engine.adapter_models``)."""
+        if adapters is not None:
+            self._adapters = adapters
         if stats is not None:
             self._stats = stats
         if dropped is not None:
@@ -300,6 +347,7 @@ class MetricsRecorder:
             return
         observations: dict[Any, list[float]] = {}
         counts: dict[Any, int] = {}
+        self._adapters_read = False
         for record in pending:
             kind = type(record)
             if kind is RequestRow:
@@ -308,6 +356,12 @@ class MetricsRecorder:
                     _append(observations, ch[0], record.queue_wait_s)
                 _append(observations, ch[1], record.latency_s)
                 counts[ch[2]] = counts.get(ch[2], 0) + 1
+                label = self._adapter_label(record.model, record.adapter)
+                if label is not None:
+                    ach = self._adapter_child(record.model, label, record.outcome)
+                    counts[ach[0]] = counts.get(ach[0], 0) + 1
+                    if record.outcome == "ok":
+                        _append(observations, ach[1], record.latency_s)
                 if record.prompt_tokens is not None:  # a generation request
                     self._fold_generation(record, observations)
             elif kind is RequestBatch:
@@ -353,8 +407,62 @@ class MetricsRecorder:
             self._batch_children[key] = ch
         return ch
 
+    def _adapter_label(self, model: str, adapter: str | None) -> str | None:
+        """The ``adapter`` label of a request row: its adapter if registered, "" for the
+        base; None: no adapter series (a model that takes none, an adapter gone)."""
+        names = self._adapter_names.get(model)
+        if (names is None or (adapter is not None and adapter not in names)) \
+                and not self._adapters_read:
+            self._read_adapters()
+            names = self._adapter_names.get(model)
+        if names is None:
+            return None
+        if adapter is None:
+            return ""
+        return adapter if adapter in names else None
+
+    def _read_adapters(self) -> None:
+        """Read the registered adapters again (at most once per fold)."""
+        self._adapters_read = True
+        try:
+            self._adapter_names = {m: frozenset(n) for m, n in self._adapters().items()}
+        except Exception:  # the engine is going away: keep what was known
+            pass
+
+    def _adapter_child(self, model: str, adapter: str, outcome: str) -> tuple:
+        key = (model, adapter, outcome)
+        ch = self._adapter_children.get(key)
+        if ch is None:
+            ch = (self.adapter_requests.labels(model, adapter, outcome),
+                  self.adapter_latency_seconds.labels(model, adapter))
+            self._adapter_children[key] = ch
+        return ch
+
+    def _prune_adapters(self) -> None:
+        """Drop the series of adapters no longer registered, so the label's values stay
+        those of the registered adapters."""
+        self._read_adapters()
+        names = self._adapter_names
+        for key in list(self._adapter_children):
+            model, adapter, outcome = key
+            known = names.get(model)
+            if known is not None and (adapter == "" or adapter in known):
+                continue
+            del self._adapter_children[key]
+            try:
+                self.adapter_requests.remove(model, adapter, outcome)
+            except KeyError:
+                pass
+            if not any(k[:2] == (model, adapter) for k in self._adapter_children):
+                try:
+                    self.adapter_latency_seconds.remove(model, adapter)
+                except KeyError:
+                    pass
+
     def _fold_request_batch(self, b: RequestBatch, observations: dict, counts: dict) -> None:
         started, finished, ok = b.started_s, b.finished_s, b.outcome == "ok"
+        if b.adapters is not None or self._adapter_label(b.model, None) is not None:
+            self._fold_adapters(b, observations, counts)
         levels = set(b.priorities)
         if len(levels) == 1:  # the common case: one child for the whole batch
             ch = self._request_child(b.model, b.outcome, b.priorities[0])
@@ -370,6 +478,19 @@ class MetricsRecorder:
             _append(observations, ch[1], finished - a)
             counts[ch[2]] = counts.get(ch[2], 0) + 1
 
+    def _fold_adapters(self, b: RequestBatch, observations: dict, counts: dict) -> None:
+        """The adapter series of a block of requests of a model that takes adapters."""
+        finished, ok = b.finished_s, b.outcome == "ok"
+        names = b.adapters if b.adapters is not None else [None] * len(b.arrived_s)
+        for adapter, a in zip(names, b.arrived_s):
+            label = self._adapter_label(b.model, adapter)
+            if label is None:
+                continue
+            ch = self._adapter_child(b.model, label, b.outcome)
+            counts[ch[0]] = counts.get(ch[0], 0) + 1
+            if ok:
+                _append(observations, ch[1], finished - a)
+
     def _request_child(self, model: str, outcome: str, priority: int) -> tuple:
         key = (model, outcome, priority)
         ch = self._request_children.get(key)
@@ -384,4 +505,6 @@ class MetricsRecorder:
     # -- exposition ---------------------------------------------------------------------
     def render(self) -> bytes:
         self.fold()
+        if self._adapter_children:
+            self._prune_adapters()
         return generate_latest(self.registry)

@@ -175,7 +175,8 @@ class Service:
 
         #: moves the settings of models with autopilot_slo_p99_ms set (runtime.autopilot)
         self.autopilot = Autopilot(self.engine, recorder=recorder, instance_id=self.instance_id)
-        self.metrics.bind(stats=self._all_stats, dropped=self._dropped)
+        self.metrics.bind(stats=self._all_stats, dropped=self._dropped,
+                          adapters=self.engine.adapter_models)
         self.live = None
         self.sampler = None
         self.generation = None

@@ -17,7 +17,9 @@ The parts, each a module of this package:
 * ``raw``: every frame aggregated from the raw rows, with exact percentiles, and
   ``raw_bundle``, the live bundle made of them (what the summaries stand for);
 * ``live``: the frames from the summaries;
-* ``rollups``: the frames of windows older than the raw rows.
+* ``rollups``: the frames of windows older than the raw rows;
+* ``adapters``: the LoRA adapters of a window (per adapter, batches by adapters mixed,
+  the slot cache), added to the bundle when its batches recorded adapters.
 
 This module puts the public names of all of them in one place, so callers import
 ``batchscope.analysis.queries`` alone.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import pandas as pd
 from sqlalchemy import Engine, text
 
+from batchscope.analysis.queries.adapters import adapter_frames
 from batchscope.analysis.queries.catalog import (event_counts, events, instances, model_kinds,
                                                  model_sources, models)
 from batchscope.analysis.queries.live import summary_frames
@@ -40,7 +43,7 @@ from batchscope.analysis.queries.window import (
     NICE_BUCKETS_S, PCTS, RAW, Resolution, Window, in_window, nearest_rank)
 
 __all__ = [
-    "EXACT_PERCENTILES_MAX_OK", "NICE_BUCKETS_S", "PCTS", "RAW", "Resolution", "Window",
+    "EXACT_PERCENTILES_MAX_OK", "NICE_BUCKETS_S", "adapter_frames", "PCTS", "RAW", "Resolution", "Window",
     "batch_sizes", "batch_timeline", "device_timeline", "event_counts", "events",
     "generation_prefill", "generation_speculation", "generation_summary", "generation_timeline",
     "headline", "instances", "live_bundle", "model_kinds", "model_share", "model_sources",
@@ -95,4 +98,8 @@ def _with_generation(engine: Engine, w: Window, out: dict, bucket: float,
         out["generation_prefill"] = generation_prefill(engine, w)
         if out["generation_t"]["spec_steps"].sum() > 0:
             out["generation_spec"] = generation_speculation(engine, w)
+    elif not reaches_rollups(engine, w):  # LoRA adapters: from the raw rows
+        adapters = adapter_frames(engine, w)
+        if adapters is not None:
+            out.update(adapters)
     return out

@@ -17,6 +17,8 @@
   device's absolute peak (schema version 7).
 * ``0007_generation_step_speculation``: the proposed and accepted tokens of each
   generation step (speculative decoding; schema version 8).
+* ``0008_adapters``: the distinct LoRA adapters of each batch and the adapter of each
+  request (schema version 9).
 
 A new revision: a file here with the next number, ``down_revision`` the last one, its
 ``upgrade`` written against the tables as the previous revisions left them (never

@@ -1,0 +1,97 @@
+"""The LoRA adapters of a window, from the raw rows (``requests.adapter``,
+``batches.adapters``) and the slot cache's ``adapter_load``/``adapter_evict`` events.
+
+``adapter_frames`` gives, for a window whose batches recorded adapters (a model that
+takes them; None otherwise):
+
+* ``adapters``: one row per adapter (``""`` for the base model): requests, outcomes,
+  throughput and exact p50/p95/p99 latency of the answered ones;
+* ``adapter_mix``: batches by the number of distinct adapters they mixed;
+* ``adapter_slots``: one row: slot loads (misses), hits, evictions and evictions per
+  minute over the window.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from sqlalchemy import Engine, text
+
+from batchscope.analysis.queries.window import (Window, count_if, in_window, pct_select,
+                                                ranked, read_frame)
+
+#: the label of the base model's rows (no adapter)
+BASE = ""
+
+
+def has_adapters(engine: Engine, w: Window) -> bool:
+    """Whether any batch of the window recorded its adapters."""
+    cond, params = in_window(w, "ended_at")
+    with engine.connect() as conn:
+        return conn.execute(text(f"SELECT 1 FROM batches WHERE {cond} AND adapters IS NOT NULL "
+                                 "LIMIT 1"), params).first() is not None
+
+
+def adapter_stats(engine: Engine, w: Window) -> pd.DataFrame:
+    """Per adapter of the window's requests of models that take adapters (the base as
+    ``""``): requests, ok, expired, rejected, rps (answered per second) and latency
+    percentiles of the answered ones."""
+    where, params = in_window(w, "finished_at")
+    taking = ("model IN (SELECT DISTINCT model FROM batches WHERE "
+              + in_window(w, "ended_at", bounds=("b0", "b1"))[0] + " AND adapters IS NOT NULL)")
+    params = {**params, "b0": w.start_s, "b1": w.end_s}
+    counts = read_frame(engine, f"""
+        SELECT COALESCE(adapter, '') AS adapter, COUNT(*) AS requests,
+               {count_if("outcome = 'ok'")} AS ok, {count_if("outcome = 'expired'")} AS expired,
+               {count_if("outcome = 'rejected'")} AS rejected
+        FROM requests WHERE {where} AND {taking}
+        GROUP BY COALESCE(adapter, '') ORDER BY COALESCE(adapter, '')""", params)
+    pcts = read_frame(engine, f"""
+        SELECT adapter, {pct_select('latency_s', 'latency')}
+        FROM (SELECT COALESCE(adapter, '') AS adapter, latency_s,
+                     {ranked('latency_s', "COALESCE(adapter, '')")}
+              FROM requests WHERE {where} AND {taking} AND outcome = 'ok') AS ranked
+        GROUP BY adapter""", params)
+    if not len(counts):
+        return counts.assign(rps=[], latency_p50=[], latency_p95=[], latency_p99=[])
+    out = counts.merge(pcts, on="adapter", how="left")
+    out["rps"] = out["ok"].astype(float) / w.duration_s
+    return out
+
+
+def adapter_mix(engine: Engine, w: Window) -> pd.DataFrame:
+    """Batches by the number of distinct adapters they mixed (0: base rows only)."""
+    where, params = in_window(w, "ended_at")
+    return read_frame(engine, f"""
+        SELECT adapters, COUNT(*) AS batches, SUM(batch_size) AS requests
+        FROM batches WHERE {where} AND adapters IS NOT NULL
+        GROUP BY adapters ORDER BY adapters""", params)
+
+
+def adapter_slots(engine: Engine, w: Window) -> pd.DataFrame:
+    """One row: the slot cache over the window. ``loads`` (misses) and ``evictions``
+    from the events; ``hits``: the adapters batches used without a load (each batch
+    takes each of its adapters once)."""
+    where, params = in_window(w, "at")
+    ev = read_frame(engine, f"""
+        SELECT {count_if("kind = 'adapter_load'")} AS loads,
+               {count_if("kind = 'adapter_evict'")} AS evictions
+        FROM events WHERE {where}""", params)
+    bwhere, bparams = in_window(w, "ended_at")
+    used = read_frame(engine, f"SELECT SUM(adapters) AS uses FROM batches WHERE {bwhere}",
+                      bparams)
+    loads = int(ev["loads"].fillna(0).iloc[0]) if len(ev) else 0
+    evictions = int(ev["evictions"].fillna(0).iloc[0]) if len(ev) else 0
+    uses = int(used["uses"].fillna(0).iloc[0]) if len(used) else 0
+    minutes = w.duration_s / 60.0
+    return pd.DataFrame([{"loads": loads, "misses": loads, "hits": max(0, uses - loads),
+                          "evictions": evictions, "evictions_per_min": evictions / minutes,
+                          "minutes": minutes}])
+
+
+def adapter_frames(engine: Engine, w: Window) -> dict[str, pd.DataFrame] | None:
+    """``adapters``, ``adapter_mix`` and ``adapter_slots`` of the window, or None when
+    no batch of it recorded adapters."""
+    if not has_adapters(engine, w):
+        return None
+    return {"adapters": adapter_stats(engine, w), "adapter_mix": adapter_mix(engine, w),
+            "adapter_slots": adapter_slots(engine, w)}
