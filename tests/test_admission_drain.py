@@ -36,7 +36,7 @@ def add(b: Batcher, clock: FakeClock, *, timeout_s: float | None = None, priorit
 
 
 def batch_back(b: Batcher, clock: FakeClock, n: int, compute_s: float) -> None:
-    b.complete(SimpleNamespace(requests=[None] * n, bucket=None), clock.now(), compute_s)
+    b.complete(SimpleNamespace(requests=[None] * n, bucket=None, adapters=None), clock.now(), compute_s)
 
 
 def test_nothing_is_refused_before_a_batch_was_measured():
@@ -183,7 +183,7 @@ def test_early_refuses_by_the_default_timeout_and_records_it():
         answers: list[tuple[int, list, bytes]] = []
         await engine.start()
         batcher = engine._served("double").batcher
-        batcher.complete(SimpleNamespace(requests=[None], bucket=None), clock.now(), 0.009)  # 9 ms each
+        batcher.complete(SimpleNamespace(requests=[None], bucket=None, adapters=None), clock.now(), 0.009)  # 9 ms each
         try:
             for _ in range(4):  # one runs (held), three wait: 27 ms to drain
                 assert hook(None, b"POST", PATH, HEADS, GOOD, lambda *a: answers.append(a))
