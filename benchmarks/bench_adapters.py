@@ -1,10 +1,13 @@
-"""Mixed-adapter batching of the ``encoder``: one command, every ratio measured in one run.
+"""Mixed-adapter batching of the ``encoder`` or the ``wide`` model: one command, every
+ratio measured in one run.
 
-    python -m benchmarks.bench_adapters                  # about a minute
+    python -m benchmarks.bench_adapters                  # the encoder, about a minute
+    python -m benchmarks.bench_adapters --model wide     # the weight-bound MLP
     python -m benchmarks.bench_adapters --duration-s 1 --clients 16 --json
 
 Scenarios, each N closed-loop clients on the request engine in this process (the device
-thread, no HTTP, so the figures are the batching's and the model's), lengths 8..64:
+thread, no HTTP, so the figures are the batching's and the model's); encoder requests
+have lengths 8..64, ``wide`` requests one vector of 256:
 
 * ``base``: no adapters;
 * ``mixed``: 8 adapters, even traffic, ``adapter_mixing`` on;
@@ -36,30 +39,43 @@ from runtime.adapters.lora import (AdapterRef, lora_term, read_peft, segment_ter
                                    stacked_term)
 from runtime.adapters.slots import SlotCache
 from runtime.api.config import BatchingConfig
+from runtime.api.model import ModelAPI
 from runtime.engine.engine import Engine
-from runtime.models.encoder import ADAPTER_TARGETS, EncoderModel
+from runtime.models.encoder import EncoderModel
+from runtime.models.wide import WideModel
+
+MODELS: dict[str, type[ModelAPI]] = {"encoder": EncoderModel, "wide": WideModel}
 
 
-class MergedEncoder(EncoderModel):
-    """The encoder with one adapter merged into its weights (W + scale * B A)."""
+def merged(base: type[ModelAPI], adapter_path: str) -> type[ModelAPI]:
+    """``base`` with the adapter at ``adapter_path`` merged into its weights (W + scale * B A)."""
 
-    adapter_path = ""
+    class Merged(base):  # type: ignore[misc, valid-type]
+        def setup(self, device) -> None:
+            super().setup(device)
+            adapter = read_peft(adapter_path, self.adapter_targets, "merged")
+            modules = dict(self.net.named_modules())
+            with torch.no_grad():
+                for module, pair in adapter.pairs.items():
+                    modules[module].weight += pair.scale * (pair.b @ pair.a)
 
-    def setup(self, device) -> None:
-        super().setup(device)
-        adapter = read_peft(self.adapter_path, ADAPTER_TARGETS, "merged")
-        modules = dict(self.net.named_modules())
-        with torch.no_grad():
-            for module, pair in adapter.pairs.items():
-                modules[module].weight += pair.scale * (pair.b @ pair.a)
+    return Merged
 
 
-async def closed_loop(engine: Engine, clients: int, duration_s: float,
+def request_pool(model: str, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """256 requests' inputs: token ids of 8..64 tokens for the encoder, a vector for wide."""
+    rng = np.random.default_rng(seed)
+    if model == "encoder":
+        return [{"INPUT_IDS": rng.integers(1, 1000, int(n)).astype(np.int64)}
+                for n in rng.integers(8, 65, 256)]
+    return [{"INPUT0": rng.standard_normal(256).astype(np.float32)} for _ in range(256)]
+
+
+async def closed_loop(engine: Engine, model: str, clients: int, duration_s: float,
                       adapters: list[str | None], seed: int = 0) -> float:
     """Requests per second of ``clients`` closed loops, each request's adapter drawn
     evenly from ``adapters``."""
-    rng = np.random.default_rng(seed)
-    pool = [rng.integers(1, 1000, int(n)).astype(np.int64) for n in rng.integers(8, 65, 256)]
+    pool = request_pool(model, seed)
     done = 0
     stop = time.perf_counter() + duration_s
 
@@ -69,7 +85,7 @@ async def closed_loop(engine: Engine, clients: int, duration_s: float,
         while time.perf_counter() < stop:
             adapter = adapters[i % len(adapters)]
             extra = {} if adapter is None else {"adapter": adapter}
-            await engine.infer("encoder", {"INPUT_IDS": pool[i % len(pool)]}, **extra)
+            await engine.infer(model, pool[i % len(pool)], **extra)
             done += 1
             i += clients
 
@@ -78,15 +94,16 @@ async def closed_loop(engine: Engine, clients: int, duration_s: float,
     return done / (time.perf_counter() - started)
 
 
-async def scenario(model: EncoderModel, config: BatchingConfig, paths: dict[str, str],
+async def scenario(model: ModelAPI, config: BatchingConfig, paths: dict[str, str],
                    clients: int, duration_s: float, adapters: list[str | None]) -> float:
-    engine = Engine({"encoder": model}, {"encoder": config}, inline_max_compute_ms=0)
-    for name, path in paths.items():
-        engine.register_adapter("encoder", name, path)
+    name = model.name
+    engine = Engine({name: model}, {name: config}, inline_max_compute_ms=0)
+    for adapter, path in paths.items():
+        engine.register_adapter(name, adapter, path)
     await engine.start()
     try:
-        await closed_loop(engine, clients, min(1.0, duration_s / 2), adapters)  # warm up
-        return await closed_loop(engine, clients, duration_s, adapters)
+        await closed_loop(engine, name, clients, min(1.0, duration_s / 2), adapters)  # warm up
+        return await closed_loop(engine, name, clients, duration_s, adapters)
     finally:
         await engine.stop()
 
@@ -137,37 +154,40 @@ def lru_check(adapters: int = 64, slots: int = 8, steps: int = 5000, seed: int =
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="encoder",
+                   help="the base model the adapters are of (default: encoder)")
     p.add_argument("--duration-s", type=float, default=6.0, help="seconds per scenario")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     config = BatchingConfig(max_batch_size=32)
+    model = MODELS[args.model]
     with tempfile.TemporaryDirectory() as root:
-        paths = write_demo_adapters(root, 8)
+        paths = write_demo_adapters(root, 8, args.model)
         names = list(paths)
-        MergedEncoder.adapter_path = paths[names[0]]
 
         def run(model, cfg, registered, adapters):
             return asyncio.run(scenario(model, cfg, registered, args.clients, args.duration_s,
                                         adapters))
 
         rates = {
-            "base": run(EncoderModel(), config, {}, [None]),
-            "mixed": run(EncoderModel(), config, paths, names),
-            "per_adapter": run(EncoderModel(), config.with_changes({"adapter_mixing": False}),
+            "base": run(model(), config, {}, [None]),
+            "mixed": run(model(), config, paths, names),
+            "per_adapter": run(model(), config.with_changes({"adapter_mixing": False}),
                                paths, names),
-            "one_adapter": run(EncoderModel(), config, {names[0]: paths[names[0]]}, [names[0]]),
-            "merged": run(MergedEncoder(), config, {}, [None]),
+            "one_adapter": run(model(), config, {names[0]: paths[names[0]]}, [names[0]]),
+            "merged": run(merged(model, paths[names[0]])(), config, {}, [None]),
         }
     ratios = {"mixed/per_adapter": rates["mixed"] / rates["per_adapter"],
               "mixed/base": rates["mixed"] / rates["base"],
               "one_adapter/merged": rates["one_adapter"] / rates["merged"]}
-    result = {"requests_per_s": rates, "ratios": ratios, "term_ms": formulations(),
+    result = {"model": args.model, "requests_per_s": rates, "ratios": ratios, "term_ms": formulations(),
               "lru": lru_check()}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
+    print(f"model {args.model}, {args.clients} clients, {args.duration_s:g} s per scenario")
     print(f"{'scenario':<14}{'requests/s':>12}")
     for name, rate in rates.items():
         print(f"{name:<14}{rate:>12.1f}")

@@ -106,12 +106,24 @@ def test_demo_records_batches_and_stops_on_sigterm(tmp_path):
                 return dict(conn.execute(text(
                     "SELECT model, count(*) FROM requests WHERE outcome='ok' GROUP BY model")).all())
 
+        def adapted():  # answered encoder requests that named one of the demo adapters
+            with db.connect() as conn:
+                return conn.execute(text(
+                    "SELECT count(*) FROM requests WHERE model='encoder' AND outcome='ok' "
+                    "AND adapter IS NOT NULL")).scalar()
+
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not (counts().get("mlp", 0) >= 20
-                                                   and counts().get("encoder", 0) >= 2):
+                                                   and counts().get("encoder", 0) >= 2
+                                                   and adapted() >= 2):
             time.sleep(0.5)
         seen = counts()
         assert seen.get("mlp", 0) >= 20 and seen.get("encoder", 0) >= 2, seen
+        assert adapted() >= 2, "no demo request with an adapter was recorded"
+        with db.connect() as conn:
+            mixed = conn.execute(text("SELECT max(adapters) FROM batches "
+                                      "WHERE model='encoder'")).scalar()
+        assert mixed is not None and mixed >= 1, mixed
         live = control.live_instances(db, now=time.time())
         assert [i.url for i in live] == [url] and set(live[0].models) == {"mlp", "encoder", "decoder"}
         proc.send_signal(signal.SIGTERM)

@@ -112,9 +112,10 @@ def _tensor_data(datatype: str, shape: list[int], rng: np.random.Generator,
 
 def infer_body(metadata: dict, length: int | None, rng: np.random.Generator, *,
                priority: int | None = None, timeout_ms: float | None = None,
-               bypass: bool = False) -> bytes:
+               bypass: bool = False, adapter: str | None = None) -> bytes:
     """One JSON ``/infer`` body for the model of ``metadata``: every variable dimension
-    (``-1``) is ``length`` (64 when None), text elements hold ``length`` words."""
+    (``-1``) is ``length`` (64 when None), text elements hold ``length`` words;
+    ``adapter``: the LoRA adapter the request names (None: the base model)."""
     inputs = metadata.get("inputs") or []
     if not inputs:
         raise LoadError(f"model {metadata.get('name')!r} lists no inputs in its metadata")
@@ -130,6 +131,8 @@ def infer_body(metadata: dict, length: int | None, rng: np.random.Generator, *,
         params["timeout"] = int(timeout_ms * 1000)
     if bypass:
         params["realtime"] = True
+    if adapter is not None:
+        params["adapter"] = adapter
     doc: dict[str, Any] = {"inputs": tensors}
     if params:
         doc["parameters"] = params
@@ -143,8 +146,10 @@ def is_variable_length(metadata: dict) -> bool:
 
 def build_payloads(metadata: dict, *, lengths: str | None = None, priority: str | int | None = None,
                    timeout_ms: float | None = None, bypass: bool = False, seed: int = 0,
-                   pool: int = PAYLOAD_POOL) -> list[bytes]:
-    """JSON ``/infer`` bodies for the model described by ``metadata`` (v2 model metadata)."""
+                   pool: int = PAYLOAD_POOL,
+                   adapters: Sequence[str | None] = ()) -> list[bytes]:
+    """JSON ``/infer`` bodies for the model described by ``metadata`` (v2 model metadata);
+    with ``adapters``, each body names one drawn evenly from them (None: the base model)."""
     rng = np.random.default_rng(seed)
     pick = random.Random(seed)
     length_spec = parse_lengths(lengths)
@@ -152,7 +157,7 @@ def build_payloads(metadata: dict, *, lengths: str | None = None, priority: str 
     if not metadata.get("inputs"):
         raise LoadError(f"model {metadata.get('name')!r} lists no inputs in its metadata")
     variable = is_variable_length(metadata) or length_spec is not None
-    count = pool if (variable or (mix and len(mix) > 1)) else min(pool, 16)
+    count = pool if (variable or (mix and len(mix) > 1) or len(adapters) > 1) else min(pool, 16)
     bodies = []
     for _ in range(count):
         length = None
@@ -161,8 +166,9 @@ def build_payloads(metadata: dict, *, lengths: str | None = None, priority: str 
             length = (pick.randint(nums[0], nums[1]) if kind == "uniform"
                       else nums[0] if kind == "fixed" else pick.choice(nums))
         level = pick.choices([lv for lv, _ in mix], [w for _, w in mix])[0] if mix else None
+        adapter = pick.choice(adapters) if adapters else None
         bodies.append(infer_body(metadata, length, rng, priority=level, timeout_ms=timeout_ms,
-                                 bypass=bypass))
+                                 bypass=bypass, adapter=adapter))
     return bodies
 
 
@@ -534,15 +540,18 @@ async def run_load_async(url: str, model: str, *, concurrency: int | None = 16,
                          priority: str | int | None = None, timeout_ms: float | None = None,
                          bypass: bool = False, seed: int = 0, max_connections: int = 512,
                          payloads: Sequence[bytes] | None = None,
-                         path: str | None = None) -> LoadReport:
-    """Drive ``model`` at ``url``; ``rate`` selects the open loop, else ``concurrency``."""
+                         path: str | None = None,
+                         adapters: Sequence[str | None] = ()) -> LoadReport:
+    """Drive ``model`` at ``url``; ``rate`` selects the open loop, else ``concurrency``;
+    ``adapters``: the LoRA adapters the requests name, drawn evenly (None: the base)."""
     check_options(duration_s=duration_s, max_requests=max_requests, rate=rate,
                   concurrency=concurrency, lengths=lengths, priority=priority)
     host, port = split_url(url)
     if payloads is None:
         meta = await fetch_metadata(url, model)
         payloads = build_payloads(meta, lengths=lengths, priority=priority,
-                                  timeout_ms=timeout_ms, bypass=bypass, seed=seed)
+                                  timeout_ms=timeout_ms, bypass=bypass, seed=seed,
+                                  adapters=adapters)
     target = path or f"/v2/models/{model}/infer"
     requests = [request_bytes("POST", host, port, target, body) for body in payloads]
     tally = Tally()

@@ -27,13 +27,13 @@ torch's fused encoder layers as before.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from runtime.adapters.lora import AdapterBank
+from runtime.adapters.lora import AdapterBank, Linear, plain_linear
 from runtime.api.errors import ClientError, ValidationError
 from runtime.api.model import ModelAPI, TensorSpec
 from runtime.models import seeded_init, take_input
@@ -51,8 +51,6 @@ ADAPTER_TARGETS: dict[str, tuple[int, int]] = {
     f"encoder.layers.{i}.{name}": shape
     for i in range(LAYERS)
     for name, shape in (("linear1", (D_MODEL, FEEDFORWARD)), ("linear2", (FEEDFORWARD, D_MODEL)))}
-
-Linear = Callable[[str, nn.Module, torch.Tensor], torch.Tensor]
 
 
 class EncoderNet(nn.Module):
@@ -73,12 +71,8 @@ class EncoderNet(nn.Module):
         return pool(hidden, pad_mask)
 
 
-def _plain(module: str, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return layer(x)
-
-
 def explicit_forward(net: EncoderNet, ids: torch.Tensor, pad_mask: torch.Tensor,
-                     linear: Linear = _plain) -> torch.Tensor:
+                     linear: Linear = plain_linear) -> torch.Tensor:
     """``EncoderNet.forward`` module by module (post-norm layers, as torch's), the
     feed-forward layers through ``linear(name, layer, x)``; PEFT's wrapped modules run
     their adapters here too, which makes it the tests' oracle."""
@@ -126,7 +120,7 @@ class EncoderModel(ModelAPI):
     def setup(self, device: Any) -> None:
         self.device = torch.device(device)
         self.net = build_encoder().to(self.device)
-        self.adapter_bank = AdapterBank(ADAPTER_TARGETS, self.device, max_rank=self.max_adapter_rank)
+        self.adapter_bank = AdapterBank.for_model(self, self.device)
 
     def decode(self, inputs: dict[str, np.ndarray]) -> torch.Tensor:
         expected = f"INT64 [1..{MAX_LENGTH}] token ids in [0, {VOCAB_SIZE})"

@@ -1,11 +1,13 @@
 """Demo runtime: the server plus synthetic traffic whose load keeps changing.
 
-``python -m runtime.tools.demo --db URL --port 0`` serves ``mlp``, ``encoder`` and the
-generation model ``decoder`` (``/v1/completions``) in-process, prints
+``python -m runtime.tools.demo --db URL --port 0`` serves ``mlp``, ``encoder`` (with the
+8 demo LoRA adapters ``enc-0`` ... ``enc-7``, written into a temporary folder at start)
+and the generation model ``decoder`` (``/v1/completions``) in-process, prints
 ``batchscope demo on <url> ...`` and then cycles through traffic phases (quiet,
 busy, bursts with rejections, tight deadlines, urgent priorities, variable encoder
 lengths, completions) until it is killed (``--cycles N``: N passes), so a dashboard shows
-batches forming, queues building and draining, and occasional 429s and expiries.
+batches forming, queues building and draining, occasional 429s and expiries, and encoder
+batches mixing adapters (half of most encoder flows' requests name one of the adapters).
 Rates stay modest (``--intensity`` scales them) so the dashboard can run alongside
 on a small machine. The traffic comes from a child process, as clients would, so that
 generating it does not add to the latencies the server records.
@@ -18,12 +20,15 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+from runtime.adapters.demo import demo_name, write_demo_adapters
 from runtime.api.config import BatchingConfig, ServerConfig
 
 log = logging.getLogger("batchscope.demo")
@@ -41,6 +46,8 @@ class Flow:
     bypass: bool = False
     #: generation: completions with up to this many new tokens (0 = a KServe flow)
     max_tokens: int = 0
+    #: the LoRA adapters the requests name, drawn evenly (None: the base model)
+    adapters: tuple[str | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -52,19 +59,28 @@ class Phase:
 
 LENGTHS = "uniform:8:128"
 MIX = "1=0.1,2=0.7,3=0.2"
+#: the encoder's demo adapters, served from the start
+ADAPTERS = tuple(demo_name(i) for i in range(8))
+#: what an encoder flow's requests name: half the base model, half one of the adapters
+SPREAD: tuple[str | None, ...] = (None,) * len(ADAPTERS) + ADAPTERS
 
 PHASES: tuple[Phase, ...] = (
-    Phase("quiet", 20, (Flow("mlp", 15, priority=MIX), Flow("encoder", 3, LENGTHS),
+    Phase("quiet", 20, (Flow("mlp", 15, priority=MIX),
+                        Flow("encoder", 3, LENGTHS, adapters=SPREAD),
                         Flow("decoder", 0.5, max_tokens=32))),
-    Phase("busy", 30, (Flow("mlp", 250, priority=MIX), Flow("encoder", 15, LENGTHS, MIX),
+    Phase("busy", 30, (Flow("mlp", 250, priority=MIX),
+                       Flow("encoder", 15, LENGTHS, MIX, adapters=SPREAD),
                        Flow("decoder", 2, max_tokens=64))),
-    Phase("burst", 6, (Flow("mlp", 1500, priority=MIX), Flow("encoder", 40, LENGTHS))),
-    Phase("recovery", 15, (Flow("mlp", 60, priority=MIX), Flow("encoder", 6, LENGTHS))),
+    Phase("burst", 6, (Flow("mlp", 1500, priority=MIX),
+                       Flow("encoder", 40, LENGTHS, adapters=SPREAD))),
+    Phase("recovery", 15, (Flow("mlp", 60, priority=MIX),
+                           Flow("encoder", 6, LENGTHS, adapters=SPREAD))),
     Phase("deadlines", 20, (Flow("mlp", 400, priority=MIX, timeout_ms=15),
                             Flow("encoder", 20, "choice:16,120", timeout_ms=150))),
     Phase("urgent", 15, (Flow("mlp", 150, priority="1"), Flow("mlp", 5, bypass=True),
-                         Flow("encoder", 10, "uniform:8:32", "1=0.5,3=0.5"))),
-    Phase("long-inputs", 20, (Flow("mlp", 40), Flow("encoder", 14, "uniform:96:128"),
+                         Flow("encoder", 10, "uniform:8:32", "1=0.5,3=0.5", adapters=SPREAD))),
+    Phase("long-inputs", 20, (Flow("mlp", 40),
+                              Flow("encoder", 14, "uniform:96:128", adapters=SPREAD),
                               Flow("decoder", 1, max_tokens=128))),
 )
 
@@ -136,7 +152,7 @@ async def run_phase(url: str, phase: Phase, *, intensity: float = 1.0, seed: int
             runs.append(run_load_async(url, f.model, rate=rate, duration_s=phase.duration_s,
                                        lengths=f.lengths, priority=f.priority,
                                        timeout_ms=f.timeout_ms, bypass=f.bypass, seed=seed + k,
-                                       max_connections=64))
+                                       max_connections=64, adapters=f.adapters))
     return list(await asyncio.gather(*runs, return_exceptions=True))
 
 
@@ -198,11 +214,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = dict(CONFIGS)
     if args.no_autopilot:
         configs = {name: replace(c, autopilot_slo_p99_ms=None) for name, c in configs.items()}
-    service = Service(models, configs, server, generation=generation, version=f"{VERSION}-demo")
+    # the encoder's adapters: small files (well under a second to write), gone with the demo
+    adapter_root = tempfile.mkdtemp(prefix="batchscope-demo-adapters-")
+    paths = write_demo_adapters(adapter_root, len(ADAPTERS))
+    service = Service(models, configs, server, generation=generation, version=f"{VERSION}-demo",
+                      adapters=[("encoder", name, path) for name, path in paths.items()])
     runner = ServiceThread(service, host=args.host, port=args.port)
-    url = runner.start()
-    print(f"batchscope demo on {url}  models: {', '.join(specs)}  database: "
-          f"{server.database_url}", flush=True)
+    try:
+        url = runner.start()
+    except BaseException:
+        shutil.rmtree(adapter_root, ignore_errors=True)
+        raise
+    print(f"batchscope demo on {url}  models: {', '.join(specs)}  adapters: encoder "
+          f"{ADAPTERS[0]}..{ADAPTERS[-1]}  database: {server.database_url}", flush=True)
 
     def _stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -225,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             driver.terminate()
             driver.join(10)
         runner.stop()
+        shutil.rmtree(adapter_root, ignore_errors=True)
     return 0
 
 
