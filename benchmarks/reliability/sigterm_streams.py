@@ -216,6 +216,9 @@ def run_client(host: str, port: int, path: str, body: bytes, client: Client,
                 out.failure = type(exc).__name__
                 conn.close()
             progress.add("answers" if out.status is not None else "failures")
+            # a request sent just before SIGTERM may still be refused by the draining server
+            # (it had not been read yet): what counts is whether it was answered after it
+            out.after_sigterm = out.after_sigterm or sigterm.is_set()
             if out.after_sigterm and out.status != 200:
                 return
             if out.failure == "ConnectionRefusedError" and not sigterm.is_set():
