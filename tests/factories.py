@@ -284,3 +284,27 @@ def serving(args: list[str], env: dict | None = None) -> Iterator[str]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- databases written by an older release -------------------------------------------------
+def database_at(url: str, revision: str, *statements: str) -> None:
+    """A database as the migrations up to ``revision`` left it (a release of that schema),
+    holding the rows ``statements`` insert (as that release wrote them)."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+
+    from batchscope.storage.migrations import SCRIPT_LOCATION
+
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            config = Config()
+            config.set_main_option("script_location", SCRIPT_LOCATION)
+            config.attributes["connection"] = conn
+            command.upgrade(config, revision)
+            for statement in statements:
+                if statement.strip():
+                    conn.exec_driver_sql(statement)
+    finally:
+        engine.dispose()

@@ -8,7 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from sqlalchemy import create_engine, select
+from sqlalchemy import select
 
 from batchscope.storage import db as storage_db
 from batchscope.storage.db import make_engine, schema_revision, schema_version
@@ -20,7 +20,7 @@ from runtime.api.config import BatchingConfig
 from runtime.engine.engine import Engine
 from runtime.models.encoder import EncoderModel
 from runtime.models.toys import DoubleModel
-from tests.test_migrations import write_revision
+from tests.factories import database_at
 
 
 @pytest.fixture(scope="module")
@@ -93,16 +93,12 @@ def test_request_batches_carry_the_adapter_column():
 
 @pytest.mark.both_backends
 def test_rows_are_written_and_an_older_database_upgrades(db_url):
-    write_revision(db_url, "0007")
-    plain = create_engine(db_url)
-    with plain.begin() as conn:
-        conn.exec_driver_sql(
+    database_at(db_url, "0007", 
             "INSERT INTO batches (instance_id, model, seq, policy, settings_version, "
             "max_batch_size, bucket, batch_size, real_elements, padded_elements, "
             "queue_wait_min_s, queue_wait_mean_s, queue_wait_max_s, compute_s, started_at, "
             "ended_at, outcome, cuda_graph) VALUES ('rt-0', 'encoder', 1, 'dynamic', 1, 8, "
             "NULL, 1, 4, 4, 0, 0, 0, 0.01, 999.0, 999.01, 'ok', false)")
-    plain.dispose()
     engine = make_engine(db_url)
     try:
         assert schema_version(engine) == SCHEMA_VERSION == 9

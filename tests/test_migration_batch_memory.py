@@ -4,14 +4,14 @@ appears, reads NULL for the rows already there, and takes the recorder's rows.""
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import create_engine, select
+from sqlalchemy import select
 
 from batchscope.storage import db as storage_db
 from batchscope.storage.db import make_engine, schema_revision, schema_version
 from batchscope.storage.records import BatchRow
 from batchscope.storage.recorder import Recorder
 from batchscope.storage.schema import SCHEMA_VERSION, BatchRecord
-from tests.test_migrations import write_revision
+from tests.factories import database_at
 
 pytestmark = pytest.mark.both_backends
 
@@ -26,11 +26,7 @@ INSERT INTO batches (instance_id, model, seq, policy, settings_version, max_batc
 
 
 def test_a_database_of_schema_version_6_upgrades_and_takes_the_increase(db_url):
-    write_revision(db_url, "0005")
-    plain = create_engine(db_url)
-    with plain.begin() as conn:
-        conn.exec_driver_sql(REVISION_0005_BATCH)
-    plain.dispose()
+    database_at(db_url, "0005", REVISION_0005_BATCH)
     engine = make_engine(db_url)
     try:
         assert schema_version(engine) == SCHEMA_VERSION >= 7

@@ -8,22 +8,20 @@ import os
 import threading
 
 import pytest
-from alembic import command
 from alembic.autogenerate import compare_metadata
-from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, func, inspect, select, text
 
 from batchscope.storage import db as storage_db
 from batchscope.storage.db import SchemaTooNew, make_engine, schema_revision, schema_version
 from batchscope.storage import control
-from batchscope.storage.migrations import SCRIPT_LOCATION, VERSION_TABLE
+from batchscope.storage.migrations import VERSION_TABLE
 from batchscope.storage.records import DeviceRow, RequestRow, TraceRow
 from batchscope.storage.recorder import Recorder
 from batchscope.storage.schema import (SCHEMA_VERSION, Base, DeviceSample, RequestRecord,
                                        RequestTraceRecord, Rollup, RuntimeInstance, StatsSummary,
                                        TuningSessionRecord, TuningTrialRecord)
-from tests.factories import count
+from tests.factories import count, database_at
 
 pytestmark = pytest.mark.both_backends
 
@@ -172,17 +170,6 @@ def test_a_database_of_the_previous_release_upgrades_in_place(db_url, backend, v
         engine.dispose()
 
 
-def write_revision(url: str, revision: str) -> None:
-    """A database as the migrations up to ``revision`` left it (a release of that schema)."""
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        config = Config()
-        config.set_main_option("script_location", SCRIPT_LOCATION)
-        config.attributes["connection"] = conn
-        command.upgrade(config, revision)
-    engine.dispose()
-
-
 #: rows as a release at revision 0003 (schema version 4) wrote them
 REVISION_0003_ROWS = """
 INSERT INTO runtime_instances (id, host, pid, models_json, url, device, version, started_at,
@@ -199,12 +186,8 @@ INSERT INTO summary_stats (span_s, start_s, model, instance_id, requests, ok)
 def test_a_database_of_schema_version_4_upgrades_in_place_with_its_rows(db_url):
     """Revision 0003 -> 0004: the tuning tables appear, the new columns read NULL for the
     rows already there, and nothing else moves (its summaries are not rebuilt)."""
-    write_revision(db_url, "0003")
+    database_at(db_url, "0003", *REVISION_0003_ROWS.split(";"))
     plain = create_engine(db_url)
-    with plain.begin() as conn:
-        for statement in REVISION_0003_ROWS.split(";"):
-            if statement.strip():
-                conn.exec_driver_sql(statement)
     assert not inspect(plain).has_table(TuningSessionRecord.__tablename__)
     plain.dispose()
     engine = make_engine(db_url)
@@ -237,7 +220,7 @@ def test_a_database_of_schema_version_4_upgrades_in_place_with_its_rows(db_url):
 
 def test_a_database_of_schema_version_5_upgrades_in_place_and_takes_traces(db_url):
     """Revision 0004 -> 0005: ``request_traces`` appears, empty, and takes rows."""
-    write_revision(db_url, "0004")
+    database_at(db_url, "0004")
     plain = create_engine(db_url)
     assert not inspect(plain).has_table(RequestTraceRecord.__tablename__)
     plain.dispose()

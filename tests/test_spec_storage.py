@@ -5,7 +5,7 @@ the speculation series on /metrics."""
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import create_engine, select
+from sqlalchemy import select
 
 from batchscope.storage import db as storage_db
 from batchscope.storage.db import make_engine, schema_revision, schema_version
@@ -13,7 +13,7 @@ from batchscope.storage.records import GenStepRow, RequestRow
 from batchscope.storage.recorder import Recorder
 from batchscope.storage.schema import SCHEMA_VERSION, GenerationStep
 from runtime.server.metrics import MetricsRecorder
-from tests.test_migrations import write_revision
+from tests.factories import database_at
 
 #: a step as a release at revision 0006 (schema version 7) wrote it
 REVISION_0006_STEP = """
@@ -25,11 +25,7 @@ INSERT INTO generation_steps (instance_id, model, at, mode, running, waiting, pr
 
 @pytest.mark.both_backends
 def test_a_database_of_schema_version_7_upgrades_and_takes_the_speculation_columns(db_url):
-    write_revision(db_url, "0006")
-    plain = create_engine(db_url)
-    with plain.begin() as conn:
-        conn.exec_driver_sql(REVISION_0006_STEP)
-    plain.dispose()
+    database_at(db_url, "0006", REVISION_0006_STEP)
     engine = make_engine(db_url)
     try:
         assert schema_version(engine) == SCHEMA_VERSION >= 8
