@@ -276,6 +276,30 @@ def _queueing(timeout_doc: str) -> tuple[Setting, ...]:
     )
 
 
+#: the LoRA adapter settings, shared by request models (a batch) and generation models
+#: (a step's running sequences)
+_ADAPTERS: tuple[Setting, ...] = (
+    Setting("adapter_mixing", "bool", True,
+            "For a model with LoRA adapters: one batch holds requests for different adapters "
+            "(and the base), the base layers computed once and each row's adapter term added "
+            "in the same forward. Off: a batch holds one adapter's requests only (per-adapter "
+            "batching).",
+            group="adapters"),
+    Setting("max_adapters_per_batch", "int", 8,
+            "The most distinct adapters one batch (a generation model: one step's running "
+            "sequences) mixes; requests for further adapters wait for the next batch.",
+            unit="adapters", min=1, max=1024, group="adapters"),
+    Setting("adapter_slots", "int", 16,
+            "Adapters kept on the device at once; a cold adapter takes the least recently used "
+            "slot no running batch holds (an adapter_load event, with what it evicted).",
+            unit="adapters", min=1, max=4096, group="adapters"),
+    Setting("adapter_memory_mb", "float", 512.0,
+            "The memory registered adapters may take together; loading one past it is "
+            "refused with 507.",
+            unit="MB", min=0, max=1_000_000, min_exclusive=True, group="adapters"),
+)
+
+
 BATCHING: tuple[Setting, ...] = (
     Setting("policy", "choice", "dynamic",
             "static waits for a full batch (bounded by static_max_wait_ms); dynamic dispatches "
@@ -380,24 +404,7 @@ BATCHING: tuple[Setting, ...] = (
             "its recent batch times (at least 2 s) instead of waiting for "
             "execution_timeout_ms, which stays the ceiling: a hung model is cut in seconds.",
             group="faults"),
-    Setting("adapter_mixing", "bool", True,
-            "For a model with LoRA adapters: one batch holds requests for different adapters "
-            "(and the base), the base layers computed once and each row's adapter term added "
-            "in the same forward. Off: a batch holds one adapter's requests only (per-adapter "
-            "batching).",
-            group="adapters"),
-    Setting("max_adapters_per_batch", "int", 8,
-            "The most distinct adapters one batch mixes; requests for further adapters wait "
-            "for the next batch.",
-            unit="adapters", min=1, max=1024, group="adapters"),
-    Setting("adapter_slots", "int", 16,
-            "Adapters kept on the device at once; a cold adapter takes the least recently used "
-            "slot no running batch holds (an adapter_load event, with what it evicted).",
-            unit="adapters", min=1, max=4096, group="adapters"),
-    Setting("adapter_memory_mb", "float", 512.0,
-            "The memory registered adapters may take together; loading one past it is "
-            "refused with 507.",
-            unit="MB", min=0, max=1_000_000, min_exclusive=True, group="adapters"),
+    *_ADAPTERS,
     Setting("autopilot_slo_p99_ms", "float", None,
             "Turns the autopilot on: window by window it moves max_batch_size, "
             "max_queue_delay_ms (dynamic policy) and, for a variable-length model whose "
@@ -481,6 +488,7 @@ GENERATION: tuple[Setting, ...] = (
     Setting("spec_probe_interval_steps", "int", 256,
             "With spec_auto_switch: steps without speculation before it is measured again.",
             unit="steps", min=1, max=1_000_000, group="speculation"),
+    *_ADAPTERS,
 )
 
 _KINDS: dict[str, tuple[Setting, ...]] = {"request": BATCHING, "generate": GENERATION}

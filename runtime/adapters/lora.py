@@ -389,7 +389,11 @@ class AdapterBank:
 
     def apply(self, module: str, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``layer(x)`` plus, when a batch is active, each row's adapter term."""
-        y = layer(x)
+        return self.add(module, x, layer(x))
+
+    def add(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y``, the base output of target ``module`` for input ``x``, plus each row's
+        adapter term when a batch is active (for models whose layers are plain weights)."""
         rows = self.rows
         stack = self._stacks.get(module)
         if rows is None or stack is None:

@@ -117,6 +117,17 @@ class SlotCache:
     def waiting(self) -> list[str]:
         return list(self._waiting)
 
+    def ref_at(self, slot: int) -> AdapterRef | None:
+        """What ``slot`` holds now (None: nothing)."""
+        return self._slots[slot].ref if 0 <= slot < len(self._slots) else None
+
+    def reserved_for_other(self, name: str) -> bool:
+        """Whether ``name``'s slot is reserved for a waiting adapter: nothing new may join
+        it (a holder that keeps taking requests must not keep the waiter out)."""
+        slot = self._where.get(name)
+        reserved = None if slot is None else self._slots[slot].reserved_for
+        return reserved is not None and reserved != name
+
     def _touch(self, index: int, now: float) -> None:
         self._tick += 1
         slot = self._slots[index]
@@ -233,6 +244,24 @@ class BatchPick:
         self.changes: list[SlotChange] = []
         #: without mixing: the group of the first request (an adapter name, or "" for the base)
         self._group: str | None = None
+
+    def fits(self, adapter: str | None) -> bool:
+        """Whether the batch's limits (mixing, ``max_adapters_per_batch``) let a request
+        naming ``adapter`` in, before any slot is asked for; changes nothing."""
+        if not self._mixing and self._group is not None and (adapter or "") != self._group:
+            return False
+        return adapter is None or adapter in self.chosen or len(self.chosen) < self._max
+
+    def take(self, adapter: str | None, slot: int) -> bool:
+        """``accept`` for a request whose adapter already has its slot pinned by the
+        caller (``slot``; a running sequence's): the limits only, no pin taken."""
+        if not self.fits(adapter):
+            return False
+        if self._group is None:
+            self._group = adapter or ""
+        if adapter is not None:
+            self.chosen.setdefault(adapter, slot)
+        return True
 
     def accept(self, adapter: str | None) -> bool:
         if not self._mixing:

@@ -3,6 +3,7 @@
     config.py     GenerationConfig: scheduler limits, KV-cache geometry, mode
     kv_cache.py   BlockManager: fixed-size blocks of the shared KV pool per sequence
     scheduler.py  Scheduler: the iteration-level state machine (time passed in)
+    adapters.py   StepAdapters: the LoRA adapters a step runs (slots, limits, pins)
     model.py      GenerationModel: the API a decoder implements; tokenizer; sampling
     runner.py     StepRunner: plan / execute / commit one step, with its records
     engine.py     GenerationEngine: the asyncio shell, token streams, settings

@@ -59,6 +59,11 @@ class GenerationConfig:
     spec_auto_switch: bool = True
     spec_min_acceptance_rate: float = 0.1
     spec_probe_interval_steps: int = 256
+    # -- LoRA adapters (a model that declares adapter targets) --
+    adapter_mixing: bool = True
+    max_adapters_per_batch: int = 8
+    adapter_slots: int = 16
+    adapter_memory_mb: float = 512.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,6 +86,11 @@ class GenerationConfig:
                 f"prompt_lookup_min={self.prompt_lookup_min} is above prompt_lookup_max="
                 f"{self.prompt_lookup_max}; the shortest suffix looked up cannot be longer "
                 "than the longest")
+        if not {"max_adapters_per_batch", "adapter_slots"} & bad.keys() \
+                and self.max_adapters_per_batch > self.adapter_slots:
+            problems.append(f"max_adapters_per_batch={self.max_adapters_per_batch} exceeds "
+                            f"adapter_slots={self.adapter_slots}: a step's adapters must all be "
+                            "on the device; raise adapter_slots or lower max_adapters_per_batch")
         if problems:
             raise ConfigError("invalid generation settings: " + "; ".join(problems)
                               + ". Nothing was changed.")

@@ -14,6 +14,12 @@ Stop strings (``stop``) are matched on the decoded text as it is handed to the
 stream (``runtime.generation.stops``): the text before the first one is delivered,
 the request ends at once with finish reason "stop" and outcome ok, and its KV blocks
 are freed, exactly as if it had sampled its end token.
+
+LoRA adapters (a model with ``adapter_targets``): ``submit(adapter=)`` names a
+registered one; ``register_adapter``/``load_adapter`` read and check an adapter's PEFT
+files and register it, ``unload_adapter`` refuses new requests for it at once, lets the
+sequences naming it finish, then takes it off the device. They answer as the request
+engine's methods of the same names do (the control API serves both).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any, AsyncIterator, Callable, Sequence as Seq
 from batchscope.storage.records import RecorderLike
 from runtime.core.clock import MonotonicClock
 from runtime.api.errors import (BatchScopeError, ClientError, ModelError, ModelNotReady,
-                                RequestExpired, RequestTooLarge, ShuttingDown)
+                                RequestExpired, RequestTooLarge, ShuttingDown, ValidationError)
 from runtime.generation.config import GenerationConfig
 from runtime.generation.model import GenerationModel
 from runtime.generation.runner import StepRunner
@@ -199,15 +205,18 @@ class GenerationEngine:
                max_new_tokens: int | None = None, priority: int | None = None,
                timeout_ms: float | None = None, ignore_eos: bool = False,
                temperature: float = 0.0, seed: int | None = None,
-               stop: Seq[str] = (), speculative: bool | None = None) -> GenerationStream:
+               stop: Seq[str] = (), speculative: bool | None = None,
+               adapter: str | None = None) -> GenerationStream:
         """Queue a request and return its stream; raises at once when it is refused.
         ``stop``: strings that end generation where the text reaches one (needs the
         model's tokenizer to turn tokens into text). ``speculative``: False opts out of
-        speculative decoding, True asks for it (served without where there is none)."""
+        speculative decoding, True asks for it (served without where there is none).
+        ``adapter``: a registered LoRA adapter (404 naming the loaded ones otherwise)."""
         if not self._accepting:
             if self._stopping:
                 raise ShuttingDown(f"{self.name!r} is shutting down and takes no new requests")
             raise ModelNotReady(f"{self.name!r} is not started yet; retry in a moment")
+        adapter = self.runner.adapter_of(adapter)
         if (prompt_token_ids is None) == (prompt_text is None):
             raise ClientError("give exactly one of a prompt text or a list of prompt token ids")
         if prompt_text is not None:
@@ -236,7 +245,7 @@ class GenerationEngine:
         seq = self.runner.new_sequence(
             prompt_token_ids, max_new_tokens=max_new_tokens, priority=priority,
             timeout_ms=timeout_ms, ignore_eos=ignore_eos, temperature=temperature, seed=seed,
-            speculative=speculative)
+            speculative=speculative, adapter=adapter)
         decoder = self.model.tokenizer.decoder() if self.model.tokenizer is not None else None
         stream = GenerationStream(self, seq, decoder, StopMatcher(stop) if any(stop) else None)
         self._streams[seq.seq_id] = stream
@@ -249,12 +258,13 @@ class GenerationEngine:
                        priority: int | None = None, timeout_ms: float | None = None,
                        ignore_eos: bool = False, temperature: float = 0.0,
                        seed: int | None = None, stop: Seq[str] = (),
-                       speculative: bool | None = None) -> AsyncIterator[TokenEvent]:
+                       speculative: bool | None = None,
+                       adapter: str | None = None) -> AsyncIterator[TokenEvent]:
         """Yield the request's tokens as they are generated (see ``submit`` for errors)."""
         stream = self.submit(prompt_token_ids, prompt_text, max_new_tokens=max_new_tokens,
                              priority=priority, timeout_ms=timeout_ms, ignore_eos=ignore_eos,
                              temperature=temperature, seed=seed, stop=stop,
-                             speculative=speculative)
+                             speculative=speculative, adapter=adapter)
         try:
             async for event in stream:
                 yield event
@@ -266,6 +276,87 @@ class GenerationEngine:
         self._streams.pop(seq_id, None)
         if seq is not None and not self.runner.has_work():
             self._idle.set()
+
+    # -- adapters ---------------------------------------------------------------------
+    def _registry(self) -> Any:
+        registry = self.runner.adapters
+        if registry is None:
+            raise ValidationError(f"model {self.name!r} declares no adapter targets; it takes "
+                                  "no adapters")
+        return registry
+
+    def adapter_names(self) -> list[str]:
+        """The adapters requests may name now (none for a model that takes none)."""
+        registry = self.runner.adapters
+        return [] if registry is None else registry.names()
+
+    def adapter_entries(self) -> list[str]:
+        """Every registered adapter's name, those being unloaded included."""
+        registry = self.runner.adapters
+        return [] if registry is None else [e.name for e in registry.entries()]
+
+    def adapters(self) -> list[dict]:
+        """The registered adapters, each with its slot on the device (or None) and the
+        sequences (waiting or running) that name it."""
+        registry = self.runner.adapters
+        step = self.runner.scheduler.adapters
+        if registry is None or step is None:
+            return []
+        out = []
+        for entry in registry.entries():
+            row = entry.to_dict()
+            row["slot"] = step.cache.slot_of(entry.name)
+            row["queued"] = step.depth.get(entry.name, 0)
+            out.append(row)
+        return out
+
+    def register_adapter(self, name: str, path: str, requested_by: str = "api") -> dict:
+        """Read, check and register an adapter (ValidationError 422 when it does not fit
+        the base, InsufficientMemory 507 past ``adapter_memory_mb``: nothing changes)."""
+        registry = self._registry()
+        return self._add_adapter(registry, registry.read(name, path), requested_by)
+
+    async def load_adapter(self, name: str, path: str, requested_by: str = "api") -> dict:
+        """``register_adapter`` with the files read off the event loop."""
+        registry = self._registry()
+        adapter = await asyncio.to_thread(registry.read, name, path)
+        return self._add_adapter(registry, adapter, requested_by)
+
+    def _add_adapter(self, registry: Any, adapter: Any, requested_by: str) -> dict:
+        runner = self.runner
+        now = self.clock.now()
+        entry = registry.add(adapter, runner.config.adapter_memory_mb, now)
+        cache = runner.scheduler.adapters.cache
+        if cache.slot_of(entry.name) is not None and not cache.pinned(entry.name):
+            cache.evict(entry.name)  # replaced: the next step that needs it loads the new weights
+        runner.event(now, "adapter_registered",
+                     f"adapter {entry.name!r} of {self.name!r} registered from {entry.path}",
+                     adapter=entry.name, path=entry.path, bytes=entry.nbytes,
+                     requested_by=requested_by)
+        return entry.to_dict()
+
+    async def unload_adapter(self, name: str, requested_by: str = "api",
+                             poll_s: float = 0.005) -> dict:
+        """Refuse new requests for the adapter, let the sequences naming it finish, then
+        take it off the device and forget it."""
+        registry = self._registry()
+        registry.retire(name)
+        step = self.runner.scheduler.adapters
+        queued = step.depth.get(name, 0)
+        try:
+            while step.depth.get(name, 0) or step.cache.pinned(name):
+                await asyncio.sleep(poll_s)
+        finally:
+            slot = step.cache.evict(name)
+            registry.remove(name)
+        now = self.clock.now()
+        if slot is not None:
+            self.runner.event(now, "adapter_evict", f"adapter {name!r} left slot {slot} "
+                              "(unloaded)", adapter=name, slot=slot, reason="unloaded")
+        self.runner.event(now, "adapter_unloaded", f"adapter {name!r} of {self.name!r} "
+                          "unloaded", adapter=name, finished_queued=queued,
+                          requested_by=requested_by)
+        return {"name": name, "unloaded": True, "finished_queued": queued}
 
     # -- settings and figures ---------------------------------------------------------
     def get_settings(self) -> tuple[int, GenerationConfig]:

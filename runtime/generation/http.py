@@ -25,6 +25,10 @@ its first token: a request refused, expired in the queue or failed before that g
 its own status (429, 503, 500) and a JSON error, never a 200. Only what fails later
 (the model raising in the middle, a shutdown) is sent as a last ``data: {"error": ...}``
 event. Errors use OpenAI's shape and statuses (``runtime.server.openai_errors``).
+
+``model: "<base>:<adapter>"`` generates with one of the base model's LoRA adapters, as
+``/v1/embeddings`` does (404 naming the loaded ones for an adapter it does not have);
+the answer's ``model`` repeats what was asked.
 """
 
 from __future__ import annotations
@@ -97,8 +101,27 @@ def _chat_prompt(engine: GenerationEngine, req: GenerationRequest) -> list[tuple
     return [(None, model.chat_template.render(req.messages))]
 
 
+def _engine_for(engines: dict[str, GenerationEngine], asked: str
+                ) -> tuple[GenerationEngine, str | None]:
+    """The engine and adapter ``model`` names: a served model, or ``<base>:<adapter>``
+    with an adapter the base has loaded (else OpenAI's 404 naming what there is)."""
+    name, adapter = asked, None
+    if name not in engines and ":" in name:
+        name, adapter = name.split(":", 1)
+    engine = engines.get(name)
+    if engine is None:
+        raise model_not_found(asked, sorted(engines), "generation model")
+    if adapter is not None:
+        known = engine.adapter_names()
+        if adapter not in known:
+            raise model_not_found(asked, [f"{name}:{a}" for a in known] or [name],
+                                  "adapter of " + repr(name) + " (or the base model)")
+    return engine, adapter
+
+
 def _submit_all(engine: GenerationEngine, req: GenerationRequest,
-                prompts: list[tuple[list[int] | None, str | None]]) -> list[GenerationStream]:
+                prompts: list[tuple[list[int] | None, str | None]],
+                adapter: str | None = None) -> list[GenerationStream]:
     """One stream per choice, in choice-index order; all or none are queued."""
     streams: list[GenerationStream] = []
     try:
@@ -109,7 +132,7 @@ def _submit_all(engine: GenerationEngine, req: GenerationRequest,
                     ids, text, max_new_tokens=req.max_tokens, priority=req.priority,
                     timeout_ms=req.timeout_ms, ignore_eos=req.ignore_eos,
                     temperature=req.temperature, seed=seed, stop=req.stop,
-                    speculative=req.speculative))
+                    speculative=req.speculative, adapter=adapter))
     except BaseException:
         _close(streams)
         raise
@@ -276,13 +299,11 @@ def _answerer(engines: dict[str, GenerationEngine], shape: _Shape,
     async def answer(request: Request) -> Response:
         try:
             req = parse(await request.body())
-            engine = engines.get(req.model)
-            if engine is None:
-                raise model_not_found(req.model, sorted(engines), "generation model")
+            engine, adapter = _engine_for(engines, req.model)
             prompts = _chat_prompt(engine, req) if shape.chat else req.prompts
             trace = _begin_trace(engine, shape, request)
             try:
-                streams = _submit_all(engine, req, prompts)
+                streams = _submit_all(engine, req, prompts, adapter)
             except BaseException as exc:
                 _end_trace(engine, trace, [], exc)
                 raise

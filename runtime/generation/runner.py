@@ -19,6 +19,16 @@ step, ``execute`` has the proposer fill them, runs the model once over everythin
 verifies the proposals (``verify_greedy``, ``rejection_sample``), ``commit`` counts the
 proposed and accepted tokens (``spec_decode_*``, ``GenStepRow.spec_*``), feeds the
 controller and records its switches as ``speculation`` events.
+
+LoRA adapters (a model with ``adapter_targets``): ``adapters`` is the model's
+``AdapterRegistry``; a request names a registered adapter (``new_sequence(adapter=)``),
+the scheduler gives each chunk its sequence's slot, ``execute`` puts the step's adapters
+in the model's ``adapter_bank`` (read from their files when a slot does not hold them
+yet) before the forward, and the records carry the adapter (``RequestRow.adapter``,
+``adapter_load``/``adapter_evict`` events). Speculation stays on for such sequences:
+the proposals come from the base (prompt lookup or the draft model) but the model
+verifies them with the sequence's adapter, so what is kept is what the adapter would
+have generated.
 """
 
 from __future__ import annotations
@@ -28,8 +38,9 @@ import json
 from typing import Any
 
 from batchscope.storage.records import EventRow, GenStepRow, RecorderLike, RequestRow
+from runtime.adapters.registry import AdapterRegistry
 from runtime.core.clock import MonotonicClock
-from runtime.api.errors import ConfigError, QueueFull, ValidationError
+from runtime.api.errors import ConfigError, ModelNotFound, QueueFull, ValidationError
 from runtime.device import nvtx
 from runtime.engine.admission import deadline_of, priority_of
 from runtime.generation.config import GenerationConfig
@@ -81,6 +92,13 @@ class StepRunner:
         self.spec_counts = SpecCounts()
         #: the step's figures ``commit`` hands to ``_record_step``
         self._step_spec: tuple[int, int] = (0, 0)
+        #: the LoRA adapters the model takes (None: it declares no adapter targets)
+        self.adapters: AdapterRegistry | None = None
+        targets = getattr(model, "adapter_targets", None)
+        if targets:
+            self.adapters = AdapterRegistry(model.name, targets,
+                                            getattr(model, "max_adapter_rank", 64))
+            self.scheduler.enable_adapters(self.adapters.ref)
 
     @property
     def config(self) -> GenerationConfig:
@@ -104,12 +122,15 @@ class StepRunner:
     def new_sequence(self, prompt_ids: list[int], *, max_new_tokens: int | None = None,
                      priority: int | None = None, timeout_ms: float | None = None,
                      ignore_eos: bool = False, temperature: float = 0.0,
-                     seed: int | None = None, speculative: bool | None = None) -> Sequence:
+                     seed: int | None = None, speculative: bool | None = None,
+                     adapter: str | None = None) -> Sequence:
         """Validate and queue a request; raises ClientError/ValidationError/QueueFull.
         ``speculative``: False opts out of speculative decoding; True asks for it (a
-        model served without a proposer serves it without, and counts it)."""
+        model served without a proposer serves it without, and counts it). ``adapter``:
+        a registered LoRA adapter (ModelNotFound naming the loaded ones otherwise)."""
         cfg = self.config
         now = self.clock.now()
+        adapter = self.adapter_of(adapter)
         priority = priority_of(priority, cfg)
         deadline_s = deadline_of(timeout_ms, cfg, now)
         if not (isinstance(temperature, (int, float)) and 0 <= temperature <= 100):
@@ -123,7 +144,7 @@ class StepRunner:
                 priority=priority, arrived_at=self.clock.to_wall(now),
                 finished_at=self.clock.to_wall(now), queue_wait_s=0.0, latency_s=0.0,
                 outcome="rejected", length=len(prompt_ids), prompt_tokens=len(prompt_ids),
-                output_tokens=0))
+                output_tokens=0, adapter=adapter))
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting for "
                             f"{self.model_name!r} (max_queue_size={cfg.max_queue_size}); "
                             "retry later", retry_after_s=1.0)
@@ -132,13 +153,22 @@ class StepRunner:
                        deadline_s=deadline_s,
                        ignore_eos=bool(ignore_eos), temperature=float(temperature), seed=seed,
                        sampler_state=make_sampler_state(float(temperature), seed),
-                       speculate=speculative is not False)
+                       speculate=speculative is not False, adapter=adapter)
         self.scheduler.add_request(seq)
         if speculative is False:
             self.spec_counts.requests_opted_out += 1
         elif speculative and not (self.proposer is not None and cfg.speculating):
             self.spec_counts.requests_without_proposer += 1
         return seq
+
+    def adapter_of(self, adapter: str | None) -> str | None:
+        """The adapter a request names, checked (404 naming the loaded ones)."""
+        if adapter is None or adapter == "":
+            return None
+        if self.adapters is None:
+            raise ModelNotFound(f"model {self.model_name!r} takes no adapters; send the "
+                                "request without one")
+        return self.adapters.require(adapter).name
 
     def abort(self, seq_id: int, outcome: str = "cancelled",
               error: BaseException | None = None) -> Sequence | None:
@@ -170,6 +200,7 @@ class StepRunner:
         if self.proposer is not None:
             k = self.spec.num_spec_tokens(self.config, len(self.scheduler.running))
         out = self.scheduler.schedule(self.clock.now(), k)
+        self._record_slot_changes(out)
         for seq in out.expired:
             self._record_end(seq)
         for seq_id in out.preempted:  # recomputed from scratch when it resumes
@@ -180,6 +211,11 @@ class StepRunner:
         """Fill the proposal slots, run the model on ``out`` and pick each completing
         chunk's tokens: one, or a verified proposal's accepted prefix and one more."""
         probs = self._propose(out) if out.draft_slots else {}
+        if out.adapters is not None:
+            bank = getattr(self.model, "adapter_bank", None)
+            if bank is None:
+                raise ConfigError(f"model {self.model_name!r} made no adapter_bank in setup")
+            bank.prepare(out.adapters.slots)
         with nvtx.step_range(self.steps + 1, self.model_name, out.num_live_chunks,
                              out.prefill_tokens, out.decode_tokens + out.draft_tokens):
             logits = self.model.step(self._model_chunks(out))
@@ -236,9 +272,10 @@ class StepRunner:
             head = len(c.token_ids) - c.num_logits
             if head:
                 chunks.append(ScheduledChunk(c.seq_id, c.token_ids[:head], c.start_pos,
-                                             c.block_table, False, False))
+                                             c.block_table, False, False,
+                                             adapter_slot=c.adapter_slot))
             chunks.extend(ScheduledChunk(c.seq_id, [tok], c.start_pos + j, c.block_table,
-                                         True, True)
+                                         True, True, adapter_slot=c.adapter_slot)
                           for j, tok in enumerate(c.token_ids) if j >= head)
         return chunks
 
@@ -324,6 +361,8 @@ class StepRunner:
             self.proposer = proposer  # a draft model is set up at its first step
             self.spec = SpecController()
         self.scheduler.config = new
+        if self.scheduler.adapters is not None and old.adapter_slots != new.adapter_slots:
+            self.scheduler.adapters.cache.resize(new.adapter_slots)
         self.settings_version += 1
         changed = {k: v for k, v in new.to_dict().items() if old.to_dict()[k] != v}
         self._put(EventRow(
@@ -363,7 +402,19 @@ class StepRunner:
                             if self.proposer is not None else "none",
                             "num_speculative_tokens": self.config.num_speculative_tokens,
                             **self.spec_counts.as_dict()},
+            #: the LoRA adapters and the slot cache (None: the model takes no adapters)
+            "adapters": self.adapter_stats(),
         }
+
+    def adapter_stats(self) -> dict[str, Any] | None:
+        step = self.scheduler.adapters
+        if self.adapters is None or step is None:
+            return None
+        slots = step.cache
+        return {"registered": self.adapters.names(), "slots": slots.capacity,
+                "resident": len(slots.resident()), "slot_hits": slots.hits,
+                "slot_misses": slots.loads, "slot_evictions": slots.evictions,
+                "running": step.running(), "queued": dict(step.depth)}
 
     # -- records --------------------------------------------------------------------
     def _put(self, record: Any) -> None:
@@ -385,6 +436,25 @@ class StepRunner:
             last = self._last_preemption_event_s
             if last is None or now - last >= self.config.preemption_event_interval_s:
                 self._emit_preemptions(now)
+
+    def event(self, now: float, kind: str, message: str, **details: Any) -> None:
+        """An info event of this model (the adapter events)."""
+        self._put(EventRow(instance_id=self.instance_id, model=self.model_name,
+                           at=self.clock.to_wall(now), kind=kind, severity="info",
+                           message=message, details_json=json.dumps(details, default=str)))
+
+    def _record_slot_changes(self, out: SchedulerOutput) -> None:
+        """An ``adapter_load`` event per adapter the step put in a slot (and an
+        ``adapter_evict`` for the one it replaced), as the request engine records them."""
+        for change in out.adapter_changes:
+            if change.evicted is not None:
+                self.event(change.at_s, "adapter_evict",
+                           f"adapter {change.evicted!r} left slot {change.slot} for "
+                           f"{change.name!r} (least recently used)", adapter=change.evicted,
+                           slot=change.slot, reason="lru", replaced_by=change.name)
+            self.event(change.at_s, "adapter_load",
+                       f"adapter {change.name!r} loaded into slot {change.slot}",
+                       adapter=change.name, slot=change.slot, evicted=change.evicted)
 
     def _emit_switch(self, switch: SpecSwitch, now: float) -> None:
         top = switch.bucket
@@ -433,4 +503,4 @@ class StepRunner:
             finished_at=self.clock.to_wall(end), queue_wait_s=started - seq.arrival_s,
             latency_s=end - seq.arrival_s, outcome=seq.outcome or "error",
             length=len(seq.prompt_ids), ttft_s=ttft, tpot_s=tpot,
-            prompt_tokens=len(seq.prompt_ids), output_tokens=n_out))
+            prompt_tokens=len(seq.prompt_ids), output_tokens=n_out, adapter=seq.adapter))

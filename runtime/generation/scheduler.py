@@ -34,6 +34,14 @@ It runs like one padded batch tensor: a member that finished gets its result at 
 but keeps its slot and its blocks, and its row is still computed each step (a pad
 row: its last position again, sampling nothing) until the longest member finishes.
 
+LoRA adapters (``enable_adapters``, for a model that declares adapter targets): a
+sequence names its adapter once (``Sequence.adapter``) and keeps it over all its steps;
+each chunk carries its sequence's device slot (``ScheduledChunk.adapter_slot``) and the
+step the slots it uses (``SchedulerOutput.adapters``). Which sequences run together
+follows ``adapter_mixing``, ``max_adapters_per_batch`` and the slot cache
+(``adapter_slots``), as ``runtime.generation.adapters`` describes; a sequence refused
+for its adapter stays in its place in the queue while later ones may join.
+
 Every sequence ends exactly once, with an outcome: ok, expired, cancelled or error.
 """
 
@@ -44,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.api.errors import ClientError, ValidationError
+from runtime.generation.adapters import StepAdapters
 from runtime.generation.config import GenerationConfig
 from runtime.generation.kv_cache import BlockManager
 
@@ -80,6 +89,8 @@ class Sequence:
     sampler_state: Any = None
     #: False: this request opted out of speculative decoding
     speculate: bool = True
+    #: the LoRA adapter the request named (None: the base model)
+    adapter: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +131,9 @@ class ScheduledChunk:
     #: logits rows the model returns for this chunk: one per token of its last
     #: ``num_logits`` tokens (1: the next-token logits after its last token)
     num_logits: int = 1
+    #: the device slot of the sequence's LoRA adapter for every token of the chunk
+    #: (-1: the base model)
+    adapter_slot: int = -1
 
     def add_drafts(self, draft_ids: list[int]) -> None:
         """Put proposed tokens in the reserved slots: they are computed after the chunk's
@@ -150,6 +164,11 @@ class SchedulerOutput:
     num_waiting: int = 0
     blocks_used: int = 0
     blocks_free: int = 0
+    #: the slots the chunks' adapters use and what each must hold
+    #: (``runtime.adapters.slots.AdapterPlan``; None: only base rows)
+    adapters: Any = None
+    #: adapters put in a slot for this step (``SlotChange``), for the records
+    adapter_changes: list = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -186,6 +205,13 @@ class Scheduler:
         self.padded: list[Sequence] = []
         self.total_preemptions = 0
         self.total_steps = 0
+        #: LoRA adapters (``enable_adapters``; None: the model takes none)
+        self.adapters: StepAdapters | None = None
+
+    def enable_adapters(self, refs: Any) -> None:
+        """Serve sequences naming adapters; ``refs(name)`` gives a registered adapter's
+        ``AdapterRef`` (None once it is gone)."""
+        self.adapters = StepAdapters(self.config.adapter_slots, refs)
 
     # -- submission -----------------------------------------------------------------
     def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -216,8 +242,12 @@ class Scheduler:
         if seq.seq_id in self._live:
             raise ValueError(f"sequence {seq.seq_id} was already added")
         self.check(seq.prompt_ids, seq.max_new_tokens)
+        if seq.adapter is not None and self.adapters is None:
+            raise ValidationError("this model takes no adapters; send the request without one")
         seq.status = WAITING
         self._live[seq.seq_id] = seq
+        if self.adapters is not None:
+            self.adapters.added(seq.adapter)
         insort(self.waiting, seq, key=Sequence.sort_key)
 
     def abort(self, seq_id: int, now: float, outcome: str = "cancelled",
@@ -275,6 +305,8 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput(mode=cfg.mode)
         self._expire(now, out)
+        if self.adapters is not None:
+            self.adapters.begin(cfg, now)
         budget = cfg.max_num_batched_tokens
         self.running.sort(key=Sequence.sort_key)
         if cfg.mode == "static":
@@ -283,6 +315,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.adapters is not None and not self.adapters.keep(seq.adapter):
+                i += 1  # its adapter is past this step's limits (lowered while it ran)
+                continue
             num_new = self._chunk_len(seq, budget)
             slots = self._draft_slots(seq, num_new, budget, num_spec_tokens,
                                       later=len(self.running) - i - 1)
@@ -314,6 +349,9 @@ class Scheduler:
         elif not out.preempted:
             self._admit_continuous(out, budget, now)
 
+        if self.adapters is not None:
+            out.adapters, out.adapter_changes = self.adapters.plan(
+                {c.adapter_slot for c in out.chunks if not c.is_padding})
         out.num_running = len(self.running)
         out.num_waiting = len(self.waiting)
         out.blocks_used = self.blocks.num_used
@@ -404,7 +442,7 @@ class Scheduler:
         out.chunks.append(ScheduledChunk(
             seq_id=seq.seq_id, token_ids=seq.token_slice(start, stop), start_pos=start,
             block_table=self.blocks.block_table(seq.seq_id), completes=stop == seq.num_tokens,
-            is_decode=is_decode, num_draft_slots=draft_slots))
+            is_decode=is_decode, num_draft_slots=draft_slots, adapter_slot=self._slot_of(seq)))
         if is_decode:
             out.decode_tokens += 1
         else:
@@ -457,6 +495,8 @@ class Scheduler:
             missing = self.blocks.blocks_missing(seq.seq_id, seq.num_tokens)
             if missing + headroom > self.blocks.num_free:
                 return  # strict order: a large request is not overtaken by smaller ones
+            if not self._join(seq):
+                continue  # its adapter waits; it keeps its place, later ones may go
             self.blocks.allocate(seq.seq_id, seq.num_tokens)
             self._start_running(out, seq, now)
             budget -= self._add_chunk(out, seq, self._chunk_len(seq, budget))
@@ -468,15 +508,26 @@ class Scheduler:
                 break
             # reserve the whole possible length up front: nobody has to grow later
             full = min(len(seq.prompt_ids) + seq.max_new_tokens, cfg.max_model_len)
-            if not self.blocks.allocate(seq.seq_id, full):
+            if self.blocks.blocks_missing(seq.seq_id, full) > self.blocks.num_free:
                 break
+            if not self._join(seq):
+                continue
+            self.blocks.allocate(seq.seq_id, full)
             self._start_running(out, seq, now)
         for seq in self.running:
             if budget <= 0:
                 break
             budget -= self._add_chunk(out, seq, self._chunk_len(seq, budget))
 
+    def _join(self, seq: Sequence) -> bool:
+        return self.adapters is None or self.adapters.join(seq.adapter)
+
+    def _slot_of(self, seq: Sequence) -> int:
+        return -1 if self.adapters is None else self.adapters.slot_of(seq.adapter)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if self.adapters is not None:
+            self.adapters.left(seq.adapter)  # asked again when it is readmitted
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.num_computed = 0
@@ -504,7 +555,10 @@ class Scheduler:
                 error: BaseException | None = None, *, keep_blocks: bool = False) -> None:
         if not keep_blocks:
             self.blocks.free(seq.seq_id)
-        self._live.pop(seq.seq_id, None)
+        if self._live.pop(seq.seq_id, None) is not None and self.adapters is not None:
+            if seq.status == RUNNING:
+                self.adapters.left(seq.adapter)
+            self.adapters.ended(seq.adapter)
         seq.status = FINISHED
         seq.finished_s = now
         seq.outcome = outcome

@@ -27,6 +27,9 @@ class SteppedModel(GenerationModel):
         self.tokenizer = inner.tokenizer
         self.supports_num_logits = inner.supports_num_logits  # type: ignore[misc]
         self.draft_model = inner.draft_model
+        #: the inner model's LoRA targets (its ``adapter_bank`` is made in its ``setup``)
+        self.adapter_targets = dict(getattr(inner, "adapter_targets", None) or {})
+        self.max_adapter_rank = getattr(inner, "max_adapter_rank", 64)
         self.gate_timeout_s = gate_timeout_s
         self.steps_done = 0
         self.chunks_seen: list[list[ScheduledChunk]] = []
@@ -38,6 +41,10 @@ class SteppedModel(GenerationModel):
     def setup(self, device: Any, num_blocks: int, block_size: int) -> None:
         self.inner.setup(device, num_blocks, block_size)
         self.device = self.inner.device
+
+    @property
+    def adapter_bank(self) -> Any:
+        return getattr(self.inner, "adapter_bank", None)
 
     # -- steering -------------------------------------------------------------------
     def hold(self) -> None:

@@ -7,24 +7,40 @@ with every scheduled chunk (prompt pieces and decode tokens of many sequences)
 computed in one forward per step. The token-wise layers run on all tokens of the step
 at once; attention (``runtime.models.paged_attention``) runs once per group of decode
 tokens of similar context length and once per longer chunk.
+
+LoRA adapters may target the four linear layers of every block (``adapter_targets``:
+``layers.<i>.qkv``, the fused query/key/value projection, ``layers.<i>.out``,
+``layers.<i>.up`` and ``layers.<i>.down``; PEFT's ``target_modules=["qkv", "out", "up",
+"down"]``, or any of them). Each token row of a step takes the adapter of its chunk's
+sequence (``ScheduledChunk.adapter_slot``): the base product runs once for all the
+step's tokens and ``AdapterBank.add`` adds each row's term, the tokens grouped by slot.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from runtime.adapters.lora import AdapterBank
 from runtime.generation.model import ByteTokenizer, GenerationModel
 from runtime.generation.scheduler import ScheduledChunk
 from runtime.models.paged_attention import PagedKV, StepPlan
 
 
+#: the linear layers of a block adapters may target, and their weights' (in, out) sizes
+#: in units of ``d_model``
+_TARGETS = {"qkv": (1, 3), "out": (1, 1), "up": (1, 4), "down": (4, 1)}
+
+
 class TinyDecoder(GenerationModel):
     name = "decoder"
     supports_num_logits = True
+    #: the highest LoRA rank an adapter may have
+    max_adapter_rank = 64
 
     def __init__(self, *, vocab_size: int = 512, d_model: int = 128, n_heads: int = 4,
                  n_layers: int = 3, max_model_len: int = 1024, seed: int = 0) -> None:
@@ -44,6 +60,12 @@ class TinyDecoder(GenerationModel):
         self.weights: dict[str, torch.Tensor] = {}
         self.kv: PagedKV | None = None
         self.block_size = 0
+        #: module name -> (in_features, out_features) of the layers adapters may target
+        self.adapter_targets: dict[str, tuple[int, int]] = {
+            f"layers.{i}.{part}": (d_model * a, d_model * b)
+            for i in range(n_layers) for part, (a, b) in _TARGETS.items()}
+        #: the adapters resident on the device (made in ``setup``)
+        self.adapter_bank: AdapterBank | None = None
 
     # -- weights and cache ------------------------------------------------------------
     def _generate_weights(self) -> dict[str, torch.Tensor]:
@@ -69,6 +91,9 @@ class TinyDecoder(GenerationModel):
         self.block_size = block_size
         self.kv = PagedKV(self.n_layers, num_blocks, block_size, self.n_heads, self.n_heads,
                           self.head_dim, self.device)
+        if self.adapter_targets:
+            self.adapter_bank = AdapterBank(self.adapter_targets, self.device,
+                                            max_rank=self.max_adapter_rank)
 
     def kv_bytes_per_block(self) -> int | None:
         return 2 * self.n_layers * self.block_size * self.d_model * 4
@@ -79,16 +104,32 @@ class TinyDecoder(GenerationModel):
         if self.kv is None:
             raise RuntimeError("call setup(device, num_blocks, block_size) before step()")
         plan = StepPlan.of(chunks, self.block_size, self.device)
-        w = self.weights
-        x = w["embed"][plan.tokens] + w["pos"][plan.positions]
-        n_tok, h, hd = x.shape[0], self.n_heads, self.head_dim
-        for i in range(self.n_layers):
-            qkv = (F.layer_norm(x, (self.d_model,)) @ w[f"{i}.qkv"]).view(n_tok, 3, h, hd)
-            attn = self.kv.attend(i, qkv[:, 0], qkv[:, 1], qkv[:, 2], plan)
-            x = x + attn.reshape(n_tok, self.d_model) @ w[f"{i}.out"]
-            x = x + F.gelu(F.layer_norm(x, (self.d_model,)) @ w[f"{i}.up"]) @ w[f"{i}.down"]
-        final = F.layer_norm(x[plan.logit_rows], (self.d_model,))
-        return plan.restore(final @ w["head"])
+        bank = self.adapter_bank
+        rows = None
+        if bank is not None and any(getattr(c, "adapter_slot", -1) >= 0 for c in chunks):
+            # every token row takes its chunk's adapter, in the plan's packed order
+            rows = [c.adapter_slot for c in plan.ordered for _ in c.token_ids]
+        with bank.activate(rows) if rows is not None else nullcontext():
+            w = self.weights
+            x = w["embed"][plan.tokens] + w["pos"][plan.positions]
+            n_tok, h, hd = x.shape[0], self.n_heads, self.head_dim
+            lin = self._linear
+            for i in range(self.n_layers):
+                qkv = lin(i, "qkv", F.layer_norm(x, (self.d_model,))).view(n_tok, 3, h, hd)
+                attn = self.kv.attend(i, qkv[:, 0], qkv[:, 1], qkv[:, 2], plan)
+                x = x + lin(i, "out", attn.reshape(n_tok, self.d_model))
+                x = x + lin(i, "down", F.gelu(lin(i, "up", F.layer_norm(x, (self.d_model,)))))
+            final = F.layer_norm(x[plan.logit_rows], (self.d_model,))
+            return plan.restore(final @ w["head"])
+
+    def _linear(self, layer: int, part: str, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W`` of one block's linear layer, plus each row's adapter term while a
+        step with adapters runs."""
+        y = x @ self.weights[f"{layer}.{part}"]
+        bank = self.adapter_bank
+        if bank is not None and bank.active:
+            return bank.add(f"layers.{layer}.{part}", x, y)
+        return y
 
     # -- a cache-free reference ----------------------------------------------------------
     @torch.inference_mode()

@@ -9,12 +9,17 @@ model's targets: 422 naming what does not fit, 507 past ``adapter_memory_mb``; e
 way nothing changes. Unloading refuses new requests for the adapter at once (404), lets
 those queued or running for it finish, and answers when it is gone.
 
+A generation model (``/v1/completions``) takes the same routes: its
+``GenerationEngine`` answers them as the request engine does for a request model.
+
 Loading and unloading are control requests, decided as settings changes are
 (``runtime.server.auth``: same origin always, the token beyond loopback, a JSON body;
 a ``DELETE`` may come without a body).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -30,9 +35,16 @@ def _model(request: Request) -> str:
     return model_directory(request.app).require(request.path_params["name"])
 
 
+def _generation(request: Request, name: str) -> Any:
+    """The ``GenerationEngine`` of ``name`` (None: a request model)."""
+    return model_directory(request.app).generation.get(name)
+
+
 async def list_adapters(request: Request) -> Response:
     name = _model(request)
-    return json_response({"model": name, "adapters": request.app.state.engine.adapters(name)})
+    gen = _generation(request, name)
+    adapters = gen.adapters() if gen is not None else request.app.state.engine.adapters(name)
+    return json_response({"model": name, "adapters": adapters})
 
 
 async def load_adapter(request: Request) -> Response:
@@ -48,8 +60,12 @@ async def load_adapter(request: Request) -> Response:
             or not isinstance(doc.get("path"), str):
         raise ClientError('the body must be a JSON object {"name": "<adapter>", "path": '
                           '"<directory with adapter_config.json and adapter_model.safetensors>"}')
-    entry = await request.app.state.engine.load_adapter(name, doc["name"], doc["path"],
-                                                        requested_by=identity)
+    gen = _generation(request, name)
+    if gen is not None:
+        entry = await gen.load_adapter(doc["name"], doc["path"], requested_by=identity)
+    else:
+        entry = await request.app.state.engine.load_adapter(name, doc["name"], doc["path"],
+                                                            requested_by=identity)
     return json_response({"model": name, "identity": identity, **entry}, status=201)
 
 
@@ -59,8 +75,13 @@ async def unload_adapter(request: Request) -> Response:
     identity = auth.check(request.method, request.headers, client.host if client else None,
                           untyped_json=True)
     name = _model(request)
-    done = await request.app.state.engine.unload_adapter(
-        name, request.path_params["adapter"], requested_by=identity)
+    adapter = request.path_params["adapter"]
+    gen = _generation(request, name)
+    if gen is not None:
+        done = await gen.unload_adapter(adapter, requested_by=identity)
+    else:
+        done = await request.app.state.engine.unload_adapter(name, adapter,
+                                                             requested_by=identity)
     return json_response({"model": name, "identity": identity, **done})
 
 

@@ -395,7 +395,7 @@ def _serve(args: argparse.Namespace) -> int:
     configs = {name: settings[name] for name in models}
     return run_service(models, configs, server, device=args.device, instance_id=args.instance_id,
                        generation=generation, auth=auth,
-                       adapters=adapter_args(args.adapters, models))
+                       adapters=adapter_args(args.adapters, {**models, **generation}))
 
 
 def _serve_fleet(args: argparse.Namespace, specs: Sequence[str], database_url: str | None,
