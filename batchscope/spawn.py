@@ -128,6 +128,35 @@ def child_priority() -> str:
     return _priority
 
 
+class BacklogPriority:
+    """A child's CPU priority that follows its backlog (0..1, how full the queue it
+    serves is): idle while it keeps up, ``nice`` (a fair share of a CPU) from ``urgent``
+    until the backlog is back to ``calm``, so that a machine whose CPUs are never idle
+    still gets the work done instead of dropped. ``start`` is what the child got at start
+    (``child_priority``); a child that did not start idle keeps its priority."""
+
+    def __init__(self, start: str, nice: int, urgent: float, calm: float) -> None:
+        self.nice = nice
+        self.urgent = urgent
+        self.calm = calm
+        self.start = self.state = start
+
+    def follow(self, backlog: float) -> None:
+        if self.start != "idle":
+            return
+        try:
+            if self.state == "idle" and backlog >= self.urgent:
+                os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0),
+                                                       self.nice))
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+                self.state = "nice"
+            elif self.state == "nice" and backlog <= self.calm:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                self.state = "idle"
+        except OSError:  # not allowed here (an unprivileged user's limits): stay as it is
+            pass
+
+
 def lower_priority(idle: bool, nice: int) -> str:
     """Lower this process' CPU priority: ``SCHED_IDLE`` where the system has it (Linux:
     the process runs only when a CPU has nothing else to do), else ``nice``. Returns

@@ -47,8 +47,9 @@ from sqlalchemy import Engine
 
 from batchscope.storage.db import create_file, init_schema, sqlite_path
 from batchscope.storage.inserts import ROW_TABLES, BulkInserts
-from batchscope.storage.records import EventRow, RequestBatch, expand, put_many_of
-from batchscope.storage.schema import RequestRecord
+from batchscope.storage.records import (BATCHED, EventRow, RequestBatch, TraceBatch, expand,
+                                        put_many_of)
+from batchscope.storage.schema import RequestRecord, RequestTraceRecord
 from batchscope.storage.writer_process import WriterProcess
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,12 @@ log = logging.getLogger(__name__)
 #: Table name used as the key of ``dropped_by_kind`` for a record type.
 KIND_OF: dict[type, str] = {cls: table.name for cls, table in ROW_TABLES.items()}
 KIND_OF[RequestBatch] = RequestRecord.__table__.name
+KIND_OF[TraceBatch] = RequestTraceRecord.__table__.name
 
 
 def rows_in(cls: type, group: list) -> int:
     """How many table rows ``group`` (records of type ``cls``) stands for."""
-    return sum(map(len, group)) if cls is RequestBatch else len(group)
+    return sum(map(len, group)) if cls in BATCHED else len(group)
 
 
 BACKOFF_START_S = 0.05
@@ -150,7 +152,8 @@ class Recorder:
             self.process = WriterProcess(engine.url.render_as_string(hide_password=False))
 
     # ------------------------------------------------------------------ hot path
-    #: ``RequestBatch`` records are welcome: expanded to rows by the writer, not by ``put``
+    #: ``RequestBatch`` and ``TraceBatch`` records are welcome: expanded to rows by the
+    #: writer, not by ``put``
     accepts_request_batches = True
 
     def put(self, record: Any) -> None:
@@ -159,7 +162,7 @@ class Recorder:
         if len(buffer) < self._limit:
             buffer.append(record)
             return
-        n = len(record) if type(record) is RequestBatch else 1
+        n = len(record) if type(record) in BATCHED else 1
         self._dropped_full += n
         kind = KIND_OF.get(type(record)) or type(record).__name__
         counts = self._dropped_full_by_kind
@@ -289,7 +292,7 @@ class Recorder:
             records = expand(records)
         groups: dict[type, list] = {}
         for cls, group in group_by_type(records).items():
-            if cls in ROW_TABLES or cls is RequestBatch:
+            if cls in ROW_TABLES or cls in BATCHED:
                 groups[cls] = group
                 continue
             if cls not in self._unknown_types:

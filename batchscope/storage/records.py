@@ -162,12 +162,14 @@ class RequestBatch:
 
 
 def expand(records: list) -> list:
-    """``records`` with every ``RequestBatch`` replaced by its ``RequestRow``s, in order."""
-    if not any(type(r) is RequestBatch for r in records):
+    """``records`` with every ``RequestBatch`` and ``TraceBatch`` replaced by its rows, in
+    order."""
+    batched = BATCHED
+    if not any(type(r) in batched for r in records):
         return records
     out: list = []
     for r in records:
-        if type(r) is RequestBatch:
+        if type(r) in batched:
             out.extend(r.rows())
         else:
             out.append(r)
@@ -253,15 +255,70 @@ class TraceRow:
     w3c_parent_span_id: Optional[str] = None
 
 
-Record = BatchRow | RequestRow | RequestBatch | EventRow | DeviceRow | GenStepRow | TraceRow
+#: what a ``TraceBatch`` holds of each trace, in order: its ids, then its timestamps
+#: (monotonic seconds or None) in the order they happen
+TRACE_FIELDS = ("trace_id", "model", "protocol", "outcome", "request_id", "batch_seq",
+                "w3c_trace_id", "w3c_parent_span_id", "recv_start", "recv_end",
+                "request_start", "queue_start", "compute_start", "compute_input_end",
+                "compute_output_start", "compute_end", "request_end", "send_start",
+                "send_end")
+
+
+@dataclass(slots=True)
+class TraceBatch:
+    """Traced requests handed over together, as ``RequestBatch`` does for requests: the
+    serving thread keeps a finished trace with one list append and hands the list over
+    every so often; the ``TraceRow``s are built off that thread (in the database
+    writer's process where there is one). ``traces`` holds one tuple per trace in
+    ``TRACE_FIELDS`` order, times monotonic; ``rows()`` turns each into wall-clock
+    seconds (``wall_offset_s``), every timestamp made no earlier than the one before it
+    (the items of one request may overlap), exactly as a ``TraceRow`` built at once."""
+
+    instance_id: str
+    wall_offset_s: float
+    traces: list
+
+    def __len__(self) -> int:
+        return len(self.traces)
+
+    def tuples(self) -> list[tuple]:
+        """The rows as tuples in ``TraceRow`` field order."""
+        inst, off = self.instance_id, self.wall_offset_s
+        out = []
+        for (trace_id, model, protocol, outcome, request_id, batch_seq, w3c_trace,
+             w3c_parent, *times) in self.traces:
+            at: list[Optional[float]] = []
+            last = None
+            for t in times:
+                if t is not None:
+                    if last is not None and t < last:
+                        t = last
+                    last = t
+                    at.append(t + off)
+                else:
+                    at.append(None)
+            out.append((inst, model, trace_id, protocol, outcome, at[2], at[8], request_id,
+                        batch_seq, at[0], at[1], at[3], at[4], at[5], at[6], at[7], at[9],
+                        at[10], w3c_trace, w3c_parent))
+        return out
+
+    def rows(self) -> list[TraceRow]:
+        return list(starmap(TraceRow, self.tuples()))
+
+
+#: record types that stand for several rows of a table: their row type
+BATCHED: dict[type, type] = {RequestBatch: RequestRow, TraceBatch: TraceRow}
+
+Record = (BatchRow | RequestRow | RequestBatch | EventRow | DeviceRow | GenStepRow | TraceRow
+          | TraceBatch)
 
 
 class RecorderLike(Protocol):
     """What the runtime needs from a recorder: non-blocking ``put``. A recorder may also
     offer ``put_many(records)`` (a list, kept in order) for the rows of one batch;
     ``put_many_of`` falls back to ``put`` for those that do not. One that sets
-    ``accepts_request_batches = True`` is handed ``RequestBatch`` records; others get
-    the ``RequestRow``s."""
+    ``accepts_request_batches = True`` is handed ``RequestBatch`` and ``TraceBatch``
+    records; others get their rows."""
 
     def put(self, record: Record) -> None: ...
 
@@ -290,12 +347,12 @@ class ListRecorder:
     records: list = field(default_factory=list)
     keep: bool = True
 
-    #: takes ``RequestBatch`` records (and keeps them as ``RequestRow``s)
+    #: takes ``RequestBatch`` and ``TraceBatch`` records (and keeps them as rows)
     accepts_request_batches = True
 
     def put(self, record: Record) -> None:
         if self.keep:
-            if type(record) is RequestBatch:
+            if type(record) in BATCHED:
                 self.records.extend(record.rows())
             else:
                 self.records.append(record)

@@ -15,8 +15,9 @@ row dropped; throughput with recording within 1 % of without, against 4-5 % with
 normal-priority or niced writer.) The parent turns each table's rows into plain tuples
 (C-level ``attrgetter``), pickles them (about 0.5 us per row) and waits for the
 child's answer on a pipe, with the interpreter lock released. ``RequestBatch`` records
-(one per batch, the requests as column lists) travel as they are and become rows in
-the child, so a recorded request costs the serving process a few list appends.
+(one per batch, the requests as column lists) and ``TraceBatch`` records (traced
+requests as tuples) travel as they are and become rows in the child, so a recorded
+request costs the serving process a few list appends.
 
 While the recorder's buffer fills up (``URGENT_BACKLOG``) the child leaves
 ``SCHED_IDLE`` for a normal policy at ``nice`` 10 and returns once it has caught up, so
@@ -43,8 +44,8 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any
 
-from batchscope.spawn import child_priority, spawn_child, stop_child
-from batchscope.storage.records import RequestBatch
+from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_child
+from batchscope.storage.records import BATCHED
 
 log = logging.getLogger(__name__)
 
@@ -65,41 +66,15 @@ class RemoteWriteError(Exception):
     """A write the child could not do; the message names the child's exception."""
 
 
-class _Priority:
-    """The child's CPU priority: idle while the recorder keeps up, ``nice`` (a fair share
-    of a CPU) while the recorder's backlog grows, so that a machine whose CPUs are never
-    idle still gets its rows written instead of dropped. ``start`` is what the child got
-    at start (``batchscope.spawn.child_priority``)."""
-
-    def __init__(self, start: str, nice: int) -> None:
-        self.nice = nice
-        self.start = self.state = start
-
-    def follow(self, backlog: float) -> None:
-        if self.start != "idle":
-            return
-        try:
-            if self.state == "idle" and backlog >= URGENT_BACKLOG:
-                os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0),
-                                                       self.nice))
-                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-                self.state = "nice"
-            elif self.state == "nice" and backlog <= CALM_BACKLOG:
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-                self.state = "idle"
-        except OSError:  # not allowed here (an unprivileged user's limits): stay as it is
-            pass
-
-
 def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = None) -> None:
     """Receive ``(type name, rows, backlog)``, insert, answer; until told to stop or
     orphaned. Started by ``spawn_child``, which has set the CPU priority already."""
-    prio = _Priority(child_priority(), nice)
+    prio = BacklogPriority(child_priority(), nice, URGENT_BACKLOG, CALM_BACKLOG)
     from batchscope.storage.db import make_engine
     from batchscope.storage.inserts import ROW_TABLES, BulkInserts
-    from batchscope.storage.records import RequestRow
 
     classes = {cls.__name__: cls for cls in ROW_TABLES}
+    batched = {cls.__name__: row for cls, row in BATCHED.items()}
     engine = make_engine(url, create=False)
     inserts = BulkInserts(engine)
     if inserts.sqlite and busy_timeout_ms is not None:
@@ -120,8 +95,8 @@ def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = No
         try:
             name, rows, backlog = pickle.loads(msg)
             prio.follow(backlog)
-            if name == RequestBatch.__name__:  # one record per batch: its rows, built here
-                cls = RequestRow
+            if name in batched:  # one record per many rows: its rows, built here
+                cls = batched[name]
                 rows = list(chain.from_iterable(b.tuples() for b in rows))
             else:
                 cls = classes[name]
@@ -200,7 +175,7 @@ class WriterProcess:
             if self._proc is not None:
                 self.stop()
             self._start()
-        if cls is RequestBatch:  # column lists pickle cheaply; the rows are built there
+        if cls in BATCHED:  # column lists and tuples pickle cheaply; the rows are built there
             items: list = rows
         else:
             getter = self._getters.get(cls)

@@ -314,6 +314,7 @@ class Engine:
         for d in dispatchers:
             d.cancel_running(now)
         await self._backend.stop()
+        self.tracer.flush()
         await asyncio.to_thread(self.tracer.close)
 
     # -- requests -----------------------------------------------------------------------

@@ -225,6 +225,19 @@ class SpanBuilder:
         return out
 
 
+def report_drops(exporter: Any) -> None:
+    """Tell ``exporter.on_drops(new, total)`` of the spans dropped since it was last told
+    (``exporter.dropped`` against ``exporter.reported``)."""
+    dropped = exporter.dropped
+    if dropped > exporter.reported and exporter.on_drops is not None:
+        new = dropped - exporter.reported
+        exporter.reported = dropped
+        try:
+            exporter.on_drops(new, dropped)
+        except Exception:  # noqa: BLE001
+            log.exception("could not report dropped spans")
+
+
 class _DropCounter:
     """Stands for the processor's own metrics: counts what it drops (queue full)."""
 
@@ -335,14 +348,7 @@ class OtlpSpans:
                 log.exception("could not build the spans of a trace")
 
     def _report(self) -> None:
-        dropped = self.dropped
-        if dropped > self.reported and self.on_drops is not None:
-            new = dropped - self.reported
-            self.reported = dropped
-            try:
-                self.on_drops(new, dropped)
-            except Exception:  # noqa: BLE001
-                log.exception("could not report dropped spans")
+        report_drops(self)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Build what is queued, export it (up to ``timeout_s``) and stop."""

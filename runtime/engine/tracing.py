@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+from operator import attrgetter
 from typing import Any, Callable, Iterable, Mapping
 
-from batchscope.storage.records import RecorderLike, TraceRow
+from batchscope.storage.records import (TRACE_FIELDS, RecorderLike, TraceBatch, TraceRow,
+                                        put_many_of)
 from runtime.api.errors import ClientError, QueueFull
 from runtime.core.tracing import RequestTrace, TraceControl, parse_traceparent
 from runtime.engine.otel import FinishedTrace, new_ids
@@ -48,6 +50,11 @@ GRPC_NAMES = ("GRPC_WAITREAD_START", "GRPC_WAITREAD_END") + HTTP_NAMES[2:9] + (
     "GRPC_SEND_START", "GRPC_SEND_END")
 #: the longest request id kept
 MAX_REQUEST_ID_CHARS = 256
+#: finished traces are handed to the recorder together: at this many, or this long after
+#: the first of them
+FLUSH_EVERY = 256
+FLUSH_AFTER_S = 0.1
+_TRACE_FIELDS = attrgetter(*TRACE_FIELDS)
 
 
 def outcome_of(error: BaseException | None) -> str:
@@ -95,6 +102,13 @@ class Tracer:
                                      grpc_names=list(zip(GRPC_NAMES, COLUMNS)))
         #: the OpenTelemetry exporter (``runtime.engine.otel.OtlpSpans``), when one is set
         self.otel: Any = None
+        #: traces finished and not yet handed to the recorder, and the flush due for them
+        self._pending: list[RequestTrace] = []
+        self._timer: asyncio.TimerHandle | None = None
+        #: whether the recorder takes ``TraceBatch`` records (else it gets the rows)
+        self._batches = bool(getattr(recorder, "accepts_request_batches", False))
+        #: whether any model writes a trace file (then a trace's row is built at once)
+        self._files_on = False
 
     # -- settings ---------------------------------------------------------------------
     def settings(self, model: str | None = None) -> dict[str, Any]:
@@ -119,6 +133,9 @@ class Tracer:
         settings = self.control.update(model, changes)
         if path:
             self.files.reset(path)
+        control = self.control
+        self._files_on = bool(control.values["trace_file"]) or any(
+            own.get("trace_file") for own in control.overrides.values())
         return settings
 
     # -- one request ------------------------------------------------------------------
@@ -150,26 +167,63 @@ class Tracer:
 
     def finish(self, trace: RequestTrace, error: BaseException | None = None) -> None:
         """Record ``trace`` once its request is answered (``error``: what it ended with,
-        when the engine did not settle it). Never raises into the answer path."""
+        when the engine did not settle it). Never raises into the answer path.
+
+        The trace is kept with one list append; ``flush`` hands the kept traces to the
+        recorder as one ``TraceBatch`` (at ``FLUSH_EVERY`` traces, or ``FLUSH_AFTER_S``
+        after the first), whose rows are built off this thread. Spans and the trace file
+        need the times now, and get them now."""
         if trace.request_end is None:
             trace.request_end = self.clock.now()
         if trace.outcome is None:
             trace.outcome = outcome_of(error)
+        self.traced += 1
+        if self._files_on or trace.span is not None and self.otel is not None:
+            self._now(trace)
+        pending = self._pending
+        pending.append(trace)
+        if len(pending) >= FLUSH_EVERY:
+            self.flush()
+        elif self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no event loop (a synchronous caller): at once
+                self.flush()
+                return
+            self._timer = loop.call_later(FLUSH_AFTER_S, self.flush)
+
+    def _now(self, trace: RequestTrace) -> None:
+        """The trace file's row and the spans of ``trace``, which need its times now."""
         to_wall = self.clock.to_wall
         at = [None if t is None else to_wall(t) for _, t in trace.timeline()]
-        row = TraceRow(self.instance_id, trace.model, trace.trace_id, trace.protocol,
-                       trace.outcome, at[2], at[8], trace.request_id, trace.batch_seq,
-                       at[0], at[1], at[3], at[4], at[5], at[6], at[7], at[9], at[10],
-                       trace.w3c_trace_id, trace.w3c_parent_span_id)
-        self.traced += 1
-        self.recorder.put(row)
         if self.otel is not None and trace.span is not None:
             self.otel.put(finished(trace, at, to_wall))
         values = self._values(trace.model)
         path = values["trace_file"]
         if path and values["trace_mode"] == "triton":
+            row = TraceRow(self.instance_id, trace.model, trace.trace_id, trace.protocol,
+                           trace.outcome or "error", at[2], at[8], trace.request_id,
+                           trace.batch_seq, at[0], at[1], at[3], at[4], at[5], at[6], at[7],
+                           at[9], at[10], trace.w3c_trace_id, trace.w3c_parent_span_id)
             self.files.put(path, values["log_frequency"], row)
 
+    def flush(self) -> None:
+        """Hand the traces finished since the last flush to the recorder."""
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        batch = TraceBatch(self.instance_id, self.clock.to_wall(0.0),
+                           list(map(_TRACE_FIELDS, pending)))
+        if self._batches:
+            self.recorder.put(batch)
+        else:
+            put_many_of(self.recorder)(batch.rows())
+
     def close(self, timeout_s: float = 5.0) -> None:
-        """Write the traces still waiting for the trace file and stop its thread."""
+        """Hand over the traces still kept, write those waiting for the trace file and
+        stop its thread."""
+        self.flush()
         self.files.close(timeout_s)

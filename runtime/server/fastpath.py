@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from runtime.api.errors import ModelNotReady, error_answer
+from runtime.core.tracing import BATCH_ID_HEADER
 from runtime.server.bounds import MemoryBudget, RequestBounds
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, submit_infer
 from runtime.server.routes import MODEL_VERSION, find_model
@@ -54,6 +55,7 @@ _JSON_HEADERS = [(b"content-type", b"application/json")]
 _HEADER_LENGTH_B = HEADER_LENGTH.encode()
 _CONTENT_ENCODING_B = b"content-encoding"
 _TRACEPARENT_B = b"traceparent"
+_BATCH_ID_B = BATCH_ID_HEADER.encode()
 _PREFIX = "/v2/models/"
 _SUFFIX = "/infer"
 #: bodies larger than this are parsed on a parser thread, off the event loop
@@ -101,6 +103,9 @@ class InferHook:
         #: ``active`` is the one thing asked of a request without ``traceparent``
         self.tracer = getattr(self.engine, "tracer", None)
         self._tracing = self.tracer.control if self.tracer is not None else _NO_TRACING
+        #: (answer headers, batch id, those headers with the batch id) of the last traced
+        #: answer: the members of one batch share one list, hence one prepared head
+        self._batch_headers: tuple = (None, None, None)
 
     def early(self, method: bytes, path: str,
               headers: list[tuple[bytes, bytes]]) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
@@ -274,9 +279,20 @@ class InferHook:
 
         def traced(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
             trace.send_start = now()
-            more = trace.answer_headers()
-            if more:
-                headers = [*headers, *((k.encode(), v.encode()) for k, v in more)]
+            seq = trace.batch_seq
+            if trace.span is None and seq is not None:  # only the batch id is added
+                last = self._batch_headers
+                if last[0] is headers and last[1] == seq:
+                    # the batch's other answers: the same list, so the same prepared head
+                    headers = last[2]
+                else:
+                    more = [*headers, (_BATCH_ID_B, b"%d" % seq)]
+                    self._batch_headers = (headers, seq, more)
+                    headers = more
+            else:
+                more = trace.answer_headers()
+                if more:
+                    headers = [*headers, *((k.encode(), v.encode()) for k, v in more)]
             answer(status, headers, body)
             trace.send_end = now()
             tracer.finish(trace)

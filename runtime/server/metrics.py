@@ -32,13 +32,19 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections import Counter as _Tally
+from operator import itemgetter
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from batchscope.storage.records import BatchRow, GenStepRow, RequestBatch, RequestRow, TraceRow
+from batchscope.storage.records import (BatchRow, GenStepRow, RequestBatch, RequestRow, TraceBatch,
+                                        TraceRow)
+
+#: a ``TraceBatch`` trace's (model, protocol)
+_MODEL_PROTOCOL = itemgetter(1, 2)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -226,8 +232,8 @@ class _AdapterSlotCollector:
 
 
 class MetricsRecorder:
-    """Turns BatchRow/RequestRow/TraceRow records into Prometheus series; other records
-    are ignored."""
+    """Turns BatchRow/RequestRow/TraceRow records (and the batched forms RequestBatch and
+    TraceBatch) into Prometheus series; other records are ignored."""
 
     def __init__(self, *, stats: Callable[[], dict[str, dict[str, Any]]] | None = None,
                  dropped: Callable[[], int] | None = None) -> None:
@@ -374,6 +380,11 @@ class MetricsRecorder:
             elif kind is GenStepRow:
                 _append(observations, self.iteration_tokens.labels(record.model),
                         record.prefill_tokens + record.decode_tokens)
+            elif kind is TraceBatch:
+                per = _Tally(map(_MODEL_PROTOCOL, record.traces))
+                for (model, protocol), n in per.items():
+                    child = self.traced.labels(model, protocol)
+                    counts[child] = counts.get(child, 0) + n
             elif kind is TraceRow:
                 child = self.traced.labels(record.model, record.protocol)
                 counts[child] = counts.get(child, 0) + 1

@@ -168,15 +168,13 @@ class Service:
                              device=device, device_process=server.device_process,
                              model_specs=_request_specs(models, server.models)
                              if server.device_process else ())
-        for model, name, path in adapters:
-            self.engine.register_adapter(model, name, path, requested_by="start")
         self.spans = self._trace_settings(server, recorder)
         from runtime.autopilot.shell import Autopilot
 
         #: moves the settings of models with autopilot_slo_p99_ms set (runtime.autopilot)
         self.autopilot = Autopilot(self.engine, recorder=recorder, instance_id=self.instance_id)
         self.metrics.bind(stats=self._all_stats, dropped=self._dropped,
-                          adapters=self.engine.adapter_models)
+                          adapters=self._adapter_models)
         self.live = None
         self.sampler = None
         self.generation = None
@@ -187,6 +185,12 @@ class Service:
             self.engine.tracer.control.add_models(self.generation.engines)
             for gen in self.generation.engines.values():
                 gen.tracer = self.engine.tracer
+        for model, name, path in adapters:
+            gen = self.generation.engines.get(model) if self.generation is not None else None
+            if gen is not None:
+                gen.register_adapter(name, path, requested_by="start")
+            else:
+                self.engine.register_adapter(model, name, path, requested_by="start")
         self.on_started = on_started
         self._recorder = recorder
         #: every served model, for the start-up event saying what serves each
@@ -227,7 +231,7 @@ class Service:
         if not server.otlp_traces_endpoint:
             return None
         from batchscope.storage.records import EventRow
-        from runtime.engine.otel import OtlpSpans
+        from runtime.engine.otel_process import SpanProcess
 
         def dropped(new: int, total: int) -> None:
             recorder.put(EventRow(
@@ -237,13 +241,15 @@ class Service:
                         "queue was full; raise OTEL_BSP_MAX_QUEUE_SIZE or lower trace_rate",
                 details_json=f'{{"dropped": {new}, "total": {total}}}'))
 
+        from runtime.api.errors import ConfigError
         try:
-            spans = OtlpSpans(server.otlp_traces_endpoint, self.instance_id, on_drops=dropped)
+            spans = SpanProcess(server.otlp_traces_endpoint, self.instance_id, on_drops=dropped)
         except ImportError as exc:
-            from runtime.api.errors import ConfigError
             raise ConfigError(f"--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP "
                               f"exporters ({exc.name} is missing): pip install "
                               "'batchscope[otel]'") from None
+        except (RuntimeError, ValueError) as exc:
+            raise ConfigError(f"--otlp-traces-endpoint: {exc}") from None
         self.engine.export_spans(spans)
         self.metrics.bind(spans_dropped=lambda: spans.dropped)
         return spans
@@ -254,6 +260,16 @@ class Service:
         if self.generation is not None:
             stats.update({name: e.stats() for name, e in self.generation.engines.items()})
         return stats
+
+    def _adapter_models(self) -> dict[str, list[str]]:
+        """Model -> its registered adapters' names, request and generation models alike
+        (the ``adapter`` label of the per-adapter series takes only these)."""
+        out = self.engine.adapter_models()
+        generation = getattr(self, "generation", None)  # read at fold time
+        if generation is not None:
+            out.update({name: e.adapter_entries() for name, e in generation.engines.items()
+                        if e.runner.adapters is not None})
+        return out
 
     def _dropped(self) -> int:
         return self.db_recorder.dropped if self.db_recorder is not None else 0

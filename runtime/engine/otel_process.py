@@ -1,0 +1,207 @@
+"""The OpenTelemetry span export in a child process of its own.
+
+Building a request's spans with the SDK and encoding them for OTLP costs about 20 us of
+CPU per span (the SDK's protobuf encoder dominates), some 70 us for a request with its
+``queue`` and ``compute`` children and its share of a batch span. In the serving process
+that time would be taken from the event loop under its interpreter lock: with every
+request traced, the server lost two thirds of its throughput. ``SpanProcess`` keeps the
+serving process to a list append per trace: a sender thread hands the finished traces
+and their batches over as plain tuples every ``SEND_INTERVAL_S`` (or at ``SEND_AT``
+traces), and a child process (``batchscope.spawn.spawn_child``) runs
+``runtime.engine.otel.OtlpSpans`` (span building, the SDK's ``BatchSpanProcessor``,
+the OTLP exporter) on them.
+
+The child runs at the lowest CPU priority while it keeps up (``SCHED_IDLE`` on Linux)
+and at ``nice`` 10 while its backlog grows (``batchscope.spawn.BacklogPriority``), as
+the database writer does: spans are exported in the CPU time serving leaves, and a
+machine that never idles still gets them, at the cost of that share of a CPU. Past
+``queue_max`` traces waiting (here or in the child), traces are dropped and counted;
+``dropped`` adds the child's count (its queue, the processor's), reported through
+``on_drops`` as ``OtlpSpans`` does. The child inherits the standard ``OTEL_*``
+variables.
+
+Messages: ``(batches, traces, backlog)`` (tuples in ``BatchInfo`` and ``FinishedTrace``
+field order) -> ``(spans handed to the processor, spans dropped)``; ``b"stop"`` -> the
+same counts once the child has exported what it holds (``close``'s timeout).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pickle
+import threading
+from operator import attrgetter
+from typing import Any, Callable
+
+from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_child
+from runtime.engine.otel import (QUEUE_MAX, BatchInfo, FinishedTrace, OtlpSpans, exporter_for,
+                                 report_drops)
+
+log = logging.getLogger(__name__)
+
+#: how often the sender thread hands the traces over, and how many wake it sooner
+SEND_INTERVAL_S = 0.1
+SEND_AT = 1024
+#: how long the child may take to start, and to answer one message
+START_TIMEOUT_S = 60.0
+REPLY_TIMEOUT_S = 30.0
+#: backlog (0..1) at which the idle child asks for a share of a CPU, and gives it back
+URGENT_BACKLOG = 0.25
+CALM_BACKLOG = 0.05
+_READY = b"ready"
+_STOP = b"stop"
+_TRACE_TUPLE = attrgetter(*FinishedTrace.__slots__)
+_BATCH_TUPLE = attrgetter(*BatchInfo.__slots__)
+
+
+def _child_main(conn: Any, endpoint: str, instance_id: str, protocol: str | None,
+                queue_max: int, nice: int) -> None:
+    """Run ``OtlpSpans`` on what the parent sends, until told to stop or orphaned."""
+    prio = BacklogPriority(child_priority(), nice, URGENT_BACKLOG, CALM_BACKLOG)
+    try:
+        spans = OtlpSpans(endpoint, instance_id, protocol=protocol, queue_max=queue_max)
+    except Exception as exc:  # noqa: BLE001 - told to the parent, which refuses to start
+        conn.send_bytes(pickle.dumps(f"{type(exc).__name__}: {exc}"[:500]))
+        return
+    conn.send_bytes(_READY)
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):  # the parent is gone
+            break
+        if msg.startswith(_STOP):
+            spans.close(float(msg[len(_STOP):] or 5.0))
+            conn.send_bytes(pickle.dumps((spans.spans_out, spans.dropped)))
+            return
+        batches, traces, backlog = pickle.loads(msg)
+        for b in batches:
+            spans.batch(BatchInfo(*b))
+        for t in traces:
+            spans.put(FinishedTrace(*t))
+        prio.follow(max(backlog, len(spans.queue) / queue_max))
+        conn.send_bytes(pickle.dumps((spans.spans_out, spans.dropped)))
+    spans.close(1.0)
+
+
+class SpanProcess:
+    """``OtlpSpans``'s interface (``batch``, ``put``, ``close``, ``dropped``,
+    ``spans_out``), the work done in a child process (module doc). Raises
+    ``ImportError`` when the SDK or the exporter is missing, ``RuntimeError`` when the
+    child does not start."""
+
+    def __init__(self, endpoint: str, instance_id: str, *, protocol: str | None = None,
+                 on_drops: Callable[[int, int], None] | None = None,
+                 queue_max: int = QUEUE_MAX, nice: int = 10) -> None:
+        exporter_for(endpoint, protocol)  # missing packages or a bad protocol: here
+        import opentelemetry.sdk.trace.export  # noqa: F401
+        self.endpoint = endpoint
+        self.on_drops = on_drops
+        self.queue_max = queue_max
+        #: filled on the event loop, emptied by the sender thread (deque: both ends safe)
+        self._traces: collections.deque = collections.deque()
+        self._batches: collections.deque = collections.deque()
+        #: traces dropped here (queue full or the child gone) and the child's count
+        self._dropped_here = 0
+        self._dropped_there = 0
+        self.reported = 0
+        self.spans_out = 0
+        self._wake = threading.Event()
+        self._closed = False
+        child = spawn_child(_child_main, (endpoint, instance_id, protocol, queue_max, nice),
+                            name="batchscope-otlp-spans", idle=True, nice=nice)
+        self._proc, self._conn = child.process, child.conn
+        if not self._conn.poll(START_TIMEOUT_S):
+            self._stop_child()
+            raise RuntimeError("the OpenTelemetry span process did not start within "
+                               f"{START_TIMEOUT_S:.0f} s")
+        try:
+            first = self._conn.recv_bytes()
+        except (EOFError, OSError):
+            self._stop_child()
+            raise RuntimeError("the OpenTelemetry span process exited while starting") from None
+        if first != _READY:
+            self._stop_child()
+            raise RuntimeError(f"the OpenTelemetry span exporter did not start: "
+                               f"{pickle.loads(first)}")
+        self._thread = threading.Thread(target=self._work, name="otlp-spans-sender",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped_here + self._dropped_there
+
+    # -- on the event loop --------------------------------------------------------------
+    def batch(self, info: BatchInfo) -> None:
+        """Remember a batch that has a traced member (its span is made with the first)."""
+        self._batches.append(info)
+
+    def put(self, trace: FinishedTrace) -> None:
+        """Queue a finished trace for its spans; dropped (and counted) when full."""
+        traces = self._traces
+        if len(traces) >= self.queue_max:
+            self._dropped_here += 1
+            return
+        traces.append(trace)
+        if len(traces) == SEND_AT:
+            self._wake.set()
+
+    # -- the sender thread --------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            self._wake.wait(SEND_INTERVAL_S)
+            self._wake.clear()
+            closed = self._closed
+            self._send()
+            report_drops(self)
+            if closed:
+                return
+
+    def _send(self) -> None:
+        # the traces first: a batch is queued before its members finish, so every batch a
+        # trace taken here refers to is taken below too
+        traces, batches = self._traces, self._batches
+        taken = [traces.popleft() for _ in range(len(traces))]
+        infos = [batches.popleft() for _ in range(len(batches))]
+        if not taken and not infos:
+            return
+        if self._conn is None:
+            self._dropped_here += len(taken)
+            return
+        payload = pickle.dumps((list(map(_BATCH_TUPLE, infos)), list(map(_TRACE_TUPLE, taken)),
+                                len(traces) / self.queue_max), protocol=5)
+        try:
+            self._conn.send_bytes(payload)
+            if not self._conn.poll(REPLY_TIMEOUT_S):
+                raise TimeoutError
+            self.spans_out, self._dropped_there = pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError, TimeoutError):
+            log.error("the OpenTelemetry span process %s; spans are dropped from now on",
+                      "did not answer" if self._proc.is_alive() else "exited")
+            self._dropped_here += len(taken)
+            self._stop_child()
+
+
+    # -- stopping -----------------------------------------------------------------------
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Hand over what is queued, let the child export it (up to ``timeout_s``), stop."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+        conn = self._conn
+        if conn is not None:
+            try:
+                conn.send_bytes(_STOP + str(timeout_s).encode())
+                if conn.poll(timeout_s + 5.0):
+                    self.spans_out, self._dropped_there = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                pass
+            self._stop_child()
+        report_drops(self)
+
+    def _stop_child(self) -> None:
+        proc, conn = self._proc, self._conn
+        self._conn = None
+        if conn is not None:
+            stop_child(proc, conn, _STOP, timeout_s=2.0)

@@ -1,0 +1,127 @@
+"""Traced requests handed over together: ``TraceBatch`` (the rows built off the serving
+thread), the tracer's flush (at a count, after a delay on the event loop, at once
+without one, and at close), the database writer's child building the rows, and the
+OpenTelemetry span process counting what it cannot export. Outcomes depend on counts and
+on the recorded values, never on timing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from batchscope.storage.db import make_engine
+from batchscope.storage.recorder import Recorder
+from batchscope.storage.records import TRACE_FIELDS, ListRecorder, TraceBatch, TraceRow
+from runtime.core.clock import FakeClock
+from runtime.core.tracing import RequestTrace
+from runtime.engine import tracing
+from runtime.engine.otel import FinishedTrace
+from runtime.engine.otel_process import SpanProcess
+from runtime.engine.tracing import Tracer
+
+
+def traced(clock: FakeClock, trace_id: int = 1) -> RequestTrace:
+    """A request traced through a batch whose items overlap (a later stamp earlier than
+    the one before it, which the row clamps)."""
+    trace = RequestTrace(trace_id, "m", "http", clock.now(), request_id=f"r{trace_id}",
+                         w3c=("ab" * 16, "cd" * 8, True))
+    trace.recv_start, trace.recv_end = clock.now() - 0.002, clock.now() - 0.001
+    trace.ran(clock.now() + 0.001, clock.now() + 0.003, clock.now() + 0.0025,
+              clock.now() + 0.004, clock.now() + 0.005, 7, clock.now() + 0.006, "ok")
+    trace.send_start, trace.send_end = clock.now() + 0.007, clock.now() + 0.008
+    return trace
+
+
+def row_at_once(trace: RequestTrace, clock: FakeClock) -> TraceRow:
+    """The row as it would be built in one go from ``RequestTrace.timeline``."""
+    at = [None if t is None else clock.to_wall(t) for _, t in trace.timeline()]
+    return TraceRow("i", trace.model, trace.trace_id, trace.protocol, trace.outcome, at[2],
+                    at[8], trace.request_id, trace.batch_seq, at[0], at[1], at[3], at[4],
+                    at[5], at[6], at[7], at[9], at[10], trace.w3c_trace_id,
+                    trace.w3c_parent_span_id)
+
+
+def test_a_trace_batch_gives_the_rows_built_at_once():
+    clock = FakeClock()
+    trace = traced(clock)
+    assert trace.compute_input_end < trace.compute_start  # overlapping: clamped in the row
+    untraced = RequestTrace(2, "m", "grpc", clock.now())  # refused: most stamps missing
+    untraced.request_end, untraced.outcome = clock.now() + 0.001, "rejected"
+    fields = [tuple(getattr(t, name) for name in TRACE_FIELDS) for t in (trace, untraced)]
+    rows = TraceBatch("i", clock.to_wall(0.0), fields).rows()
+    assert rows == [row_at_once(trace, clock), row_at_once(untraced, clock)]
+    assert rows[0].compute_input_end_at == rows[0].compute_start_at
+    assert rows[1].queue_start_at is None and rows[1].send_end_at is None
+
+
+def test_without_an_event_loop_each_trace_is_recorded_at_once():
+    clock, recorder = FakeClock(), ListRecorder()
+    tracer = Tracer(["m"], recorder, "i", clock)
+    tracer.finish(traced(clock))
+    assert recorder.records == [row_at_once(traced(clock), clock)]
+
+
+def test_on_the_event_loop_traces_go_together(monkeypatch):
+    monkeypatch.setattr(tracing, "FLUSH_EVERY", 5)
+    clock, recorder = FakeClock(), ListRecorder()
+    tracer = Tracer(["m"], recorder, "i", clock)
+
+    async def run() -> list[int]:
+        seen = []
+        for i in range(1, 8):
+            tracer.finish(traced(clock, i))
+            seen.append(len(recorder.records))
+        # the last two wait for the delayed flush
+        await asyncio.sleep(tracing.FLUSH_AFTER_S * 3)
+        seen.append(len(recorder.records))
+        return seen
+
+    assert asyncio.run(run()) == [0, 0, 0, 0, 5, 5, 5, 7]
+    assert [r.trace_id for r in recorder.records] == list(range(1, 8))
+    assert tracer.traced == 7
+
+
+def test_close_hands_over_what_is_kept(monkeypatch):
+    clock, recorder = FakeClock(), ListRecorder()
+    tracer = Tracer(["m"], recorder, "i", clock)
+
+    async def run() -> int:
+        tracer.finish(traced(clock))
+        return len(recorder.records)
+
+    assert asyncio.run(run()) == 0  # kept: the loop ended before the delayed flush
+    tracer.close()
+    assert len(recorder.records) == 1
+
+
+def test_the_writer_process_builds_the_rows(tmp_path):
+    url = f"sqlite:///{tmp_path / 'traces.db'}"
+    engine = make_engine(url)
+    recorder = Recorder(engine, writer_process=True, flush_interval_s=0.05)
+    recorder.start()
+    clock = FakeClock()
+    traces = [traced(clock, i) for i in range(1, 4)]
+    try:
+        recorder.put(TraceBatch("i", clock.to_wall(0.0), [
+            tuple(getattr(t, name) for name in TRACE_FIELDS) for t in traces]))
+    finally:
+        recorder.close()
+    assert recorder.written_by_kind == {"request_traces": 3}
+    with engine.connect() as conn:
+        found = conn.exec_driver_sql(
+            "SELECT " + ", ".join(TraceRow.__slots__) + " FROM request_traces "
+            "ORDER BY trace_id").all()
+    assert [TraceRow(*r) for r in found] == [row_at_once(t, clock) for t in traces]
+
+
+def test_the_span_process_counts_what_it_cannot_send():
+    told = []
+    spans = SpanProcess("http://127.0.0.1:9", "i", on_drops=lambda new, total: told.append(
+        (new, total)))
+    spans._proc.kill()  # the child is gone: what follows cannot be exported
+    spans._proc.join(10)
+    for i in range(5):
+        spans.put(FinishedTrace("m", "infer", i + 1, i + 1, None, 1.0, 2.0, 1.0, 1.5, 1.9,
+                                "ok", None))
+    spans.close(timeout_s=5.0)
+    assert spans.dropped == 5
+    assert sum(new for new, _ in told) == 5 and told[-1][1] == 5
