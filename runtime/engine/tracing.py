@@ -103,7 +103,7 @@ class Tracer:
         #: the OpenTelemetry exporter (``runtime.engine.otel.OtlpSpans``), when one is set
         self.otel: Any = None
         #: traces finished and not yet handed to the recorder, and the flush due for them
-        self._pending: list[RequestTrace] = []
+        self._pending: list[tuple] = []
         self._timer: asyncio.TimerHandle | None = None
         #: whether the recorder takes ``TraceBatch`` records (else it gets the rows)
         self._batches = bool(getattr(recorder, "accepts_request_batches", False))
@@ -181,7 +181,7 @@ class Tracer:
         if self._files_on or trace.span is not None and self.otel is not None:
             self._now(trace)
         pending = self._pending
-        pending.append(trace)
+        pending.append(_TRACE_FIELDS(trace))  # a tuple of plain values: no work for the GC
         if len(pending) >= FLUSH_EVERY:
             self.flush()
         elif self._timer is None:
@@ -215,8 +215,7 @@ class Tracer:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        batch = TraceBatch(self.instance_id, self.clock.to_wall(0.0),
-                           list(map(_TRACE_FIELDS, pending)))
+        batch = TraceBatch(self.instance_id, self.clock.to_wall(0.0), pending)
         if self._batches:
             self.recorder.put(batch)
         else:
