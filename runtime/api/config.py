@@ -202,6 +202,9 @@ class ServerConfig:
     models: tuple[str, ...] = field(default_factory=lambda: ("mlp", "encoder"))
     #: run request models in a child process with its own GIL (loaded from ``models``)
     device_process: bool = False
+    #: with ``device_process`` on the CPU: a batch that finds its process idle and is
+    #: expected to take at most this long runs in the serving process (``runtime.engine.direct``)
+    direct_max_compute_ms: float = 2.0
     #: run the recorder's database inserts in a child process (``batchscope.storage.writer_process``)
     recorder_process: bool = False
     #: also serve the KServe v2 / Triton gRPC API on this port (0: a free one; None: no gRPC)
@@ -236,6 +239,10 @@ class ServerConfig:
                 isinstance(self.otlp_traces_endpoint, str) and self.otlp_traces_endpoint.strip()):
             problems.append(f"otlp_traces_endpoint={self.otlp_traces_endpoint!r} must be a "
                             "URL such as http://127.0.0.1:4317")
+        if not (_is_number(self.direct_max_compute_ms) and 0 <= self.direct_max_compute_ms
+                <= 1000):
+            problems.append(f"direct_max_compute_ms={self.direct_max_compute_ms!r} must be a "
+                            "number of milliseconds from 0 (never direct) to 1000")
         for name in ("device_process", "recorder_process", "nvtx"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")

@@ -306,6 +306,11 @@ class DeviceProcess:
             proc.join(1.0)
 
     # -- batches ------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """Whether the child has no batch to run: none sent and not back, none held."""
+        return not self._sent and not self._held
+
     def submit(self, name: str, config: BatchingConfig, version: int, items: list,
                lengths: list[int] | None, pad_to: int | None, bucket: int | None,
                on_done: OnDone, timeout_s: float | None | str = "config", *,

@@ -51,6 +51,7 @@ from runtime.device.executor import MAX_ERROR_CHARS
 from runtime.device.process import DeviceProcess
 from runtime.engine.admission import deadline_of, priority_of
 from runtime.engine.booking import Booking
+from runtime.engine.direct import DIRECT_MAX_COMPUTE_MS, DirectLane
 from runtime.engine.dispatch import Dispatcher
 from runtime.engine.executors import (HANDOFF_WAIT_S, MAX_AHEAD_BATCHES, DeviceThread,
                                       ProcessExecutor)
@@ -195,7 +196,8 @@ class Engine:
                  clock: MonotonicClock | None = None, device: torch.device | str = "cpu",
                  event_interval_s: float = EVENT_INTERVAL_S,
                  inline_max_compute_ms: float = INLINE_MAX_COMPUTE_MS,
-                 device_process: bool = False, model_specs: Sequence[str] = ()) -> None:
+                 device_process: bool = False, model_specs: Sequence[str] = (),
+                 direct_max_compute_ms: float = DIRECT_MAX_COMPUTE_MS) -> None:
         """``event_interval_s``: rejection and expiry events of a model are folded into at
         most one per this many seconds (each carries the count); request rows are not.
         ``inline_max_compute_ms``: on a CPU device, a batch expected (from recent batches)
@@ -204,7 +206,11 @@ class Engine:
         ``device_process``: run batches in child processes, one per model, that load the
         served models from ``model_specs`` (``runtime.models.loader`` specs, e.g. ``mlp`` or
         ``path/file.py:Class``) and calls ``setup(device)`` there; the models given here
-        then only ``decode`` (and ``length``) requests and are never set up."""
+        then only ``decode`` (and ``length``) requests and are never set up.
+        ``direct_max_compute_ms``: with the device process on a CPU device, a batch that
+        finds its process idle and is expected to take at most this long runs in this
+        process instead (``runtime.engine.direct``; the models are then set up here too);
+        0 turns that off."""
         configs = dict(configs or {})
         unknown = sorted(set(configs) - set(models))
         if unknown:
@@ -218,6 +224,9 @@ class Engine:
         if not (isinstance(inline_max_compute_ms, (int, float)) and inline_max_compute_ms >= 0):
             raise ConfigError(f"inline_max_compute_ms={inline_max_compute_ms!r} must be a "
                               "non-negative number of milliseconds (0 = never inline)")
+        if not (isinstance(direct_max_compute_ms, (int, float)) and direct_max_compute_ms >= 0):
+            raise ConfigError(f"direct_max_compute_ms={direct_max_compute_ms!r} must be a "
+                              "non-negative number of milliseconds (0 = never direct)")
         if device_process and not model_specs:
             raise ConfigError("device_process=True needs model_specs: the device process loads "
                               "each model from its spec (e.g. 'mlp' or 'path/file.py:MyModel')")
@@ -236,6 +245,7 @@ class Engine:
         #: the child processes batches run in (``device_process=True``): one per model,
         #: so a model that hangs or crashes stops no other; else empty
         self._processes: dict[str, DeviceProcess] = {}
+        self._lanes: list[DirectLane] = []
         if device_process:
             for names, specs in _process_groups(list(self._models), list(model_specs)):
                 process = DeviceProcess(
@@ -245,7 +255,13 @@ class Engine:
                 self._processes.update((name, process) for name in names)
             self._backend: DeviceProcesses | DeviceThread = DeviceProcesses(
                 list(dict.fromkeys(self._processes.values())))
-            executors = [ProcessExecutor(self._processes[m.name], m) for m in served]
+            #: each model's direct lane (CPU only; none when direct_max_compute_ms is 0)
+            self._lanes = [DirectLane(m, self.device, self._clock, direct_max_compute_ms / 1000.0)
+                           for m in served] if self.device.type == "cpu" and \
+                direct_max_compute_ms > 0 else []
+            lanes = {lane.model.name: lane for lane in self._lanes}
+            executors = [ProcessExecutor(self._processes[m.name], m, lanes.get(m.name))
+                         for m in served]
         else:
             thread = DeviceThread(served, self.device, self._clock, inline_max_compute_ms / 1000.0)
             self._backend = thread
@@ -269,7 +285,7 @@ class Engine:
             raise RuntimeError("the engine is already started")
         loop = asyncio.get_running_loop()
         self._loop = loop
-        await self._backend.start()
+        await asyncio.gather(self._backend.start(), *(lane.start() for lane in self._lanes))
         self._ready = True
         for dispatcher in self._dispatchers.values():
             dispatcher.start(loop)
@@ -739,6 +755,10 @@ class Engine:
             "settings_version": served.settings_version,
             "ready": self._ready,
             "cuda_graphs": dispatcher.executor.graph_stats(),
+            #: batches run in the serving process, skipping the device process (None: no
+            #: direct lane; ``runtime.engine.direct``)
+            "direct_batches": getattr(getattr(dispatcher.executor, "direct", None), "batches",
+                                      None),
             #: inputs a model cut to its length limit (models from files count them)
             "truncated_inputs": getattr(served.api, "truncated_inputs", None),
             #: the LoRA adapters and the slot cache (None: the model takes no adapters)

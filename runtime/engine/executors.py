@@ -21,7 +21,8 @@ have out at once.
 * ``ProcessExecutor`` (one per model, all on one ``DeviceProcess``): the batch
   runs in the child process with its own interpreter lock; the child runs its pipe
   in order, so a second batch can wait there while one runs
-  (``max_in_flight = MAX_AHEAD_BATCHES``).
+  (``max_in_flight = MAX_AHEAD_BATCHES``). A short batch that finds the process idle
+  runs in the serving process instead, without the hop (``runtime.engine.direct``).
 
 Execution timeout (``execution_timeout_ms``, per model). A batch that runs longer
 has its requests answered at the timeout with a ``timeout`` attempt (503). In the
@@ -52,6 +53,7 @@ from runtime.device.compiled import compiled_already
 from runtime.device.executor import graph_runner, run_batch
 from runtime.device.oom import Attempt
 from runtime.device.process import DeviceProcess
+from runtime.engine.direct import DirectLane
 from runtime.engine.served import ServedModel
 
 log = logging.getLogger("batchscope.engine")
@@ -364,13 +366,21 @@ class ProcessExecutor:
 
     max_in_flight = MAX_AHEAD_BATCHES
 
-    def __init__(self, process: DeviceProcess, model: ServedModel) -> None:
+    def __init__(self, process: DeviceProcess, model: ServedModel,
+                 direct: DirectLane | None = None) -> None:
         self._process = process
         self._model = model
         #: the process runs this model alone: its stalls are its own (see dispatch)
         self.isolated = process.names == [model.name]
+        #: runs short batches that find the process idle in the serving process
+        #: (``runtime.engine.direct``); None: every batch goes to the process
+        self.direct = direct
 
     def submit(self, batch: Batch, on_done: OnDone) -> None:
+        direct = self.direct
+        if direct is not None and direct.takes(batch, self._process.idle):
+            direct.run(batch, on_done)
+            return
         model = self._model
         reqs = batch.requests
         self._process.submit(

@@ -121,6 +121,10 @@ def _add_serve(sub: Any) -> None:
                    help="run the request models in a child process with its own GIL, so "
                         "HTTP handling and the forward pass do not wait for each other "
                         "(default: on with --device cpu, off on a GPU)")
+    p.add_argument("--direct-max-compute-ms", type=float, default=None, metavar="MS",
+                   help="with the device process on the CPU: a batch that finds the process "
+                        "idle and is expected to take at most this long runs in the serving "
+                        "process, without the hop (default 2; 0: never)")
     p.add_argument("--recorder-process", action=argparse.BooleanOptionalAction, default=True,
                    help="write recorded rows to the database from a child process, so the "
                         "database work costs the serving process almost nothing (default: on)")
@@ -385,7 +389,9 @@ def _serve(args: argparse.Namespace) -> int:
                           recorder_process=args.recorder_process, grpc_port=args.grpc_port,
                           drain_timeout_s=args.drain_timeout_s,
                           otlp_traces_endpoint=args.otlp_traces_endpoint,
-                          trace_config=trace_config(args.trace_config), nvtx=args.nvtx)
+                          trace_config=trace_config(args.trace_config), nvtx=args.nvtx,
+                          **({} if args.direct_max_compute_ms is None else
+                             {"direct_max_compute_ms": args.direct_max_compute_ms}))
     if args.torch_threads is not None:
         import torch
 

@@ -1,0 +1,100 @@
+"""The direct lane: a lone short batch that finds its device process idle runs in the
+serving process (``runtime.engine.direct``).
+
+Which batch goes where is decided from counts (batch sizes, the queue, whether the
+process has a batch out), so each outcome here follows from the requests sent, never
+from timing. The engine tests run a real device process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from batchscope.storage.records import BatchRow, ListRecorder
+from runtime.api.config import BatchingConfig
+from runtime.engine import direct
+from runtime.engine.direct import DirectLane
+from runtime.engine.engine import Engine
+from runtime.models.loader import load_model
+
+DOUBLE = "double=runtime.models.toys:DoubleModel"
+
+
+def lane_for(per_request_s: float | None = 1e-5, depth: int = 0,
+             device: str = "cpu") -> DirectLane:
+    """A lane over a stand-in model whose batcher reports these figures."""
+    model = SimpleNamespace(name="m", batcher=SimpleNamespace(
+        mean_compute_per_request_s=per_request_s, depth=depth))
+    lane = DirectLane(model, torch.device(device), None, 0.002)
+    lane.ready = device == "cpu"
+    return lane
+
+
+def batch(n: int = 1, adapters=None, compile: str = "off") -> SimpleNamespace:
+    return SimpleNamespace(requests=[object()] * n, adapters=adapters,
+                           config=SimpleNamespace(compile=compile))
+
+
+def test_a_lone_short_batch_runs_directly_only_when_there_is_nothing_else():
+    assert lane_for().takes(batch(), process_idle=True)
+    assert not lane_for().takes(batch(), process_idle=False)  # the process has work
+    assert not lane_for(depth=3).takes(batch(), process_idle=True)  # more requests wait
+    assert not lane_for().takes(batch(2), process_idle=True)  # something to batch
+    assert not lane_for(per_request_s=None).takes(batch(), process_idle=True)  # unmeasured
+    assert not lane_for(per_request_s=0.003).takes(batch(), process_idle=True)  # too long
+    assert not lane_for().takes(batch(adapters=object()), process_idle=True)
+    assert not lane_for().takes(batch(compile="default"), process_idle=True)
+    assert not lane_for(device="cuda").takes(batch(), process_idle=True)
+    running = lane_for()
+    running.running = True  # one is already waiting for its turn on the loop
+    assert not running.takes(batch(), process_idle=True)
+
+
+def test_after_batches_of_several_the_lane_waits_for_the_traffic_to_thin_out():
+    lane = lane_for()
+    assert not lane.takes(batch(8), process_idle=True)  # mean 1.7: traffic
+    taken = [lane.takes(batch(1), process_idle=True) for _ in range(6)]
+    # the mean falls by a tenth of its excess per lone batch: 1.63, 1.57, 1.51, 1.46...
+    assert taken == [False, False, False, True, True, True]
+    assert direct.DIRECT_MAX_MEAN_BATCH == 1.5 and direct.BATCH_MEAN_WEIGHT == 0.1
+
+
+def run_one_at_a_time(engine: Engine, n: int) -> list[np.ndarray]:
+    async def run() -> list[np.ndarray]:
+        await engine.start()
+        try:
+            out = []
+            for i in range(n):
+                result = await engine.infer("double", {"INPUT0": np.full(4, i, np.float32)})
+                out.append(result["OUTPUT0"])
+            return out
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())
+
+
+def test_one_client_is_served_directly_after_the_first_batch():
+    rec = ListRecorder()
+    engine = Engine({"double": load_model(DOUBLE)}, {"double": BatchingConfig()},
+                    recorder=rec, device_process=True, model_specs=[DOUBLE])
+    outputs = run_one_at_a_time(engine, 12)
+    # the first batch went to the device process (nothing was measured yet), the others
+    # found it idle and ran here, with the same outputs and the same records
+    assert engine.stats("double")["direct_batches"] == 11
+    assert [o.tolist() for o in outputs] == [[2.0 * i] * 4 for i in range(12)]
+    batches = [r for r in rec.records if isinstance(r, BatchRow)]
+    assert len(batches) == 12 and all(b.outcome == "ok" and b.batch_size == 1 for b in batches)
+
+
+def test_without_the_lane_every_batch_goes_to_the_device_process():
+    engine = Engine({"double": load_model(DOUBLE)}, {"double": BatchingConfig()},
+                    recorder=ListRecorder(), device_process=True, model_specs=[DOUBLE],
+                    direct_max_compute_ms=0)
+    outputs = run_one_at_a_time(engine, 5)
+    assert engine.stats("double")["direct_batches"] is None
+    assert [o.tolist() for o in outputs] == [[2.0 * i] * 4 for i in range(5)]
