@@ -17,7 +17,9 @@ have lengths 8..64, ``wide`` requests one vector of 256:
   into the base weights, served as the base.
 
 Ratios: mixed / per_adapter (target >= 2), mixed / base (>= 0.8), one_adapter / merged
-(>= 0.75, i.e. at most 25 % slower). Also: the three formulations of the batched LoRA
+(>= 0.75, i.e. at most 25 % slower). ``skewed``: 32 adapters on 8 slots, Zipf traffic: the
+p99 latency of the cold adapters (ranked below the slot count) over the hot ones' (the top
+4), target <= 2. Also: the three formulations of the batched LoRA
 term (``runtime.adapters.lora``) on one batch, and the slot cache driven by a scripted
 Zipf sequence over 64 adapters and 8 slots, its evictions against an LRU model's.
 """
@@ -45,6 +47,10 @@ from runtime.models.encoder import EncoderModel
 from runtime.models.wide import WideModel
 
 MODELS: dict[str, type[ModelAPI]] = {"encoder": EncoderModel, "wide": WideModel}
+#: the skewed scenario: adapters, slots and the Zipf exponent of their traffic
+SKEWED_ADAPTERS = 32
+SKEWED_SLOTS = 8
+ZIPF_S = 1.1
 
 
 def merged(base: type[ModelAPI], adapter_path: str) -> type[ModelAPI]:
@@ -106,6 +112,50 @@ async def scenario(model: ModelAPI, config: BatchingConfig, paths: dict[str, str
         return await closed_loop(engine, name, clients, duration_s, adapters)
     finally:
         await engine.stop()
+
+
+async def skewed(model: ModelAPI, config: BatchingConfig, paths: dict[str, str], clients: int,
+                 duration_s: float, seed: int = 0) -> dict:
+    """Zipf traffic over every adapter in ``paths`` (more adapters than ``adapter_slots``):
+    each request's latency by adapter, and the slot cache's loads and evictions. The
+    adapters ranked below the slot count are the cold ones: most of their requests find
+    them evicted and wait for a slot."""
+    names = list(paths)
+    weights = [1.0 / (rank + 1) ** ZIPF_S for rank in range(len(names))]
+    name = model.name
+    engine = Engine({name: model}, {name: config}, inline_max_compute_ms=0)
+    for adapter, path in paths.items():
+        engine.register_adapter(name, adapter, path)
+    await engine.start()
+    pool = request_pool(name, seed)
+    latencies: dict[str, list[float]] = {n: [] for n in names}
+    try:
+        for phase, seconds in (("warm", min(1.0, duration_s / 2)), ("measure", duration_s)):
+            stop = time.perf_counter() + seconds
+            rng = random.Random(seed)
+
+            async def client(k: int) -> None:
+                i = k
+                while time.perf_counter() < stop:
+                    adapter = rng.choices(names, weights)[0]
+                    started = time.perf_counter()
+                    await engine.infer(name, pool[i % len(pool)], adapter=adapter)
+                    if phase == "measure":
+                        latencies[adapter].append(time.perf_counter() - started)
+                    i += clients
+
+            await asyncio.gather(*(client(k) for k in range(clients)))
+        stats = engine.stats(name)["adapters"]
+    finally:
+        await engine.stop()
+    slots = config.adapter_slots
+    hot = [t for n in names[:slots // 2] for t in latencies[n]]
+    cold = [t for n in names[slots:] for t in latencies[n]]
+    p99 = lambda xs: float(np.percentile(xs, 99)) * 1000.0  # noqa: E731
+    return {"adapters": len(names), "slots": slots, "hot_requests": len(hot),
+            "cold_requests": len(cold), "hot_p99_ms": p99(hot), "cold_p99_ms": p99(cold),
+            "cold_over_hot_p99": p99(cold) / p99(hot),
+            "slot_misses": stats["slot_misses"], "slot_evictions": stats["slot_evictions"]}
 
 
 def formulations(repeat: int = 10) -> dict[str, float]:
@@ -179,11 +229,14 @@ def main(argv: list[str] | None = None) -> int:
             "one_adapter": run(model(), config, {names[0]: paths[names[0]]}, [names[0]]),
             "merged": run(merged(model, paths[names[0]])(), config, {}, [None]),
         }
+        many = write_demo_adapters(root, SKEWED_ADAPTERS, args.model)
+        skew = asyncio.run(skewed(model(), config.with_changes(
+            {"adapter_slots": SKEWED_SLOTS}), many, args.clients, args.duration_s))
     ratios = {"mixed/per_adapter": rates["mixed"] / rates["per_adapter"],
               "mixed/base": rates["mixed"] / rates["base"],
               "one_adapter/merged": rates["one_adapter"] / rates["merged"]}
     result = {"model": args.model, "requests_per_s": rates, "ratios": ratios, "term_ms": formulations(),
-              "lru": lru_check()}
+              "lru": lru_check(), "skewed": skew}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -195,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, ratio in ratios.items():
         print(f"{name:<20}{ratio:>7.2f}  (target >= {targets[name]})")
     print("LoRA term, ms per call: " + ", ".join(f"{k} {v:.2f}" for k, v in result["term_ms"].items()))
+    print(f"skewed: {skew['adapters']} adapters, {skew['slots']} slots, Zipf {ZIPF_S}: p99 "
+          f"cold {skew['cold_p99_ms']:.1f} ms / hot {skew['hot_p99_ms']:.1f} ms = "
+          f"{skew['cold_over_hot_p99']:.2f} (target <= 2; {skew['cold_requests']} cold and "
+          f"{skew['hot_requests']} hot requests, {skew['slot_evictions']} evictions)")
     lru = result["lru"]
     print(f"slot cache, 64 adapters / 8 slots, Zipf: {lru['evictions']} evictions, LRU predicts "
           f"{lru['predicted']}, {lru['mismatches']} mismatches")

@@ -153,3 +153,23 @@ def test_load_refuses_what_does_not_fit_and_unload_finishes_queued(server, adapt
         assert all(a.status_code in (200, 404) for a in answers)
         assert any(a.status_code == 200 for a in answers)
         assert _infer(client, server, _ids(2, 9), "enc-2").status_code == 404
+
+
+def test_the_load_command_spreads_requests_over_the_adapters_named(server):
+    import json
+    import subprocess
+    import sys
+
+    load = subprocess.run(
+        [sys.executable, "-m", "runtime.tools.cli", "load", "--url", server, "--model",
+         "encoder", "--concurrency", "4", "--duration-s", "30", "--max-requests", "60",
+         "--lengths", "fixed:8", "--adapter", "enc-0", "--adapter", "enc-1", "--adapter",
+         "base", "--json"], capture_output=True, text=True, timeout=120)
+    assert load.returncode == 0, load.stderr
+    report = json.loads(load.stdout)
+    assert report["sent"] == report["ok"] == 60 and report["errors_by_status"] == {}
+    stats = httpx.get(f"{server}/metrics", timeout=10).text
+    served = {line.split('adapter="')[1].split('"')[0] for line in stats.splitlines()
+              if line.startswith("batchscope_adapter_requests_total{")
+              and 'model="encoder"' in line}
+    assert {"enc-0", "enc-1"} <= served

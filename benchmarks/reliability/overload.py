@@ -1,11 +1,12 @@
-"""Goodput and deadlines under overload: ``mlp`` at 3x its capacity, then back below it.
+"""Goodput and deadlines under overload: a model at 3x its capacity, then back below it.
 
 One command, bounded in time, loopback only::
 
-    python -m benchmarks.reliability.overload                  # ~45 s
+    python -m benchmarks.reliability.overload                  # mlp, ~45 s
     python -m benchmarks.reliability.overload --overload-s 20 --factor 3 --timeout-ms 200
+    python -m benchmarks.reliability.overload --model encoder --timeout-ms 1000
 
-It starts ``batchscope serve --model mlp`` (the serving defaults, torch on one thread,
+It starts ``batchscope serve --model mlp`` (or ``--model``) (the serving defaults, torch on one thread,
 recording into a temporary SQLite database unless ``--no-record``), then:
 
 1. capacity: closed loop, 64 clients, for ``--capacity-s`` (after a 1 s warm-up);
@@ -371,12 +372,13 @@ def run_c_client(exe: Path, host: str, port: int, requests: list[bytes],
     return Recorded(out_file)
 
 
-def request_bytes(url: str, timeout_ms: float) -> tuple[str, int, list[bytes]]:
-    """(host, port, raw HTTP requests) for ``mlp`` with a ``timeout_ms`` deadline each."""
+def request_bytes(url: str, args: argparse.Namespace) -> tuple[str, int, list[bytes]]:
+    """(host, port, raw HTTP requests) for ``args.model`` (its ``args.lengths``) with an
+    ``args.timeout_ms`` deadline each."""
     host, port = url.removeprefix("http://").split(":")
-    meta = asyncio.run(fetch_metadata(url, "mlp"))
-    bodies = build_payloads(meta, timeout_ms=timeout_ms, seed=3)
-    head = f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: {host}:{port}\r\n" \
+    meta = asyncio.run(fetch_metadata(url, args.model))
+    bodies = build_payloads(meta, timeout_ms=args.timeout_ms, lengths=args.lengths, seed=3)
+    head = f"POST /v2/models/{args.model}/infer HTTP/1.1\r\nHost: {host}:{port}\r\n" \
            "Content-Type: application/json\r\n"
     return host, int(port), [(head + f"Content-Length: {len(b)}\r\n\r\n").encode() + b
                              for b in bodies]
@@ -384,7 +386,7 @@ def request_bytes(url: str, timeout_ms: float) -> tuple[str, int, list[bytes]]:
 
 def overload_with_c(exe: Path, url: str, capacity: float, args: argparse.Namespace,
                     server: Server, folder: str) -> dict:
-    host, port, requests = request_bytes(url, args.timeout_ms)
+    host, port, requests = request_bytes(url, args)
     rss: list[float] = []
     phases = [(capacity * args.factor, args.overload_s),
               (capacity * args.recovery_factor, args.recovery_s)]
@@ -397,9 +399,9 @@ def overload_with_c(exe: Path, url: str, capacity: float, args: argparse.Namespa
 async def overload_phases(url: str, capacity: float, args: argparse.Namespace,
                           server: Server) -> dict:
     host, port = url.removeprefix("http://").split(":")
-    meta = await fetch_metadata(url, "mlp")
-    bodies = build_payloads(meta, timeout_ms=args.timeout_ms, seed=3)
-    head = f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: {host}:{port}\r\n" \
+    meta = await fetch_metadata(url, args.model)
+    bodies = build_payloads(meta, timeout_ms=args.timeout_ms, lengths=args.lengths, seed=3)
+    head = f"POST /v2/models/{args.model}/infer HTTP/1.1\r\nHost: {host}:{port}\r\n" \
            "Content-Type: application/json\r\n"
     requests = [(head + f"Content-Length: {len(b)}\r\n\r\n").encode() + b for b in bodies]
     loop = OpenLoop(host, int(port), requests)
@@ -426,6 +428,11 @@ async def overload_phases(url: str, capacity: float, args: argparse.Namespace,
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="mlp", choices=("mlp", "encoder", "wide"),
+                    help="the bundled model to overload (default mlp)")
+    ap.add_argument("--lengths", default=None,
+                    help="a variable-length model's input lengths, as batchscope load takes "
+                         "them (default: uniform:8:128 for encoder)")
     ap.add_argument("--capacity-s", type=float, default=5.0)
     ap.add_argument("--overload-s", type=float, default=20.0)
     ap.add_argument("--recovery-s", type=float, default=5.0)
@@ -444,6 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the open loop: openloop.c, compiled here (the default; the Python one "
                          "when no compiler works), or the Python one")
     args = ap.parse_args(argv)
+    if args.lengths is None and args.model == "encoder":
+        args.lengths = "uniform:8:128"
     cmd_prefix: list[str] = []
     if args.pin:
         if len(os.sched_getaffinity(0)) < 2:
@@ -455,15 +464,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.client == "c" and exe is None:
             print("no C compiler here: the Python open loop offers the load", flush=True)
         db = None if args.no_record else f"sqlite:///{tmp}/overload.db"
-        server = Server(cmd_prefix + serve_cmd(db=db, models=("mlp",)))
+        server = Server(cmd_prefix + serve_cmd(db=db, models=(args.model,)))
         try:
             url = server.url
             assert url is not None
             if args.capacity:
                 capacity = args.capacity
             else:
-                run_load(url, "mlp", concurrency=64, duration_s=1.0)
-                report = run_load(url, "mlp", concurrency=64, duration_s=args.capacity_s)
+                run_load(url, args.model, concurrency=64, duration_s=1.0, lengths=args.lengths)
+                report = run_load(url, args.model, concurrency=64, duration_s=args.capacity_s,
+                                  lengths=args.lengths)
                 capacity = report.throughput_rps
             print(f"capacity (closed loop, 64 clients): {capacity:.0f} req/s", flush=True)
             rss_before = server.rss_mb()

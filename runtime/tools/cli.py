@@ -501,6 +501,10 @@ def _add_load(sub: Any) -> None:
                    help="HTTP priority (1 = most urgent) or a mix like 1=0.1,2=0.9")
     p.add_argument("--timeout-ms", type=float, default=None)
     p.add_argument("--bypass", action="store_true", help="ask for the bypass lane")
+    p.add_argument("--adapter", action="append", default=[], dest="adapters",
+                   metavar="NAME",
+                   help="the LoRA adapter each request names, drawn evenly from those given; "
+                        "repeat for several, 'base' for requests without one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--ceiling", action="store_true",
@@ -516,7 +520,8 @@ def _load(args: argparse.Namespace) -> int:
         report = run_load(args.url, args.model, concurrency=args.concurrency, rate=args.rate,
                           duration_s=args.duration_s, max_requests=args.max_requests,
                           lengths=args.lengths, priority=args.priority,
-                          timeout_ms=args.timeout_ms, bypass=args.bypass, seed=args.seed)
+                          timeout_ms=args.timeout_ms, bypass=args.bypass, seed=args.seed,
+                          adapters=[None if a == "base" else a for a in args.adapters])
     print(json.dumps(report.to_dict()) if args.json else report.summary(), flush=True)
     return 0
 
