@@ -12,8 +12,8 @@ modes in turn, ``--rounds`` times:
 * ``otel``: every request traced and sent as spans (``trace_mode`` opentelemetry);
 * ``otel_1_in_100``: 1 request in 100 sent as spans.
 
-After each slice it waits until the receiver has had no span for a second, so a slice
-does not pay for the spans the one before it left to export. Prints each mode's median
+After each slice it waits until the receiver has had no span and the database no new row
+for a second, so a slice does not pay for the spans and rows the one before it left. Prints each mode's median
 throughput and p99 and their ratios to ``off`` measured in the same run, the spans received against those the server says it traced, and the
 spans it reported dropped (``trace_export_drops`` events).
 
@@ -71,17 +71,29 @@ def _receiver(conn, count) -> None:
     server.wait_for_termination()
 
 
-def settle(count, quiet_s: float = 1.0, limit_s: float = 60.0) -> None:
-    """Wait until the receiver has had no span for ``quiet_s``: the exporter has sent what
-    the slice left it, so the next slice does not pay for this one's spans."""
+def settle(count, db: Path, quiet_s: float = 1.0, limit_s: float = 60.0) -> None:
+    """Wait until neither the receiver has had a span nor the database a row for
+    ``quiet_s``: the exporter and the database writer have done what the slice left them,
+    so the next slice does not pay for this one's spans and rows."""
+    eng = create_engine(f"sqlite:///{db}")
+
+    def rows() -> int:
+        with eng.connect() as conn:
+            return conn.execute(text("SELECT (SELECT COUNT(*) FROM requests) + "
+                                     "(SELECT COUNT(*) FROM request_traces)")).scalar()
+
     deadline = time.monotonic() + limit_s
-    last, since = count.value, time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        if count.value != last:
-            last, since = count.value, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
+    last, since = (count.value, rows()), time.monotonic()
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            now = (count.value, rows())
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
+    finally:
+        eng.dispose()
 
 
 def main() -> None:
@@ -112,7 +124,7 @@ def main() -> None:
                     rep = run_load(server.url, args.model, concurrency=args.clients,
                                    duration_s=args.slice_s)
                     results[mode].append(rep)
-                    settle(count)
+                    settle(count, db)
                     print(f"round {r + 1} {mode:14s} {rep.throughput_rps:8.0f} req/s  p99 "
                           f"{rep.latency_p99_ms:6.2f} ms", flush=True)
             http.post("/v2/trace/setting", json=MODES["off"])
