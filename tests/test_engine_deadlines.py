@@ -266,3 +266,25 @@ def test_admission_refusal_says_why_any_request_would_be_refused():
         assert isinstance(engine.admission_refusal("double"), ShuttingDown)
 
     run(main())
+
+
+def test_the_lead_covers_a_long_batch_not_only_the_mean_one():
+    """The time a batch sent now may take until it is back: the mean for each batch out
+    ahead of it, the recent 99th percentile for itself (batches of a variable-length model
+    differ, and a request must not miss its deadline in a long one)."""
+    from types import SimpleNamespace
+
+    from runtime.device.timeouts import MIN_BATCHES, BatchTimes
+    from runtime.engine.dispatch import Dispatcher
+
+    times = BatchTimes()
+    model = SimpleNamespace(batcher=SimpleNamespace(mean_compute_s=None), batch_times=times)
+    dispatcher = SimpleNamespace(model=model, running=[])
+    lead = lambda: Dispatcher._lead_s(dispatcher)  # noqa: E731
+    assert lead() == 0.0  # nothing measured: nothing expires early
+    model.batcher.mean_compute_s = 0.01
+    assert lead() == pytest.approx(0.01)  # too few batches for a percentile: the mean
+    for i in range(max(MIN_BATCHES, 200)):
+        times.observe(0.05 if i % 10 == 0 else 0.01)
+    dispatcher.running = [object()]
+    assert lead() == pytest.approx(0.01 + 0.05)

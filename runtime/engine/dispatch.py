@@ -275,10 +275,15 @@ class Dispatcher:
         return all(n >= cap(key) for key, n in batcher.depth_by_bucket().items() if n)
 
     def _lead_s(self) -> float:
-        """How long a batch sent now is expected to take until it is back: the recent
-        mean batch time, for itself and for each batch already out ahead of it."""
+        """How long a batch sent now may take until it is back: the recent mean batch time
+        for each batch already out ahead of it, and for itself the recent 99th percentile
+        (batches of a variable-length model differ: a request must not miss its deadline
+        because its batch was a long one)."""
         mean = self.model.batcher.mean_compute_s
-        return 0.0 if mean is None else mean * (len(self.running) + 1)
+        if mean is None:
+            return 0.0
+        own = self.model.batch_times.p99_s
+        return mean * len(self.running) + (mean if own is None or own < mean else own)
 
     def _expire(self) -> float:
         """Settle the queued requests that are past their deadline; the time now."""
