@@ -101,8 +101,8 @@ def test_rows_are_written_and_an_older_database_upgrades(db_url):
             "NULL, 1, 4, 4, 0, 0, 0, 0.01, 999.0, 999.01, 'ok', false)")
     engine = make_engine(db_url)
     try:
-        assert schema_version(engine) == SCHEMA_VERSION == 9
-        assert schema_revision(engine) == storage_db._head() == "0008"
+        assert schema_version(engine) == SCHEMA_VERSION >= 9
+        assert schema_revision(engine) == storage_db._head() >= "0008"
         rec = Recorder(engine)
         rec.put(BatchRow("rt-1", "encoder", 1, "dynamic", 1, 8, None, 2, 8, 8, 0.0, 0.0, 0.0,
                          0.01, 1000.0, 1000.01, adapters=1))

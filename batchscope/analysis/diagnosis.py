@@ -464,8 +464,9 @@ def rule_speculation_not_paying(bundle: dict, th: Thresholds) -> Flag | None:
     top = int(on["batch_bucket"])
     costs = _spec_costs(spec, th)
     cost_on, cost_off = costs[top]
+    # the sequences that had proposals verified (estimated for steps recorded without them)
     drafted, accepted, seqs = (_num(on["draft_tokens"]), _num(on["accepted_tokens"]),
-                               max(1.0, _num(on["sequences"])))
+                               max(1.0, _num(on.get("spec_sequences", on["sequences"]))))
     acceptance = accepted / drafted if drafted else 0.0
     measured = cost_on is not None and cost_off is not None
     dearer = measured and cost_on >= th.spec_cost_ratio * cost_off

@@ -222,6 +222,11 @@ class GenStepRow:
     #: computed them) and how many of them were accepted; None: no speculation set up
     spec_draft_tokens: Optional[int] = None
     spec_accepted_tokens: Optional[int] = None
+    #: sequences whose proposed tokens the step verified (None: no speculation set up)
+    spec_sequences: Optional[int] = None
+    #: distinct LoRA adapters among the step's sequences (0: base sequences only; None: the
+    #: model takes no adapters)
+    adapters: Optional[int] = None
 
 
 @dataclass(slots=True)

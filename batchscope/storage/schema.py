@@ -20,7 +20,7 @@ from typing import Optional
 from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 #: an autoincrementing row id: 64-bit everywhere (SQLite's rowid is 64-bit already)
 ID = BigInteger().with_variant(Integer(), "sqlite")
@@ -239,6 +239,12 @@ class GenerationStep(Base):
     #: NULL where no speculation was set up (and in rows older than schema version 8)
     spec_draft_tokens: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
     spec_accepted_tokens: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    #: sequences that had proposed tokens verified in the step; NULL where no speculation
+    #: was set up (and in rows older than schema version 10)
+    spec_sequences: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    #: distinct LoRA adapters the step's sequences named (0: base sequences only); NULL: a
+    #: model without adapters, or recorded before schema version 10
+    adapters: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
 
     __table_args__ = (Index("ix_gensteps_model_at", "model", "at"),)
 

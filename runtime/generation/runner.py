@@ -17,14 +17,16 @@ Speculative decoding (``speculative_method`` ngram or draft; ``runtime.generatio
 ``plan`` asks the ``SpecController`` how many slots each decoding sequence gets this
 step, ``execute`` has the proposer fill them, runs the model once over everything and
 verifies the proposals (``verify_greedy``, ``rejection_sample``), ``commit`` counts the
-proposed and accepted tokens (``spec_decode_*``, ``GenStepRow.spec_*``), feeds the
-controller and records its switches as ``speculation`` events.
+proposed and accepted tokens and the sequences that had proposals verified
+(``spec_decode_*``, ``GenStepRow.spec_*``), feeds the controller and records its switches
+as ``speculation`` events.
 
 LoRA adapters (a model with ``adapter_targets``): ``adapters`` is the model's
 ``AdapterRegistry``; a request names a registered adapter (``new_sequence(adapter=)``),
 the scheduler gives each chunk its sequence's slot, ``execute`` puts the step's adapters
 in the model's ``adapter_bank`` (read from their files when a slot does not hold them
 yet) before the forward, and the records carry the adapter (``RequestRow.adapter``,
+``GenStepRow.adapters``: the distinct adapters of the step's sequences,
 ``adapter_load``/``adapter_evict`` events). Speculation stays on for such sequences:
 the proposals come from the base (prompt lookup or the draft model) but the model
 verifies them with the sequence's adapter, so what is kept is what the adapter would
@@ -429,7 +431,12 @@ class StepRunner:
             blocks_used=out.blocks_used, blocks_free=out.blocks_free,
             preemptions=len(out.preempted), step_s=step_s,
             spec_draft_tokens=out.draft_tokens if self.proposer is not None else None,
-            spec_accepted_tokens=self._step_spec[1] if self.proposer is not None else None))
+            spec_accepted_tokens=self._step_spec[1] if self.proposer is not None else None,
+            spec_sequences=sum(1 for c in out.chunks if c.draft_ids)
+            if self.proposer is not None else None,
+            adapters=len({c.adapter_slot for c in out.chunks
+                          if c.adapter_slot >= 0 and not c.is_padding})
+            if self.adapters is not None else None))
         self._step_spec = (0, 0)
         if out.preempted:
             self._preempted_pending.extend(out.preempted)

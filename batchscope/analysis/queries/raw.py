@@ -264,6 +264,11 @@ def share_of(df: pd.DataFrame) -> pd.DataFrame:
 #: a step's decoding sequences: its decode tokens without the proposed tokens verified
 #: with them (``decode_tokens`` counts both; ``spec_draft_tokens`` is NULL without speculation)
 DECODES = "(decode_tokens - COALESCE(spec_draft_tokens, 0))"
+#: a step's sequences that had proposed tokens verified: ``spec_sequences`` as recorded
+#: (schema version 10 on), else estimated as the step's decoding sequences when it
+#: speculated (every decoding sequence of a speculating step taken to have had proposals)
+SPEC_SEQUENCES = (f"COALESCE(spec_sequences, CASE WHEN spec_draft_tokens > 0 THEN {DECODES} "
+                  "ELSE 0 END)")
 #: the lower edges of the prefill-token classes of ``generation_prefill``
 PREFILL_EDGES = (0, 1, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 #: the tops of the batch-size buckets of ``generation_speculation``: 1, 2, 3-4, 5-8, ... as
@@ -302,7 +307,7 @@ def generation_timeline(engine: Engine, w: Window, bucket_s: float | None = None
                {count_if("spec_draft_tokens > 0")} AS speculating_steps,
                SUM(spec_draft_tokens) AS spec_draft_tokens,
                SUM(spec_accepted_tokens) AS spec_accepted_tokens,
-               SUM(CASE WHEN spec_draft_tokens > 0 THEN {DECODES} ELSE 0 END) AS spec_sequences
+               SUM({SPEC_SEQUENCES}) AS spec_sequences
         FROM generation_steps WHERE {where}
         GROUP BY 1 ORDER BY b""", params)
     return speculation_rates(bucket_times(df, bucket_s))
@@ -310,9 +315,9 @@ def generation_timeline(engine: Engine, w: Window, bucket_s: float | None = None
 
 def speculation_rates(df: pd.DataFrame) -> pd.DataFrame:
     """``acceptance_rate`` (accepted over proposed tokens), ``acceptance_length`` (tokens
-    a sequence gains per verification: 1 + accepted per sequence decoding in the steps
-    that speculated) and ``speculating_fraction`` (of the steps with a proposer, those
-    that proposed), NaN where there is nothing to divide."""
+    a sequence gains per verification: 1 + accepted per sequence that had proposals
+    verified, ``SPEC_SEQUENCES``) and ``speculating_fraction`` (of the steps with a
+    proposer, those that proposed), NaN where there is nothing to divide."""
     for col in ("spec_steps", "speculating_steps", "spec_draft_tokens", "spec_accepted_tokens",
                 "spec_sequences"):
         df[col] = df[col].astype("float64")
@@ -328,7 +333,8 @@ def speculation_rates(df: pd.DataFrame) -> pd.DataFrame:
 def generation_speculation(engine: Engine, w: Window) -> pd.DataFrame:
     """Per batch-size bucket (``batch_bucket``: the top of 1, 2, 3-4, 5-8, ... running
     sequences) and ``speculated`` (1: the step verified proposed tokens): steps, proposed
-    and accepted tokens, decoding sequences, and over the steps without prefill their
+    and accepted tokens, decoding sequences, the sequences that had proposals verified
+    (``spec_sequences``, ``SPEC_SEQUENCES``), and over the steps without prefill their
     time and the tokens they gave (``decode_step_s``, ``decode_step_tokens``: what one
     generated token costs with and without speculation)."""
     where, params = in_window(w, "at")
@@ -338,7 +344,8 @@ def generation_speculation(engine: Engine, w: Window) -> pd.DataFrame:
                CASE WHEN spec_draft_tokens > 0 THEN 1 ELSE 0 END AS speculated,
                COUNT(*) AS steps, COALESCE(SUM(spec_draft_tokens), 0) AS draft_tokens,
                COALESCE(SUM(spec_accepted_tokens), 0) AS accepted_tokens,
-               SUM({DECODES}) AS sequences, {count_if(decode_only)} AS decode_steps,
+               SUM({DECODES}) AS sequences, SUM({SPEC_SEQUENCES}) AS spec_sequences,
+               {count_if(decode_only)} AS decode_steps,
                SUM(CASE WHEN {decode_only} THEN step_s ELSE 0 END) AS decode_step_s,
                SUM(CASE WHEN {decode_only} THEN {DECODES} + COALESCE(spec_accepted_tokens, 0)
                    ELSE 0 END) AS decode_step_tokens

@@ -19,6 +19,8 @@
   generation step (speculative decoding; schema version 8).
 * ``0008_adapters``: the distinct LoRA adapters of each batch and the adapter of each
   request (schema version 9).
+* ``0009_generation_step_counts``: the sequences that speculated and the distinct LoRA
+  adapters of each generation step (schema version 10).
 
 A new revision: a file here with the next number, ``down_revision`` the last one, its
 ``upgrade`` written against the tables as the previous revisions left them (never
