@@ -6,14 +6,20 @@ writes, the items and outputs pickled, and two wake-ups, of the child and then o
 event loop. Under load those costs overlap with other work and the child's own
 interpreter lock pays for them many times over. With one client they are the whole
 difference: on a 2-vCPU machine ``mlp`` answered one client at 0.53x the plain
-server's throughput through the hop, and at 0.92x without it.
+server's throughput through the hop, and at 1.16x through this lane.
 
-So when a batch arrives and its device process has nothing to do (no batch sent and
-not back, none held for a restart), and the model's recent device time per request
-says the batch takes at most ``direct_max_compute_ms``, it runs on the event loop with
+So when a batch of one request arrives, nothing else is queued, its device process has
+nothing to do (no batch sent and not back, none held for a restart), the model's recent
+batches held about one request each (``DIRECT_MAX_MEAN_BATCH``) and its recent device
+time per request says the batch takes at most ``direct_max_compute_ms``, it runs on the
+event loop with
 the serving process' own copy of the model, set up on the same device at start (CPU
 only: a second copy on a GPU would take its memory twice). The loop first hands out the
 answers it holds, then runs the batch (``ThreadExecutor``'s inline runs do the same).
+
+Why so strict: whenever there is traffic, the event loop is the busier side, and a batch
+run on it instead of in the child takes its time from every other request (8 closed-loop
+clients lost a fifth to a third of their throughput when small batches went direct).
 
 What a direct batch gives up, and why that is acceptable for it: no execution timeout
 (nothing can interrupt the loop) and no crash isolation. Only batches measured to take
