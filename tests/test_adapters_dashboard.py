@@ -118,3 +118,29 @@ def test_charts_of_a_window_with_adapters(db):
     fig = add_event_markers(latency(bundle["requests_t"]), bundle["events"])
     assert ADAPTER_EVICT_MARKER in {t.name for t in fig.data}
     assert build_adapter_charts({"headline": bundle["headline"]}) == {}
+
+
+def test_generation_steps_with_adapters_join_the_adapter_frames(db):
+    """A generation model's steps count as its batches in the mix; its requests per
+    adapter join the per-adapter figures; its steps are not slot hits."""
+    from batchscope.storage.records import GenStepRow
+
+    rec = Recorder(db)
+    for k in range(40):
+        t = T0 + k * 0.5
+        mixed = 1 + k % 3  # steps mixing 1, 2, 3 adapters in turn
+        rec.put(GenStepRow("rt-1", "decoder", t, "decode", 4, 0, 0, 4, 10, 90, 0, 0.002,
+                           adapters=mixed))
+        rec.put(RequestRow("rt-1", "decoder", None, 0, t - 0.2, t, 0.01, 0.2, "ok",
+                           adapter=["dec-0", "dec-1", None][k % 3]))
+    rec.flush()
+    window = queries.Window(T0 - 1, T0 + 61, model="decoder")
+    frames = adapter_frames(db, window)
+    mix = frames["adapter_mix"].set_index("adapters")
+    assert mix["batches"].to_dict() == {1: 14, 2: 13, 3: 13}
+    assert int(mix["requests"].sum()) == 40 * 4
+    ad = frames["adapters"].set_index("adapter")
+    assert ad["requests"].to_dict() == {"": 13, "dec-0": 14, "dec-1": 13}
+    assert frames["adapter_slots"].iloc[0]["hits"] == 0
+    bundle = queries.live_bundle(db, window)
+    assert "generation_t" in bundle and "adapters" in bundle

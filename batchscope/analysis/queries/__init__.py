@@ -98,7 +98,8 @@ def _with_generation(engine: Engine, w: Window, out: dict, bucket: float,
         out["generation_prefill"] = generation_prefill(engine, w)
         if out["generation_t"]["spec_steps"].sum() > 0:
             out["generation_spec"] = generation_speculation(engine, w)
-    elif not reaches_rollups(engine, w):  # LoRA adapters: from the raw rows
+    if not reaches_rollups(engine, w):
+        # LoRA adapters, of request and generation models: from the raw rows
         adapters = adapter_frames(engine, w)
         if adapters is not None:
             out.update(adapters)

@@ -1,8 +1,11 @@
 """The LoRA adapters of a window, from the raw rows (``requests.adapter``,
-``batches.adapters``) and the slot cache's ``adapter_load``/``adapter_evict`` events.
+``batches.adapters``, ``generation_steps.adapters``) and the slot cache's
+``adapter_load``/``adapter_evict`` events. The slot hits are the request batches' (a
+generation model keeps its adapters pinned across steps: its loads and evictions count,
+its steps are not hits).
 
-``adapter_frames`` gives, for a window whose batches recorded adapters (a model that
-takes them; None otherwise):
+``adapter_frames`` gives, for a window whose batches or generation steps recorded
+adapters (a model that takes them; None otherwise):
 
 * ``adapters``: one row per adapter (``""`` for the base model): requests, outcomes,
   throughput and exact p50/p95/p99 latency of the answered ones;
@@ -24,11 +27,15 @@ BASE = ""
 
 
 def has_adapters(engine: Engine, w: Window) -> bool:
-    """Whether any batch of the window recorded its adapters."""
+    """Whether any batch or generation step of the window recorded its adapters."""
     cond, params = in_window(w, "ended_at")
+    gcond, gparams = in_window(w, "at")
     with engine.connect() as conn:
-        return conn.execute(text(f"SELECT 1 FROM batches WHERE {cond} AND adapters IS NOT NULL "
-                                 "LIMIT 1"), params).first() is not None
+        if conn.execute(text(f"SELECT 1 FROM batches WHERE {cond} AND adapters IS NOT NULL "
+                             "LIMIT 1"), params).first() is not None:
+            return True
+        return conn.execute(text(f"SELECT 1 FROM generation_steps WHERE {gcond} AND adapters "
+                                 "IS NOT NULL LIMIT 1"), gparams).first() is not None
 
 
 def adapter_stats(engine: Engine, w: Window) -> pd.DataFrame:
@@ -36,8 +43,10 @@ def adapter_stats(engine: Engine, w: Window) -> pd.DataFrame:
     ``""``): requests, ok, expired, rejected, rps (answered per second) and latency
     percentiles of the answered ones."""
     where, params = in_window(w, "finished_at")
-    taking = ("model IN (SELECT DISTINCT model FROM batches WHERE "
-              + in_window(w, "ended_at", bounds=("b0", "b1"))[0] + " AND adapters IS NOT NULL)")
+    taking = ("(model IN (SELECT DISTINCT model FROM batches WHERE "
+              + in_window(w, "ended_at", bounds=("b0", "b1"))[0] + " AND adapters IS NOT NULL)"
+              " OR model IN (SELECT DISTINCT model FROM generation_steps WHERE "
+              + in_window(w, "at", bounds=("b0", "b1"))[0] + " AND adapters IS NOT NULL))")
     params = {**params, "b0": w.start_s, "b1": w.end_s}
     counts = read_frame(engine, f"""
         SELECT COALESCE(adapter, '') AS adapter, COUNT(*) AS requests,
@@ -59,12 +68,19 @@ def adapter_stats(engine: Engine, w: Window) -> pd.DataFrame:
 
 
 def adapter_mix(engine: Engine, w: Window) -> pd.DataFrame:
-    """Batches by the number of distinct adapters they mixed (0: base rows only)."""
+    """Batches by the number of distinct adapters they mixed (0: base rows only); a
+    generation model's steps count as its batches (``requests``: their running
+    sequences)."""
     where, params = in_window(w, "ended_at")
+    gwhere, gparams = in_window(w, "at", bounds=("g0", "g1"))
     return read_frame(engine, f"""
-        SELECT adapters, COUNT(*) AS batches, SUM(batch_size) AS requests
-        FROM batches WHERE {where} AND adapters IS NOT NULL
-        GROUP BY adapters ORDER BY adapters""", params)
+        SELECT adapters, COUNT(*) AS batches, SUM(n) AS requests
+        FROM (SELECT adapters, batch_size AS n FROM batches
+              WHERE {where} AND adapters IS NOT NULL
+              UNION ALL
+              SELECT adapters, running AS n FROM generation_steps
+              WHERE {gwhere} AND adapters IS NOT NULL) AS mixed
+        GROUP BY adapters ORDER BY adapters""", {**params, **gparams})
 
 
 def adapter_slots(engine: Engine, w: Window) -> pd.DataFrame:
