@@ -155,6 +155,23 @@ def run_batch(model: ModelAPI, items: list, lengths: Sequence[int] | None, pad_t
 
 
 # -- moving a batch between processes ---------------------------------------------------
+def batch_attempts(model: Any, batch: Any, device: torch.device, clock: Any,
+                   graphs_for: GraphRunnerFor | None = None) -> list[Attempt]:
+    """``run_batch`` of a dispatched batch (``runtime.core.batcher.Batch``) of a served
+    model (``api``, ``name``, ``variable``), on whichever thread calls it; never raises:
+    anything escaping is one ``error`` attempt for the whole batch."""
+    reqs = batch.requests
+    try:
+        return run_batch(model.api, [r.item for r in reqs],
+                         [r.length for r in reqs] if model.variable else None, batch.pad_to,
+                         batch.bucket, batch.config, model.variable, device, clock, graphs_for,
+                         seq=batch.seq, name=model.name, adapters=batch.adapters)
+    except BaseException as exc:  # noqa: BLE001 - every request must still get an answer
+        now = clock.now()
+        return [Attempt(0, len(reqs), "error", now, now, 0.0,
+                        error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())]
+
+
 def _as_arrays(items: list) -> tuple[str, list[np.ndarray]] | None:
     """("np" | "torch", the items as numpy arrays of one dtype), or None if they are not."""
     first = items[0]

@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import traceback
 from typing import Any, Callable
 
 import torch
 
 from runtime.core.batcher import Batch
-from runtime.device.executor import run_batch
+from runtime.device.executor import batch_attempts
 from runtime.device.oom import Attempt
 from runtime.engine.served import ServedModel
 
@@ -113,16 +112,4 @@ class DirectLane:
 
     def _run(self, batch: Batch, on_done: Callable[[list[Attempt]], None]) -> None:
         self.running = False
-        model = self.model
-        reqs = batch.requests
-        try:
-            attempts = run_batch(model.api, [r.item for r in reqs],
-                                 [r.length for r in reqs] if model.variable else None,
-                                 batch.pad_to, batch.bucket, batch.config, model.variable,
-                                 self.device, self.clock, None, seq=batch.seq, name=model.name)
-        except BaseException as exc:  # noqa: BLE001 - every request must still get an answer
-            now = self.clock.now()
-            attempts = [Attempt(0, len(reqs), "error", now, now, 0.0,
-                                error=f"{type(exc).__name__}: {exc}",
-                                trace=traceback.format_exc())]
-        on_done(attempts)
+        on_done(batch_attempts(self.model, batch, self.device, self.clock))

@@ -42,7 +42,6 @@ import logging
 import queue
 import threading
 import time
-import traceback
 from typing import Any, Callable, Protocol
 
 import torch
@@ -50,7 +49,7 @@ import torch
 from runtime.api.config import BatchingConfig
 from runtime.core.batcher import Batch
 from runtime.device.compiled import compiled_already
-from runtime.device.executor import graph_runner, run_batch
+from runtime.device.executor import batch_attempts, graph_runner
 from runtime.device.oom import Attempt
 from runtime.device.process import DeviceProcess
 from runtime.engine.direct import DirectLane
@@ -304,21 +303,8 @@ class ThreadExecutor:
 
     def attempts(self, batch: Batch) -> list[Attempt]:
         """Run a batch (on whichever thread calls this); its attempts, never raises."""
-        try:
-            return self._run_batch(batch)
-        except BaseException as exc:  # noqa: BLE001 - every request must still get an answer
-            now = self._thread.clock.now()
-            return [Attempt(0, len(batch.requests), "error", now, now, 0.0,
-                            error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())]
-
-    def _run_batch(self, batch: Batch) -> list[Attempt]:
-        model = self._model
-        reqs = batch.requests
-        return run_batch(model.api, [r.item for r in reqs],
-                         [r.length for r in reqs] if model.variable else None, batch.pad_to,
-                         batch.bucket, batch.config, model.variable, self._thread.device,
-                         self._thread.clock, self._graph_runner, seq=batch.seq, name=model.name,
-                         adapters=batch.adapters)
+        return batch_attempts(self._model, batch, self._thread.device, self._thread.clock,
+                              self._graph_runner)
 
     def _graph_runner(self, cfg: BatchingConfig) -> Any:
         """The model's CUDA-graph runner for the current max batch size (device thread)."""

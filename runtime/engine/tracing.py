@@ -32,8 +32,7 @@ import os
 from operator import attrgetter
 from typing import Any, Callable, Iterable, Mapping
 
-from batchscope.storage.records import (TRACE_FIELDS, RecorderLike, TraceBatch, TraceRow,
-                                        put_many_of)
+from batchscope.storage.records import TRACE_FIELDS, RecorderLike, TraceBatch, put_many_of
 from runtime.api.errors import ClientError, QueueFull
 from runtime.core.tracing import RequestTrace, TraceControl, parse_traceparent
 from runtime.engine.otel import FinishedTrace, new_ids
@@ -201,10 +200,7 @@ class Tracer:
         values = self._values(trace.model)
         path = values["trace_file"]
         if path and values["trace_mode"] == "triton":
-            row = TraceRow(self.instance_id, trace.model, trace.trace_id, trace.protocol,
-                           trace.outcome or "error", at[2], at[8], trace.request_id,
-                           trace.batch_seq, at[0], at[1], at[3], at[4], at[5], at[6], at[7],
-                           at[9], at[10], trace.w3c_trace_id, trace.w3c_parent_span_id)
+            row = TraceBatch(self.instance_id, to_wall(0.0), [_TRACE_FIELDS(trace)]).rows()[0]
             self.files.put(path, values["log_frequency"], row)
 
     def flush(self) -> None:
