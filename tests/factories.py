@@ -259,6 +259,7 @@ def lines_of(proc: subprocess.Popen) -> queue.Queue:
 
 def first_url(out: queue.Queue, timeout_s: float = 90.0) -> str:
     deadline = time.monotonic() + timeout_s
+    seen: list[str] = []
     while time.monotonic() < deadline:
         try:
             line = out.get(timeout=1.0)
@@ -266,7 +267,8 @@ def first_url(out: queue.Queue, timeout_s: float = 90.0) -> str:
             continue
         if " on http://" in line:
             return line.split(" on ", 1)[1].split()[0]
-    raise AssertionError("the server never printed its URL")
+        seen.append(line)
+    raise AssertionError("the server never printed its URL; it printed:\n" + "".join(seen[-40:]))
 
 
 @contextlib.contextmanager

@@ -533,18 +533,23 @@ def test_stop_lets_calls_in_flight_finish_and_refuses_new_ones(served):
         c.async_infer("held", [grpc_input(vec(5.0))], answers)
         assert served.held.entered.wait(TIMEOUT_S)
         stopping = asyncio.run_coroutine_threadsafe(server.stop(TIMEOUT_S), served.loop)
-        refusals: list[str] = []
+        refusals: list[InferenceServerException] = []
 
         def refused() -> bool:
             try:
-                c.is_server_live(client_timeout=5.0)
+                c.is_server_ready(client_timeout=TIMEOUT_S)
             except InferenceServerException as exc:
-                refusals.append(exc.status())
+                refusals.append(exc)
                 return True
             return False
 
         assert wait_until(refused, limit=400)  # once stopping, new calls are refused
-        assert refusals[0] in ("StatusCode.UNAVAILABLE", "StatusCode.CANCELLED")
+        assert refusals[0].status() == "StatusCode.UNAVAILABLE"
+        assert "shutting down" in refusals[0].message()
+        with pytest.raises(InferenceServerException) as info:
+            c.infer("mlp", [grpc_input(rows(1))], client_timeout=TIMEOUT_S)
+        assert info.value.status() == "StatusCode.UNAVAILABLE"
+        assert c.is_server_live(client_timeout=TIMEOUT_S)  # alive until it exits
         assert not stopping.done()  # the call in flight holds the stop
         gate.set()
         [(result, error)] = answers.take(1)

@@ -383,3 +383,37 @@ def test_onnx_providers_follow_the_device_and_refuse_what_is_missing():
         "CPUExecutionProvider"]
     with pytest.raises(ConfigError, match="provider=cuda needs --device cuda"):
         providers_for(torch.device("cpu"), "cuda", gpu, "x")
+
+
+def test_models_are_loaded_one_at_a_time():
+    """transformers builds a model under process-wide state (the meta device, patched
+    ``torch.nn.init``): two loads at once in two threads left one model's parameters on
+    the meta device now and then, so the server's threads take turns."""
+    import threading
+
+    from runtime.models.files.hf_text import load_pretrained
+
+    class Recording:
+        inside = 0
+        most = 0
+        both_started = threading.Barrier(2)
+
+        @classmethod
+        def from_pretrained(cls, path, **options):
+            cls.inside += 1
+            cls.most = max(cls.most, cls.inside)
+            time.sleep(0.05)  # long enough for the other thread to try to come in
+            cls.inside -= 1
+            return (path, options)
+
+    def load() -> None:
+        Recording.both_started.wait(30)
+        assert load_pretrained(Recording, "dir", dtype="x") == ("dir", {"local_files_only": True,
+                                                                        "dtype": "x"})
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert Recording.most == 1 and Recording.inside == 0

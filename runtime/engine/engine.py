@@ -285,10 +285,18 @@ class Engine:
             raise RuntimeError("the engine is already started")
         loop = asyncio.get_running_loop()
         self._loop = loop
-        await asyncio.gather(self._backend.start(), *(lane.start() for lane in self._lanes))
+        await asyncio.gather(self._backend.start(), self._start_lanes())
         self._ready = True
         for dispatcher in self._dispatchers.values():
             dispatcher.start(loop)
+
+    async def _start_lanes(self) -> None:
+        """The direct lanes' copies of their models, set up one after another: building a
+        model may change process-wide state for a moment (transformers creates parameters
+        on the meta device and patches ``torch.nn.init``), which a model built at the
+        same time in another thread would inherit."""
+        for lane in self._lanes:
+            await lane.start()
 
     def _device_process_exited(self, names: list[str], message: str) -> None:
         process = self._processes[names[0]]

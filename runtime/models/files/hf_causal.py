@@ -24,8 +24,8 @@ import torch
 
 from runtime.api.errors import ConfigError
 from runtime.generation.model import GenerationModel
-from runtime.models.files.hf_text import (DTYPES, check_architecture, read_config, read_tokenizer,
-                                          transformers_module)
+from runtime.models.files.hf_text import (DTYPES, check_architecture, load_pretrained,
+                                          read_config, read_tokenizer, transformers_module)
 from runtime.models.files.spec import FileSpec
 from runtime.models.paged_attention import PagedKV, StepPlan
 
@@ -149,9 +149,8 @@ class HFCausalLM(GenerationModel):
         register_attention()
         self.device = torch.device(device)
         try:
-            net = transformers.AutoModelForCausalLM.from_pretrained(
-                str(self.spec.path), local_files_only=True, dtype=self.dtype,
-                attn_implementation=ATTENTION)
+            net = load_pretrained(transformers.AutoModelForCausalLM, self.spec.path,
+                                  dtype=self.dtype, attn_implementation=ATTENTION)
         except (OSError, ValueError, RuntimeError) as exc:
             raise ConfigError(f"hf:{self.spec.path}: loading the weights failed: "
                               f"{str(exc).strip().splitlines()[0]}") from None
@@ -185,9 +184,8 @@ class HFCausalLM(GenerationModel):
         """Logits [n, vocab] for every position of one sequence, from the model's own
         attention (no paged cache): the reference the paged steps are checked against."""
         transformers = transformers_module()
-        ref = transformers.AutoModelForCausalLM.from_pretrained(
-            str(self.spec.path), local_files_only=True, dtype=self.dtype,
-            attn_implementation="eager").eval()
+        ref = load_pretrained(transformers.AutoModelForCausalLM, self.spec.path,
+                              dtype=self.dtype, attn_implementation="eager").eval()
         return ref(input_ids=torch.tensor([token_ids])).logits[0].float()
 
     def metadata(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,20 @@ def transformers_module() -> Any:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     return transformers
+
+
+#: transformers builds a model under process-wide state (the meta device it creates the
+#: parameters on, the default dtype), so two models loaded at once from two threads, as a
+#: server's engines start theirs, can leave one with parameters on the meta device
+#: ("Cannot copy out of meta tensor"); every load takes this lock
+_LOADING = threading.Lock()
+
+
+def load_pretrained(cls: Any, path: Path, **options: Any) -> Any:
+    """``cls.from_pretrained(path, local_files_only=True, **options)``, one load at a time
+    in this process."""
+    with _LOADING:
+        return cls.from_pretrained(str(path), local_files_only=True, **options)
 
 
 def read_config(path: Path) -> Any:
@@ -223,7 +238,7 @@ class HFTextModel(ModelAPI):
         cls = transformers.AutoModel if self.task == "embeddings" \
             else transformers.AutoModelForSequenceClassification
         try:
-            net = cls.from_pretrained(str(self.spec.path), local_files_only=True, dtype=self.dtype)
+            net = load_pretrained(cls, self.spec.path, dtype=self.dtype)
         except (OSError, ValueError, RuntimeError) as exc:
             raise ConfigError(f"hf:{self.spec.path}: loading the weights failed: "
                               f"{_first_line(exc)}") from None

@@ -45,7 +45,7 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from runtime.api.errors import ModelNotFound, ModelNotReady
+from runtime.api.errors import ModelNotFound, ModelNotReady, ShuttingDown
 from runtime.core.tracing import parse_changes
 from runtime.server import triton
 from runtime.server.auth import AuthConfig
@@ -59,6 +59,9 @@ from runtime.server.routes import EXTENSIONS, SERVER_NAME, ServedModel, find_mod
 #: answers of one stream that may be outstanding (queued, running, or ready and not
 #: yet taken by the client) before the server stops reading that stream's requests
 STREAM_AHEAD = 256
+#: the refusal of a call that arrives while the server stops
+STOPPING = ("the server is shutting down and takes no new calls; send this call again to "
+            "another instance, or to this address once the server is back")
 
 Unary = Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]
 
@@ -87,20 +90,63 @@ def _from_json(name: str, doc: dict[str, Any]) -> Message:
     return json_format.ParseDict(doc, message(name)(), ignore_unknown_fields=True)
 
 
-def _answered(method: str, fn: Unary) -> Unary:
-    """``fn`` with every failure answered as a gRPC status (``status.refusal``)."""
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, where: str) -> None:
+    """Answer ``exc`` as a gRPC status (``status.refusal``); raises AbortError."""
+    answer = refusal(exc, where)
+    if answer.metadata:
+        context.set_trailing_metadata(answer.metadata)
+    await context.abort(answer.code, answer.message)
+    raise AssertionError("unreachable: abort raises")
+
+
+class InFlight:
+    """The calls being answered, and the stop's wait for them (``GrpcServer.stop``)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        #: set while stopping: new calls are refused with UNAVAILABLE (but ServerLive)
+        self.stopping = False
+        self._idle: asyncio.Event | None = None
+
+    def enter(self) -> None:
+        self.calls += 1
+
+    def leave(self) -> None:
+        self.calls -= 1
+        if not self.calls and self._idle is not None:
+            self._idle.set()
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until no call is in flight; whether none is."""
+        if self.calls:
+            self._idle = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return not self.calls
+
+
+def _answered(method: str, fn: Unary, flight: InFlight) -> Unary:
+    """``fn`` with every failure answered as a gRPC status (``status.refusal``), counted
+    in ``flight``, and refused while the server stops (but a liveness call: the process
+    is alive until it exits, as over HTTP)."""
+    where = f"gRPC {method}"
+    refused_while_stopping = method != "ServerLive"
 
     @functools.wraps(fn)
     async def call(request: Message, context: grpc.aio.ServicerContext) -> Message:
+        if flight.stopping and refused_while_stopping:
+            await _abort(context, ShuttingDown(STOPPING), where)
+        flight.enter()
         try:
             return await fn(request, context)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            answer = refusal(exc, f"gRPC {method}")
-            if answer.metadata:
-                context.set_trailing_metadata(answer.metadata)
-            await context.abort(answer.code, answer.message)
+            await _abort(context, exc, where)
+        finally:
+            flight.leave()
         raise AssertionError("unreachable: abort raises")
 
     return call
@@ -123,6 +169,8 @@ class InferenceHandlers:
         self.version = version
         #: generation models served next to the engine's, over HTTP only
         self.generation = frozenset(generation)
+        #: the calls in flight, and whether the server stops
+        self.flight = InFlight()
         self.models: dict[str, ServedModel] = {}
         for name in engine.model_names():
             model = engine.model(name)
@@ -155,7 +203,7 @@ class InferenceHandlers:
                 continue
             fn = self._unary.get(method.name) or self._unimplemented(method.name)
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _answered(method.name, fn), request_deserializer=request.FromString,
+                _answered(method.name, fn, self.flight), request_deserializer=request.FromString,
                 response_serializer=response.SerializeToString)
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
@@ -293,7 +341,23 @@ class InferenceHandlers:
 
     async def model_stream_infer(self, requests: AsyncIterator[Message],
                                  context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
-        """Answer each request of the stream as its answer is ready."""
+        """Answer each request of the stream as its answer is ready; a stream opened
+        while the server stops is refused, and requests read from an open one then are
+        answered with the refusal as their ``error_message``."""
+        flight = self.flight
+        if flight.stopping:
+            await _abort(context, ShuttingDown(STOPPING), "gRPC ModelStreamInfer")
+        flight.enter()
+        stream = self._stream(requests, context)
+        try:
+            async for reply in stream:
+                yield reply
+        finally:
+            await stream.aclose()  # its tasks are cancelled now, not when collected
+            flight.leave()
+
+    async def _stream(self, requests: AsyncIterator[Message],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
         answers: asyncio.Queue[Message | None] = asyncio.Queue()
         room = asyncio.Semaphore(STREAM_AHEAD)
         running: set[asyncio.Task] = set()
@@ -302,6 +366,8 @@ class InferenceHandlers:
 
         async def answer(request: Message) -> None:
             try:
+                if self.flight.stopping:
+                    raise ShuttingDown(STOPPING)
                 reply = stream_response(infer_response=await self._infer(request, traceparent))
             except Exception as exc:
                 reply = stream_response(

@@ -12,14 +12,16 @@ Its bounds: a request message of at most ``max_request_bytes`` and an answer of 
 most ``max_message_bytes`` (a larger one is refused by gRPC itself with
 RESOURCE_EXHAUSTED), and at most
 ``max_concurrent_rpcs`` calls at once (more are refused with RESOURCE_EXHAUSTED at
-once, never queued). ``stop(grace_s)`` refuses new calls, gives those in flight up to
-``grace_s`` to be answered and then cancels the rest (their queued requests are taken
-out of the engine's queue). The port is bound without ``SO_REUSEPORT``, so a port
+once, never queued). ``stop(grace_s)`` refuses new calls (UNAVAILABLE, at once; a
+liveness call is still answered), gives those in flight up to ``grace_s`` to be
+answered and then cancels the rest (their queued requests are taken out of the
+engine's queue). The port is bound without ``SO_REUSEPORT``, so a port
 already in use is an error rather than a silently shared one. Plaintext only (no TLS).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Iterable
 
 import grpc
@@ -107,4 +109,12 @@ class GrpcServer:
         if server is None:
             return
         self._server = None
-        await server.stop(grace_s)
+        # the server goes on taking calls while those in flight finish, and refuses them
+        # itself (UNAVAILABLE, at once): gRPC's own stop closes the port, so a call made
+        # then may wait on a connection never answered until its deadline passes
+        flight = self.handlers.flight
+        flight.stopping = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace_s
+        await flight.drained(grace_s)
+        await server.stop(max(0.0, end - loop.time()))
