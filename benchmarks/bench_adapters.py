@@ -16,8 +16,12 @@ have lengths 8..64, ``wide`` requests one vector of 256:
 * ``one_adapter``: every request for one adapter, and ``merged``: that adapter merged
   into the base weights, served as the base.
 
-Ratios: mixed / per_adapter (target >= 2), mixed / base (>= 0.8), one_adapter / merged
-(>= 0.75, i.e. at most 25 % slower). ``skewed``: 32 adapters on 8 slots, Zipf traffic: the
+Every scenario batches with ``max_batch_size`` = 64 (``--max-batch-size``): one batch
+may hold a request of every client, where batching per adapter reaches 8 (the clients of
+one adapter). Ratios: mixed / per_adapter (target >= 2), mixed / base (>= 0.8),
+one_adapter / merged (>= 0.75, i.e. at most 25 % slower), each scenario's mean batch
+size, and the ceiling of the first: the base model alone (no server) in batches of the
+mixed run's size against the per-adapter run's, what mixing can gain on this machine. ``skewed``: 32 adapters on 8 slots, Zipf traffic: the
 p99 latency of the cold adapters (ranked below the slot count) over the hot ones' (the top
 4), target <= 2. Also: the three formulations of the batched LoRA
 term (``runtime.adapters.lora``) on one batch, and the slot cache driven by a scripted
@@ -36,6 +40,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.bench_offline import offline_throughput
 from runtime.adapters.demo import write_demo_adapters
 from runtime.adapters.lora import (AdapterRef, lora_term, read_peft, segment_term,
                                    stacked_term)
@@ -101,7 +106,9 @@ async def closed_loop(engine: Engine, model: str, clients: int, duration_s: floa
 
 
 async def scenario(model: ModelAPI, config: BatchingConfig, paths: dict[str, str],
-                   clients: int, duration_s: float, adapters: list[str | None]) -> float:
+                   clients: int, duration_s: float, adapters: list[str | None]
+                   ) -> tuple[float, float]:
+    """Requests per second, and the mean batch size, of the measured window."""
     name = model.name
     engine = Engine({name: model}, {name: config}, inline_max_compute_ms=0)
     for adapter, path in paths.items():
@@ -109,9 +116,27 @@ async def scenario(model: ModelAPI, config: BatchingConfig, paths: dict[str, str
     await engine.start()
     try:
         await closed_loop(engine, name, clients, min(1.0, duration_s / 2), adapters)  # warm up
-        return await closed_loop(engine, name, clients, duration_s, adapters)
+        before = engine.stats(name)
+        rate = await closed_loop(engine, name, clients, duration_s, adapters)
+        after = engine.stats(name)
+        batches = max(1, after["batches"] - before["batches"])
+        return rate, (after["requests"] - before["requests"]) / batches
     finally:
         await engine.stop()
+
+
+def ceiling(model: ModelAPI, big: float, small: float, duration_s: float = 1.5) -> dict:
+    """The base model alone (no server, no adapters), in batches of the mixed run's mean
+    size against batches of the per-adapter run's (of requests of like lengths, as length
+    buckets make them): how much more a batch of the one serves on this machine, so
+    about the most mixing can gain here over batching per adapter."""
+    model.setup("cpu")
+    pool = request_pool(model.name)
+    order = "sorted" if model.variable_length else "random"  # served batches are bucketed
+    rates = {n: offline_throughput(model, pool, n, order=order, duration_s=duration_s).items_per_s
+             for n in sorted({max(1, round(big)), max(1, round(small))})}
+    return {"mixed_batch": big, "per_adapter_batch": small,
+            "ratio": rates[max(1, round(big))] / rates[max(1, round(small))]}
 
 
 async def skewed(model: ModelAPI, config: BatchingConfig, paths: dict[str, str], clients: int,
@@ -208,10 +233,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="the base model the adapters are of (default: encoder)")
     p.add_argument("--duration-s", type=float, default=6.0, help="seconds per scenario")
     p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--max-batch-size", type=int, default=64,
+                   help="the batching setting of every scenario (default: 64, so one batch "
+                        "may hold a request of every client)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    config = BatchingConfig(max_batch_size=32)
+    config = BatchingConfig(max_batch_size=args.max_batch_size)
     model = MODELS[args.model]
     with tempfile.TemporaryDirectory() as root:
         paths = write_demo_adapters(root, 8, args.model)
@@ -221,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(scenario(model, cfg, registered, args.clients, args.duration_s,
                                         adapters))
 
-        rates = {
+        runs = {
             "base": run(model(), config, {}, [None]),
             "mixed": run(model(), config, paths, names),
             "per_adapter": run(model(), config.with_changes({"adapter_mixing": False}),
@@ -229,24 +257,31 @@ def main(argv: list[str] | None = None) -> int:
             "one_adapter": run(model(), config, {names[0]: paths[names[0]]}, [names[0]]),
             "merged": run(merged(model, paths[names[0]])(), config, {}, [None]),
         }
+        rates = {k: rate for k, (rate, _) in runs.items()}
+        bound = ceiling(model(), runs["mixed"][1], runs["per_adapter"][1])
         many = write_demo_adapters(root, SKEWED_ADAPTERS, args.model)
         skew = asyncio.run(skewed(model(), config.with_changes(
             {"adapter_slots": SKEWED_SLOTS}), many, args.clients, args.duration_s))
     ratios = {"mixed/per_adapter": rates["mixed"] / rates["per_adapter"],
               "mixed/base": rates["mixed"] / rates["base"],
               "one_adapter/merged": rates["one_adapter"] / rates["merged"]}
-    result = {"model": args.model, "requests_per_s": rates, "ratios": ratios, "term_ms": formulations(),
-              "lru": lru_check(), "skewed": skew}
+    result = {"model": args.model, "requests_per_s": rates,
+              "mean_batch": {k: size for k, (_, size) in runs.items()}, "ratios": ratios,
+              "ceiling": bound, "term_ms": formulations(), "lru": lru_check(), "skewed": skew}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"model {args.model}, {args.clients} clients, {args.duration_s:g} s per scenario")
-    print(f"{'scenario':<14}{'requests/s':>12}")
+    print(f"{'scenario':<14}{'requests/s':>12}{'mean batch':>12}")
     for name, rate in rates.items():
-        print(f"{name:<14}{rate:>12.1f}")
+        print(f"{name:<14}{rate:>12.1f}{result['mean_batch'][name]:>12.1f}")
     targets = {"mixed/per_adapter": 2.0, "mixed/base": 0.8, "one_adapter/merged": 0.75}
     for name, ratio in ratios.items():
         print(f"{name:<20}{ratio:>7.2f}  (target >= {targets[name]})")
+    print(f"ceiling: the base model alone serves {bound['ratio']:.2f}x as much in batches of "
+          f"{bound['mixed_batch']:.1f} (mixed) as of {bound['per_adapter_batch']:.1f} (per "
+          f"adapter); mixed/per_adapter reaches "
+          f"{ratios['mixed/per_adapter'] / bound['ratio']:.0%} of it")
     print("LoRA term, ms per call: " + ", ".join(f"{k} {v:.2f}" for k, v in result["term_ms"].items()))
     print(f"skewed: {skew['adapters']} adapters, {skew['slots']} slots, Zipf {ZIPF_S}: p99 "
           f"cold {skew['cold_p99_ms']:.1f} ms / hot {skew['hot_p99_ms']:.1f} ms = "

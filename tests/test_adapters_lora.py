@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from runtime.adapters.lora import (AdapterBank, AdapterRef, lora_term, random_pairs, read_peft,
-                                   segment_term, stacked_term, write_peft)
+                                   segment_add, segment_term, segments, stacked_term,
+                                   write_peft)
 from runtime.api.errors import ValidationError
 from runtime.models.encoder import ADAPTER_TARGETS, EncoderModel, build_encoder, explicit_forward
 
@@ -101,6 +102,24 @@ def test_formulations_agree():
     expected = lora_term(x, a, b, rows)
     torch.testing.assert_close(segment_term(x, a, b, rows), expected)
     torch.testing.assert_close(stacked_term(x, a, b, rows), expected)
+
+
+def test_the_loop_reads_each_adapter_to_its_rank_and_skips_base_rows():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 16, generator=gen)
+    a = torch.randn(4, 6, 16, generator=gen)
+    b = torch.randn(4, 8, 6, generator=gen)
+    a[1, 2:] = 0  # slot 1 holds a rank-2 adapter: zero past its rank
+    b[1, :, 2:] = 0
+    a[3], b[3] = 0, 0  # the zero slot of rows without an adapter
+    slots = [1, 1, -1, 0, 2, 0, -1]
+    groups = segments(slots)
+    assert [(s, w) for s, w in groups if isinstance(w, slice)] == [(1, slice(0, 2)), (2, slice(4, 5))]
+    assert [(s, w.tolist()) for s, w in groups if not isinstance(w, slice)] == [(0, [3, 5])]
+    y = torch.randn(7, 8, generator=gen)
+    expected = y + lora_term(x, a, b, torch.tensor([3 if s < 0 else s for s in slots]))
+    torch.testing.assert_close(segment_add(y.clone(), x, a, b, groups, {0: 6, 1: 2, 2: 6}),
+                               expected)
 
 
 def test_read_peft_names_what_does_not_fit(tmp_path):

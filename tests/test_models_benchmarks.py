@@ -87,3 +87,23 @@ def test_baseline_server_errors(client, path, body, status, words):
     c, _ = client
     r = c.post(path, json=body)
     assert r.status_code == status and words in r.json()["error"]
+
+
+@pytest.mark.slow
+def test_bench_adapters_runs_every_scenario(capsys):
+    """The adapters benchmark end to end, briefly: every scenario answers, the mean batch
+    sizes follow the batching (a batch of one adapter never holds more than its clients),
+    and the ceiling and the slot cache's check are printed."""
+    import json
+
+    from benchmarks.bench_adapters import main
+
+    assert main(["--model", "wide", "--duration-s", "0.4", "--clients", "16",
+                 "--max-batch-size", "16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert all(rate > 0 for rate in result["requests_per_s"].values())
+    sizes = result["mean_batch"]
+    assert 1 <= sizes["per_adapter"] <= 2  # 16 clients over 8 adapters: 2 per adapter
+    assert sizes["mixed"] <= 16
+    assert result["ceiling"]["ratio"] > 0
+    assert result["lru"]["mismatches"] == 0

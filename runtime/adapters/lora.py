@@ -245,14 +245,51 @@ def lora_term(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Ten
     return out.reshape(*x.shape[:-1], b.shape[1])
 
 
-def segment_term(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The same term as ``lora_term`` by a loop over the slots present (measured
-    against it in ``benchmarks/bench_adapters.py``)."""
-    out = x.new_zeros(*x.shape[:-1], b.shape[1])
-    for slot in rows.unique().tolist():
-        picked = (rows == slot).nonzero().squeeze(1)
-        out.index_copy_(0, picked, (x.index_select(0, picked) @ a[slot].T) @ b[slot].T)
+#: the rows of one adapter in a batch: a slice where they are contiguous, else indices
+Rows = slice | torch.Tensor
+
+
+def segments(rows: list[int] | tuple[int, ...], device: Any = "cpu") -> list[tuple[int, Rows]]:
+    """Each slot of ``rows`` (slot per row; negative: no adapter, left out) with its rows,
+    in order of first appearance; computed once per batch, used by every layer."""
+    where: dict[int, list[int]] = {}
+    for i, slot in enumerate(rows):
+        if slot >= 0:
+            where.setdefault(slot, []).append(i)
+    out: list[tuple[int, Rows]] = []
+    for slot, picked in where.items():
+        if picked[-1] - picked[0] + 1 == len(picked):
+            out.append((slot, slice(picked[0], picked[-1] + 1)))
+        else:
+            out.append((slot, torch.tensor(picked, dtype=torch.int64, device=device)))
     return out
+
+
+def segment_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                groups: list[tuple[int, Rows]], ranks: Mapping[int, int] | None = None
+                ) -> torch.Tensor:
+    """``y`` plus each row's adapter term, in place, by a loop over the batch's adapters
+    (``groups`` from ``segments``): each adapter's matrices are read once, cut to its
+    own rank (``ranks``: slot -> rank; default the stack's), and rows without an
+    adapter cost nothing. Rows of one adapter that sit together are a slice, taken and
+    written without a copy."""
+    for slot, picked in groups:
+        r = a.shape[1] if ranks is None else ranks.get(slot, a.shape[1])
+        a_s, b_s = a[slot, :r], b[slot, :, :r]
+        if isinstance(picked, slice) and x.dim() == 2:
+            y[picked].addmm_(x[picked] @ a_s.T, b_s.T)
+        elif isinstance(picked, slice):
+            y[picked] += (x[picked] @ a_s.T) @ b_s.T
+        else:
+            y.index_add_(0, picked, (x.index_select(0, picked) @ a_s.T) @ b_s.T)
+    return y
+
+
+def segment_term(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The same term as ``lora_term`` by a loop over the slots present (``segment_add``;
+    measured against it in ``benchmarks/bench_adapters.py``)."""
+    out = x.new_zeros(*x.shape[:-1], b.shape[1])
+    return segment_add(out, x, a, b, segments(rows.tolist(), x.device))
 
 
 def stacked_term(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -316,6 +353,10 @@ class AdapterBank:
     _held: dict[int, AdapterRef] = field(default_factory=dict)
     #: the rows of the running batch (None: no row has an adapter)
     rows: torch.Tensor | None = None
+    #: the same as each slot's rows (``segments``), for inputs of one vector per row
+    groups: list[tuple[int, Rows]] = field(default_factory=list)
+    #: each held slot's largest rank (its stacked matrices are zero past it)
+    _ranks: dict[int, int] = field(default_factory=dict)
     #: adapters put in a slot (reads of their files)
     loads: int = 0
 
@@ -361,6 +402,7 @@ class AdapterBank:
                 stack.a[slot, :r] = pair.a.to(self.device, self.dtype)
                 stack.b[slot, :, :r] = (pair.b * pair.scale).to(self.device, self.dtype)
         self._held[slot] = ref
+        self._ranks[slot] = adapter.max_rank
         self.loads += 1
 
     def prepare(self, slots: Mapping[int, AdapterRef]) -> None:
@@ -378,10 +420,12 @@ class AdapterBank:
             zero = self._capacity
             self.rows = torch.tensor([zero if r < 0 else r for r in rows], dtype=torch.int64,
                                      device=self.device)
+            self.groups = segments(rows, self.device)
         try:
             yield
         finally:
             self.rows = None
+            self.groups = []
 
     @property
     def active(self) -> bool:
@@ -398,9 +442,11 @@ class AdapterBank:
         stack = self._stacks.get(module)
         if rows is None or stack is None:
             return y
-        # one vector per row (``wide``): the loop over the batch's adapters reads each
-        # adapter once, where the gather copies a row's matrices per row (3.4x faster
-        # for 32 rows, 4096 -> 4096, rank 16, 8 adapters); with many tokens per row the
-        # gather's copies are shared by the tokens and it is the faster one
-        term = segment_term if x.dim() == 2 else lora_term
-        return y + term(x, stack.a, stack.b, rows)
+        # one vector per row (``wide``, a decoder step's tokens): the loop over the batch's
+        # adapters reads each adapter once, where the gather copies a row's matrices per
+        # row (3.4x faster for 32 rows, 4096 -> 4096, rank 16, 8 adapters); with many
+        # tokens per row the gather's copies are shared by the tokens and it is the
+        # faster one
+        if x.dim() == 2:
+            return segment_add(y, x, stack.a, stack.b, self.groups, self._ranks)
+        return y + lora_term(x, stack.a, stack.b, rows)
