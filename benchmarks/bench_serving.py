@@ -63,6 +63,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServedUrl(str):
+    """A started server's URL; ``pid``: its process (``benchmarks.cpu_share`` reads its CPU
+    time and its children's)."""
+
+    pid: int
+
+
 @contextmanager
 def process(cmd: Sequence[str], *, ready: str, timeout_s: float = 120.0, url: str | None = None,
             health: str = "/v2/health/ready", env: dict | None = None) -> Iterator[str]:
@@ -99,7 +106,9 @@ def process(cmd: Sequence[str], *, ready: str, timeout_s: float = 120.0, url: st
             raise RuntimeError(f"{cmd[2:5]} did not start within {timeout_s:.0f} s:\n"
                                f"{''.join(seen[-20:])}")
         wait_ready(url, deadline, health)
-        yield url
+        served = ServedUrl(url)
+        served.pid = proc.pid
+        yield served
     finally:
         proc.terminate()
         try:

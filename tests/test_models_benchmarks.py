@@ -107,3 +107,33 @@ def test_bench_adapters_runs_every_scenario(capsys):
     assert sizes["mixed"] <= 16
     assert result["ceiling"]["ratio"] > 0
     assert result["lru"]["mismatches"] == 0
+
+
+def test_cpu_share_reads_a_process_tree_and_works_out_the_bound():
+    """The CPU of a server's children is counted (a child that does a fixed amount of
+    work and then waits, under a parent that only waits), and the bound follows from the
+    CPU per request."""
+    import subprocess
+    import sys
+
+    from benchmarks.cpu_share import CpuShare, tree_cpu_s
+
+    child = "import sys; sum(range(20_000_000)); print('done', flush=True); sys.stdin.read()"
+    parent = subprocess.Popen([sys.executable, "-c",
+                               f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        with CpuShare(parent.pid, cores=2) as cpu:
+            assert parent.stdout.readline() == "done\n"  # the child did its work and waits
+            assert len(tree_cpu_s(parent.pid)) == 2
+        assert cpu.used["its child processes"] > 0.05  # 20M additions: about a second
+        assert cpu.used["its child processes"] > 5 * cpu.used["serving process"]
+    finally:
+        parent.stdin.close()
+        parent.wait(30)
+    cpu.used = {"serving process": 0.5, "its child processes": 0.3, "load generator": 0.2}
+    cpu.wall_s = 1.0
+    summary = cpu.summary(10_000)  # 100 us of CPU per request, 10,000 req/s on 2 cores
+    assert summary["total_cpu_us_per_request"] == pytest.approx(100.0)
+    assert summary["cpu_bound_rps"] == pytest.approx(20_000.0)
+    assert summary["share_of_cpu_bound"] == pytest.approx(0.5)

@@ -1,0 +1,92 @@
+"""Where a run's CPU time goes, and how close the run came to the machine's CPU bound.
+
+On a machine whose cores are shared by the server and the load generator, the most a
+server can serve is ``cores / (CPU seconds per request)``: the CPU each request costs
+the serving process, its children (device process, database writer) and the load
+generator together. The share of that bound a run reaches is the share of the cores
+the three used over the run::
+
+    with CpuShare(server_pid) as cpu:
+        report = run_load(...)                  # in this process: the load generator
+    cpu.summary(report.completed)               # CPU per request by part, share of the bound
+
+Read from ``/proc`` (Linux); the load generator's time is this process's own
+(``os.times``). Time stolen by other tenants of the host shows as CPU nobody used.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of ``pid``, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(b")") + 2:].split()  # after "pid (comm) "
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) * _TICK_S
+
+
+def tree_cpu_s(root: int) -> dict[int, float]:
+    """CPU seconds of ``root`` and each process below it, by pid."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            got = _stat(int(entry))
+            if got is not None:
+                parents[int(entry)], cpu[int(entry)] = got
+    out = {root: cpu.get(root, 0.0)}
+    grew = True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in out and pid not in out:
+                out[pid] = cpu[pid]
+                grew = True
+    return out
+
+
+class CpuShare:
+    """The CPU the processes of ``server_pid`` and this process used inside the block."""
+
+    def __init__(self, server_pid: int, cores: int | None = None) -> None:
+        self.server_pid = server_pid
+        self.cores = cores or os.cpu_count() or 1
+        self.used: dict[str, float] = {}
+        self.wall_s = 0.0
+
+    def __enter__(self) -> "CpuShare":
+        self._tree = tree_cpu_s(self.server_pid)
+        times = os.times()
+        self._self = times.user + times.system
+        self._wall = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.wall_s = time.perf_counter() - self._wall
+        times = os.times()
+        after = tree_cpu_s(self.server_pid)
+        before = self._tree
+        children = sum(after[p] - before.get(p, 0.0) for p in after if p != self.server_pid)
+        self.used = {"serving process": after[self.server_pid] - before.get(self.server_pid, 0.0),
+                     "its child processes": children,
+                     "load generator": times.user + times.system - self._self}
+
+    def summary(self, requests: int) -> dict[str, Any]:
+        """CPU microseconds per request by part, in all, the bound they set on this
+        machine (requests per second) and the share of it the run reached."""
+        per = {k: v / max(requests, 1) * 1e6 for k, v in self.used.items()}
+        total_us = sum(per.values())
+        bound = self.cores / (total_us / 1e6) if total_us else float("inf")
+        rate = requests / self.wall_s if self.wall_s else 0.0
+        return {"cpu_us_per_request": per, "total_cpu_us_per_request": total_us,
+                "cores": self.cores, "cpu_bound_rps": bound, "rps": rate,
+                "share_of_cpu_bound": rate / bound if bound else 0.0}
