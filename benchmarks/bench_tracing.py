@@ -15,7 +15,10 @@ modes in turn, ``--rounds`` times:
 After each slice it waits until the receiver has had no span and the database no new row
 for a second, so a slice does not pay for the spans and rows the one before it left. Prints each mode's median
 throughput and p99 and their ratios to ``off`` measured in the same run, the spans received against those the server says it traced, and the
-spans it reported dropped (``trace_export_drops`` events).
+spans it reported dropped (``trace_export_drops`` events), and each mode's CPU time per
+request in the serving process, its child processes (device process, database writer,
+span process) and the load generator (``benchmarks.cpu_share``), so a cost can be told
+from noise and placed.
 
     python -m benchmarks.bench_tracing                      # 4 rounds of 10-s slices
     python -m benchmarks.bench_tracing --rounds 2 --slice-s 5
@@ -39,6 +42,7 @@ import httpx
 from sqlalchemy import create_engine, text
 
 from batchscope.load.loadgen import run_load
+from benchmarks.cpu_share import CpuShare
 from benchmarks.reliability.server import Server
 
 MODES = {
@@ -114,6 +118,7 @@ def main() -> None:
                      "--port", "0", "--db", f"sqlite:///{db}",
                      "--otlp-traces-endpoint", f"http://127.0.0.1:{port}"])
     results: dict[str, list] = {m: [] for m in MODES}
+    cpus: dict[str, list] = {m: [] for m in MODES}
     try:
         with httpx.Client(base_url=server.url, timeout=30) as http:
             run_load(server.url, args.model, concurrency=args.clients, duration_s=2.0)  # warm
@@ -121,9 +126,11 @@ def main() -> None:
                 order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
                 for mode in order:
                     assert http.post("/v2/trace/setting", json=MODES[mode]).status_code == 200
-                    rep = run_load(server.url, args.model, concurrency=args.clients,
-                                   duration_s=args.slice_s)
+                    with CpuShare(server.proc.pid) as cpu:
+                        rep = run_load(server.url, args.model, concurrency=args.clients,
+                                       duration_s=args.slice_s)
                     results[mode].append(rep)
+                    cpus[mode].append(cpu.summary(rep.ok))
                     settle(count, db)
                     print(f"round {r + 1} {mode:14s} {rep.throughput_rps:8.0f} req/s  p99 "
                           f"{rep.latency_p99_ms:6.2f} ms", flush=True)
@@ -150,6 +157,15 @@ def main() -> None:
         rps = statistics.median(r.throughput_rps for r in reps)
         p99 = statistics.median(r.latency_p99_ms for r in reps)
         print(f"{mode:16s}{rps:9.0f}{rps / base_rps:8.3f}{p99:9.2f}{p99 / base_p99:8.3f}")
+    print("\nCPU per request (medians, microseconds): where each mode's cost goes")
+    parts = list(cpus["off"][0]["cpu_us_per_request"])
+    print(f"{'mode':16s}" + "".join(f"{p:>22s}" for p in parts) + f"{'in all':>9s}"
+          f"{'share of bound':>16s}")
+    for mode, got in cpus.items():
+        per = [statistics.median(g["cpu_us_per_request"][p] for g in got) for p in parts]
+        total = statistics.median(g["total_cpu_us_per_request"] for g in got)
+        share = statistics.median(g["share_of_cpu_bound"] for g in got)
+        print(f"{mode:16s}" + "".join(f"{v:22.1f}" for v in per) + f"{total:9.1f}{share:16.0%}")
     print(f"traced requests {traced:,.0f} (request_traces rows {rows:,}), spans received "
           f"{count.value:,}, spans dropped (reported) {dropped:,}")
 
