@@ -20,6 +20,7 @@ from runtime.engine import direct
 from runtime.engine.direct import DirectLane
 from runtime.engine.engine import Engine
 from runtime.models.loader import load_model
+from runtime.models.toys import HANG_CUE
 
 DOUBLE = "double=runtime.models.toys:DoubleModel"
 
@@ -40,27 +41,75 @@ def batch(n: int = 1, adapters=None, compile: str = "off") -> SimpleNamespace:
 
 
 def test_a_lone_short_batch_runs_directly_only_when_there_is_nothing_else():
-    assert lane_for().takes(batch(), process_idle=True)
-    assert not lane_for().takes(batch(), process_idle=False)  # the process has work
-    assert not lane_for(depth=3).takes(batch(), process_idle=True)  # more requests wait
-    assert not lane_for().takes(batch(2), process_idle=True)  # something to batch
-    assert not lane_for(per_request_s=None).takes(batch(), process_idle=True)  # unmeasured
-    assert not lane_for(per_request_s=0.003).takes(batch(), process_idle=True)  # too long
-    assert not lane_for().takes(batch(adapters=object()), process_idle=True)
-    assert not lane_for().takes(batch(compile="default"), process_idle=True)
-    assert not lane_for(device="cuda").takes(batch(), process_idle=True)
+    assert lane_for().takes(batch(), process_idle=True) == "loop"
+    assert lane_for().takes(batch(), process_idle=False) is None  # the process has work
+    assert lane_for(depth=3).takes(batch(), process_idle=True) is None  # more requests wait
+    assert lane_for().takes(batch(2), process_idle=True) is None  # something to batch
+    assert lane_for(per_request_s=None).takes(batch(), process_idle=True) is None  # unmeasured
+    assert lane_for(per_request_s=0.003).takes(batch(), process_idle=True) is None  # too long
+    assert lane_for().takes(batch(adapters=object()), process_idle=True) is None
+    assert lane_for().takes(batch(compile="default"), process_idle=True) is None
+    assert lane_for(device="cuda").takes(batch(), process_idle=True) is None
     running = lane_for()
     running.running = True  # one is already waiting for its turn on the loop
-    assert not running.takes(batch(), process_idle=True)
+    assert running.takes(batch(), process_idle=True) is None
+
+
+def test_a_lone_long_batch_spills_to_the_lanes_thread_only_while_the_process_is_busy():
+    assert lane_for(per_request_s=0.006).takes(batch(), process_idle=False) == "thread"
+    assert lane_for(per_request_s=0.006).takes(batch(), process_idle=True) is None
+    assert lane_for(per_request_s=0.001).takes(batch(), process_idle=False) is None  # short:
+    # it waits in the process' pipe, which is soon free, rather than take a core
+    assert lane_for(per_request_s=0.06).takes(batch(), process_idle=False) is None  # too long
+    assert lane_for(per_request_s=0.006).takes(batch(2), process_idle=False) is None
+    assert lane_for(per_request_s=0.006, depth=1).takes(batch(), process_idle=False) is None
+    assert lane_for(per_request_s=0.006, device="cuda").takes(batch(), process_idle=False) is None
+    busy = lane_for(per_request_s=0.006)
+    busy.spilled = True  # one runs on the thread already: the copy serves one at a time
+    assert busy.takes(batch(), process_idle=False) is None
+    assert direct.SPILL_MAX_COMPUTE_S == 0.05
 
 
 def test_after_batches_of_several_the_lane_waits_for_the_traffic_to_thin_out():
     lane = lane_for()
-    assert not lane.takes(batch(8), process_idle=True)  # mean 1.7: traffic
+    assert lane.takes(batch(8), process_idle=True) is None  # mean 1.7: traffic
     taken = [lane.takes(batch(1), process_idle=True) for _ in range(6)]
     # the mean falls by a tenth of its excess per lone batch: 1.63, 1.57, 1.51, 1.46...
-    assert taken == [False, False, False, True, True, True]
+    assert taken == [None, None, None, "loop", "loop", "loop"]
     assert direct.DIRECT_MAX_MEAN_BATCH == 1.5 and direct.BATCH_MEAN_WEIGHT == 0.1
+
+
+def test_a_request_that_finds_the_process_busy_runs_on_the_lanes_thread():
+    """The device process holds a batch (it hangs there); a lone request that comes
+    meanwhile is answered from the serving process' copy instead of waiting behind it."""
+    hanging = "hanging=runtime.models.toys:HangingModel"
+    # a limit every batch passes: no batch runs on the loop, so only the spill is left
+    engine = Engine({"hanging": load_model(hanging)}, {"hanging": BatchingConfig()},
+                    recorder=ListRecorder(), device_process=True, model_specs=[hanging],
+                    direct_max_compute_ms=1e-9)
+
+    async def run() -> tuple[np.ndarray, bool]:
+        await engine.start()
+        try:
+            await engine.infer("hanging", {"INPUT0": np.ones(4, np.float32)})  # measured
+            held = asyncio.ensure_future(engine.infer(
+                "hanging", {"INPUT0": np.array([HANG_CUE, 30.0, 0, 0], np.float32)}))
+            dispatcher = engine._dispatchers["hanging"]
+            for _ in range(1000):  # until the held batch is out in the process
+                if dispatcher.in_flight:
+                    break
+                await asyncio.sleep(0.01)
+            out = await asyncio.wait_for(
+                engine.infer("hanging", {"INPUT0": np.full(4, 3.0, np.float32)}), 20.0)
+            return out["OUTPUT0"], held.done()
+        finally:
+            await engine.stop(drain_timeout_s=0.0)
+            held.cancel()
+
+    answer, held_done = asyncio.run(run())
+    assert answer.tolist() == [6.0] * 4 and not held_done
+    stats = engine.stats("hanging")
+    assert stats["direct_spills"] == 1 and stats["direct_batches"] == 1
 
 
 def run_one_at_a_time(engine: Engine, n: int) -> list[np.ndarray]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 
 import pytest
 from sqlalchemy import create_engine, event, select
@@ -130,6 +131,37 @@ def test_locked_database_drops_then_recovers(db_url, db):
     assert details["dropped_write_failed"] == rec.dropped and details["dropped_buffer_full"] == 0
     assert "locked" in details["last_failure"] and "writing failed" in events[0].message
     assert "buffer was full" not in events[0].message
+
+
+def test_drops_held_back_by_the_report_interval_are_reported_without_new_rows(db_url, db):
+    """Rows lost soon after a report are reported once the interval has passed, also when
+    no row comes after the fault (before, only a flush with rows could report them)."""
+    short_busy_timeout(db)
+    rec = Recorder(db, flush_interval_s=0.01, instance_id="rt-9")
+    rec.start()
+    blocker = sqlite3.connect(db_url.split("///", 1)[1], isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        for i in range(50):
+            rec.put(request(i))
+        assert wait_until(lambda: rec.dropped == 50)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    rec._last_report_at = time.monotonic()  # as if a report had just been written
+    rec.put(request(50))
+    assert wait_until(lambda: rec.written == 1 and rec.healthy)  # writes work again...
+    with db.connect() as conn:  # ...but the interval holds the report back
+        assert not conn.execute(select(EventRecord).where(
+            EventRecord.kind == "recorder_drops")).all()
+    rec._last_report_at = -1e9  # the interval has passed; nothing more is put
+    def reported():
+        with db.connect() as conn:
+            return conn.execute(select(EventRecord).where(
+                EventRecord.kind == "recorder_drops")).all()
+    assert wait_until(lambda: len(reported()) == 1)
+    rec.close()
+    assert json.loads(reported()[0].details_json)["by_kind"] == {"requests": 50}
 
 
 def test_locked_database_with_synchronous_flush(db_url, db):

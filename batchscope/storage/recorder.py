@@ -272,9 +272,14 @@ class Recorder:
                 self.flush()
             elif self._stopping:
                 return
-            elif self._db_file is not None:
+            else:
                 with self._write_lock:
-                    self._watch_file()
+                    if self._db_file is not None:
+                        self._watch_file()
+                    if not self._failing and self.dropped > self._reported_dropped:
+                        # drops that a report within DROP_REPORT_INTERVAL_S held back:
+                        # reported once it has passed, with or without new rows
+                        self._maybe_report_drops()
             if self._stopping and self._failing:
                 self._discard_rest()
                 return

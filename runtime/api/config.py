@@ -203,7 +203,8 @@ class ServerConfig:
     #: run request models in a child process with its own GIL (loaded from ``models``)
     device_process: bool = False
     #: with ``device_process`` on the CPU: a batch that finds its process idle and is
-    #: expected to take at most this long runs in the serving process (``runtime.engine.direct``)
+    #: expected to take at most this long runs in the serving process, a lone longer one
+    #: that finds it busy on a thread there (``runtime.engine.direct``)
     direct_max_compute_ms: float = 2.0
     #: run the recorder's database inserts in a child process (``batchscope.storage.writer_process``)
     recorder_process: bool = False

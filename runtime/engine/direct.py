@@ -21,6 +21,14 @@ Why so strict: whenever there is traffic, the event loop is the busier side, and
 run on it instead of in the child takes its time from every other request (8 closed-loop
 clients lost a fifth to a third of their throughput when small batches went direct).
 
+The spill: at a light rate two requests sometimes overlap, and a plain server runs them at
+once on two cores where one device process runs them one after the other. So a lone batch
+too long for the loop (expected above ``direct_max_compute_ms``, up to
+``SPILL_MAX_COMPUTE_S``) that finds its device process busy runs on the lane's thread
+instead (torch leaves the interpreter lock while it computes), one at a time, under the
+same conditions on traffic; the dispatcher sends such a batch at once rather than hold it
+until the running batch is back (``Dispatcher._spills``).
+
 What a direct batch gives up, and why that is acceptable for it: no execution timeout
 (nothing can interrupt the loop) and no crash isolation. Only batches measured to take
 a millisecond or two qualify, and only once the model has answered batches in its
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -47,6 +56,10 @@ log = logging.getLogger("batchscope.engine")
 #: the default ``direct_max_compute_ms``: the longest a batch may be expected to take to
 #: run directly on the serving process' event loop
 DIRECT_MAX_COMPUTE_MS = 2.0
+#: a lone batch too long for the loop that arrives while the device process is busy runs
+#: on the lane's thread instead, up to this long (expected): two lone requests then run at
+#: once on two cores, as a plain server runs them, instead of one after the other
+SPILL_MAX_COMPUTE_S = 0.05
 #: the most requests a batch run directly holds: a larger batch means there is traffic to
 #: batch, and the event loop, which serves all of it, is better left to that
 DIRECT_MAX_BATCH = 1
@@ -74,6 +87,10 @@ class DirectLane:
         #: the model's recent batch size (exponential mean of every batch it was asked about)
         self.mean_batch = 1.0
         self.loop: asyncio.AbstractEventLoop | None = None
+        #: of ``batches``, those run on the lane's thread, and whether one runs there now
+        self.spills = 0
+        self.spilled = False
+        self._pool: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
         """Set the serving process' copy of the model up (off the loop); without it the
@@ -89,27 +106,68 @@ class DirectLane:
             return
         self.ready = True
 
-    def takes(self, batch: Batch, process_idle: bool) -> bool:
-        """Whether ``batch`` runs here (``process_idle``: its device process has nothing
-        to do). Every batch of the model is asked about, so the recent mean size is the
-        model's."""
+    def takes(self, batch: Batch, process_idle: bool) -> str | None:
+        """Where ``batch`` runs here, or None: to the device process (``process_idle``:
+        the process has nothing to do). ``"loop"``: a short batch that finds the process
+        idle, on the event loop; ``"thread"``: a lone batch too long for the loop that
+        finds the process busy, on the lane's thread (the spill). Every batch of the
+        model is asked about, so the recent mean size is the model's."""
         n = len(batch.requests)
         mean = self.mean_batch = self.mean_batch + (n - self.mean_batch) * BATCH_MEAN_WEIGHT
         if mean > DIRECT_MAX_MEAN_BATCH or n > DIRECT_MAX_BATCH:  # there is traffic to batch
-            return False
-        if not (self.ready and process_idle) or self.running or batch.adapters is not None:
-            return False
+            return None
+        if not (self.ready and self.max_compute_s) or self.running or self.spilled \
+                or batch.adapters is not None:
+            return None
         if self.model.batcher.depth or batch.config.compile != "off":
+            return None
+        per_request = self.model.batcher.mean_compute_per_request_s
+        if per_request is None:
+            return None
+        expected = per_request * n
+        if process_idle:
+            return "loop" if expected <= self.max_compute_s else None
+        return "thread" if self.max_compute_s < expected <= SPILL_MAX_COMPUTE_S else None
+
+    def would_spill(self, waiting: int) -> bool:
+        """Whether a lone request waiting (``waiting``: the model's queue depth) would
+        run on the lane's thread, its device process being busy: the dispatcher then
+        sends it at once rather than hold it until the running batch is back."""
+        if waiting != 1 or self.mean_batch > DIRECT_MAX_MEAN_BATCH or self.running \
+                or self.spilled or not (self.ready and self.max_compute_s):
             return False
         per_request = self.model.batcher.mean_compute_per_request_s
-        return per_request is not None and per_request * n <= self.max_compute_s
+        return per_request is not None and self.max_compute_s < per_request <= SPILL_MAX_COMPUTE_S
 
-    def run(self, batch: Batch, on_done: Callable[[list[Attempt]], None]) -> None:
-        """Run ``batch`` on the loop once it has handed out the answers it holds."""
+    def run(self, batch: Batch, on_done: Callable[[list[Attempt]], None],
+            where: str = "loop") -> None:
+        """Run ``batch`` where ``takes`` said: on the loop once it has handed out the
+        answers it holds, or on the lane's thread (the answers handed out on the loop)."""
         self.batches += 1
+        if where == "thread":
+            self.spills += 1
+            self.spilled = True
+            run = self.loop.run_in_executor(self._thread(), batch_attempts, self.model, batch,
+                                            self.device, self.clock)
+            run.add_done_callback(lambda done: self._spill_done(done, on_done))
+            return
         self.running = True
         self.loop.call_soon(self._run, batch, on_done)
 
     def _run(self, batch: Batch, on_done: Callable[[list[Attempt]], None]) -> None:
         self.running = False
         on_done(batch_attempts(self.model, batch, self.device, self.clock))
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"direct-{self.model.name}")
+        return self._pool
+
+    def _spill_done(self, done: asyncio.Future, on_done: Callable[[list[Attempt]], None]) -> None:
+        self.spilled = False
+        on_done(done.result())  # batch_attempts answers every failure as an attempt
+
+    def close(self) -> None:
+        """Let the lane's thread go once a batch on it has returned."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

@@ -222,8 +222,8 @@ class Dispatcher:
                         return
                     if not self._due(now):
                         self.answer()
-                        if self.running:  # a batch coming back wakes the loop
-                            await self._waker.wait(None)
+                        if self.running and not self._spills():
+                            await self._waker.wait(None)  # a batch coming back wakes it
                         else:  # deadlines are the timer's
                             wake_at = batcher.due_at(now)
                             await self._waker.wait(None if wake_at is None else wake_at - now)
@@ -234,8 +234,8 @@ class Dispatcher:
                             await turns.wait(name)
                         self._holds_turn = True
                     now = self.clock.now()
-                    batch = batcher.next_batch(now, model_busy=bool(self.running),
-                                               lead_s=self._lead_s())
+                    busy = bool(self.running) and not self._spills()  # the spill's core is free
+                    batch = batcher.next_batch(now, model_busy=busy, lead_s=self._lead_s())
                     if batch is not None:
                         self._send(batch)
                     elif not self.running:
@@ -259,11 +259,19 @@ class Dispatcher:
         running = len(self.running)
         if running >= self.max_in_flight or self.model.batcher.blocked:
             return False
-        if running:
+        if running and not self._spills():
             return (self._full_batch_waiting()
                     and not (self._holds_turn and self.turns.others_waiting()))
         due_at = self.model.batcher.due_at(now)
         return due_at is not None and due_at <= now
+
+    def _spills(self) -> bool:
+        """Whether the one request waiting would run on the direct lane's thread
+        (``runtime.engine.direct``: a lone batch too long for the loop, its process busy):
+        it is then batched as if the model were idle, when due rather than held until
+        the running batch is back."""
+        direct = getattr(self.executor, "direct", None)
+        return direct is not None and direct.would_spill(self.model.batcher.depth)
 
     def _full_batch_waiting(self) -> bool:
         """Whether the next batch the batcher forms is sure to be full: no bypass request
@@ -380,8 +388,8 @@ class Dispatcher:
         try:
             batcher = self.model.batcher
             while self._due(now) and not turns.others_waiting():
-                batch = batcher.next_batch(now, model_busy=bool(self.running),
-                                           lead_s=self._lead_s())
+                busy = bool(self.running) and not self._spills()
+                batch = batcher.next_batch(now, model_busy=busy, lead_s=self._lead_s())
                 if batch is None:
                     break
                 self._send(batch)

@@ -338,6 +338,8 @@ class Engine:
         for d in dispatchers:
             d.cancel_running(now)
         await self._backend.stop()
+        for lane in self._lanes:
+            lane.close()
         self.tracer.flush()
         await asyncio.to_thread(self.tracer.close)
 
@@ -767,6 +769,9 @@ class Engine:
             #: direct lane; ``runtime.engine.direct``)
             "direct_batches": getattr(getattr(dispatcher.executor, "direct", None), "batches",
                                       None),
+            #: of those, the ones run on the lane's thread while the process was busy
+            "direct_spills": getattr(getattr(dispatcher.executor, "direct", None), "spills",
+                                     None),
             #: inputs a model cut to its length limit (models from files count them)
             "truncated_inputs": getattr(served.api, "truncated_inputs", None),
             #: the LoRA adapters and the slot cache (None: the model takes no adapters)

@@ -364,9 +364,11 @@ class ProcessExecutor:
 
     def submit(self, batch: Batch, on_done: OnDone) -> None:
         direct = self.direct
-        if direct is not None and direct.takes(batch, self._process.idle):
-            direct.run(batch, on_done)
-            return
+        if direct is not None:
+            where = direct.takes(batch, self._process.idle)
+            if where is not None:
+                direct.run(batch, on_done, where)
+                return
         model = self._model
         reqs = batch.requests
         self._process.submit(

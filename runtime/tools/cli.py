@@ -124,7 +124,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--direct-max-compute-ms", type=float, default=None, metavar="MS",
                    help="with the device process on the CPU: a batch that finds the process "
                         "idle and is expected to take at most this long runs in the serving "
-                        "process, without the hop (default 2; 0: never)")
+                        "process, without the hop, and a lone longer one (up to 50 ms) that "
+                        "finds it busy runs on a thread there (default 2; 0: never)")
     p.add_argument("--recorder-process", action=argparse.BooleanOptionalAction, default=True,
                    help="write recorded rows to the database from a child process, so the "
                         "database work costs the serving process almost nothing (default: on)")
