@@ -150,3 +150,51 @@ def test_without_the_lane_every_batch_goes_to_the_device_process():
     outputs = run_one_at_a_time(engine, 5)
     assert engine.stats("double")["direct_batches"] is None
     assert [o.tolist() for o in outputs] == [[2.0 * i] * 4 for i in range(5)]
+
+
+def test_a_spilled_batch_past_its_timeout_is_answered_and_nothing_else_spills_meanwhile():
+    """The serving process' copy hangs on the lane's thread: its request is answered at the
+    execution timeout (a thread cannot be stopped), and no batch spills until it returns."""
+    hanging = "hanging=runtime.models.toys:HangingModel"
+    config = BatchingConfig(execution_timeout_ms=300, execution_timeout_auto=False)
+    engine = Engine({"hanging": load_model(hanging)}, {"hanging": config},
+                    recorder=ListRecorder(), device_process=True, model_specs=[hanging],
+                    direct_max_compute_ms=1e-9)
+    hang = {"INPUT0": np.array([HANG_CUE, 30.0, 0, 0], np.float32)}
+
+    async def run() -> tuple[BaseException | None, bool, bool]:
+        await engine.start()
+        dispatcher = engine._dispatchers["hanging"]
+        lane = dispatcher.executor.direct
+        held = None
+        try:
+            await engine.infer("hanging", {"INPUT0": np.ones(4, np.float32)})  # measured
+            held = asyncio.ensure_future(engine.infer("hanging", hang))  # in the process
+            for _ in range(1000):
+                if dispatcher.in_flight:
+                    break
+                await asyncio.sleep(0.01)
+            error = None
+            try:  # spilled, and hangs on the lane's thread too
+                await asyncio.wait_for(engine.infer("hanging", hang), 20.0)
+            except asyncio.TimeoutError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the answer under test
+                error = exc
+            still = lane.spilled
+            lane.model.api.release.set()  # the copy in this process returns
+            for _ in range(1000):
+                if not lane.spilled:
+                    break
+                await asyncio.sleep(0.01)
+            return error, still, lane.spilled
+        finally:
+            await engine.stop(drain_timeout_s=0.0)
+            if held is not None:
+                held.cancel()
+
+    error, spilled_while_hanging, spilled_after = asyncio.run(run())
+    assert error is not None and "execution timeout" in str(error)
+    assert spilled_while_hanging and not spilled_after
+    assert engine.stats("hanging")["direct_spills"] == 1
+

@@ -30,8 +30,9 @@ same conditions on traffic; the dispatcher sends such a batch at once rather tha
 until the running batch is back (``Dispatcher._spills``).
 
 What a direct batch gives up, and why that is acceptable for it: no execution timeout
-(nothing can interrupt the loop) and no crash isolation. Only batches measured to take
-a millisecond or two qualify, and only once the model has answered batches in its
+on the loop (nothing can interrupt it; a spilled batch past its timeout is answered
+then, and no other batch spills until it returns) and no crash isolation. Only batches
+measured to take a millisecond or two qualify (up to 50 ms for the spill), and only once the model has answered batches in its
 device process (before that nothing is measured, so nothing runs directly). Batches
 with LoRA adapters, and models with ``compile`` on, always go to the device process:
 the adapters and the compiled model live there.
@@ -147,9 +148,20 @@ class DirectLane:
         if where == "thread":
             self.spills += 1
             self.spilled = True
+            answered = [False]
+
+            def finish(attempts: list[Attempt]) -> None:
+                if not answered[0]:
+                    answered[0] = True
+                    on_done(attempts)
+
+            started = self.clock.now() if self.clock is not None else 0.0
+            timeout_s = self.model.batch_times.timeout_s(batch.config)
+            timer = None if timeout_s is None else self.loop.call_later(
+                timeout_s, self._spill_overdue, batch, finish, started, timeout_s)
             run = self.loop.run_in_executor(self._thread(), batch_attempts, self.model, batch,
                                             self.device, self.clock)
-            run.add_done_callback(lambda done: self._spill_done(done, on_done))
+            run.add_done_callback(lambda done: self._spill_done(done, finish, timer))
             return
         self.running = True
         self.loop.call_soon(self._run, batch, on_done)
@@ -163,9 +175,27 @@ class DirectLane:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"direct-{self.model.name}")
         return self._pool
 
-    def _spill_done(self, done: asyncio.Future, on_done: Callable[[list[Attempt]], None]) -> None:
+    def _spill_done(self, done: asyncio.Future, finish: Callable[[list[Attempt]], None],
+                    timer: asyncio.TimerHandle | None) -> None:
+        if timer is not None:
+            timer.cancel()
         self.spilled = False
-        on_done(done.result())  # batch_attempts answers every failure as an attempt
+        finish(done.result())  # batch_attempts answers every failure as an attempt (and
+        # a batch answered at its timeout already is not answered twice)
+
+    def _spill_overdue(self, batch: Batch, finish: Callable[[list[Attempt]], None],
+                       started: float, timeout_s: float) -> None:
+        """A spilled batch past its execution timeout: a thread cannot be stopped, so its
+        requests are answered now and it stays ``spilled`` (no other batch spills, the
+        device process serves them) until it returns."""
+        now = self.clock.now()
+        log.error("model %r: a batch of %d on the direct lane's thread has run past its "
+                  "execution timeout of %g ms; its requests are answered now", self.model.name,
+                  len(batch.requests), timeout_s * 1000.0)
+        finish([Attempt(0, len(batch.requests), "timeout", started, now, now - started,
+                        error=f"the batch ran past model {self.model.name!r}'s execution "
+                              "timeout; retry, and fix the model or raise execution_timeout_ms",
+                        timeout_s=timeout_s)])
 
     def close(self) -> None:
         """Let the lane's thread go once a batch on it has returned."""
