@@ -49,6 +49,12 @@ def send(url: str, n: int) -> list[int]:
     return statuses
 
 
+def httpx_get(url: str) -> str:
+    import httpx
+
+    return httpx.get(url, timeout=10).text
+
+
 def dropped(url: str) -> float:
     import httpx
 
@@ -103,7 +109,9 @@ def test_serving_survives_the_fault_and_the_loss_is_counted_exactly(kind, tmp_pa
             undo_fault(kind, folder, db)
         serve(200)
         # recording is back: the drop report is written with the first rows after the fix
-        assert wait_for(lambda: recorded(db)[1].get("by_kind", {}).get("requests", 0) > 0)
+        assert wait_for(lambda: recorded(db)[1].get("by_kind", {}).get("requests", 0) > 0), (
+            recorded(db)[1], [ln for ln in httpx_get(server.url + "/metrics").splitlines()
+                              if ln.startswith("batchscope_recorder")], "".join(server.tail))
         serve(100)
         server.stop()
         arrivals, report = recorded(db)

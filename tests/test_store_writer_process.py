@@ -146,6 +146,29 @@ def test_a_growing_backlog_gets_the_child_a_fair_cpu_share(db):
     assert count(db, RequestRecord) == 60
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or os.geteuid() != 0,
+                    reason="leaving SCHED_IDLE needs Linux and, for most users, privileges")
+def test_a_starved_idle_child_is_given_a_fair_share_by_the_parent(db, db_url):
+    """On a machine whose CPUs are never idle an idle-scheduled child does not run at all,
+    so it cannot ask for more itself: the parent, not answered within STARVED_AFTER_S,
+    gives it a fair share (here called directly; the wait is what calls it)."""
+    rec = Recorder(db, writer_process=True)
+    rec.put(request(1))
+    assert rec.flush() == 1  # the child runs, idle
+    process = rec.process
+    pid = process.pid
+    assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+    process.boost()
+    assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+    assert os.getpriority(os.PRIO_PROCESS, pid) >= 10 and process.boosts == 1
+    process.boost()  # no longer idle: nothing to do
+    assert process.boosts == 1
+    rec.put(request(2))
+    assert rec.flush() == 1
+    rec.close()
+    assert count(db, RequestRecord) == 2
+
+
 def test_without_idle_scheduling_the_child_is_niced(db, db_url):
     rec = Recorder(db, writer_process=True)
     rec.process = WriterProcess(db_url, idle=False, nice=5)

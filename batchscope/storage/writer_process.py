@@ -57,6 +57,10 @@ URGENT_BACKLOG = 0.25
 CALM_BACKLOG = 0.05
 #: how long a new child may take to import and connect
 START_TIMEOUT_S = 60.0
+#: an idle-scheduled child that has not answered (or started) within this long is given a
+#: fair CPU share by the parent: on a machine whose CPUs are never idle it would otherwise
+#: not run at all, and could not ask for more itself
+STARVED_AFTER_S = 0.5
 _STOP = b"stop"
 _OK = b"ok"
 _READY = b"ready"
@@ -143,6 +147,8 @@ class WriterProcess:
         self.reply_timeout_s = reply_timeout_s
         self.start_timeout_s = start_timeout_s
         self.starts = 0
+        #: times the parent gave a starved idle child a fair CPU share (``boost``)
+        self.boosts = 0
         self._proc: Any = None
         self._conn: Any = None
         self._getters: dict[type, Any] = {}
@@ -157,7 +163,7 @@ class WriterProcess:
         self._proc, self._conn = child.process, child.conn
         parent = child.conn
         self.starts += 1
-        if not parent.poll(self.start_timeout_s):
+        if not self._answered(parent, self.start_timeout_s):
             self.stop()
             raise RemoteWriteError(f"the database writer process did not start within "
                                    f"{self.start_timeout_s:.0f} s")
@@ -186,7 +192,7 @@ class WriterProcess:
         conn = self._conn
         try:
             conn.send_bytes(payload)
-            if not conn.poll(self.reply_timeout_s):
+            if not self._answered(conn, self.reply_timeout_s):
                 self.stop(timeout_s=1.0)  # it does not answer: do not wait long for it
                 raise RemoteWriteError(f"the database writer process did not answer within "
                                        f"{self.reply_timeout_s:.0f} s; it was stopped")
@@ -199,6 +205,33 @@ class WriterProcess:
             name, message = pickle.loads(reply)
             raise RemoteWriteError(f"{name}: {message}")
         self.priority = reply[len(_OK):].decode() or self.priority
+
+    def _answered(self, conn: Any, timeout_s: float) -> bool:
+        """Whether the child answers within ``timeout_s``; past ``STARVED_AFTER_S`` an
+        idle-scheduled child gets a fair CPU share (``nice``) from here."""
+        if conn.poll(min(timeout_s, STARVED_AFTER_S)):
+            return True
+        if timeout_s <= STARVED_AFTER_S:
+            return False
+        self.boost()
+        return conn.poll(timeout_s - STARVED_AFTER_S)
+
+    def boost(self) -> None:
+        """Give the child a fair CPU share (``SCHED_OTHER`` at ``nice``) when it was
+        started idle; its backlog rule may take it back to idle later."""
+        pid = self.pid
+        if pid is None or self.priority not in (None, "idle") or not self.idle \
+                or not hasattr(os, "SCHED_IDLE"):
+            return
+        try:
+            if os.sched_getscheduler(pid) != os.SCHED_IDLE:
+                return
+            os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, pid, max(os.getpriority(os.PRIO_PROCESS, pid),
+                                                     self.nice))
+            self.boosts += 1
+        except OSError:  # gone, or not allowed here: the timeouts still bound the wait
+            pass
 
     def stop(self, timeout_s: float = 5.0) -> None:
         proc, conn = self._proc, self._conn
