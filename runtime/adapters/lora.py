@@ -353,8 +353,10 @@ class AdapterBank:
     _held: dict[int, AdapterRef] = field(default_factory=dict)
     #: the rows of the running batch (None: no row has an adapter)
     rows: torch.Tensor | None = None
-    #: the same as each slot's rows (``segments``), for inputs of one vector per row
-    groups: list[tuple[int, Rows]] = field(default_factory=list)
+    #: the same as each slot's rows (``segments``), for inputs of one vector per row;
+    #: worked out by the first such layer of the batch
+    groups: list[tuple[int, Rows]] | None = None
+    _slots: list[int] | tuple[int, ...] = ()
     #: each held slot's largest rank (its stacked matrices are zero past it)
     _ranks: dict[int, int] = field(default_factory=dict)
     #: adapters put in a slot (reads of their files)
@@ -420,12 +422,12 @@ class AdapterBank:
             zero = self._capacity
             self.rows = torch.tensor([zero if r < 0 else r for r in rows], dtype=torch.int64,
                                      device=self.device)
-            self.groups = segments(rows, self.device)
+            self._slots, self.groups = rows, None
         try:
             yield
         finally:
             self.rows = None
-            self.groups = []
+            self._slots, self.groups = (), None
 
     @property
     def active(self) -> bool:
@@ -448,5 +450,7 @@ class AdapterBank:
         # tokens per row the gather's copies are shared by the tokens and it is the
         # faster one
         if x.dim() == 2:
+            if self.groups is None:
+                self.groups = segments(self._slots, self.device)
             return segment_add(y, x, stack.a, stack.b, self.groups, self._ranks)
         return y + lora_term(x, stack.a, stack.b, rows)
