@@ -233,8 +233,6 @@ def run_speculation(*, requests_batch1: int = 8, requests_batched: int = 32,
     base = GenerationConfig(max_model_len=1024, num_cache_blocks=1024,
                             max_num_batched_tokens=max(512, 64 * (k + 1)),
                             num_speculative_tokens=k, max_queue_size=1024)
-    # warm up the kernels and the allocator outside the measurement
-    run_mode(target, base, [Job(0.0, plain_prompts[0], 8)], device=device)
     rows, ratios = [], {}
     for case, prompts, seqs, auto, methods in cases:
         jobs = [Job(0.0, p, output_tokens) for p in prompts]
@@ -243,6 +241,10 @@ def run_speculation(*, requests_batch1: int = 8, requests_batched: int = 32,
         for method in methods:
             config = base.with_changes({"max_num_seqs": seqs, "speculative_method": method,
                                         "spec_auto_switch": auto})
+            # each configuration's first steps of a new shape (a verification's width, the
+            # draft model's own kernels) pay one-time costs: warm them up outside the measure
+            run_mode(target, config, [Job(0.0, p, 8) for p in prompts], device=device,
+                     draft_model=draft)
             outs: list = []
             row = run_mode(target, config, jobs, device=device, draft_model=draft, outputs=outs)
             if method == "none":

@@ -63,7 +63,8 @@ SECTIONS = [
     Section("generation", dc.generation, 60, claims={
         "generation.continuous": "continuous batching outperforms static on the GPU"}),
     Section("model_files", dc.model_files, 45, claims={
-        "files.hf": "an hf: model (all-MiniLM-L6-v2) on CUDA equals the CPU",
+        "files.hf": "an hf: model (all-MiniLM-L6-v2, else a tiny BERT made there) on CUDA equals the CPU",
+        "files.pt2": "a pt2: model (the encoder, exported there) on CUDA equals the CPU",
         "files.onnx_cuda": "an onnx: model with provider=cuda equals provider=cpu"}),
     Section("compile", dc.compile_modes, 90, cuda_only=True, claims={
         "compile.reduce_overhead": "compile=reduce-overhead equals eager on CUDA (time beside)"}),

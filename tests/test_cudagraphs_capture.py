@@ -222,6 +222,17 @@ def test_fake_replays_what_it_captured(cuda):
     assert (stats["graphs"], stats["captures"], stats["replays"], stats["eager_runs"]) == (1, 1, 2, 0)
 
 
+def test_a_graph_captured_under_inference_mode_replays_outside_it(cuda):
+    """``run_batch`` captures under ``torch.inference_mode()``, so the static inputs are
+    inference tensors; a caller outside inference mode (a benchmark, a user's loop) must
+    still be able to replay (torch refuses in-place copies into them outside it)."""
+    runner = runner_for(Scale(cuda))
+    with torch.inference_mode():
+        assert runner.run({"x": rows(2), "factor": 3.0}, 2)[1] is True
+    out, as_graph = runner.run({"x": rows(2, 50.0), "factor": 3.0}, 2)
+    assert as_graph and torch.equal(out, rows(2, 50.0) * 3)
+
+
 # -- 3: capture while another thread works on the device ------------------------------------
 def test_capture_is_thread_local_so_another_threads_work_goes_on(cuda):
     """A decoder step (it reads its sampled tokens back: a sync) on another thread,

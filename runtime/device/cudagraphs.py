@@ -349,6 +349,11 @@ class CudaGraphRunner:
         for a fixed-length model); such a batch is captured only when it equals
         ``bucket_edge``, the edge of the batch's length bucket (None: not bucketed).
         """
+        with torch.inference_mode():  # statics made in a capture under it accept copies only under it
+            return self._run(batch, n, padded_length, bucket_edge)
+
+    def _run(self, batch: Any, n: int, padded_length: int | None,
+             bucket_edge: int | None) -> tuple[Any, bool]:
         decision, key, size, why = self._plan(batch, n, padded_length, bucket_edge)
         if decision == REPLAY:
             self.book.used(key)
