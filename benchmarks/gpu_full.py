@@ -70,7 +70,9 @@ SECTIONS = [
         "compile.reduce_overhead": "compile=reduce-overhead equals eager on CUDA (time beside)"}),
     Section("speculation", dc.speculation, 60, claims={
         "speculation.same_tokens": "speculative decoding keeps the greedy tokens on the GPU",
-        "speculation.faster_at_batch_1": "speculative decoding raises tokens/s at batch 1"}),
+        "speculation.faster_at_batch_1": "speculative decoding raises tokens/s at batch 1",
+        "speculation.auto_switch": "batched, the auto-switch keeps tokens/s >= 0.95x of no "
+                                   "speculation"}),
     Section("chunked_prefill", dc.chunked_prefill, 30, claims={
         "chunked_prefill.same_tokens": "chunked prefill keeps every sequence's tokens",
         "chunked_prefill.itl": "chunked prefill lowers the running sequences' p99 inter-token "

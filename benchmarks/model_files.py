@@ -57,8 +57,14 @@ def export_onnx(name: str, path: Path) -> Path:
     return path
 
 
-def export_pt2(name: str, path: Path) -> Path:
+def export_pt2(name: str, path: Path, *, inferred_ranges: bool = False) -> Path:
+    """``inferred_ranges``: mark the dynamic axes ``Dim.DYNAMIC`` and let torch work out
+    their ranges, instead of the named ranges (some torch versions find a guard inside
+    ``nn.TransformerEncoder`` that a named range violates; ``export_pt2`` then retries so)."""
     net, args, dims, inputs, _ = _builtin(name)
+    if inferred_ranges:
+        dims = tuple({axis: torch.export.Dim.DYNAMIC for axis in d} for d in dims) \
+            if isinstance(dims, tuple) else {axis: torch.export.Dim.DYNAMIC for axis in dims}
     dynamic = dims if isinstance(dims, tuple) else (dims,)
 
     class Named(torch.nn.Module):  # forward's parameter names become the input names
@@ -70,7 +76,12 @@ def export_pt2(name: str, path: Path) -> Path:
         Named.forward = lambda self, INPUT0: {"OUTPUT0": self.net(INPUT0)}  # noqa: N803
     else:
         Named.forward = lambda self, INPUT_IDS, pad_mask: {"EMBEDDING": self.net(INPUT_IDS, pad_mask)}  # noqa: N803
-    program = torch.export.export(Named().eval(), args, dynamic_shapes=dynamic)
+    try:
+        program = torch.export.export(Named().eval(), args, dynamic_shapes=dynamic)
+    except Exception as exc:  # torch._dynamo.exc.UserError: "Constraints violated"
+        if inferred_ranges or "onstraints violated" not in str(exc):
+            raise
+        return export_pt2(name, path, inferred_ranges=True)
     torch.export.save(program, str(path))
     return path
 

@@ -75,6 +75,8 @@ def test_a_compiler_that_fails_leaves_the_model_eager_and_says_why():
     with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):  # a machine without a compiler
         [a] = run_batch(model, batch(model, 2), None, None, None, cfg, False, CPU, MonotonicClock())
     assert a.outcome == "ok" and a.compile_error
+    # the cause, not only the backend's first line ("backend='inductor' raised:")
+    assert not a.compile_error.rstrip().endswith("raised:") and "TORCH_LOGS" not in a.compile_error
     assert [o["OUTPUT0"].tolist() for o in a.outputs] == [[0, 2, 4, 6], [2, 4, 6, 8]]
     [b] = run_batch(model, batch(model, 2), None, None, None, cfg, False, CPU, MonotonicClock())
     assert b.outcome == "ok" and b.compile_error is None  # said once
@@ -103,3 +105,17 @@ def test_the_engine_books_a_compile_event_and_answers_every_request():
     assert [e.kind for e in events] == ["compile"], [e.message for e in events]
     details = json.loads(events[0].details_json)
     assert details["mode"] == "default" and details["compile_s"] > 0
+
+
+def test_a_backend_failure_is_described_by_its_cause():
+    """torch's BackendCompilerFailed puts the cause on the lines after "raised:"."""
+    class BackendCompilerFailed(Exception):
+        pass
+
+    exc = BackendCompilerFailed("backend='inductor' raised:\nCalledProcessError: Command "
+                                "'['/usr/bin/gcc', ...]' returned non-zero exit status 1.\n\n"
+                                "Set TORCH_LOGS=\"+dynamo\" and TORCHDYNAMO_VERBOSE=1 for more information")
+    said = compiled_mod.describe_failure(exc)
+    assert said == ("BackendCompilerFailed: backend='inductor' raised: CalledProcessError: Command "
+                    "'['/usr/bin/gcc', ...]' returned non-zero exit status 1.")
+    assert len(compiled_mod.describe_failure(Exception("x" * 5000))) == compiled_mod.MAX_REASON_CHARS

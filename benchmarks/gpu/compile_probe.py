@@ -42,7 +42,13 @@ def probe(name: str, device: str, mode: str) -> dict[str, Any]:
     variable = bool(model.variable_length)
     made = compiled_predict(model, mode, MonotonicClock())
     if made is None or made.error:
-        return {"error": made.error if made else "not compiled"}
+        out: dict[str, Any] = {"error": made.error if made else "not compiled"}
+        try:  # once more, directly, for the whole traceback
+            with torch.inference_mode():
+                torch.compile(model.predict, mode=mode)(model.collate(items[:2], 64 if variable else None))
+        except Exception:  # noqa: BLE001 - reported
+            out["traceback"] = traceback.format_exc()[-6000:]
+        return out
     rows = []
     for n in SIZES:
         with torch.inference_mode():

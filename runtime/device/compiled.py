@@ -131,10 +131,27 @@ def warm_up(model: Any, fn: Callable) -> int:
             with torch.inference_mode():
                 fn(batch)
         except Exception as exc:  # noqa: BLE001 - eager ran: the compiler failed
-            first = str(exc).strip().splitlines()
-            raise CompileFailed(f"{type(exc).__name__}: {first[0] if first else ''}"[:300]) from None
+            raise CompileFailed(describe_failure(exc)) from None
         ran += 1
     return ran
+
+
+#: the longest reason a compile failure gives (events and logs carry it)
+MAX_REASON_CHARS = 600
+
+
+def describe_failure(exc: BaseException) -> str:
+    """Why compiling failed, in a line: the error's type and its message's lines up to
+    torch's advice on logging. A backend error (``BackendCompilerFailed``) says only
+    "backend='inductor' raised:" on its first line; the cause is on the next ones."""
+    lines = []
+    for line in str(exc).strip().splitlines():
+        line = line.strip()
+        if line.startswith(("Set TORCH_LOGS", "You can suppress", "For even more", "Set TORCHDYNAMO")):
+            break
+        if line:
+            lines.append(line)
+    return f"{type(exc).__name__}: {' '.join(lines)}"[:MAX_REASON_CHARS]
 
 
 def compiled_frames() -> int:
