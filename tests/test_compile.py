@@ -119,3 +119,29 @@ def test_a_backend_failure_is_described_by_its_cause():
     assert said == ("BackendCompilerFailed: backend='inductor' raised: CalledProcessError: Command "
                     "'['/usr/bin/gcc', ...]' returned non-zero exit status 1.")
     assert len(compiled_mod.describe_failure(Exception("x" * 5000))) == compiled_mod.MAX_REASON_CHARS
+
+
+def test_a_compiler_that_fails_on_inference_tensors_gets_ordinary_ones(monkeypatch):
+    """torch 2.11's inductor (reduce-overhead, CUDA) failed on the mlp's inference-tensor
+    batch; the compiled model is then called on ordinary copies, outside inference mode."""
+    real = torch.compile
+    calls = []
+
+    def picky_compile(fn, mode=None):
+        compiled = real(fn, mode="default")
+
+        def call(batch):
+            calls.append(batch.is_inference())
+            if batch.is_inference() or torch.is_inference_mode_enabled():
+                raise RuntimeError("backend='inductor' raised:\nRuntimeError: <weakref to UntypedStorage>")
+            return compiled(batch)
+        return call
+
+    monkeypatch.setattr(torch, "compile", picky_compile)
+    model = DoubleModel()
+    model.setup(CPU)
+    cfg = BatchingConfig(compile="reduce-overhead")
+    [a] = run_batch(model, batch(model, 3), None, None, None, cfg, False, CPU, MonotonicClock())
+    assert a.outcome == "ok" and a.compile_error is None, a.compile_error
+    assert [o["OUTPUT0"].tolist() for o in a.outputs][0] == [0, 2, 4, 6]
+    assert calls[0] is True and calls[-1] is False  # refused once, then ordinary tensors

@@ -10,6 +10,7 @@ import asyncio
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +21,8 @@ from runtime.generation.config import GenerationConfig
 from runtime.generation.draft import bundled_draft, patterned_target
 from runtime.generation.engine import GenerationEngine
 from runtime.generation.runner import StepRunner
-from runtime.generation.spec import (DraftProposer, NgramProposer, Proposal, SpecController,
+from runtime.generation.scheduler import Sequence
+from runtime.generation.spec import (DraftProposer, DraftRequest, NgramProposer, Proposal, SpecController,
                                      chi_square_p_value, rejection_sample, verify_greedy)
 from runtime.generation.toys import SteppedModel
 from runtime.models.decoder import TinyDecoder
@@ -269,6 +271,34 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert ng.lookup([4, 4], 3) == [4]
     with pytest.raises(ConfigError):
         NgramProposer(3, 2)
+
+
+def reference_lookup(context: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup by brute force: the longest n first, its latest earlier match."""
+    for n in range(min(max_n, len(context) - 1), min_n - 1, -1):
+        suffix = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == suffix:
+                return context[start + n:start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("min_n, max_n", [(1, 4), (2, 3), (1, 1), (3, 5)])
+def test_prompt_lookup_grown_step_by_step_equals_brute_force(min_n, max_n):
+    """The proposer keeps each sequence's tokens between steps; whatever the steps append
+    (one token, an accepted run), every proposal equals the brute-force lookup."""
+    rng = np.random.default_rng(min_n * 10 + max_n)
+    ng = NgramProposer(min_n, max_n)
+    seqs = [Sequence(seq_id=i, prompt_ids=rng.integers(0, 6, rng.integers(1, 40)).tolist(),
+                     max_new_tokens=500, priority=0, arrival_s=0.0) for i in range(4)]
+    for _ in range(60):
+        got = ng.propose([DraftRequest(s, 3) for s in seqs])
+        for s, proposal in zip(seqs, got):
+            assert proposal.token_ids == reference_lookup(s.prompt_ids + s.output_ids, 3, min_n, max_n)
+            s.output_ids.extend(rng.integers(0, 6, rng.integers(1, 5)).tolist())
+    ng.release(0)
+    ng.propose([DraftRequest(seqs[1], 3)])
+    assert 0 not in ng._tokens and 1 in ng._tokens
 
 
 # -- requests and settings -----------------------------------------------------------------------

@@ -49,7 +49,10 @@ def probe(name: str, device: str, mode: str) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - reported
             out["traceback"] = traceback.format_exc()[-6000:]
         return out
-    rows = []
+    rows: list[dict[str, Any]] = []
+    # compiled_predict falls back to ordinary tensors outside inference mode when the
+    # compiler fails on inference tensors: say which ran
+    outside = "outside_inference_mode" in getattr(made.predict, "__qualname__", "")
     for n in SIZES:
         with torch.inference_mode():
             batch = model.collate(items[:n], 64 if variable else None)
@@ -62,7 +65,7 @@ def probe(name: str, device: str, mode: str) -> dict[str, Any]:
         rows.append({"n": n, "max_abs_diff": diff, "eager_ms": round(eager_ms, 4),
                      "compiled_ms": round(comp_ms, 4), "warm_up_s": round(made.warm_up_s, 2),
                      "speedup": round(eager_ms / comp_ms, 2) if comp_ms else None})
-    return {"rows": rows}
+    return {"rows": rows, "outside_inference_mode": outside}
 
 
 def guarded(name: str, device: str, mode: str) -> dict[str, Any]:

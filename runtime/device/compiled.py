@@ -29,6 +29,7 @@ model-specific (``benchmarks/bench_compile.py`` measures it per model and batch 
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ MODES = ("off", "default", "reduce-overhead", "max-autotune")
 #: 0 and 1 graphs of their own) with the length already dynamic
 WARM_UP_SHAPES = ((2, 8), (3, 16), (1, 8))
 
+log = logging.getLogger("batchscope.compile")
 _compiled: "weakref.WeakKeyDictionary[Any, tuple[str, Callable]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -82,10 +84,34 @@ def compiled_predict(model: Any, mode: str, clock: Any) -> Compiled | None:
         try:
             warm_up(model, fn)
         except CompileFailed as exc:
-            _compiled[model] = (mode, model.predict)
-            return Compiled(model.predict, clock.now() - started, str(exc))
+            # some torch versions fail on inference tensors (torch 2.11 with
+            # reduce-overhead on CUDA): the compiled model gets ordinary tensors instead
+            fn = outside_inference_mode(torch.compile(model.predict, mode=mode))
+            try:
+                warm_up(model, fn)
+            except CompileFailed:
+                _compiled[model] = (mode, model.predict)
+                return Compiled(model.predict, clock.now() - started, str(exc))
+            log.info("model %s compiled (%s) to run outside inference mode: under it, %s",
+                     getattr(model, "name", "?"), mode, exc)
         _compiled[model] = (mode, fn)
         return Compiled(fn, clock.now() - started)
+
+
+def outside_inference_mode(fn: Callable) -> Callable:
+    """``fn`` called with grad off but outside inference mode, on ordinary copies of
+    the batch's inference tensors (the batch is collated under inference mode)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def ordinary(x: Any) -> Any:
+        return x.clone() if isinstance(x, torch.Tensor) and x.is_inference() else x
+
+    def call(batch: Any) -> Any:
+        with torch.inference_mode(False), torch.no_grad():
+            return fn(tree_map(ordinary, batch))
+
+    return call
 
 
 class CompileFailed(Exception):

@@ -77,7 +77,13 @@ class _Releases:
 # -- prompt lookup --------------------------------------------------------------------------
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the
-    sequence's last n tokens (n from ``max_n`` down to ``min_n``), in its prompt and output."""
+    sequence's last n tokens (n from ``max_n`` down to ``min_n``), in its prompt and output.
+
+    Each sequence's tokens are kept in a growing array between steps (only the tokens
+    accepted since the last step are appended), and one comparison over it finds the
+    earlier positions of the last token; longer n-grams only filter those. A step costs
+    a few microseconds per sequence however long its context, instead of copying and
+    scanning the whole context once per n."""
 
     method = "ngram"
 
@@ -86,27 +92,59 @@ class NgramProposer:
             raise ConfigError(f"prompt lookup needs 1 <= prompt_lookup_min ({min_n}) <= "
                               f"prompt_lookup_max ({max_n})")
         self.min_n, self.max_n = min_n, max_n
+        #: seq_id -> (its tokens so far, in an array with room to grow; how many)
+        self._tokens: dict[int, tuple[np.ndarray, int]] = {}
+        self._releases = _Releases()
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        return [Proposal(self.lookup(r.seq.prompt_ids + r.seq.output_ids, r.k))
-                for r in requests]
+        for seq_id in self._releases.take():
+            self._tokens.pop(seq_id, None)
+        return [Proposal(self._lookup_in(self._synced(r.seq), r.k)) for r in requests]
+
+    def _synced(self, seq: Sequence) -> np.ndarray:
+        """The sequence's tokens as an array, appending only what is new."""
+        n_prompt, n = len(seq.prompt_ids), len(seq.prompt_ids) + len(seq.output_ids)
+        held = self._tokens.get(seq.seq_id)
+        if held is None or held[1] > n or held[1] < n_prompt:
+            buf, have = np.empty(max(64, 2 * n), dtype=np.int64), 0
+        else:
+            buf, have = held
+        if have < n_prompt:
+            buf[:n_prompt] = seq.prompt_ids
+            have = n_prompt
+        if have < n:
+            if n > buf.size:
+                grown = np.empty(2 * n, dtype=np.int64)
+                grown[:have] = buf[:have]
+                buf = grown
+            buf[have:n] = seq.output_ids[have - n_prompt:]
+        self._tokens[seq.seq_id] = (buf, n)
+        return buf[:n]
 
     def lookup(self, context: list[int], k: int) -> list[int]:
-        n_ctx = len(context)
+        """The proposal for ``context`` (kept nowhere: for one-off calls and tests)."""
+        return self._lookup_in(np.asarray(context, dtype=np.int64), k)
+
+    def _lookup_in(self, arr: np.ndarray, k: int) -> list[int]:
+        n_ctx = arr.size
         if k <= 0 or n_ctx < self.min_n + 1:
             return []
-        arr = np.asarray(context, dtype=np.int64)
-        for n in range(min(self.max_n, n_ctx - 1), self.min_n - 1, -1):
-            # windows that start early enough to be followed by at least one token
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return arr[start:start + k].tolist()
-        return []
+        # positions (before the last) holding the last token: where an n-gram ending
+        # there is followed by at least one token
+        ends = np.flatnonzero(arr[:-1] == arr[-1])
+        best = None
+        for n in range(1, min(self.max_n, n_ctx - 1) + 1):
+            if n > 1:  # the n-gram's earlier tokens match too
+                ends = ends[ends >= n - 1]
+                ends = ends[arr[ends - (n - 1)] == arr[n_ctx - n]]
+            if not ends.size:
+                break
+            if n >= self.min_n:
+                best = int(ends[-1]) + 1
+        return [] if best is None else arr[best:best + k].tolist()
 
     def release(self, seq_id: int) -> None:
-        pass
+        self._releases.release(seq_id)
 
 
 # -- a draft model --------------------------------------------------------------------------

@@ -91,7 +91,14 @@ class ExportedModel(GraphModel):
 
     def setup(self, device: Any) -> None:
         self.device = torch.device(device)
-        self.module = load_program(self.spec).module().to(self.device)
+        program = load_program(self.spec)
+        if self.device.type != "cpu":
+            # the graph holds the device it was exported on (tensors it makes, constants):
+            # moving the module's weights alone leaves those on the CPU
+            from torch.export.passes import move_to_device_pass
+
+            program = move_to_device_pass(program, self.device)
+        self.module = program.module().to(self.device)
         self._order = [t.name for t in self.signature.inputs]
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[torch.Tensor]:
