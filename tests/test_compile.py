@@ -145,3 +145,29 @@ def test_a_compiler_that_fails_on_inference_tensors_gets_ordinary_ones(monkeypat
     assert a.outcome == "ok" and a.compile_error is None, a.compile_error
     assert [o["OUTPUT0"].tolist() for o in a.outputs][0] == [0, 2, 4, 6]
     assert calls[0] is True and calls[-1] is False  # refused once, then ordinary tensors
+
+
+def test_compiling_happens_off_the_serving_thread(monkeypatch):
+    """What a failed compile leaves in the thread that ran it (torch 2.11 broke its
+    dispatcher state) must not reach the thread that serves the model."""
+    import threading
+
+    seen = []
+    real = torch.compile
+
+    def noting_compile(fn, mode=None):
+        compiled = real(fn, mode="default")
+
+        def call(batch):
+            seen.append(threading.current_thread().name)
+            return compiled(batch)
+        return call
+
+    monkeypatch.setattr(torch, "compile", noting_compile)
+    model = DoubleModel()
+    model.setup(CPU)
+    [a] = run_batch(model, batch(model, 2), None, None, None, BatchingConfig(compile="default"),
+                    False, CPU, MonotonicClock())
+    assert a.outcome == "ok" and a.compile_error is None
+    warm, served = seen[:-1], seen[-1]
+    assert warm and set(warm) == {"batchscope-compile"} and served == threading.current_thread().name

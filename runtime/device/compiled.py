@@ -29,6 +29,7 @@ model-specific (``benchmarks/bench_compile.py`` measures it per model and batch 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -82,13 +83,13 @@ def compiled_predict(model: Any, mode: str, clock: Any) -> Compiled | None:
         fn = torch.compile(model.predict, mode=mode)
         started = clock.now()
         try:
-            warm_up(model, fn)
+            in_own_thread(lambda: warm_up(model, fn))
         except CompileFailed as exc:
             # some torch versions fail on inference tensors (torch 2.11 with
             # reduce-overhead on CUDA): the compiled model gets ordinary tensors instead
             fn = outside_inference_mode(torch.compile(model.predict, mode=mode))
             try:
-                warm_up(model, fn)
+                in_own_thread(lambda: warm_up(model, fn))
             except CompileFailed:
                 _compiled[model] = (mode, model.predict)
                 return Compiled(model.predict, clock.now() - started, str(exc))
@@ -96,6 +97,54 @@ def compiled_predict(model: Any, mode: str, clock: Any) -> Compiled | None:
                      getattr(model, "name", "?"), mode, exc)
         _compiled[model] = (mode, fn)
         return Compiled(fn, clock.now() - started)
+
+
+def in_own_thread(work: Callable[[], Any]) -> Any:
+    """``work()`` on a thread of its own, its result or its exception. A compile that
+    fails inside inductor can leave the calling thread's dispatcher state broken (torch
+    2.11: every later tensor operation on that thread raised "PythonDispatcherTLS was
+    not set"), so the thread that serves the model never compiles it itself."""
+    box: dict[str, Any] = {}
+    modules = _config_modules()
+    wanted = [m.get_config_copy() for m in modules]  # torch's configs are per thread
+
+    def run() -> None:
+        try:
+            with contextlib.ExitStack() as stack:
+                for module, want in zip(modules, wanted):
+                    changed = _differing(module.get_config_copy(), want)
+                    if changed:
+                        stack.enter_context(module.patch(changed))
+                box["result"] = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="batchscope-compile", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def _config_modules() -> list[Any]:
+    import torch._dynamo.config as dynamo
+    import torch._inductor.config as inductor
+
+    return [dynamo, inductor]
+
+
+def _differing(have: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+    """The settings of ``want`` whose values differ from ``have``."""
+    out = {}
+    for key, value in want.items():
+        try:
+            same = bool(have.get(key) == value)
+        except Exception:  # noqa: BLE001 - a value without a plain equality
+            same = False
+        if not same:
+            out[key] = value
+    return out
 
 
 def outside_inference_mode(fn: Callable) -> Callable:
