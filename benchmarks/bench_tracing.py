@@ -22,6 +22,7 @@ from noise and placed.
 
     python -m benchmarks.bench_tracing                      # 4 rounds of 10-s slices
     python -m benchmarks.bench_tracing --rounds 2 --slice-s 5
+    python -m benchmarks.bench_tracing --modes otel_1_in_100 --rounds 10   # one mode against off
 """
 
 from __future__ import annotations
@@ -106,7 +107,10 @@ def main() -> None:
     ap.add_argument("--slice-s", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--model", default="mlp")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="the modes to alternate, comma-separated (off always included)")
     args = ap.parse_args()
+    modes = ["off"] + [m for m in args.modes.split(",") if m in MODES and m != "off"]
     ctx = mp.get_context("spawn")
     count = ctx.Value("q", 0)
     parent, child = ctx.Pipe()
@@ -117,13 +121,13 @@ def main() -> None:
     server = Server([sys.executable, "-m", "runtime", "serve", "--model", args.model,
                      "--port", "0", "--db", f"sqlite:///{db}",
                      "--otlp-traces-endpoint", f"http://127.0.0.1:{port}"])
-    results: dict[str, list] = {m: [] for m in MODES}
-    cpus: dict[str, list] = {m: [] for m in MODES}
+    results: dict[str, list] = {m: [] for m in modes}
+    cpus: dict[str, list] = {m: [] for m in modes}
     try:
         with httpx.Client(base_url=server.url, timeout=30) as http:
             run_load(server.url, args.model, concurrency=args.clients, duration_s=2.0)  # warm
             for r in range(args.rounds):
-                order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
+                order = list(modes) if r % 2 == 0 else list(reversed(modes))
                 for mode in order:
                     assert http.post("/v2/trace/setting", json=MODES[mode]).status_code == 200
                     with CpuShare(server.proc.pid) as cpu:
