@@ -6,10 +6,19 @@ the plain one-forward-per-request server, each measured the same way in the same
 latency at an open-loop rate of 20 % of the plain server's 64-client throughput (so both
 keep up). ``bench_serving --only short`` runs it and prints each figure as BatchScope /
 the plain server.
+
+This machine's speed drifts by more than the differences measured, so each figure is
+taken on every server back to back (the order turning each round), and the run is
+repeated ``rounds`` times, every server started afresh each round (a short benchmark
+meets a server that has learned nothing yet). Each round also measures the model alone
+(``offline``: the encoder in length-sorted batches of 32) right after its 64-client
+windows. ``ratios`` gives the median over the rounds of each round's ratio.
 """
 
 from __future__ import annotations
 
+import contextlib
+import statistics
 from typing import Any, Callable, Sequence
 
 from batchscope.load.loadgen import run_load
@@ -39,32 +48,43 @@ def measure(url: str, model: str, **options: Any) -> dict[str, Any]:
 
 
 def short_runs(servers: Sequence[tuple[str, Callable[[], Any]]],
-               models: Sequence[str] = ("mlp", "encoder")) -> dict[str, Any]:
+               models: Sequence[str] = ("mlp", "encoder"), rounds: int = 3,
+               offline: Callable[[str], float | None] | None = None) -> dict[str, Any]:
     """``servers``: (label, a context manager factory yielding the URL), the plain server
-    last (its throughput sets the open-loop rate). Figures per label, model and load."""
-    out: dict[str, Any] = {}
-    closed = {}
-    for label, serve in servers:
-        with serve() as url:
+    last (its throughput sets the open-loop rate); ``offline(model)``: the model's own
+    throughput to compare the 64-client figure with (None: none). Figures per round,
+    label, model and load: ``{"rounds": [{"LABEL/MODEL/c64": {...}, ...}, ...]}``."""
+    out: dict[str, Any] = {"rounds": []}
+    plain = servers[-1][0]
+    for r in range(rounds):
+        order = list(servers) if r % 2 == 0 else list(reversed(servers))
+        got: dict[str, Any] = {}
+        print(f"  round {r + 1} of {rounds}", flush=True)
+        with contextlib.ExitStack() as stack:
+            urls = {label: stack.enter_context(serve()) for label, serve in servers}
             for model in models:
                 for c in CLIENTS:
-                    r = measure(url, model, concurrency=c)
-                    out[f"{label}/{model}/c{c}"] = r
-                    closed[(label, model, c)] = r["throughput_rps"]
-                    print(f"  {label:10s} {model:8s} c={c:<3d} {r['throughput_rps']:9.1f} req/s  "
-                          f"p50 {r['latency_p50_ms'] or 0:7.2f} ms  p99 {r['latency_p99_ms'] or 0:7.2f} ms",
+                    for label, _ in order:
+                        res = measure(urls[label], model, concurrency=c)
+                        got[f"{label}/{model}/c{c}"] = res
+                        print(f"  {label:10s} {model:8s} c={c:<3d} {res['throughput_rps']:9.1f} req/s  "
+                              f"p50 {res['latency_p50_ms'] or 0:7.2f} ms  p99 "
+                              f"{res['latency_p99_ms'] or 0:7.2f} ms", flush=True)
+                        if "cpu" in res:
+                            print("    " + cpu_line(res["cpu"]), flush=True)
+                ceiling = offline(model) if offline is not None else None
+                if ceiling:
+                    got[f"offline/{model}"] = ceiling
+                    print(f"  {'offline':10s} {model:8s} {ceiling:9.1f} items/s (the model alone)",
                           flush=True)
-                    if "cpu" in r:
-                        print("    " + cpu_line(r["cpu"]), flush=True)
-    plain = servers[-1][0]
-    rates = {m: OPEN_SHARE * closed[(plain, m, CLIENTS[-1])] for m in models}
-    for label, serve in servers:
-        with serve() as url:
             for model in models:
-                r = measure(url, model, rate=rates[model])
-                out[f"{label}/{model}/open"] = r
-                print(f"  {label:10s} {model:8s} open {rates[model]:7.1f}/s  "
-                      f"p99 {r['latency_p99_ms'] or 0:7.2f} ms", flush=True)
+                rate = OPEN_SHARE * got[f"{plain}/{model}/c{CLIENTS[-1]}"]["throughput_rps"]
+                for label, _ in order:
+                    res = measure(urls[label], model, rate=rate)
+                    got[f"{label}/{model}/open"] = res
+                    print(f"  {label:10s} {model:8s} open {rate:7.1f}/s  "
+                          f"p99 {res['latency_p99_ms'] or 0:7.2f} ms", flush=True)
+        out["rounds"].append(got)
     return out
 
 
@@ -77,16 +97,28 @@ def cpu_line(cpu: dict[str, Any]) -> str:
 
 def ratios(out: dict[str, Any], ours: str, plain: str,
            models: Sequence[str] = ("mlp", "encoder")) -> dict[str, float]:
-    got: dict[str, float] = {}
+    """The median over the rounds of each round's ratios (``round_ratios``)."""
+    per_round = [round_ratios(got, ours, plain, models) for got in out["rounds"]]
+    return {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}
+
+
+def round_ratios(got: dict[str, Any], ours: str, plain: str,
+                 models: Sequence[str] = ("mlp", "encoder")) -> dict[str, float]:
+    """One round's figures as ours / the plain server (and / the model alone)."""
+    ratio: dict[str, float] = {}
     for model in models:
         for c in CLIENTS:
-            a, b = out[f"{ours}/{model}/c{c}"], out[f"{plain}/{model}/c{c}"]
-            got[f"short_{model}_c{c}_throughput_vs_plain"] = a["throughput_rps"] / b["throughput_rps"]
+            a, b = got[f"{ours}/{model}/c{c}"], got[f"{plain}/{model}/c{c}"]
+            ratio[f"short_{model}_c{c}_throughput_vs_plain"] = a["throughput_rps"] / b["throughput_rps"]
             if c == 1:
-                got[f"short_{model}_c1_p50_minus_plain_ms"] = (a["latency_p50_ms"] or 0) - (b["latency_p50_ms"] or 0)
-        cpu = out[f"{ours}/{model}/c{CLIENTS[-1]}"].get("cpu")
+                ratio[f"short_{model}_c1_p50_minus_plain_ms"] = (a["latency_p50_ms"] or 0) - (b["latency_p50_ms"] or 0)
+        top = got[f"{ours}/{model}/c{CLIENTS[-1]}"]
+        cpu = top.get("cpu")
         if cpu:
-            got[f"short_{model}_c{CLIENTS[-1]}_share_of_cpu_bound"] = cpu["share_of_cpu_bound"]
-        a, b = out[f"{ours}/{model}/open"], out[f"{plain}/{model}/open"]
-        got[f"short_{model}_open20_p99_vs_plain"] = (a["latency_p99_ms"] or 0) / (b["latency_p99_ms"] or 1)
-    return got
+            ratio[f"short_{model}_c{CLIENTS[-1]}_share_of_cpu_bound"] = cpu["share_of_cpu_bound"]
+        ceiling = got.get(f"offline/{model}")
+        if ceiling:
+            ratio[f"short_{model}_c{CLIENTS[-1]}_vs_offline"] = top["throughput_rps"] / ceiling
+        a, b = got[f"{ours}/{model}/open"], got[f"{plain}/{model}/open"]
+        ratio[f"short_{model}_open20_p99_vs_plain"] = (a["latency_p99_ms"] or 0) / (b["latency_p99_ms"] or 1)
+    return ratio

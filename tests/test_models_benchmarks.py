@@ -137,3 +137,23 @@ def test_cpu_share_reads_a_process_tree_and_works_out_the_bound():
     assert summary["total_cpu_us_per_request"] == pytest.approx(100.0)
     assert summary["cpu_bound_rps"] == pytest.approx(20_000.0)
     assert summary["share_of_cpu_bound"] == pytest.approx(0.5)
+
+
+def test_short_runs_ratios_are_the_medians_of_each_rounds_ratios():
+    from benchmarks.short_runs import CLIENTS, ratios
+
+    def fig(rps, p50=1.0, p99=2.0, **more):
+        return {"throughput_rps": rps, "latency_p50_ms": p50, "latency_p99_ms": p99, **more}
+
+    rounds = []
+    for ours, plain, ceiling in ((90.0, 100.0, 90.0), (120.0, 100.0, 100.0), (100.0, 100.0, 125.0)):
+        got = {"offline/mlp": ceiling}
+        for c in CLIENTS:
+            got[f"a/mlp/c{c}"], got[f"b/mlp/c{c}"] = fig(ours), fig(plain)
+        got["a/mlp/open"], got["b/mlp/open"] = fig(1, p99=ours / 50), fig(1, p99=2.0)
+        rounds.append(got)
+    got = ratios({"rounds": rounds}, "a", "b", models=("mlp",))
+    assert got["short_mlp_c64_throughput_vs_plain"] == 1.0       # 0.9, 1.2, 1.0
+    assert got["short_mlp_c64_vs_offline"] == 1.0                  # 1.0, 1.2, 0.8
+    assert got["short_mlp_open20_p99_vs_plain"] == 1.0             # 0.9, 1.2, 1.0
+    assert got["short_mlp_c1_p50_minus_plain_ms"] == 0.0
