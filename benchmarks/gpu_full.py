@@ -24,13 +24,14 @@ import torch
 if __package__ in (None, ""):
     import common  # noqa: F401  (puts the repository root on sys.path)
 from benchmarks.gpu import device_checks as dc
+from benchmarks.gpu import env_checks, workload_checks as wc
 from benchmarks.gpu import served
 from benchmarks.gpu.harness import FAIL, Claim, Context, Run, Section
 
 #: the sections in order, each with its time limit and the GPU claims of the README and
 #: the guides it settles (claim id -> the claim)
 SECTIONS = [
-    Section("env", dc.env, 30, claims={
+    Section("env", env_checks.env, 30, claims={
         "env.cuda": "a CUDA device is visible to torch",
         "nvtx.ranges": "NVTX ranges around batches and steps show in Nsight Systems",
         "mps.detected": "an instance under CUDA MPS registers its share"}),
@@ -60,20 +61,20 @@ SECTIONS = [
     Section("server_oom", served.server_oom, 50, cuda_only=True, claims={
         "oom.server": "a real CUDA out-of-memory error through the server: cap lowered, no 5xx, "
                       "throughput recovers"}),
-    Section("generation", dc.generation, 60, claims={
+    Section("generation", wc.generation, 60, claims={
         "generation.continuous": "continuous batching outperforms static on the GPU"}),
-    Section("model_files", dc.model_files, 45, claims={
+    Section("model_files", wc.model_files, 45, claims={
         "files.hf": "an hf: model (all-MiniLM-L6-v2, else a tiny BERT made there) on CUDA equals the CPU",
         "files.pt2": "a pt2: model (the encoder, exported there) on CUDA equals the CPU",
         "files.onnx_cuda": "an onnx: model with provider=cuda equals provider=cpu"}),
-    Section("compile", dc.compile_modes, 90, cuda_only=True, claims={
+    Section("compile", wc.compile_modes, 90, cuda_only=True, claims={
         "compile.reduce_overhead": "compile=reduce-overhead equals eager on CUDA (time beside)"}),
-    Section("speculation", dc.speculation, 60, claims={
+    Section("speculation", wc.speculation, 60, claims={
         "speculation.same_tokens": "speculative decoding keeps the greedy tokens on the GPU",
         "speculation.faster_at_batch_1": "speculative decoding raises tokens/s at batch 1",
         "speculation.auto_switch": "batched, the auto-switch keeps tokens/s >= 0.95x of no "
                                    "speculation"}),
-    Section("chunked_prefill", dc.chunked_prefill, 30, claims={
+    Section("chunked_prefill", wc.chunked_prefill, 30, claims={
         "chunked_prefill.same_tokens": "chunked prefill keeps every sequence's tokens",
         "chunked_prefill.itl": "chunked prefill lowers the running sequences' p99 inter-token "
                                "latency"}),
