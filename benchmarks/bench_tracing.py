@@ -76,6 +76,14 @@ def _receiver(conn, count) -> None:
     server.wait_for_termination()
 
 
+def mean_batch_size(db: Path, began: float, ended: float) -> float:
+    """The mean size of the batches that started between two wall-clock times."""
+    with create_engine(f"sqlite:///{db}").connect() as conn:
+        got = conn.execute(text("SELECT AVG(batch_size) FROM batches WHERE started_at "
+                                "BETWEEN :a AND :b"), {"a": began, "b": ended}).scalar()
+    return float(got or 0.0)
+
+
 def settle(count, db: Path, quiet_s: float = 1.0, limit_s: float = 60.0) -> None:
     """Wait until neither the receiver has had a span nor the database a row for
     ``quiet_s``: the exporter and the database writer have done what the slice left them,
@@ -123,6 +131,7 @@ def main() -> None:
                      "--otlp-traces-endpoint", f"http://127.0.0.1:{port}"])
     results: dict[str, list] = {m: [] for m in modes}
     cpus: dict[str, list] = {m: [] for m in modes}
+    sizes: dict[str, list] = {m: [] for m in modes}
     try:
         with httpx.Client(base_url=server.url, timeout=30) as http:
             run_load(server.url, args.model, concurrency=args.clients, duration_s=2.0)  # warm
@@ -130,12 +139,15 @@ def main() -> None:
                 order = list(modes) if r % 2 == 0 else list(reversed(modes))
                 for mode in order:
                     assert http.post("/v2/trace/setting", json=MODES[mode]).status_code == 200
+                    began = time.time()
                     with CpuShare(server.proc.pid) as cpu:
                         rep = run_load(server.url, args.model, concurrency=args.clients,
                                        duration_s=args.slice_s)
+                    ended = time.time()
                     results[mode].append(rep)
                     cpus[mode].append(cpu.summary(rep.ok))
                     settle(count, db)
+                    sizes[mode].append(mean_batch_size(db, began, ended))
                     print(f"round {r + 1} {mode:14s} {rep.throughput_rps:8.0f} req/s  p99 "
                           f"{rep.latency_p99_ms:6.2f} ms", flush=True)
             http.post("/v2/trace/setting", json=MODES["off"])
@@ -156,11 +168,12 @@ def main() -> None:
     base_p99 = statistics.median(r.latency_p99_ms for r in results["off"])
     print(f"\n{args.model}, {args.clients} clients, {args.rounds} rounds of {args.slice_s:g} s "
           "per mode (medians; ratios to 'off' in this run)")
-    print(f"{'mode':16s}{'req/s':>9s}{'ratio':>8s}{'p99 ms':>9s}{'ratio':>8s}")
+    print(f"{'mode':16s}{'req/s':>9s}{'ratio':>8s}{'p99 ms':>9s}{'ratio':>8s}{'mean batch':>12s}")
     for mode, reps in results.items():
         rps = statistics.median(r.throughput_rps for r in reps)
         p99 = statistics.median(r.latency_p99_ms for r in reps)
-        print(f"{mode:16s}{rps:9.0f}{rps / base_rps:8.3f}{p99:9.2f}{p99 / base_p99:8.3f}")
+        print(f"{mode:16s}{rps:9.0f}{rps / base_rps:8.3f}{p99:9.2f}{p99 / base_p99:8.3f}"
+              f"{statistics.median(sizes[mode]):12.1f}")
     print("\nCPU per request (medians, microseconds): where each mode's cost goes")
     parts = list(cpus["off"][0]["cpu_us_per_request"])
     print(f"{'mode':16s}" + "".join(f"{p:>22s}" for p in parts) + f"{'in all':>9s}"
