@@ -171,3 +171,22 @@ def test_compiling_happens_off_the_serving_thread(monkeypatch):
     assert a.outcome == "ok" and a.compile_error is None
     warm, served = seen[:-1], seen[-1]
     assert warm and set(warm) == {"batchscope-compile"} and served == threading.current_thread().name
+
+
+@pytest.mark.parametrize("name", ["mlp", "encoder", "wide"])
+def test_a_bundled_predict_compiles_without_an_inference_mode_switch(name):
+    """run_batch already holds inference mode; a predict that enters it again puts
+    ``_enter_inference_mode`` into the compiled graph, which torch 2.11's compiler failed
+    on for ``mlp`` on the H200 (pytorch/pytorch#181512)."""
+    from runtime.models.loader import load_model
+
+    model = load_model(name)
+    model.setup(CPU)
+    inputs = synthetic_inputs(model, 8)
+    with torch.inference_mode():
+        batch = model.collate([model.decode(inputs)] * 2, None)
+        explained = torch._dynamo.explain(model.predict)(batch)
+    code = "\n".join(g.code for g in explained.graphs)
+    assert explained.graphs and "inference_mode" not in code
+    direct = model.predict(batch)  # called outside inference mode, it still is in it
+    assert not direct.requires_grad

@@ -6,7 +6,9 @@ nothing heavy is imported until ``runtime.models.loader.load_model`` asks for on
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Any, ContextManager
 
 #: builtin name -> "module:Class"
 BUILTIN_MODELS: dict[str, str] = {
@@ -65,3 +67,14 @@ def take_input(inputs: dict, name: str, ndim: int, expected: str):
         raise ClientError(f"input {name!r} has shape {list(shape)}; expected {expected} "
                           "(optionally with a leading batch dimension of 1)")
     return arr
+
+
+def inference() -> ContextManager[Any]:
+    """``torch.inference_mode()`` for a model's ``predict``, or nothing when it is on
+    already, as it is in every batch the runtime runs. Entering it again inside a
+    compiled ``predict`` made torch 2.11's compiler fail on the bundled ``mlp``
+    ("weakref to UntypedStorage", pytorch/pytorch#181512); this way the compiled graph
+    holds no inference-mode switch, and a direct call is still kept out of autograd."""
+    import torch
+
+    return contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()

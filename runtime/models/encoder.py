@@ -36,7 +36,7 @@ from torch import nn
 from runtime.adapters.lora import AdapterBank, Linear, plain_linear
 from runtime.api.errors import ClientError, ValidationError
 from runtime.api.model import ModelAPI, TensorSpec
-from runtime.models import seeded_init, take_input
+from runtime.models import inference, seeded_init, take_input
 
 VOCAB_SIZE = 30522
 D_MODEL = 256
@@ -164,7 +164,7 @@ class EncoderModel(ModelAPI):
         return EncoderBatch(ids, pad_mask)
 
     def predict(self, batch: EncoderBatch) -> torch.Tensor:
-        with torch.inference_mode():
+        with inference():
             return self.net(batch.ids, batch.pad_mask, self.adapter_bank)
 
     def split(self, output: torch.Tensor, n: int) -> list[dict[str, np.ndarray]]:

@@ -16,7 +16,7 @@ from torch import nn
 
 from runtime.api.errors import ClientError
 from runtime.api.model import ModelAPI, TensorSpec
-from runtime.models import seeded_init, take_input
+from runtime.models import inference, seeded_init, take_input
 
 IN_FEATURES = 256
 HIDDEN = 1024
@@ -59,7 +59,7 @@ class MLPModel(ModelAPI):
         return batch
 
     def predict(self, batch: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
+        with inference():
             return self.net(batch)
 
     def split(self, output: torch.Tensor, n: int) -> list[dict[str, np.ndarray]]:

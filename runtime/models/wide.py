@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from runtime.adapters.lora import AdapterBank, sequential_forward
-from runtime.models import seeded_init
+from runtime.models import inference, seeded_init
 from runtime.models.mlp import IN_FEATURES, OUT_FEATURES, MLPModel
 
 HIDDEN = 4096
@@ -55,7 +55,7 @@ class WideModel(MLPModel):
         self.adapter_bank = AdapterBank.for_model(self, self.device)
 
     def predict(self, batch: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
+        with inference():
             if self.adapter_bank is not None and self.adapter_bank.active:
                 return sequential_forward(self.net, batch, self.adapter_bank.apply)
             return self.net(batch)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from runtime.api.errors import ConfigError
+from runtime.models import inference
 from runtime.models.files.graph_model import GraphModel, GraphTensor, Signature
 from runtime.models.files.spec import FileSpec
 
@@ -104,7 +105,7 @@ class ExportedModel(GraphModel):
     def run(self, feeds: dict[str, np.ndarray]) -> list[torch.Tensor]:
         args = [torch.from_numpy(feeds[name]).to(self.device, non_blocking=True)
                 for name in self._order]
-        with torch.inference_mode():
+        with inference():
             out = self.module(*args)
         if isinstance(out, dict):
             return list(out.values())

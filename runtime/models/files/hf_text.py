@@ -39,6 +39,7 @@ import torch
 
 from runtime.api.errors import ClientError, ConfigError, RequestTooLarge, ValidationError
 from runtime.api.model import ModelAPI, TensorSpec
+from runtime.models import inference
 from runtime.models.files.spec import FileSpec
 
 TEXT = "TEXT"
@@ -318,7 +319,7 @@ class HFTextModel(ModelAPI):
                                            "attention_mask": batch.attention_mask}
         if self.uses_token_types:
             kwargs["token_type_ids"] = torch.zeros_like(batch.input_ids)
-        with torch.inference_mode():
+        with inference():
             out = self.net(**kwargs)
             if self.task == "embeddings":
                 return self.pooling.apply(out.last_hidden_state, batch.attention_mask)
