@@ -78,9 +78,13 @@ def _receiver(conn, count) -> None:
 
 def mean_batch_size(db: Path, began: float, ended: float) -> float:
     """The mean size of the batches that started between two wall-clock times."""
-    with create_engine(f"sqlite:///{db}").connect() as conn:
-        got = conn.execute(text("SELECT AVG(batch_size) FROM batches WHERE started_at "
-                                "BETWEEN :a AND :b"), {"a": began, "b": ended}).scalar()
+    eng = create_engine(f"sqlite:///{db}")
+    try:
+        with eng.connect() as conn:
+            got = conn.execute(text("SELECT AVG(batch_size) FROM batches WHERE started_at "
+                                    "BETWEEN :a AND :b"), {"a": began, "b": ended}).scalar()
+    finally:
+        eng.dispose()
     return float(got or 0.0)
 
 
@@ -118,7 +122,10 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES),
                     help="the modes to alternate, comma-separated (off always included)")
     args = ap.parse_args()
-    modes = ["off"] + [m for m in args.modes.split(",") if m in MODES and m != "off"]
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        ap.error(f"unknown mode(s) {unknown}; the modes: {', '.join(MODES)}")
+    modes = ["off"] + [m for m in args.modes.split(",") if m != "off"]
     ctx = mp.get_context("spawn")
     count = ctx.Value("q", 0)
     parent, child = ctx.Pipe()

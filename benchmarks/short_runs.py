@@ -54,6 +54,8 @@ def short_runs(servers: Sequence[tuple[str, Callable[[], Any]]],
     last (its throughput sets the open-loop rate); ``offline(model)``: the model's own
     throughput to compare the 64-client figure with (None: none). Figures per round,
     label, model and load: ``{"rounds": [{"LABEL/MODEL/c64": {...}, ...}, ...]}``."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     out: dict[str, Any] = {"rounds": []}
     plain = servers[-1][0]
     for r in range(rounds):
@@ -99,7 +101,8 @@ def ratios(out: dict[str, Any], ours: str, plain: str,
            models: Sequence[str] = ("mlp", "encoder")) -> dict[str, float]:
     """The median over the rounds of each round's ratios (``round_ratios``)."""
     per_round = [round_ratios(got, ours, plain, models) for got in out["rounds"]]
-    return {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}
+    keys = dict.fromkeys(key for r in per_round for key in r)  # in order, each once
+    return {key: statistics.median(r[key] for r in per_round if key in r) for key in keys}
 
 
 def round_ratios(got: dict[str, Any], ours: str, plain: str,

@@ -185,8 +185,54 @@ def test_a_bundled_predict_compiles_without_an_inference_mode_switch(name):
     inputs = synthetic_inputs(model, 8)
     with torch.inference_mode():
         batch = model.collate([model.decode(inputs)] * 2, None)
-        explained = torch._dynamo.explain(model.predict)(batch)
-    code = "\n".join(g.code for g in explained.graphs)
-    assert explained.graphs and "inference_mode" not in code
+    # as run_batch calls it (inference mode), and as a compile fallback does (no_grad):
+    # one whole graph each time, no switch in it
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            explained = torch._dynamo.explain(model.predict)(batch)
+        code = "\n".join(g.code for g in explained.graphs)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), mode
+        assert "inference_mode" not in code
     direct = model.predict(batch)  # called outside inference mode, it still is in it
     assert not direct.requires_grad
+
+
+def test_outside_inference_mode_copies_the_tensors_of_a_dataclass_batch():
+    """The encoder's batch is a dataclass: its inference tensors are copied too."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Batch:
+        ids: torch.Tensor
+        mask: torch.Tensor
+        note: str
+
+    seen = []
+
+    def fn(batch):
+        seen.append((batch.ids.is_inference(), batch.mask.is_inference(), batch.note,
+                     torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        return batch.ids.sum()
+
+    with torch.inference_mode():
+        made = Batch(torch.arange(4), torch.zeros(4, dtype=torch.bool), "kept")
+        compiled_mod.outside_inference_mode(fn)(made)
+    assert seen == [(False, False, "kept", False, False)]
+
+
+def test_a_fallback_that_compiles_nothing_is_reported_as_a_failure(monkeypatch):
+    """Ordinary tensors are tried only for a failure inference tensors may cause, and
+    count only when they compile a graph: a model left eager says so."""
+    def not_compiling(fn, mode=None):
+        def call(batch):
+            if torch.is_inference_mode_enabled():
+                raise RuntimeError("backend='inductor' raised:\nRuntimeError: <weakref to UntypedStorage>")
+            return fn(batch)  # runs, but nothing is compiled
+        return call
+
+    monkeypatch.setattr(torch, "compile", not_compiling)
+    model = DoubleModel()
+    model.setup(CPU)
+    [a] = run_batch(model, batch(model, 2), None, None, None, BatchingConfig(compile="default"),
+                    False, CPU, MonotonicClock())
+    assert a.outcome == "ok" and "UntypedStorage" in (a.compile_error or "")

@@ -299,6 +299,9 @@ def test_prompt_lookup_grown_step_by_step_equals_brute_force(min_n, max_n):
     ng.release(0)
     ng.propose([DraftRequest(seqs[1], 3)])
     assert 0 not in ng._tokens and 1 in ng._tokens
+    for seq_id in range(100, 1100):  # ended without a proposal: nothing is kept for them
+        ng.release(seq_id)
+    assert ng._releases.take() == []
 
 
 # -- requests and settings -----------------------------------------------------------------------

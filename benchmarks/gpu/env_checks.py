@@ -10,6 +10,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,13 +90,15 @@ def nvtx_ranges(ctx: Context) -> dict[str, Any]:
     nsys = find_nsys()
     if ok is None and nsys and ctx.cuda:
         out["nsys"] = nsys_capture(ctx, nsys)
-        ok = out["nsys"].get("batch_ranges", 0) > 0
+        # nsys that could not run says nothing about the ranges: unverified, not failed
+        ok = None if "error" in out["nsys"] else out["nsys"].get("batch_ranges", 0) > 0
         seen = f"{seen}; nsys {nsys}: {out['nsys']}"
     ctx.claim("nvtx.ranges", ok, seen if ok is not None
               else f"{seen}; no nsys on this machine to capture them (Nsight Systems)")
     return out
 
 
+ROOT = Path(__file__).resolve().parents[2]
 #: where Nsight Systems' command line usually sits when it is not on PATH
 NSYS_GLOBS = ("/usr/local/cuda*/bin/nsys", "/opt/nvidia/nsight-systems*/*/bin/nsys",
               "/opt/nvidia/nsight-systems*/bin/nsys", "/usr/lib/nsight-systems*/bin/nsys",
@@ -108,11 +111,11 @@ from runtime.api.config import BatchingConfig
 from runtime.core.clock import MonotonicClock
 from runtime.device.executor import run_batch
 from runtime.models.loader import load_model
-m = load_model("mlp"); m.setup("cuda:0")
+m = load_model("mlp"); m.setup("cuda")
 items = [m.decode(r) for r in make_inputs("mlp", 8, seed=1)]
 for seq in (101, 102, 103):
     run_batch(m, items, None, None, None, BatchingConfig(max_batch_size=8), False,
-              torch.device("cuda:0"), MonotonicClock(), seq=seq, name="mlp")
+              torch.device("cuda"), MonotonicClock(), seq=seq, name="mlp")
 torch.cuda.synchronize()
 """
 
@@ -139,7 +142,8 @@ def nsys_capture(ctx: Context, nsys: str) -> dict[str, Any]:
     try:
         prof = subprocess.run([nsys, "profile", "-t", "cuda,nvtx", "--force-overwrite", "true",
                                "-o", str(rep), sys.executable, "-c", NSYS_SCRIPT],
-                              capture_output=True, text=True, timeout=ctx.seconds(60), env=env)
+                              capture_output=True, text=True, timeout=ctx.seconds(60), env=env,
+                              cwd=ROOT)
         if prof.returncode != 0:
             return {"error": f"nsys profile exit {prof.returncode}: {prof.stderr[-400:]}"}
         stats = subprocess.run([nsys, "stats", "-r", "nvtx_sum", "-f", "csv", f"{rep}.nsys-rep"],

@@ -9,12 +9,15 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import make_inputs
 from benchmarks.gpu.device_checks import TOLERANCE, Batches, max_diff
 from benchmarks.gpu.harness import Context
 from runtime.models.loader import load_model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- compile --------------------------------------------------------------------------------
@@ -26,11 +29,14 @@ def compile_modes(ctx: Context) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "benchmarks.gpu.compile_probe", "--model", name,
                "--device", ctx.device]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=ctx.seconds(60))
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=ctx.seconds(60),
+                                  cwd=ROOT)
             got = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else \
                 {"error": f"exit {done.returncode}: {done.stderr[-800:]}"}
         except subprocess.TimeoutExpired:
             got = {"error": "timed out"}
+        except ValueError:  # the last line was not the probe's JSON
+            got = {"error": f"exit {done.returncode}, no JSON: {done.stdout[-400:]} {done.stderr[-400:]}"}
         raw[name] = got
         if "error" in got:
             ok = False

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -85,12 +86,10 @@ def compiled_predict(model: Any, mode: str, clock: Any) -> Compiled | None:
         try:
             in_own_thread(lambda: warm_up(model, fn))
         except CompileFailed as exc:
-            # some torch versions fail on inference tensors (torch 2.11 with
-            # reduce-overhead on CUDA): the compiled model gets ordinary tensors instead
+            # some torch versions fail on inference tensors (torch 2.11): the compiled
+            # model gets ordinary tensors instead, if that compiles
             fn = outside_inference_mode(torch.compile(model.predict, mode=mode))
-            try:
-                in_own_thread(lambda: warm_up(model, fn))
-            except CompileFailed:
+            if not INFERENCE_TROUBLE.search(str(exc)) or not compiles(model, fn):
                 _compiled[model] = (mode, model.predict)
                 return Compiled(model.predict, clock.now() - started, str(exc))
             log.info("model %s compiled (%s) to run outside inference mode: under it, %s",
@@ -99,17 +98,38 @@ def compiled_predict(model: Any, mode: str, clock: Any) -> Compiled | None:
         return Compiled(fn, clock.now() - started)
 
 
+#: what a compile failure that inference tensors may cause says
+INFERENCE_TROUBLE = re.compile(r"inference|UntypedStorage", re.IGNORECASE)
+
+
+def compiles(model: Any, fn: Callable) -> bool:
+    """Whether ``fn`` (the model compiled) runs the warm-up batches and compiles at least
+    one graph doing so (dynamo may skip a frame it cannot trace: nothing compiled)."""
+    before = compiled_frames()
+    try:
+        ran = in_own_thread(lambda: warm_up(model, fn))
+    except CompileFailed:
+        return False
+    return bool(ran) and compiled_frames() > before
+
+
 def in_own_thread(work: Callable[[], Any]) -> Any:
     """``work()`` on a thread of its own, its result or its exception. A compile that
     fails inside inductor can leave the calling thread's dispatcher state broken (torch
     2.11: every later tensor operation on that thread raised "PythonDispatcherTLS was
     not set"), so the thread that serves the model never compiles it itself."""
+    import torch
+
     box: dict[str, Any] = {}
     modules = _config_modules()
     wanted = [m.get_config_copy() for m in modules]  # torch's configs are per thread
+    # the current CUDA device is per thread too (a device process sets its own)
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def run() -> None:
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             with contextlib.ExitStack() as stack:
                 for module, want in zip(modules, wanted):
                     changed = _differing(module.get_config_copy(), want)
@@ -150,15 +170,14 @@ def _differing(have: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
 def outside_inference_mode(fn: Callable) -> Callable:
     """``fn`` called with grad off but outside inference mode, on ordinary copies of
     the batch's inference tensors (the batch is collated under inference mode)."""
-    import torch
-    from torch.utils._pytree import tree_map
+    from runtime.device.cudagraphs import flatten  # tensors, tuples, lists, dicts, dataclasses
 
-    def ordinary(x: Any) -> Any:
-        return x.clone() if isinstance(x, torch.Tensor) and x.is_inference() else x
+    import torch
 
     def call(batch: Any) -> Any:
         with torch.inference_mode(False), torch.no_grad():
-            return fn(tree_map(ordinary, batch))
+            leaves, rebuild = flatten(batch)
+            return fn(rebuild([t.clone() if t.is_inference() else t for t in leaves]))
 
     return call
 

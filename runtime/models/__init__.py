@@ -70,11 +70,13 @@ def take_input(inputs: dict, name: str, ndim: int, expected: str):
 
 
 def inference() -> ContextManager[Any]:
-    """``torch.inference_mode()`` for a model's ``predict``, or nothing when it is on
-    already, as it is in every batch the runtime runs. Entering it again inside a
-    compiled ``predict`` made torch 2.11's compiler fail on the bundled ``mlp``
-    ("weakref to UntypedStorage", pytorch/pytorch#181512); this way the compiled graph
-    holds no inference-mode switch, and a direct call is still kept out of autograd."""
+    """``torch.inference_mode()`` for a model's ``predict``, or nothing when autograd is
+    off already: every batch the runtime runs is under inference mode, and a compiled
+    model it cannot compile so runs under ``no_grad``. Entering inference mode again
+    inside a compiled ``predict`` made torch 2.11's compiler fail on the bundled ``mlp``
+    ("weakref to UntypedStorage", pytorch/pytorch#181512), and under ``no_grad`` made
+    dynamo skip the frame (nothing compiled); this way the compiled graph holds no
+    switch, and a direct call is still kept out of autograd."""
     import torch
 
-    return contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
+    return torch.inference_mode() if torch.is_grad_enabled() else contextlib.nullcontext()

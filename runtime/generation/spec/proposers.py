@@ -144,7 +144,8 @@ class NgramProposer:
         return [] if best is None else arr[best:best + k].tolist()
 
     def release(self, seq_id: int) -> None:
-        self._releases.release(seq_id)
+        if seq_id in self._tokens:  # only sequences it proposed for hold an array
+            self._releases.release(seq_id)
 
 
 # -- a draft model --------------------------------------------------------------------------

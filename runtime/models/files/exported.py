@@ -23,6 +23,8 @@ from runtime.models import inference
 from runtime.models.files.graph_model import GraphModel, GraphTensor, Signature
 from runtime.models.files.spec import FileSpec
 
+log = logging.getLogger(__name__)
+
 #: torch dtypes -> KServe datatypes
 TYPES = {torch.float32: "FP32", torch.float64: "FP64", torch.float16: "FP16",
          torch.int64: "INT64", torch.int32: "INT32", torch.int16: "INT16", torch.int8: "INT8",
@@ -96,9 +98,13 @@ class ExportedModel(GraphModel):
         if self.device.type != "cpu":
             # the graph holds the device it was exported on (tensors it makes, constants):
             # moving the module's weights alone leaves those on the CPU
-            from torch.export.passes import move_to_device_pass
-
-            program = move_to_device_pass(program, self.device)
+            try:
+                from torch.export.passes import move_to_device_pass
+            except ImportError:  # torch before 2.6: the weights move, the graph does not
+                log.warning("this torch has no torch.export.passes.move_to_device_pass; "
+                            "pt2:%s may keep tensors it makes on its export device", self.spec.path)
+            else:
+                program = move_to_device_pass(program, self.device)
         self.module = program.module().to(self.device)
         self._order = [t.name for t in self.signature.inputs]
 
