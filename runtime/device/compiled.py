@@ -117,7 +117,10 @@ def in_own_thread(work: Callable[[], Any]) -> Any:
     """``work()`` on a thread of its own, its result or its exception. A compile that
     fails inside inductor can leave the calling thread's dispatcher state broken (torch
     2.11: every later tensor operation on that thread raised "PythonDispatcherTLS was
-    not set"), so the thread that serves the model never compiles it itself."""
+    not set"), so the thread that serves the model never compiles it itself. The thread
+    takes the caller's dynamo and inductor settings and CUDA device (all three are per
+    thread in torch). With ``reduce-overhead`` torch keeps its CUDA graphs per thread:
+    the serving thread records its own on its first batches of each size."""
     import torch
 
     box: dict[str, Any] = {}
