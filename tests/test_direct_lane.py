@@ -46,7 +46,8 @@ def test_a_lone_short_batch_runs_directly_only_when_there_is_nothing_else():
     assert lane_for(depth=3).takes(batch(), process_idle=True) is None  # more requests wait
     assert lane_for().takes(batch(2), process_idle=True) is None  # something to batch
     assert lane_for(per_request_s=None).takes(batch(), process_idle=True) is None  # unmeasured
-    assert lane_for(per_request_s=0.003).takes(batch(), process_idle=True) is None  # too long
+    # too long for the loop: the lane's thread (the spill), not the loop
+    assert lane_for(per_request_s=0.003).takes(batch(), process_idle=True) == "thread"
     assert lane_for().takes(batch(adapters=object()), process_idle=True) is None
     assert lane_for().takes(batch(compile="default"), process_idle=True) is None
     assert lane_for(device="cuda").takes(batch(), process_idle=True) is None
@@ -55,9 +56,10 @@ def test_a_lone_short_batch_runs_directly_only_when_there_is_nothing_else():
     assert running.takes(batch(), process_idle=True) is None
 
 
-def test_a_lone_long_batch_spills_to_the_lanes_thread_only_while_the_process_is_busy():
+def test_a_lone_long_batch_spills_to_the_lanes_thread():
     assert lane_for(per_request_s=0.006).takes(batch(), process_idle=False) == "thread"
-    assert lane_for(per_request_s=0.006).takes(batch(), process_idle=True) is None
+    # the process idle: no hop to it either
+    assert lane_for(per_request_s=0.006).takes(batch(), process_idle=True) == "thread"
     assert lane_for(per_request_s=0.001).takes(batch(), process_idle=False) is None  # short:
     # it waits in the process' pipe, which is soon free, rather than take a core
     assert lane_for(per_request_s=0.06).takes(batch(), process_idle=False) is None  # too long
@@ -79,9 +81,11 @@ def test_after_batches_of_several_the_lane_waits_for_the_traffic_to_thin_out():
     assert direct.DIRECT_MAX_MEAN_BATCH == 1.5 and direct.BATCH_MEAN_WEIGHT == 0.1
 
 
-def test_a_request_that_finds_the_process_busy_runs_on_the_lanes_thread():
-    """The device process holds a batch (it hangs there); a lone request that comes
-    meanwhile is answered from the serving process' copy instead of waiting behind it."""
+def test_a_lone_long_request_runs_on_the_lanes_thread_and_the_next_on_the_process():
+    """A lone request too long for the loop runs on the serving process' copy, on the
+    lane's thread, even with the device process idle (no hop); it hangs there, and a
+    request that comes meanwhile goes to the idle device process instead of waiting
+    behind it (the dispatcher counts only batches out at the process as busy)."""
     hanging = "hanging=runtime.models.toys:HangingModel"
     # a limit every batch passes: no batch runs on the loop, so only the spill is left
     engine = Engine({"hanging": load_model(hanging)}, {"hanging": BatchingConfig()},
@@ -94,22 +98,23 @@ def test_a_request_that_finds_the_process_busy_runs_on_the_lanes_thread():
             await engine.infer("hanging", {"INPUT0": np.ones(4, np.float32)})  # measured
             held = asyncio.ensure_future(engine.infer(
                 "hanging", {"INPUT0": np.array([HANG_CUE, 30.0, 0, 0], np.float32)}))
-            dispatcher = engine._dispatchers["hanging"]
-            for _ in range(1000):  # until the held batch is out in the process
-                if dispatcher.in_flight:
+            lane = engine._dispatchers["hanging"].executor.direct
+            for _ in range(1000):  # until the held batch is out on the lane's thread
+                if lane.on_thread is not None:
                     break
                 await asyncio.sleep(0.01)
             out = await asyncio.wait_for(
                 engine.infer("hanging", {"INPUT0": np.full(4, 3.0, np.float32)}), 20.0)
             return out["OUTPUT0"], held.done()
         finally:
+            engine._dispatchers["hanging"].executor.direct.model.api.release.set()  # the copy here
             await engine.stop(drain_timeout_s=0.0)
             held.cancel()
 
     answer, held_done = asyncio.run(run())
     assert answer.tolist() == [6.0] * 4 and not held_done
     stats = engine.stats("hanging")
-    assert stats["direct_spills"] == 1 and stats["direct_batches"] == 1
+    assert stats["direct_spills"] == 1 and stats["direct_batches"] == 1  # the held one only
 
 
 def run_one_at_a_time(engine: Engine, n: int) -> list[np.ndarray]:
@@ -154,7 +159,8 @@ def test_without_the_lane_every_batch_goes_to_the_device_process():
 
 def test_a_spilled_batch_past_its_timeout_is_answered_and_nothing_else_spills_meanwhile():
     """The serving process' copy hangs on the lane's thread: its request is answered at the
-    execution timeout (a thread cannot be stopped), and no batch spills until it returns."""
+    execution timeout (a thread cannot be stopped), and no batch spills until it returns:
+    the next request goes to the device process, which answers it."""
     hanging = "hanging=runtime.models.toys:HangingModel"
     config = BatchingConfig(execution_timeout_ms=300, execution_timeout_auto=False)
     engine = Engine({"hanging": load_model(hanging)}, {"hanging": config},
@@ -162,39 +168,33 @@ def test_a_spilled_batch_past_its_timeout_is_answered_and_nothing_else_spills_me
                     direct_max_compute_ms=1e-9)
     hang = {"INPUT0": np.array([HANG_CUE, 30.0, 0, 0], np.float32)}
 
-    async def run() -> tuple[BaseException | None, bool, bool]:
+    async def run() -> tuple[BaseException | None, bool, bool, np.ndarray]:
         await engine.start()
-        dispatcher = engine._dispatchers["hanging"]
-        lane = dispatcher.executor.direct
-        held = None
+        lane = engine._dispatchers["hanging"].executor.direct
         try:
             await engine.infer("hanging", {"INPUT0": np.ones(4, np.float32)})  # measured
-            held = asyncio.ensure_future(engine.infer("hanging", hang))  # in the process
-            for _ in range(1000):
-                if dispatcher.in_flight:
-                    break
-                await asyncio.sleep(0.01)
             error = None
-            try:  # spilled, and hangs on the lane's thread too
+            try:  # lone and too long for the loop: the lane's thread, where it hangs
                 await asyncio.wait_for(engine.infer("hanging", hang), 20.0)
             except asyncio.TimeoutError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the answer under test
                 error = exc
             still = lane.spilled
+            out = await asyncio.wait_for(  # the thread is taken: the device process
+                engine.infer("hanging", {"INPUT0": np.full(4, 3.0, np.float32)}), 20.0)
             lane.model.api.release.set()  # the copy in this process returns
             for _ in range(1000):
                 if not lane.spilled:
                     break
                 await asyncio.sleep(0.01)
-            return error, still, lane.spilled
+            return error, still, lane.spilled, out["OUTPUT0"]
         finally:
             await engine.stop(drain_timeout_s=0.0)
-            if held is not None:
-                held.cancel()
 
-    error, spilled_while_hanging, spilled_after = asyncio.run(run())
+    error, spilled_while_hanging, spilled_after, answer = asyncio.run(run())
     assert error is not None and "execution timeout" in str(error)
     assert spilled_while_hanging and not spilled_after
+    assert answer.tolist() == [6.0] * 4
     assert engine.stats("hanging")["direct_spills"] == 1
 

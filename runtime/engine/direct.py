@@ -91,6 +91,9 @@ class DirectLane:
         #: of ``batches``, those run on the lane's thread, and whether one runs there now
         self.spills = 0
         self.spilled = False
+        #: the batch on the lane's thread (None: none): it keeps that thread busy, not
+        #: the device process, so the dispatcher sends the next batch to the process
+        self.on_thread: Any = None
         self._pool: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
@@ -126,8 +129,8 @@ class DirectLane:
         if per_request is None:
             return None
         expected = per_request * n
-        if process_idle:
-            return "loop" if expected <= self.max_compute_s else None
+        if process_idle and expected <= self.max_compute_s:
+            return "loop"
         return "thread" if self.max_compute_s < expected <= SPILL_MAX_COMPUTE_S else None
 
     def would_spill(self, waiting: int) -> bool:
@@ -148,6 +151,7 @@ class DirectLane:
         if where == "thread":
             self.spills += 1
             self.spilled = True
+            self.on_thread = batch
             answered = [False]
 
             def finish(attempts: list[Attempt]) -> None:
@@ -180,6 +184,7 @@ class DirectLane:
         if timer is not None:
             timer.cancel()
         self.spilled = False
+        self.on_thread = None
         finish(done.result())  # batch_attempts answers every failure as an attempt (and
         # a batch answered at its timeout already is not answered twice)
 

@@ -222,7 +222,7 @@ class Dispatcher:
                         return
                     if not self._due(now):
                         self.answer()
-                        if self.running and not self._spills():
+                        if self._process_busy() and not self._spills():
                             await self._waker.wait(None)  # a batch coming back wakes it
                         else:  # deadlines are the timer's
                             wake_at = batcher.due_at(now)
@@ -234,7 +234,7 @@ class Dispatcher:
                             await turns.wait(name)
                         self._holds_turn = True
                     now = self.clock.now()
-                    busy = bool(self.running) and not self._spills()  # the spill's core is free
+                    busy = self._process_busy() and not self._spills()  # the spill's core is free
                     batch = batcher.next_batch(now, model_busy=busy, lead_s=self._lead_s())
                     if batch is not None:
                         self._send(batch)
@@ -259,11 +259,18 @@ class Dispatcher:
         running = len(self.running)
         if running >= self.max_in_flight or self.model.batcher.blocked:
             return False
-        if running and not self._spills():
+        if self._process_busy() and not self._spills():
             return (self._full_batch_waiting()
                     and not (self._holds_turn and self.turns.others_waiting()))
         due_at = self.model.batcher.due_at(now)
         return due_at is not None and due_at <= now
+
+    def _process_busy(self) -> bool:
+        """Whether a batch of the model is out where it runs (a batch on the direct
+        lane's thread keeps only that thread busy: the next goes to the device process)."""
+        direct = getattr(self.executor, "direct", None)
+        on_thread = direct.on_thread if direct is not None else None
+        return any(b is not on_thread for b in self.running)
 
     def _spills(self) -> bool:
         """Whether the one request waiting would run on the direct lane's thread
@@ -388,7 +395,7 @@ class Dispatcher:
         try:
             batcher = self.model.batcher
             while self._due(now) and not turns.others_waiting():
-                busy = bool(self.running) and not self._spills()
+                busy = self._process_busy() and not self._spills()
                 batch = batcher.next_batch(now, model_busy=busy, lead_s=self._lead_s())
                 if batch is None:
                     break
