@@ -274,7 +274,8 @@ class Dispatcher:
 
     def _spills(self) -> bool:
         """Whether the one request waiting would run on the direct lane's thread
-        (``runtime.engine.direct``: a lone batch too long for the loop, its process busy):
+        (``runtime.engine.direct``: a lone batch too long for the loop) while a batch is
+        out at the process:
         it is then batched as if the model were idle, when due rather than held until
         the running batch is back."""
         direct = getattr(self.executor, "direct", None)
