@@ -30,6 +30,15 @@ def batch(model, n, length=4):
     return [model.decode({"INPUT0": np.arange(length, dtype=np.float32) + i}) for i in range(n)]
 
 
+def one_compiled_batch(mode: str, n: int = 2):
+    """The one attempt of a fresh ``DoubleModel``'s first batch of ``n`` with ``compile=mode``."""
+    model = DoubleModel()
+    model.setup(CPU)
+    [a] = run_batch(model, batch(model, n), None, None, None, BatchingConfig(compile=mode),
+                    False, CPU, MonotonicClock())
+    return a
+
+
 class Smooth(VarLenModel):
     """A variable-length model whose predict is all tensor work (nothing dynamo must
     specialise on)."""
@@ -138,10 +147,7 @@ def test_a_compiler_that_fails_on_inference_tensors_gets_ordinary_ones(monkeypat
         return call
 
     monkeypatch.setattr(torch, "compile", picky_compile)
-    model = DoubleModel()
-    model.setup(CPU)
-    cfg = BatchingConfig(compile="reduce-overhead")
-    [a] = run_batch(model, batch(model, 3), None, None, None, cfg, False, CPU, MonotonicClock())
+    a = one_compiled_batch("reduce-overhead", n=3)
     assert a.outcome == "ok" and a.compile_error is None, a.compile_error
     assert [o["OUTPUT0"].tolist() for o in a.outputs][0] == [0, 2, 4, 6]
     assert calls[0] is True and calls[-1] is False  # refused once, then ordinary tensors
@@ -164,10 +170,7 @@ def test_compiling_happens_off_the_serving_thread(monkeypatch):
         return call
 
     monkeypatch.setattr(torch, "compile", noting_compile)
-    model = DoubleModel()
-    model.setup(CPU)
-    [a] = run_batch(model, batch(model, 2), None, None, None, BatchingConfig(compile="default"),
-                    False, CPU, MonotonicClock())
+    a = one_compiled_batch("default")
     assert a.outcome == "ok" and a.compile_error is None
     warm, served = seen[:-1], seen[-1]
     assert warm and set(warm) == {"batchscope-compile"} and served == threading.current_thread().name
@@ -231,8 +234,5 @@ def test_a_fallback_that_compiles_nothing_is_reported_as_a_failure(monkeypatch):
         return call
 
     monkeypatch.setattr(torch, "compile", not_compiling)
-    model = DoubleModel()
-    model.setup(CPU)
-    [a] = run_batch(model, batch(model, 2), None, None, None, BatchingConfig(compile="default"),
-                    False, CPU, MonotonicClock())
+    a = one_compiled_batch("default")
     assert a.outcome == "ok" and "UntypedStorage" in (a.compile_error or "")

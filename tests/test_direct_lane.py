@@ -67,7 +67,7 @@ def test_a_lone_long_batch_spills_to_the_lanes_thread():
     assert lane_for(per_request_s=0.006, depth=1).takes(batch(), process_idle=False) is None
     assert lane_for(per_request_s=0.006, device="cuda").takes(batch(), process_idle=False) is None
     busy = lane_for(per_request_s=0.006)
-    busy.spilled = True  # one runs on the thread already: the copy serves one at a time
+    busy.on_thread = object()  # one runs on the thread already: the copy serves one at a time
     assert busy.takes(batch(), process_idle=False) is None
     assert direct.SPILL_MAX_COMPUTE_S == 0.05
 

@@ -91,13 +91,18 @@ class DirectLane:
         #: the model's recent batch size (exponential mean of every batch it was asked about)
         self.mean_batch = 1.0
         self.loop: asyncio.AbstractEventLoop | None = None
-        #: of ``batches``, those run on the lane's thread, and whether one runs there now
+        #: of ``batches``, those run on the lane's thread
         self.spills = 0
-        self.spilled = False
         #: the batch on the lane's thread (None: none): it keeps that thread busy, not
         #: the device process, so the dispatcher sends the next batch to the process
         self.on_thread: Any = None
         self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def spilled(self) -> bool:
+        """Whether a batch runs on the lane's thread (one past its timeout, answered
+        already, counts until it returns)."""
+        return self.on_thread is not None
 
     async def start(self) -> None:
         """Set the serving process' copy of the model up (off the loop); without it the
@@ -153,7 +158,6 @@ class DirectLane:
         self.batches += 1
         if where == "thread":
             self.spills += 1
-            self.spilled = True
             self.on_thread = batch
             answered = [False]
 
@@ -186,7 +190,6 @@ class DirectLane:
                     timer: asyncio.TimerHandle | None) -> None:
         if timer is not None:
             timer.cancel()
-        self.spilled = False
         self.on_thread = None
         finish(done.result())  # batch_attempts answers every failure as an attempt (and
         # a batch answered at its timeout already is not answered twice)
