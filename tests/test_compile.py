@@ -176,6 +176,41 @@ def test_compiling_happens_off_the_serving_thread(monkeypatch):
     assert warm and set(warm) == {"batchscope-compile"} and served == threading.current_thread().name
 
 
+def test_every_thread_running_a_compiled_model_has_the_cuda_graph_state(monkeypatch):
+    """reduce-overhead's CUDA graph trees keep per-thread state that torch 2.11 filled
+    only on the thread importing it: the first batch on any other thread failed with a
+    bare AssertionError. Each thread running the compiled model must have it first."""
+    import threading
+
+    from torch._inductor import cudagraph_trees as trees
+
+    seen = []
+    real = torch.compile
+
+    def noting_compile(fn, mode=None):
+        compiled = real(fn, mode="default")
+
+        def call(batch):
+            ready = hasattr(trees.local, "tree_manager_containers") or \
+                torch._C._is_key_in_tls("tree_manager_containers")
+            seen.append((threading.current_thread().ident, threading.current_thread().name, ready))
+            return compiled(batch)
+        return call
+
+    monkeypatch.setattr(torch, "compile", noting_compile)
+    a = one_compiled_batch("default")
+    assert a.outcome == "ok" and a.compile_error is None
+    other = []
+    worker = threading.Thread(target=lambda: other.append(one_compiled_batch("default").outcome),
+                              name="another-device-thread")
+    worker.start()
+    worker.join(60)
+    assert other == ["ok"]
+    assert all(ready for _, _, ready in seen), seen
+    assert {name for _, name, _ in seen} == {"batchscope-compile", threading.current_thread().name,
+                                             "another-device-thread"}
+
+
 @pytest.mark.parametrize("name", ["mlp", "encoder", "wide"])
 def test_a_bundled_predict_compiles_without_an_inference_mode_switch(name):
     """run_batch already holds inference mode; a predict that enters it again puts

@@ -219,6 +219,28 @@ def test_exported_mlp_matches_the_builtin(files, kind):
         model.decode({"INPUT0": np.zeros(3, dtype=np.float32)})
 
 
+class Flatten(torch.nn.Module):
+    def forward(self, x):
+        return x.contiguous().view(-1) * 2
+
+
+def test_pt2_views_hold_no_strides_of_the_export_device(tmp_path):
+    # export drops .contiguous() on an input contiguous at trace time and keeps a bare
+    # view; another device's kernels may hand that view other strides (CUDA attention's
+    # output, transposed): the served module must still run
+    x = torch.randn(3, 4)
+    batch = {"x": {0: torch.export.Dim("batch", min=1, max=64)}}
+    torch.export.save(torch.export.export(Flatten(), (x,), dynamic_shapes=batch), tmp_path / "flat.pt2")
+    raw = torch.export.load(tmp_path / "flat.pt2").module()
+    strided = torch.randn(4, 3).t()  # the same shape, other strides
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        raw(strided)
+    model = load_model(f"pt2:{tmp_path / 'flat.pt2'}")
+    model.setup("cpu")
+    assert torch.equal(model.module(strided), strided.reshape(-1) * 2)
+    assert torch.equal(model.module(x), x.view(-1) * 2)
+
+
 def test_onnx_session_uses_the_torch_threads_and_the_cpu_provider(files):
     model = load_model(f"onnx:{files['mlp.onnx']}")
     with torch_threads(2):

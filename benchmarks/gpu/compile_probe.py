@@ -65,7 +65,34 @@ def probe(name: str, device: str, mode: str) -> dict[str, Any]:
         rows.append({"n": n, "max_abs_diff": diff, "eager_ms": round(eager_ms, 4),
                      "compiled_ms": round(comp_ms, 4), "warm_up_s": round(made.warm_up_s, 2),
                      "speedup": round(eager_ms / comp_ms, 2) if comp_ms else None})
-    return {"rows": rows, "outside_inference_mode": outside}
+    return {"rows": rows, "outside_inference_mode": outside, "counters": inductor_counters(),
+            "static_shapes": static_shapes(model, items, variable, mode, ctx)}
+
+
+def inductor_counters() -> dict[str, Any]:
+    """dynamo's and inductor's counters: CUDA graphs skipped (and why, in the log),
+    graphs compiled, recompiles."""
+    from torch._dynamo.utils import counters
+
+    return {group: dict(counters[group]) for group in ("inductor", "stats", "recompiles")
+            if counters.get(group)}
+
+
+def static_shapes(model: Any, items: list, variable: bool, mode: str, ctx: Context) -> list:
+    """The same sizes compiled with ``dynamic=False`` (a graph per shape), directly: what
+    the dynamic shapes the runtime's warm-up asks for cost beside it."""
+    out = []
+    try:
+        fn = torch.compile(model.predict, mode=mode, dynamic=False)
+        for n in SIZES:
+            with torch.inference_mode():
+                batch = model.collate(items[:n], 64 if variable else None)
+                for _ in range(3):  # record the graph, then replay
+                    fn(batch)
+                out.append({"n": n, "compiled_ms": round(median_ms(ctx, lambda: fn(batch), 10), 4)})
+    except Exception as exc:  # noqa: BLE001 - reported
+        out.append({"error": f"{type(exc).__name__}: {exc}"[:300]})
+    return out
 
 
 def guarded(name: str, device: str, mode: str) -> dict[str, Any]:

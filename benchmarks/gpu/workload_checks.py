@@ -26,6 +26,7 @@ def compile_modes(ctx: Context) -> dict[str, Any]:
     model in a process of its own (``benchmarks.gpu.compile_probe``)."""
     rows, ok, why, raw = [], True, [], {}
     for name in ("mlp", "encoder"):
+        done = None
         cmd = [sys.executable, "-m", "benchmarks.gpu.compile_probe", "--model", name,
                "--device", ctx.device]
         try:
@@ -37,6 +38,10 @@ def compile_modes(ctx: Context) -> dict[str, Any]:
             got = {"error": "timed out"}
         except ValueError:  # the last line was not the probe's JSON
             got = {"error": f"exit {done.returncode}, no JSON: {done.stdout[-400:]} {done.stderr[-400:]}"}
+        if isinstance(got, dict) and done is not None and done.stderr:
+            # torch logs why it skips CUDA graphs ("skipping cudagraphs due to ...")
+            got["stderr_tail"] = "\n".join(line for line in done.stderr.splitlines()
+                                            if "cudagraph" in line.lower() or "recompil" in line.lower())[-1500:]
         raw[name] = got
         if "error" in got:
             ok = False

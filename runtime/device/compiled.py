@@ -29,7 +29,9 @@ model-specific (``benchmarks/bench_compile.py`` measures it per model and batch 
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import logging
 import re
 import threading
@@ -81,14 +83,14 @@ def compiled_predict(model: Any, mode: str, clock: Any) -> Compiled | None:
             return Compiled(held[1])
         import torch
 
-        fn = torch.compile(model.predict, mode=mode)
+        fn = on_any_thread(torch.compile(model.predict, mode=mode))
         started = clock.now()
         try:
             in_own_thread(lambda: warm_up(model, fn))
         except CompileFailed as exc:
             # some torch versions fail on inference tensors (torch 2.11): the compiled
             # model gets ordinary tensors instead, if that compiles
-            fn = outside_inference_mode(torch.compile(model.predict, mode=mode))
+            fn = on_any_thread(outside_inference_mode(torch.compile(model.predict, mode=mode)))
             if not INFERENCE_TROUBLE.search(str(exc)) or not compiles(model, fn):
                 _compiled[model] = (mode, model.predict)
                 return Compiled(model.predict, clock.now() - started, str(exc))
@@ -168,6 +170,50 @@ def _differing(have: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
         if not same:
             out[key] = value
     return out
+
+
+_thread_ready = threading.local()
+
+
+def on_any_thread(fn: Callable) -> Callable:
+    """``fn`` (compiled) callable from any thread: the first call on a thread gives it
+    the per-thread state torch's CUDA graphs need (``graph_trees_on_this_thread``)."""
+
+    @functools.wraps(fn)
+    def call(batch: Any) -> Any:
+        if not getattr(_thread_ready, "done", False):
+            graph_trees_on_this_thread()
+        return fn(batch)
+
+    return call
+
+
+def graph_trees_on_this_thread() -> None:
+    """Give this thread the state of torch's CUDA graph trees (``reduce-overhead``).
+
+    Torch keeps one tree manager per device in a ``threading.local`` that it fills on
+    the thread that imports it, and copies to autograd's threads only. In torch 2.11 a
+    compiled ``reduce-overhead`` model run on any other thread (the device thread, the
+    compile thread, the direct lane's thread) failed its first batch with a bare
+    ``AssertionError`` (``torch._C._is_key_in_tls``); later versions fill a new
+    thread's state on first use, as this does. Each thread then records its own graphs."""
+    _thread_ready.done = True
+    try:
+        from torch._inductor import cudagraph_trees as trees
+    except ImportError:  # a torch without inductor: nothing to prepare
+        return
+    import torch
+
+    if hasattr(trees.local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    start = getattr(trees, "_initialize_tls", None)
+    if start is not None:
+        start(trees.local)
+        return
+    trees.local.tree_manager_containers = {}
+    trees.local.tree_manager_locks = collections.defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", trees.local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", trees.local.tree_manager_locks)
 
 
 def outside_inference_mode(fn: Callable) -> Callable:

@@ -84,6 +84,33 @@ def _output_keys(program: Any, n: int) -> Sequence[str]:
     return [f"OUTPUT{i}" for i in range(n)]
 
 
+def views_to_reshapes(module: Any) -> int:
+    """Turn the graph's ``view`` calls into ``reshape``; returns how many.
+
+    Export traces ``x.contiguous().view(...)`` and ``x.reshape(...)`` into a bare
+    ``view`` when ``x`` was contiguous on the export device, so the graph holds the
+    strides of that device's kernels. Another device's kernels may give other strides
+    (CUDA attention's output, transposed, where the CPU's is contiguous), and the bare
+    ``view`` then fails. ``reshape`` is that same view wherever the strides allow one,
+    and a copy elsewhere; an exported graph is functional, so nothing writes through the
+    view and the two give equal results."""
+    view, reshape = torch.ops.aten.view.default, torch.ops.aten.reshape.default
+    changed = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        hits = [n for n in graph.nodes if n.op == "call_function" and n.target is view]
+        for node in hits:
+            node.target = reshape
+        if hits:
+            recompile = getattr(sub, "recompile", None)  # an interpreted graph has none
+            if callable(recompile):
+                recompile()
+            changed += len(hits)
+    return changed
+
+
 class ExportedModel(GraphModel):
     platform = "torch_export"
 
@@ -106,6 +133,8 @@ class ExportedModel(GraphModel):
             else:
                 program = move_to_device_pass(program, self.device)
         self.module = program.module().to(self.device)
+        reshapes = views_to_reshapes(self.module)
+        log.debug("pt2:%s: %d views run as reshapes", self.spec.path, reshapes)
         self._order = [t.name for t in self.signature.inputs]
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[torch.Tensor]:
