@@ -18,7 +18,7 @@ import numpy as np
 from batchscope.storage.records import BatchRow, EventRow, ListRecorder, RequestRow
 from runtime.api.config import BatchingConfig
 from runtime.engine.engine import MAX_AHEAD_BATCHES, Engine
-from runtime.api.errors import ModelError
+from runtime.api.errors import BatchLost
 from runtime.models.loader import load_model
 from tests.factories import SLOW_MODEL, WAIT_S, wait_for
 
@@ -135,7 +135,7 @@ def test_a_crash_with_two_batches_in_flight_fails_each_request_once(tmp_path):
             os.kill(first_pid, signal.SIGKILL)
             await wait_for(lambda: all(r is not None for r in lost), "the lost answers")
             for result, error in lost:
-                assert result is None and isinstance(error, ModelError)
+                assert result is None and isinstance(error, BatchLost) and error.http_status == 503
                 assert "SIGKILL" in str(error) and "send the request again" in str(error)
             open(gate, "w").close()
             later = _submit(engine, "gated", [20, 21, 22, 23, 24])
@@ -148,7 +148,7 @@ def test_a_crash_with_two_batches_in_flight_fails_each_request_once(tmp_path):
             await engine.stop()
         outcomes = [r.outcome for r in rec.of(RequestRow)]
         assert outcomes.count("error") == 8 and outcomes.count("ok") == 5 and len(outcomes) == 13
-        failed = [b for b in rec.of(BatchRow) if b.outcome == "error"]
+        failed = [b for b in rec.of(BatchRow) if b.outcome == "lost"]
         assert [b.batch_size for b in failed] == [4, 4]
         assert any("starting a new one" in e.message and "2 batch(es)" in e.message
                    for e in rec.of(EventRow))

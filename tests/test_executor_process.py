@@ -21,7 +21,7 @@ from batchscope.storage.records import BatchRow, EventRow, ListRecorder, Request
 from runtime.tools.cli import build_parser, device_process_default
 from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.engine.engine import Engine
-from runtime.api.errors import ConfigError, ModelError
+from runtime.api.errors import BatchLost, ConfigError, ModelError
 from runtime.device.executor import pack_items, pack_outputs, unpack_items, unpack_outputs
 from runtime.models.loader import load_model
 from tests.factories import SLOW_MODEL, wait_for
@@ -166,8 +166,9 @@ def test_a_killed_child_fails_its_batch_and_a_new_one_serves_the_next(tmp_path):
             await wait_for(lambda: engine.stats("slow")["in_flight"] == 2, "the batch to run")
             os.kill(first_pid, signal.SIGKILL)
             await wait_for(lambda: all(r is not None for r in stuck), "the lost batch's answers")
-            for result, error in stuck:
-                assert result is None and isinstance(error, ModelError)
+            for result, error in stuck:  # not the model's fault: 503, send it again
+                assert result is None and isinstance(error, BatchLost)
+                assert error.http_status == 503 and error.retry_after_s == 1.0
                 assert "SIGKILL" in str(error) and "send the request again" in str(error)
             later = _submit_all(engine, "slow", [{"INPUT0": np.array([i, 0], np.float32)}
                                                  for i in range(3)])

@@ -172,6 +172,14 @@ class ModelError(BatchScopeError):
     reason = "model_error"
 
 
+class BatchLost(BatchScopeError):
+    """The process running the batch this request was in exited before answering (it is
+    restarted); the request did not complete and may be sent again."""
+
+    http_status = 503
+    reason = "batch_lost"
+
+
 class ModelTimedOut(BatchScopeError):
     """The batch this request was in ran past its model's ``execution_timeout_ms``."""
 

@@ -88,7 +88,8 @@ class Attempt:
     start: int
     stop: int
     #: ok | error | oom | timeout (ran past execution_timeout_ms) | refused (never ran:
-    #: the model is stuck in an earlier batch)
+    #: the model is stuck in an earlier batch, or its device process cannot start) | lost
+    #: (the device process running it exited, or the server stopped, before it answered)
     outcome: str
     started_s: float
     ended_s: float

@@ -328,7 +328,7 @@ class DeviceProcess:
             timeout_s = None if timeout_ms is None else timeout_ms / 1000.0
         job.timeout_s = timeout_s
         if self._stopping:
-            self._finish_failed(job, "the server is shutting down")
+            self._finish_failed(job, "the server is shutting down", "lost")
             return
         if self._sock is None or self._ready is None or not self._ready.done():
             self._held.append(job)
@@ -505,17 +505,19 @@ class DeviceProcess:
         self._ensure_restart()
 
     # -- failures -----------------------------------------------------------------------
-    def _finish_failed(self, job: _Job, why: str) -> None:
+    def _finish_failed(self, job: _Job, why: str, outcome: str = "error") -> None:
+        """``job`` ends without outputs: ``error`` (the model's or its items' fault),
+        ``lost`` (the process went away under it) or ``refused`` (it never ran)."""
         now = self._clock.now()
         start = job.sent_s or now
-        job.on_done([Attempt(0, len(job.items), "error", start, now, now - start, error=why)])
+        job.on_done([Attempt(0, len(job.items), outcome, start, now, now - start, error=why)])
 
     def _fail_all(self, why: str) -> None:
         jobs = list(self._sent.values()) + list(self._held)
         self._sent.clear()
         self._held.clear()
         for job in jobs:
-            self._finish_failed(job, why)
+            self._finish_failed(job, why, "lost")
 
     def _on_child_exit(self) -> None:
         proc = self._proc
@@ -538,7 +540,7 @@ class DeviceProcess:
         self._sent.clear()
         for job in lost:
             self._finish_failed(job, f"the device process exited ({how}) while running this "
-                                     "batch; it is being restarted, send the request again")
+                                     "batch; it is being restarted, send the request again", "lost")
         if self._stopping:
             return
         message = (f"the device process (pid {self.pid}) exited ({how}); {len(lost)} batch(es) "
@@ -566,7 +568,8 @@ class DeviceProcess:
             held = list(self._held)
             self._held.clear()
             for job in held:
-                self._finish_failed(job, f"the device process could not be restarted ({exc})")
+                self._finish_failed(job, f"the device process could not be restarted ({exc}); "
+                                         "retry later", "refused")
             return
         finally:
             self._starting = None

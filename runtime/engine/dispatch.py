@@ -356,7 +356,7 @@ class Dispatcher:
         self._unreported += 1
         self._unreported_s += booked.device_s
         model.batcher.complete(batch, now, booked.device_s)
-        if all(a.outcome != "timeout" for a in attempts):
+        if all(a.outcome not in ("timeout", "lost") for a in attempts):  # no batch time
             model.batch_times.observe(booked.device_s)
         self._finished.append(booked)
         running = self.running
