@@ -10,7 +10,9 @@ modes in turn, ``--rounds`` times:
 * ``timestamps``: every request traced (``trace_rate`` 1), its Triton timestamps a
   ``request_traces`` row (``trace_mode`` triton, no file);
 * ``otel``: every request traced and sent as spans (``trace_mode`` opentelemetry);
-* ``otel_1_in_100``: 1 request in 100 sent as spans.
+* ``otel_1_in_100``: 1 request in 100 sent as spans;
+* ``timestamps_1_in_100``: 1 request in 100 traced, rows only (not run unless named in
+  ``--modes``: it tells the span process's share of ``otel_1_in_100`` from the rest).
 
 After each slice it waits until the receiver has had no span and the database no new row
 for a second, so a slice does not pay for the spans and rows the one before it left. Prints each mode's median
@@ -23,6 +25,8 @@ from noise and placed.
     python -m benchmarks.bench_tracing                      # 4 rounds of 10-s slices
     python -m benchmarks.bench_tracing --rounds 2 --slice-s 5
     python -m benchmarks.bench_tracing --modes otel_1_in_100 --rounds 10   # one mode against off
+    python -m benchmarks.bench_tracing --encode     # building and encoding spans alone
+    python -m benchmarks.bench_tracing --side-by-side otel_1_in_100 --rounds 10 --slice-s 4
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ MODES = {
     "off": {"trace_level": ["OFF"]},
     "timestamps": {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_mode": "triton"},
     "otel": {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_mode": "opentelemetry"},
+    "timestamps_1_in_100": {"trace_level": ["TIMESTAMPS"], "trace_rate": "100",
+                            "trace_mode": "triton"},
     "otel_1_in_100": {"trace_level": ["TIMESTAMPS"], "trace_rate": "100",
                       "trace_mode": "opentelemetry"},
 }
@@ -113,15 +119,106 @@ def settle(count, db: Path, quiet_s: float = 1.0, limit_s: float = 60.0) -> None
         eng.dispose()
 
 
+def encode_costs(requests: int = 3000, repeats: int = 5) -> dict[str, float]:
+    """Microseconds of CPU per span to build the spans of ``requests`` traced requests
+    (in batches of 30) and to encode them for OTLP, with the SDK's ``encode_spans`` and
+    with ``runtime.engine.otlp_wire`` (best of ``repeats``); raises if the two differ."""
+    import random
+
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.sdk.resources import Resource
+
+    from runtime.engine.otel import BatchInfo, FinishedTrace, SpanBuilder
+    from runtime.engine.otlp_wire import encode_request
+
+    now = time.time()
+    traces = [(FinishedTrace("mlp", "infer", random.getrandbits(128), random.getrandbits(64), None,
+                             now, now + 0.01, now + 0.001, now + 0.005, now + 0.009, "ok", i // 30),
+               BatchInfo(i // 30, "mlp", now + 0.005, now + 0.009, 30, 32, 30, 30, None,
+                         "dynamic", 1, "ok")) for i in range(requests)]
+    best = {"build": float("inf"), "sdk": float("inf"), "wire": float("inf")}
+    for _ in range(repeats):
+        builder = SpanBuilder(Resource.create({"service.name": "batchscope"}), "bench")
+        t0 = time.perf_counter()
+        spans = [s for t, b in traces for s in builder.spans(t, b)]
+        t1 = time.perf_counter()
+        sdk = encode_spans(spans).SerializeToString()
+        t2 = time.perf_counter()
+        wire = encode_request(spans)
+        t3 = time.perf_counter()
+        if ExportTraceServiceRequest.FromString(wire) != ExportTraceServiceRequest.FromString(sdk):
+            raise AssertionError("otlp_wire and the SDK encoded the same spans differently")
+        n = len(spans)
+        for key, seconds in (("build", t1 - t0), ("sdk", t2 - t1), ("wire", t3 - t2)):
+            best[key] = min(best[key], seconds / n * 1e6)
+    return {**best, "spans": float(n)}
+
+
+def side_by_side(mode: str, rounds: int, slice_s: float, clients: int, model: str,
+                 port: int, count: Any) -> dict[str, Any]:
+    """Two servers at once, one with ``mode``, the other with tracing off, each load
+    window on one then the other (the order turning each round): no settings change
+    between windows, so no window pays for a switch. The median of the rounds' ratios,
+    and each server's CPU per request over its windows."""
+    servers = []
+    try:
+        for _ in range(2):
+            db = Path(tempfile.mkdtemp()) / "side.db"
+            servers.append(Server([sys.executable, "-m", "runtime", "serve", "--model", model,
+                                   "--port", "0", "--db", f"sqlite:///{db}",
+                                   "--otlp-traces-endpoint", f"http://127.0.0.1:{port}"]))
+        off, on = servers
+        for srv, settings in ((off, MODES["off"]), (on, MODES[mode])):
+            assert httpx.post(f"{srv.url}/v2/trace/setting", json=settings,
+                              timeout=30).status_code == 200
+            run_load(srv.url, model, concurrency=clients, duration_s=2.0)  # warm
+        got: dict[str, list] = {"off": [], mode: []}
+        cpu: dict[str, list] = {"off": [], mode: []}
+        for r in range(rounds):
+            order = [("off", off), (mode, on)] if r % 2 == 0 else [(mode, on), ("off", off)]
+            for name, srv in order:
+                with CpuShare(srv.proc.pid) as share:
+                    rep = run_load(srv.url, model, concurrency=clients, duration_s=slice_s)
+                got[name].append(rep.throughput_rps)
+                cpu[name].append(share.summary(rep.ok))
+            print(f"round {r + 1}: off {got['off'][-1]:8.0f}  {mode} {got[mode][-1]:8.0f} req/s",
+                  flush=True)
+    finally:
+        for srv in servers:
+            srv.stop()
+    ratio = statistics.median(b / a for a, b in zip(got["off"], got[mode]))
+    per = {name: statistics.median(c["total_cpu_us_per_request"] for c in cpu[name])
+           for name in cpu}
+    print(f"\n{model}, {clients} clients, two servers side by side, {rounds} rounds of "
+          f"{slice_s:g} s each: {mode} / off {ratio:.3f} (medians {statistics.median(got['off']):.0f}"
+          f" and {statistics.median(got[mode]):.0f} req/s); CPU per request (server, its "
+          f"children, load generator): off {per['off']:.1f} us, {mode} {per[mode]:.1f} us; "
+          f"spans received {count.value:,}")
+    return {"ratio": ratio, "rps": got, "cpu": per}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--side-by-side", metavar="MODE", choices=[m for m in MODES if m != "off"],
+                    help="two servers at once, MODE against off, instead of one server whose "
+                         "settings change between windows")
+    ap.add_argument("--encode", action="store_true",
+                    help="only the cost per span of building and encoding spans (no server)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--slice-s", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--model", default="mlp")
-    ap.add_argument("--modes", default=",".join(MODES),
+    ap.add_argument("--modes", default=",".join(m for m in MODES if m != "timestamps_1_in_100"),
                     help="the modes to alternate, comma-separated (off always included)")
     args = ap.parse_args()
+    if args.encode:
+        got = encode_costs()
+        print(f"{got['spans']:.0f} spans (3,000 traced requests, batches of 30), us per span: "
+              f"build {got['build']:.2f}; encode: SDK encode_spans {got['sdk']:.2f}, "
+              f"otlp_wire {got['wire']:.2f} ({got['sdk'] / got['wire']:.1f}x less), "
+              "the same bytes' message")
+        return
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}; the modes: {', '.join(MODES)}")
@@ -132,6 +229,10 @@ def main() -> None:
     receiver = ctx.Process(target=_receiver, args=(child, count), daemon=True)
     receiver.start()
     port = parent.recv()
+    if args.side_by_side:
+        side_by_side(args.side_by_side, args.rounds, args.slice_s, args.clients, args.model,
+                     port, count)
+        return
     db = Path(tempfile.mkdtemp()) / "tracing.db"
     server = Server([sys.executable, "-m", "runtime", "serve", "--model", args.model,
                      "--port", "0", "--db", f"sqlite:///{db}",

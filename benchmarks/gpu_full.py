@@ -24,7 +24,7 @@ import torch
 if __package__ in (None, ""):
     import common  # noqa: F401  (puts the repository root on sys.path)
 from benchmarks.gpu import device_checks as dc
-from benchmarks.gpu import env_checks, workload_checks as wc
+from benchmarks.gpu import env_checks, mps_check, workload_checks as wc
 from benchmarks.gpu import served
 from benchmarks.gpu.harness import FAIL, Claim, Context, Run, Section
 
@@ -34,7 +34,8 @@ SECTIONS = [
     Section("env", env_checks.env, 30, claims={
         "env.cuda": "a CUDA device is visible to torch",
         "nvtx.ranges": "NVTX ranges around batches and steps show in Nsight Systems",
-        "mps.detected": "an instance under CUDA MPS registers its share"}),
+        "nvtx.tool": "each batch run on CUDA reaches an attached NVTX tool (the interface "
+                     "Nsight Systems attaches through) as one range named with its id"}),
     Section("graphs", dc.graphs, 60, claims={
         "graphs.equal": "CUDA graphs through run_batch equal eager at batch 1..8 and 32, "
                         "padded replays included",
@@ -78,6 +79,9 @@ SECTIONS = [
         "chunked_prefill.same_tokens": "chunked prefill keeps every sequence's tokens",
         "chunked_prefill.itl": "chunked prefill lowers the running sequences' p99 inter-token "
                                "latency"}),
+    Section("mps", mps_check.mps, 90, cuda_only=True, claims={
+        "mps.detected": "two instances under CUDA MPS serve at once, each registers its share "
+                        "(a private daemon where the machine has none)"}),
 ]
 CLAIMS = [Claim(cid, text, s.key) for s in SECTIONS for cid, text in s.claims.items()]
 

@@ -38,6 +38,17 @@ if ! command -v promtool >/dev/null; then
   fi
 fi
 
+# A C/C++ compiler: torch.compile's CPU backend builds its kernels with it, and the NVTX
+# test builds benchmarks/gpu/nvtx_tool.c.
+if ! command -v g++ >/dev/null || ! command -v cc >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
+  else
+    echo "note: no C/C++ compiler; install one (apt-get install g++) or the compile and NVTX tests skip or fail" >&2
+  fi
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

@@ -95,7 +95,47 @@ def nvtx_ranges(ctx: Context) -> dict[str, Any]:
         seen = f"{seen}; nsys {nsys}: {out['nsys']}"
     ctx.claim("nvtx.ranges", ok, seen if ok is not None
               else f"{seen}; no nsys on this machine to capture them (Nsight Systems)")
+    out["tool"] = nvtx_tool_capture(ctx)  # on the CPU in the dry run
     return out
+
+
+def nvtx_tool_capture(ctx: Context) -> dict[str, Any]:
+    """Three batches on CUDA with ``benchmarks/gpu/nvtx_tool.c`` attached through
+    ``NVTX_INJECTION64_PATH``: each must arrive as one closed range ``batch <id> mlp n=8``
+    whose payload is its id. Needs a C compiler on the machine (else UNVERIFIED)."""
+    from benchmarks.gpu.nvtx_tool import build, capture_env, read_ranges
+
+    folder = ctx.out_dir / "nvtx_tool"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        lib = build(folder)
+    except (OSError, subprocess.SubprocessError) as exc:
+        lib, why = None, f"building the tool failed: {exc}"[:300]
+    else:
+        why = "no C compiler on this machine to build the NVTX tool"
+    if lib is None:
+        ctx.claim("nvtx.tool", None, why)
+        return {"error": why}
+    capture = folder / "ranges.tsv"
+    capture.unlink(missing_ok=True)
+    env = {**os.environ, "BATCHSCOPE_NVTX": "1", "BATCHSCOPE_CHECK_DEVICE": ctx.device,
+           **capture_env(lib, capture)}
+    try:
+        run = subprocess.run([sys.executable, "-c", NSYS_SCRIPT], capture_output=True, text=True,
+                             timeout=ctx.seconds(60), env=env, cwd=ROOT)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        ctx.claim("nvtx.tool", None, f"the batches did not run: {exc}"[:300])
+        return {"error": str(exc)[:300]}
+    got = [r for r in read_ranges(capture) if r.message.startswith("batch ")]
+    want = {seq: f"batch {seq} mlp n=8" for seq in (101, 102, 103)}
+    ok = run.returncode == 0 and len(got) == 3 and all(
+        r.closed and r.domain == "batchscope" and want.get(r.payload) == r.message for r in got)
+    detail = f"{len(got)} batch ranges: " + "; ".join(
+        f"{r.message!r} payload {r.payload} closed {r.closed}" for r in got[:4])
+    if run.returncode != 0:
+        detail += f"; exit {run.returncode}: {run.stderr[-300:]}"
+    ctx.claim("nvtx.tool", ok, detail)
+    return {"ranges": [r.message for r in got], "exit": run.returncode}
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,18 +145,21 @@ NSYS_GLOBS = ("/usr/local/cuda*/bin/nsys", "/opt/nvidia/nsight-systems*/*/bin/ns
               "/usr/local/cuda*/nsight-systems*/bin/nsys")
 #: three batches through run_batch with --nvtx on, as the server runs them
 NSYS_SCRIPT = """
+import os
 import torch
 from benchmarks.common import make_inputs
 from runtime.api.config import BatchingConfig
 from runtime.core.clock import MonotonicClock
 from runtime.device.executor import run_batch
 from runtime.models.loader import load_model
-m = load_model("mlp"); m.setup("cuda")
+device = torch.device(os.environ.get("BATCHSCOPE_CHECK_DEVICE", "cuda"))
+m = load_model("mlp"); m.setup(device)
 items = [m.decode(r) for r in make_inputs("mlp", 8, seed=1)]
 for seq in (101, 102, 103):
     run_batch(m, items, None, None, None, BatchingConfig(max_batch_size=8), False,
-              torch.device("cuda"), MonotonicClock(), seq=seq, name="mlp")
-torch.cuda.synchronize()
+              device, MonotonicClock(), seq=seq, name="mlp")
+if device.type == "cuda":
+    torch.cuda.synchronize()
 """
 
 
@@ -157,10 +200,5 @@ def nsys_capture(ctx: Context, nsys: str) -> dict[str, Any]:
 def mps_state(ctx: Context) -> dict[str, Any]:
     from runtime.device import mps
 
-    info = mps.detect()
-    described = mps.describe(ctx.device, info)
-    if info is None:
-        ctx.claim("mps.detected", None, "no MPS daemon on this machine (start one: docs/gpu.md)")
-    else:
-        ctx.claim("mps.detected", True, f"registered as {described!r}")
-    return {"daemon": info is not None, "device_string": described}
+    info = mps.detect()  # the claim is the mps section's (benchmarks/gpu/mps_check.py)
+    return {"daemon": info is not None, "device_string": mps.describe(ctx.device, info)}

@@ -57,8 +57,28 @@ def _from_nvtx_package() -> Callable[..., ContextManager[Any]] | None:
         domain = nvtx.get_domain(DOMAIN)
     except Exception:  # noqa: BLE001 - not installed, or a build without domains
         return None
-    return _guarded(lambda message, payload: domain.push_range(
-        domain.get_event_attributes(message=message, payload=payload)), domain.pop_range)
+    attributes = _attributes(domain)
+    return _guarded(lambda message, payload: domain.push_range(attributes(message, payload)),
+                    domain.pop_range)
+
+
+def _attributes(domain: Any) -> Callable[[str, int | None], Any]:
+    """``attributes(message, payload)``: the event attributes of one range.
+
+    ``Domain.get_event_attributes`` registers its message through an unbounded cache of
+    every message it has seen, and each batch's message is new (it holds the batch id):
+    with a profiler attached for hours, that cache would grow by a string per batch. The
+    message is registered afresh instead and dropped with its range (the profiler keeps
+    its own copy). Without a profiler the domain is nvtx's no-op one and takes the
+    plain call."""
+    try:
+        from nvtx._lib.lib import EventAttributes, RegisteredString
+
+        handle = domain.handle  # absent on the no-op domain
+    except (ImportError, AttributeError):
+        return lambda message, payload: domain.get_event_attributes(message=message, payload=payload)
+    return lambda message, payload: EventAttributes(domain, RegisteredString(handle, message),
+                                                    None, None, payload)
 
 
 def _from_torch() -> Callable[..., ContextManager[Any]] | None:

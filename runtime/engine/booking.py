@@ -51,7 +51,7 @@ from typing import Any, Callable
 from batchscope.storage.records import (BatchRow, EventRow, ListRecorder, RecorderLike,
                                         RequestBatch, RequestRow, declared_shapes, put_many_of,
                                         shapes_json, timeout_of)
-from runtime.api.errors import (BatchScopeError, ModelError, ModelNotReady, ModelTimedOut,
+from runtime.api.errors import (BatchLost, BatchScopeError, ModelError, ModelNotReady, ModelTimedOut,
                                 OutOfMemory, RequestExpired)
 from runtime.core.batcher import Batch, pad_length
 from runtime.core.request import PendingRequest
@@ -245,6 +245,8 @@ class Booking:
         if a.outcome == "refused":
             return ModelNotReady(a.error or f"model {name!r} is not ready; retry later",
                                  retry_after_s=RETRY_AFTER_STUCK_S)
+        if a.outcome == "lost":
+            return BatchLost(f"model {name!r}: {a.error}", retry_after_s=RETRY_AFTER_STUCK_S)
         if a.size == 1:
             return ModelError(f"model {name!r} failed on this request: {a.error}")
         return ModelError(f"model {name!r} failed on a batch of {a.size}: {a.error}")
@@ -390,7 +392,7 @@ class Booking:
         failed = []
         isolated = False
         for a, seq in zip(attempts, seqs):
-            if a.outcome != "error":
+            if a.outcome not in ("error", "lost"):
                 continue
             if first is None:
                 first, first_seq = a, seq

@@ -209,6 +209,10 @@ class SpanBuilder:
             out.append(self._span(name, child, ctx, a, z))
         return out
 
+    def count(self, t: FinishedTrace, batch: BatchInfo | None) -> int:
+        """How many spans ``spans(t, batch)`` would make."""
+        return int(batch is not None and batch.seq not in self.batch_spans) + spans_of(t)
+
     @staticmethod
     def _phases(t: FinishedTrace) -> list[tuple[str, float, float]]:
         queued, started, ended = t.queue_start_at, t.compute_start_at, t.compute_end_at
@@ -223,6 +227,11 @@ class SpanBuilder:
             else:
                 out.append(("compute", started, end))
         return out
+
+
+def spans_of(t: FinishedTrace) -> int:
+    """The spans of trace ``t`` itself (its batch's aside): drops are counted in spans."""
+    return 1 + len(SpanBuilder._phases(t))
 
 
 def report_drops(exporter: Any) -> None:
@@ -261,16 +270,25 @@ def exporter_for(endpoint: str, protocol: str | None = None) -> Any:
     standard variables', else ``grpc``)."""
     protocol = (protocol or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip().lower()
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    if protocol == "grpc":  # the SDK's exporter, its encoding ours (runtime.engine.otlp_wire)
+        from runtime.engine.otlp_wire import fast_grpc_exporter
         insecure = endpoint.startswith("http://") or None
-        return OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
+        return fast_grpc_exporter(endpoint=endpoint, insecure=insecure)
     if protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         if "://" in endpoint and not endpoint.rstrip("/").endswith("/v1/traces"):
             endpoint = endpoint.rstrip("/") + "/v1/traces"
         return OTLPSpanExporter(endpoint=endpoint)
     raise ValueError(f"OTLP protocol {protocol!r} is not supported; use one of {PROTOCOLS}")
+
+
+def _room_of(processor: Any) -> Callable[[], int] | None:
+    """How many more spans the SDK's batch processor ``processor`` (its private
+    ``_queue`` and ``_max_queue_size``) takes; None when this SDK has neither."""
+    queue, bound = getattr(processor, "_queue", None), getattr(processor, "_max_queue_size", None)
+    if queue is None or not isinstance(bound, int):
+        return None
+    return lambda: bound - len(queue)
 
 
 class OtlpSpans:
@@ -290,6 +308,10 @@ class OtlpSpans:
         inner = getattr(self.processor, "_batch_processor", None)
         if inner is not None and hasattr(inner, "_metrics"):
             inner._metrics = _DropCounter(inner._metrics, self._dropped_by_processor)
+        #: the processor's queue and its bound, when this SDK shows them: a trace that
+        #: would not fit is dropped before its spans are built (building them, and the
+        #: processor turning each away with a log record, cost more than sending one)
+        self._room = _room_of(inner)
         self.endpoint = endpoint
         self.on_drops = on_drops
         self.queue: collections.deque = collections.deque()
@@ -316,7 +338,7 @@ class OtlpSpans:
     def put(self, trace: FinishedTrace) -> None:
         """Queue a finished trace for its spans; dropped (and counted) when full."""
         if len(self.queue) >= self.queue_max:
-            self.dropped += 1
+            self.dropped += spans_of(trace)
             return
         self.queue.append(trace)
         if len(self.queue) == 1:
@@ -336,10 +358,16 @@ class OtlpSpans:
                 return
 
     def _drain(self) -> None:
+        room = self._room
         while self.queue:
             t = self.queue.popleft()
             with self.lock:
                 batch = self.batches.get(t.batch_seq) if t.batch_seq is not None else None
+            if room is not None:
+                wanted = self.builder.count(t, batch)
+                if room() < wanted:
+                    self.dropped += wanted
+                    continue
             try:
                 for span in self.builder.spans(t, batch):
                     self.processor.on_end(span)

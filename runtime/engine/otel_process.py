@@ -15,7 +15,8 @@ The child runs at the lowest CPU priority while it keeps up (``SCHED_IDLE`` on L
 and at ``nice`` 10 while its backlog grows (``batchscope.spawn.BacklogPriority``), as
 the database writer does: spans are exported in the CPU time serving leaves, and a
 machine that never idles still gets them, at the cost of that share of a CPU. Past
-``queue_max`` traces waiting (here or in the child), traces are dropped and counted;
+``queue_max`` traces waiting (here or in the child), traces are dropped and their spans
+counted;
 ``dropped`` adds the child's count (its queue, the processor's), reported through
 ``on_drops`` as ``OtlpSpans`` does. The child inherits the standard ``OTEL_*``
 variables.
@@ -36,7 +37,7 @@ from typing import Any, Callable
 
 from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_child
 from runtime.engine.otel import (QUEUE_MAX, BatchInfo, FinishedTrace, OtlpSpans, exporter_for,
-                                 report_drops)
+                                 report_drops, spans_of)
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class SpanProcess:
         """Queue a finished trace for its spans; dropped (and counted) when full."""
         traces = self._traces
         if len(traces) >= self.queue_max:
-            self._dropped_here += 1
+            self._dropped_here += spans_of(trace)
             return
         traces.append(trace)
         if len(traces) == SEND_AT:
@@ -167,7 +168,7 @@ class SpanProcess:
         if not taken and not infos:
             return
         if self._conn is None:
-            self._dropped_here += len(taken)
+            self._dropped_here += sum(map(spans_of, taken))
             return
         payload = pickle.dumps((list(map(_BATCH_TUPLE, infos)), list(map(_TRACE_TUPLE, taken)),
                                 len(traces) / self.queue_max), protocol=5)
@@ -179,7 +180,7 @@ class SpanProcess:
         except (EOFError, OSError, TimeoutError):
             log.error("the OpenTelemetry span process %s; spans are dropped from now on",
                       "did not answer" if self._proc.is_alive() else "exited")
-            self._dropped_here += len(taken)
+            self._dropped_here += sum(map(spans_of, taken))
             self._stop_child()
 
 

@@ -1,0 +1,92 @@
+"""``runtime.engine.otlp_wire`` against the SDK's own OTLP encoder: for the same spans,
+the bytes parse back to an ``ExportTraceServiceRequest`` equal to ``encode_spans``'s."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from opentelemetry import trace as api
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from runtime.engine.otel import BatchInfo, FinishedTrace, SpanBuilder
+from runtime.engine.otlp_wire import Unsupported, encode_request, fast_grpc_exporter
+
+RESOURCE = Resource.create({"service.name": "batchscope", "service.instance.id": "i-1"})
+VALUES = ["text", "", "ünïcode ✓", True, False, 0, 1, -2, 127, 128, 2**63 - 1, -2**63, 0.0,
+          -1.5, 3.25e-9, b"\x00\xffraw", ["a", "b"], [1, 2, 3], [True, False], [0.5], (),
+          {"k": "v", "n": 3}]
+
+
+def same(spans) -> None:
+    mine = ExportTraceServiceRequest.FromString(encode_request(spans))
+    assert mine == encode_spans(spans)
+
+
+def context(rng, remote=False, state=None):
+    return api.SpanContext(rng.getrandbits(128) or 1, rng.getrandbits(64) or 1,
+                           is_remote=remote, trace_flags=api.TraceFlags(api.TraceFlags.SAMPLED),
+                           trace_state=state)
+
+
+def test_batchscope_s_own_spans_encode_as_the_sdk_encodes_them():
+    builder = SpanBuilder(RESOURCE, "i-1")
+    now = time.time()
+    spans = []
+    for i in range(200):
+        batch = BatchInfo(i // 10, "mlp", now + 0.004, now + 0.009, 10, 32, 12, 10,
+                          None if i % 3 else 64, "dynamic", 2, "ok" if i % 7 else "error")
+        t = FinishedTrace("mlp", "infer", random.getrandbits(128), random.getrandbits(64),
+                          random.getrandbits(64) if i % 2 else None, now, now + 0.01,
+                          now + 0.001, now + 0.004, now + 0.009, "ok" if i % 5 else "error",
+                          batch.seq, f"req-{i}" if i % 4 else None,
+                          first_token_at=now + 0.006 if i % 6 == 0 else None,
+                          input_tokens=i if i % 6 == 0 else None,
+                          output_tokens=2 * i if i % 6 == 0 else None,
+                          finish_reasons=("length",) if i % 6 == 0 else ())
+        spans += builder.spans(t, batch if i % 8 else None)
+    same(spans)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_any_span_the_sdk_makes_encodes_as_the_sdk_encodes_it(seed):
+    rng = random.Random(seed)
+    scopes = [InstrumentationScope("batchscope.runtime"), InstrumentationScope("other", "1.2",
+              schema_url="https://schema/1", attributes={"scope.attr": 5}), None]
+    resources = [RESOURCE, Resource.create({"service.name": "two"}, schema_url="https://r/1")]
+    spans = []
+    for _ in range(30):
+        attrs = {f"key.{j}": rng.choice(VALUES) for j in range(rng.randrange(0, 12))}
+        links = [api.Link(context(rng, remote=rng.random() < 0.5),
+                          {"link.n": rng.randrange(-5, 5), "why": "batch"} if rng.random() < 0.7
+                          else None) for _ in range(rng.randrange(0, 3))]
+        status = rng.choice([api.Status(api.StatusCode.UNSET), api.Status(api.StatusCode.OK),
+                             api.Status(api.StatusCode.ERROR, "it failed"),
+                             api.Status(api.StatusCode.ERROR)])
+        parent = rng.choice([None, context(rng), context(rng, remote=True)])
+        state = api.TraceState([("vendor", "v1"), ("other", "x")]) if rng.random() < 0.2 else None
+        start = time.time_ns() - rng.randrange(10**9)
+        spans.append(ReadableSpan(
+            rng.choice(["infer mlp", "queue", "", "ünïcode"]), context=context(rng, state=state),
+            parent=parent, resource=rng.choice(resources), attributes=attrs, links=links,
+            kind=rng.choice(list(api.SpanKind)), status=status, start_time=start,
+            end_time=start + rng.randrange(10**7), instrumentation_scope=rng.choice(scopes)))
+    same(spans)
+
+
+def test_a_span_with_events_is_left_to_the_sdk_encoder():
+    rng = random.Random(1)
+    span = ReadableSpan("with event", context=context(rng), resource=RESOURCE,
+                        events=[Event("retry", {"n": 1}, timestamp=5)], start_time=1, end_time=2)
+    with pytest.raises(Unsupported):
+        encode_request([span])
+    exporter = fast_grpc_exporter(endpoint="http://127.0.0.1:9", insecure=True)
+    try:
+        assert exporter._translate_data([span]) == encode_spans([span])
+    finally:
+        exporter.shutdown()
