@@ -163,8 +163,10 @@ def test_the_demo_runtime_is_named_as_such(app_db):
         conn.exec_driver_sql("UPDATE runtime_instances SET last_seen_at = ? WHERE id != 'demo-1'",
                              (now - 3600,))
     at = run_app()
-    assert any("bundled demo runtime" in i.value for i in at.info)
-    assert not any("Attached to live runtime" in c.value for c in at.caption)
+    banner = [i.value for i in at.info if "bundled demo runtime" in i.value]
+    assert banner and not any("Attached to live runtime" in c.value for c in at.caption)
+    # this dashboard did not start it: it does not say so, nor how to turn its own off
+    assert "started outside this dashboard" in banner[0] and "NO_DEMO" not in banner[0]
 
 
 

@@ -108,9 +108,14 @@ def show_source(scope: Scope, *, demo_allowed: bool) -> None:
     if scope.snapshot is not None:
         st.info(f"Browsing snapshot {scope.snapshot} (not live).")
     elif scope.live_ids and scope.demo_ids == scope.live_ids:
+        ours = demo_slot().runtime
+        if ours is not None and ours.running():
+            why = (f", started by this dashboard because no other runtime was reporting to "
+                   f"{url}. Turn it off with BATCHSCOPE_NO_DEMO=1 or the sidebar toggle.")
+        else:  # python -m runtime.tools.demo, or another dashboard's
+            why = f", reporting to {url} (started outside this dashboard)."
         st.info("Live data from the bundled demo runtime (models mlp, encoder and decoder under "
-                "synthetic, varying traffic), started because no other runtime was reporting to "
-                f"{url}. Turn it off with BATCHSCOPE_NO_DEMO=1 or the sidebar toggle.")
+                f"synthetic, varying traffic){why}")
     elif scope.live_ids:
         st.caption(f"Attached to live runtime(s): {', '.join(scope.live_ids)}")
     elif demo_allowed and url != default_db_url():

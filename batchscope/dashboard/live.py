@@ -84,9 +84,10 @@ def reused_while_fresh(name: str, key: tuple, compute):
 
 def render_headline(bundle: dict) -> None:
     items = report.headline_items(bundle["headline"].iloc[0])
-    cols = st.columns(6)
-    for i, (label, value) in enumerate(items):
-        cols[i % 6].metric(label, value, border=True)
+    for row in range(0, len(items), 6):  # a shorter last row spreads out: long values fit
+        part = items[row:row + 6]
+        for col, (label, value) in zip(st.columns(len(part)), part):
+            col.metric(label, value, border=True)
 
 
 def render_charts(bundle: dict, slo_ms: float, prefix: str) -> dict:

@@ -225,12 +225,12 @@ def _downloads(engine: Engine, w: Window) -> None:
             return buf.getvalue()
         return data
 
-    a, b, _ = st.columns([1, 1, 3])
+    a, b, _ = st.columns([1, 1, 2])
     a.download_button("Download Perfetto trace", made("perfetto"),
                       file_name=f"batchscope-{stamp}.pftrace",
                       mime="application/octet-stream", key="timeline_dl_perfetto",
                       on_click="ignore", help="open it in ui.perfetto.dev")
-    b.download_button("Download Chrome trace JSON", made("json"),
+    b.download_button("Download Chrome trace", made("json"),
                       file_name=f"batchscope-{stamp}.json", mime="application/json",
                       key="timeline_dl_json", on_click="ignore",
                       help="open it in chrome://tracing or ui.perfetto.dev")

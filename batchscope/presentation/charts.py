@@ -93,7 +93,7 @@ def _grid_json(kind: str) -> dict:
 def _layout(title: str, height: int = 320) -> dict:
     return dict(title=dict(text=title, x=0.01, font=dict(size=14)), height=height,
                 template=_template(), margin=dict(l=50, r=20, t=40, b=40),
-                legend=dict(orientation="h", y=-0.2), hovermode="x unified")
+                legend=dict(orientation="h", y=-0.27), hovermode="x unified")
 
 
 def _base(title: str, *, height: int = 320, closest: bool = False, grid: str | None = None,

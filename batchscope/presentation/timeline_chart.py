@@ -146,7 +146,8 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
                    zeroline=False),
         yaxis=dict(tickvals=list(range(n)), ticktext=lanes.labels, range=[n - 0.5, -0.5],
                    zeroline=False, showgrid=False),
-        legend=dict(orientation="h", y=-0.25))
+        # above the plot, right of the title: below it, the legend met the axis title
+        legend=dict(orientation="h", y=1.02, yanchor="bottom", x=1.0, xanchor="right"))
     if rows.empty:
         return charts._empty(fig, "no batch, request or generation step in this window")
     return charts.add_event_markers(fig, rows.events, y=-0.45,
