@@ -19,7 +19,7 @@ import time
 import orjson
 import pytest
 
-from runtime.server.http1 import EARLY_DRAIN_BYTES, HttpServer, _Connection, default_max_connections
+from runtime.server.http1 import EARLY_DRAIN_BYTES, Connection, HttpServer, default_max_connections
 from runtime.server.service import bind_socket, new_event_loop
 from tests.factories import Reader, request
 
@@ -254,7 +254,7 @@ def test_a_client_that_reads_no_answers_is_dropped_after_keep_alive(make_server)
         sock.sendall(request("GET", "/fast"))
         server.wait_for(lambda: len(server.http.connections) == 1, "no connection")
 
-        def block() -> _Connection:
+        def block() -> Connection:
             conn = next(iter(server.http.connections))
             conn.pause_writing()  # as the transport does when its buffer is full
             return conn

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from runtime.server.http1 import HttpServer, _Connection
+from runtime.server.http1 import Connection, HttpServer
 from tests.factories import RecordingTransport as Transport
 
 BODY = b'{"x":1}'
@@ -43,13 +43,13 @@ def run(test) -> None:
 
 
 def server_with(loop: asyncio.AbstractEventLoop, budget: int, n: int
-                ) -> tuple[HttpServer, Hook, list[_Connection], list[Transport]]:
+                ) -> tuple[HttpServer, Hook, list[Connection], list[Transport]]:
     hook = Hook()
     server = HttpServer(None, fast=hook, pass_budget=budget)
     server.loop = loop
     conns, transports = [], []
     for _ in range(n):
-        conn = _Connection(server)
+        conn = Connection(server)
         transport = Transport()
         conn.connection_made(transport)
         conns.append(conn)
@@ -159,7 +159,7 @@ def test_no_bound_by_default() -> None:
         server.loop = loop
         conns = []
         for _ in range(300):
-            conn = _Connection(server)
+            conn = Connection(server)
             conn.connection_made(Transport())
             conn.data_received(REQUEST)
             conns.append(conn)

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from runtime.server.http1 import HttpServer, _Connection
+from runtime.server.http1 import Connection, HttpServer
 from tests.factories import RecordingTransport
 
 BODY = b'{"inputs":[]}'
@@ -54,7 +54,7 @@ def served():
     hook = Hook()
     server = HttpServer(None, fast=hook)
     server.loop = loop
-    conn = _Connection(server)
+    conn = Connection(server)
     transport = RecordingTransport()
     conn.connection_made(transport)
     yield server, hook, conn, transport

@@ -1,6 +1,6 @@
 """Cost of the HTTP/1.1 layer on its hot path, without sockets: parse + dispatch + answer.
 
-One ``_Connection`` of ``runtime.server.http1`` is fed small keep-alive ``/infer``
+One ``Connection`` of ``runtime.server.http1`` is fed small keep-alive ``/infer``
 requests one at a time through ``data_received`` (as the event loop would), over a
 fake transport that only counts the bytes written; the fast hook answers each at once.
 So the figure is the server's own per-request cost: httptools parsing, the callbacks,
@@ -9,8 +9,9 @@ the dispatch and the response head, with no model, no engine and no kernel.
     python -m benchmarks.reliability.http1_hot_path
     python -m benchmarks.reliability.http1_hot_path --module-file /tmp/http1_old.py
 
-``--module-file`` loads another copy of ``http1.py`` (e.g. the one before a change) so
-both are measured by the same loop, in the same process run. ``--early`` gives the fast
+``--module-file`` loads a single-file copy of the server (``runtime/server/http1.py`` as it
+was before it became a package, from ``git show``) so both are measured by the same
+loop, in the same process run. ``--early`` gives the fast
 hook an ``early`` method that always returns None (the cost of the early call point);
 ``--refuse`` one that refuses every request, with an ``edge`` method too (so the server
 refuses before the parser, as it does while shedding) unless ``--no-edge``.
@@ -123,7 +124,9 @@ def measure(http1: ModuleType, *, n: int, early: bool, refuse: bool = False,
         hook = refusing() if refuse else EarlyHook() if early else Hook()
         server = http1.HttpServer(None, fast=hook)
         server.loop = loop
-        conn = http1._Connection(server)
+        # an older single-file copy named it _Connection
+        conn = getattr(http1, "Connection", None) or http1._Connection
+        conn = conn(server)
         transport = CountingTransport()
         conn.connection_made(transport)
         feed = conn.data_received
