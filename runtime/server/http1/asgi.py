@@ -11,7 +11,7 @@ several parts goes out with chunked transfer encoding (HTTP/1.1) or until close
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote
 
 import httptools
@@ -19,9 +19,8 @@ import httptools
 from runtime.api.errors import ClientError, error_answer
 from runtime.server.http1.wire import Exchange, status_line
 
-if TYPE_CHECKING:
-    from runtime.server.http1.connection import Connection
-
+#: ``Connection`` (``connection``) and ``HttpServer`` (``server``) import this module, so
+#: their names in annotations here are not imported
 log = logging.getLogger("batchscope.server")
 
 
@@ -31,7 +30,7 @@ class AsgiCall:
     __slots__ = ("conn", "ex", "body", "started", "chunked", "length_known", "body_done",
                  "status", "head")
 
-    def __init__(self, conn: Connection, ex: Exchange, body: bytes) -> None:
+    def __init__(self, conn: "Connection", ex: Exchange, body: bytes) -> None:
         self.conn = conn
         self.ex = ex
         self.body = body

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import deque
-from typing import TYPE_CHECKING
-
 import httptools
 
 from runtime.api.errors import (BatchScopeError, ClientError, HeadersTooLarge,
@@ -23,8 +21,8 @@ from runtime.server.http1.limits import (EARLY_DRAIN_BYTES, LINGER_S, MAX_HEADER
                                          MAX_PIPELINED, MAX_URL_BYTES)
 from runtime.server.http1.wire import DROPPED, Exchange, Refused, status_line
 
-if TYPE_CHECKING:
-    from runtime.server.http1.server import HttpServer
+# ``HttpServer`` (``server``) imports this module, so its name in annotations here is not
+# imported
 
 
 class Connection(asyncio.Protocol):
