@@ -144,6 +144,7 @@ class BacklogPriority:
     def follow(self, backlog: float) -> None:
         if self.start != "idle":
             return
+        self.observe()
         try:
             if self.state == "idle" and backlog >= self.urgent:
                 os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0),
@@ -154,6 +155,16 @@ class BacklogPriority:
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
                 self.state = "idle"
         except OSError:  # not allowed here (an unprivileged user's limits): stay as it is
+            pass
+
+    def observe(self) -> None:
+        """Take in a fair share the parent gave this child while it was starved
+        (``WriterProcess.boost``): it counts as ``nice`` until the backlog is calm, then
+        the child goes back to idle."""
+        try:
+            if self.state == "idle" and os.sched_getscheduler(0) != os.SCHED_IDLE:
+                self.state = "nice"
+        except OSError:
             pass
 
 

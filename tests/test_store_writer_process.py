@@ -15,11 +15,21 @@ from batchscope.storage.db import make_engine
 from batchscope.storage.records import BatchRow, EventRow, RequestRow
 from batchscope.storage.recorder import Recorder
 from batchscope.storage.schema import BatchRecord, EventRecord, RequestRecord
+from batchscope.storage import writer_process
 from batchscope.storage.writer_process import WriterProcess
 from runtime.tools.cli import build_parser
 from runtime.api.config import ServerConfig
 from runtime.api.errors import ConfigError
 from tests.factories import count, stored
+
+
+@pytest.fixture(autouse=True)
+def no_starvation_rule(monkeypatch):
+    """The parent gives a starved idle child a fair share once a write has waited
+    ``STARVED_AFTER_S`` of wall-clock time, which a loaded machine reaches at random;
+    here only the backlog rule (counts) decides, and the starvation rule is called
+    directly where it is tested."""
+    monkeypatch.setattr(writer_process, "STARVED_AFTER_S", 3600.0)
 
 
 def request(i: int) -> RequestRow:
@@ -165,6 +175,9 @@ def test_a_starved_idle_child_is_given_a_fair_share_by_the_parent(db, db_url):
     assert process.boosts == 1
     rec.put(request(2))
     assert rec.flush() == 1
+    # the child took the fair share in (it was "nice" from then on) and, its backlog
+    # calm, went back to idle with that write
+    assert process.priority == "idle" and os.sched_getscheduler(pid) == os.SCHED_IDLE
     rec.close()
     assert count(db, RequestRecord) == 2
 

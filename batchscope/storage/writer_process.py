@@ -110,6 +110,7 @@ def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = No
                 inserts.insert_sqlite(raw, cls, rows, tuples=True)
             else:
                 inserts.insert_core(cls, rows, tuples=True)
+            prio.observe()  # a starved write may have been given a fair share meanwhile
             conn.send_bytes(_OK + prio.state.encode())
         except Exception as exc:  # database failure: tell the parent, start clean
             if raw is not None:
