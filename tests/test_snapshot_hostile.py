@@ -230,7 +230,7 @@ def test_a_bad_row_in_a_later_batch_is_named(good, tmp_path):
 def test_streaming_reads_rows_cut_by_chunk_edges(good, tmp_path, monkeypatch):
     """Tiny read chunks: every row, number and escape is cut somewhere; the result is
     the same as with whole members."""
-    monkeypatch.setattr(snapshot, "READ_CHUNK", 7)
+    monkeypatch.setattr(snapshot.tables, "READ_CHUNK", 7)  # where the reader reads it
     rows = [event(i, "caf\u00e9 \\\"quoted\\\" \u2603") for i in range(300)]
     data = with_member(good, "tables/events.json",
                        json.dumps({"columns": EVENT_COLUMNS, "rows": rows}, indent=2))

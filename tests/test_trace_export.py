@@ -320,7 +320,7 @@ def test_snapshot_carries_the_trace_of_its_window(filled, tmp_path, monkeypatch)
         snapshot.trace_bytes(data, limits=snapshot.Limits(max_trace_bytes=1000))
 
     # a window too large for a snapshot's trace: left out, the manifest says why
-    monkeypatch.setattr(snapshot, "TRACE_MAX_ROWS", 10)
+    monkeypatch.setattr(snapshot.export, "TRACE_MAX_ROWS", 10)
     data = snapshot.export_bytes(engine, WINDOW)
     snap = snapshot.load_snapshot(data)
     try:

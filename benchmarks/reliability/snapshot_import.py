@@ -8,9 +8,10 @@ figure for a child that only imports BatchScope, for reference). Nothing is serv
 no network is used. A run takes about a minute or two on a 2-core box, most of it
 writing the file.
 
-``--impl path/to/snapshot.py`` opens it with another version of the snapshot module
-(say, the one of an older checkout) to compare; ``--file`` reuses a snapshot made
-before, ``--keep`` keeps the one made.
+``--impl path/to/checkout`` opens it with another checkout's snapshot package, and
+``--impl path/to/snapshot.py`` with a single-file snapshot module (an older checkout's,
+from before it became a package), to compare; ``--file`` reuses a snapshot made before,
+``--keep`` keeps the one made.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ SECONDS_PER_MB = 86.0
 CHILD_TIMEOUT_S = 300.0
 
 CHILD = r"""
-import importlib.util, json, sys, time
-sys.path.insert(0, sys.argv[1])
-impl, path = sys.argv[2], sys.argv[3]
+import importlib.util, json, os, sys, time
+root, impl, path = sys.argv[1:4]
+if impl != "-" and os.path.isdir(impl):  # another checkout: its batchscope, not this one's
+    root, impl = impl, "-"
+sys.path.insert(0, root)
 if impl == "-":
     from batchscope.presentation import snapshot
 else:
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=float, default=60.0, help="snapshot size to make (MB)")
     parser.add_argument("--file", type=Path, help="open this snapshot instead of making one")
     parser.add_argument("--keep", type=Path, help="keep the snapshot made here")
-    parser.add_argument("--impl", default="-", help="a snapshot.py to open it with")
+    parser.add_argument("--impl", default="-",
+                        help="a checkout, or a single-file snapshot.py, to open it with")
     parser.add_argument("--runs", type=int, default=1, help="loads to time (default 1)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))

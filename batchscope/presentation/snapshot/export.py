@@ -1,0 +1,195 @@
+"""Writing a snapshot: ``export_snapshot`` puts a window's rows, the manifest (flags,
+fleet flags, recommendations, environment), the offline report and the Perfetto trace
+into one zip file."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import zipfile
+from importlib import metadata
+from pathlib import Path
+from typing import BinaryIO
+
+from sqlalchemy import Engine, text
+
+from batchscope.analysis import diagnosis, fleet, fleet_rules, queries, recommend
+from batchscope.presentation import report
+from batchscope.presentation.snapshot.layout import (CHILDREN, FORMAT, FORMAT_VERSION, MANIFEST,
+                                                   READ_CHUNK, REPORT, TABLES, TRACE,
+                                                   TRACE_MAX_BYTES, TRACE_MAX_ROWS)
+from batchscope.analysis.queries import Window
+from batchscope.storage.schema import SCHEMA_VERSION, Base
+from batchscope.tuning import store
+from batchscope.version import version as batchscope_version
+
+
+def environment(engine: Engine) -> dict:
+    """Versions of the platform and libraries, and the devices the instances reported."""
+    versions = {"batchscope": batchscope_version()}
+    for pkg in ("torch", "numpy", "pandas", "sqlalchemy", "plotly", "streamlit"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    with engine.connect() as conn:
+        devices = sorted({r[0] for r in conn.execute(text(
+            "SELECT DISTINCT device FROM runtime_instances WHERE device IS NOT NULL"))})
+    return {"python": sys.version.split()[0], "platform": platform.platform(),
+            "machine": platform.machine(), "versions": versions, "devices": devices}
+
+
+def _where(name: str, w: Window) -> tuple[str, dict]:
+    """The ``WHERE`` clause (with its leading space, or empty) that cuts ``name`` to ``w``."""
+    if name in CHILDREN:
+        column, parent, key = CHILDREN[name]
+        where, params = _where(parent, w)
+        return f" WHERE {column} IN (SELECT {key} FROM {parent}{where})", params
+    time_col, by_model = TABLES[name]
+    parts, params = [], {}
+    if time_col:
+        in_window = f"{time_col} >= :t0 AND {time_col} < :t1"
+        # what serves each model is said once, at start: keep it whenever it was said
+        parts.append(f"({in_window} OR kind = 'model_loaded')" if name == "events" else in_window)
+        params.update(t0=w.start_s, t1=w.end_s)
+    if by_model and w.model is not None:
+        parts.append("(model = :model OR model IS NULL)" if name == "events" else "model = :model")
+        params["model"] = w.model
+    if w.instance_id is not None:
+        parts.append(("id" if name == "runtime_instances" else "instance_id") + " = :inst")
+        params["inst"] = w.instance_id
+    return ((" WHERE " + " AND ".join(parts)) if parts else ""), params
+
+
+def _table_rows(engine: Engine, name: str, w: Window) -> tuple[list[str], list[list]]:
+    columns = [c.name for c in Base.metadata.tables[name].columns]
+    where, params = _where(name, w)
+    with engine.connect() as conn:
+        rows = conn.execute(text(f"SELECT {', '.join(columns)} FROM {name}{where}"), params)
+        return columns, [list(r) for r in rows]
+
+
+def _json_safe(value):
+    """``value`` with every float that JSON cannot hold (NaN, infinities) as null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def fleet_flags(engine: Engine, w: Window, now: float) -> list[dict]:
+    """What the fleet rules find over ``w`` (instances compared), as manifest entries."""
+    return [_json_safe(f.to_dict()) for f in fleet_rules.diagnose(fleet.bundle(engine, w, now=now))]
+
+
+def recommendations(engine: Engine, w: Window) -> list[dict]:
+    """The resource recommendations over ``w``, as manifest entries."""
+    return _json_safe(recommend.for_snapshot(engine, w, host_cpus=recommend.registered_host_cpus(engine, w.instance_id)))
+
+
+def tuning_sessions(engine: Engine, w: Window) -> tuple[list, dict]:
+    """The stored tuning sessions started in ``w`` (newest first) and their trials."""
+    found = store.sessions(engine, model=w.model, instance_id=w.instance_id, since=w.start_s,
+                           until=w.end_s, limit=store.MAX_SESSIONS)
+    return found, store.trials_of(engine, [s.id for s in found])
+
+
+def window_trace(engine: Engine, w: Window) -> tuple[dict, BinaryIO | None]:
+    """The Perfetto trace of ``w`` in a temporary file (read from its start), and the
+    manifest's ``trace`` entry; no file, and the entry saying why, for a window past
+    ``TRACE_MAX_ROWS`` or ``TRACE_MAX_BYTES``."""
+    from batchscope.trace import WindowTooLarge, export_trace
+
+    tmp = tempfile.TemporaryFile(prefix="batchscope-trace-")
+    try:
+        summary = export_trace(engine, w, tmp, "perfetto", max_rows=TRACE_MAX_ROWS)
+    except WindowTooLarge as exc:
+        tmp.close()
+        return {"member": None, "rows": exc.rows,
+                "skipped": f"the window holds {exc.rows:,} batches and requests, more than "
+                           f"the {TRACE_MAX_ROWS:,} a snapshot's trace takes; export a "
+                           "shorter window with: batchscope trace"}, None
+    except ImportError as exc:  # the perfetto package (a dependency) missing
+        tmp.close()
+        return {"member": None, "skipped": f"{exc.name} is not installed"}, None
+    except BaseException:
+        tmp.close()
+        raise
+    entry = {"member": TRACE, "format": "perfetto", "bytes": summary.bytes_written,
+             "rows": summary.rows, "batch_slices": summary.batch_slices,
+             "request_slices": summary.request_slices, "flows": summary.flows,
+             "step_slices": summary.step_slices, "notes": summary.notes}
+    if summary.bytes_written > TRACE_MAX_BYTES:
+        tmp.close()
+        return {"member": None, "rows": summary.rows,
+                "skipped": f"the window's trace is {summary.bytes_written:,} bytes, more than "
+                           f"the {TRACE_MAX_BYTES:,} a snapshot takes; export a shorter "
+                           "window with: batchscope trace"}, None
+    tmp.seek(0)
+    return entry, tmp
+
+
+def served_models(engine: Engine, w: Window) -> list[dict]:
+    """What served each model of the window (backend and source), from the instances'
+    start-up ``model_loaded`` events."""
+    df = queries.model_sources(engine, w.instance_id)
+    if w.model is not None:
+        df = df[df["model"] == w.model]
+    return df.to_dict("records")
+
+
+def export_snapshot(engine: Engine, w: Window, out: str | Path | BinaryIO, *,
+                    slo_ms: float | None = None, now: float | None = None) -> dict:
+    """Write the window ``w`` of ``engine``'s data to ``out``; returns the manifest."""
+    bundle = queries.live_bundle(engine, w)
+    flags = diagnosis.diagnose(bundle)
+    created = time.time() if now is None else now
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "schema_version": SCHEMA_VERSION,
+        "batchscope_version": batchscope_version(), "created_at": created,
+        "window": {"start_s": w.start_s, "end_s": w.end_s, "model": w.model,
+                   "instance_id": w.instance_id},
+        "slo_ms": slo_ms, "tables": {}, "environment": environment(engine),
+        "flags": [f.to_dict() for f in flags],
+        "fleet_flags": fleet_flags(engine, w, created),
+        "recommendations": recommendations(engine, w),
+        "models": served_models(engine, w),
+    }
+    payloads = {}
+    for name in TABLES:
+        columns, rows = _table_rows(engine, name, w)
+        manifest["tables"][name] = {"rows": len(rows), "columns": columns}
+        payloads[f"tables/{name}.json"] = json.dumps({"columns": columns, "rows": rows},
+                                                     separators=(",", ":"), allow_nan=False)
+    sessions, trials = tuning_sessions(engine, w)
+    html = report.render_html(bundle, flags, manifest=manifest, slo_ms=slo_ms,
+                              sessions=sessions, trials=trials)
+    manifest["trace"], trace = window_trace(engine, w)
+    try:
+        with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
+            zf.writestr(MANIFEST, json.dumps(manifest, indent=1, allow_nan=False))
+            for name, payload in payloads.items():
+                zf.writestr(name, payload)
+            zf.writestr(REPORT, html)
+            if trace is not None:  # streamed from its temporary file into the archive
+                with zf.open(TRACE, "w") as member:
+                    shutil.copyfileobj(trace, member, READ_CHUNK)
+    finally:
+        if trace is not None:
+            trace.close()
+    return manifest
+
+
+def export_bytes(engine: Engine, w: Window, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    export_snapshot(engine, w, buf, **kwargs)
+    return buf.getvalue()
