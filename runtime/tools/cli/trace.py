@@ -1,0 +1,95 @@
+"""``batchscope trace``: its flags, and a window's recorded batches and requests
+exported as a Perfetto or Chrome trace file."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from runtime.tools.cli.common import UsageError, _fail, check_database_url
+
+
+def _add_trace(sub: Any) -> None:
+    p = sub.add_parser("trace", help="export a window's batches and requests as a trace for "
+                                     "ui.perfetto.dev or chrome://tracing")
+    p.add_argument("--db", default=None, help="database URL (default: $BATCHSCOPE_DB_URL or "
+                                              "sqlite:///data/batchscope.db)")
+    p.add_argument("--start", default=None, help="window start: epoch seconds, ISO date and "
+                                                 "time, now, or back from now (-30s, -5m)")
+    p.add_argument("--end", default=None, help="window end, written the same way (default: now)")
+    p.add_argument("--last", type=float, default=None, metavar="SECONDS",
+                   help="window length back from its end, instead of --start (default 10)")
+    p.add_argument("--model", default=None, help="only this model (default: all)")
+    p.add_argument("--instance", default=None, help="only this runtime instance")
+    p.add_argument("--format", choices=("perfetto", "json"), default=None,
+                   help="perfetto (.pftrace) or json (Chrome Trace Event); default: from the "
+                        "-o name")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="refuse a window holding more batches and requests (default 1,000,000)")
+    p.add_argument("-o", "--out", required=True, help="output file, e.g. run.pftrace or run.json")
+
+
+def _glued(argv: list[str]) -> list[str]:
+    """``--start -10s`` as ``--start=-10s`` (argparse takes a value that starts with a
+    dash for an option of its own)."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in ("--start", "--end") and arg.startswith("-"):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _trace(args: argparse.Namespace) -> int:
+    import time
+
+    try:
+        from batchscope.storage.db import DatabaseNotFound, make_engine
+        from batchscope.trace import WindowTooLarge, export_trace, format_for
+        from batchscope.trace.timespec import window_from
+    except ImportError as exc:
+        raise UsageError(f"trace export needs the dashboard packages ({exc.name} is not "
+                         "installed); install them with: pip install 'batchscope[dashboard]'"
+                         ) from None
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        fmt = args.format or format_for(args.out)
+        w = window_from(args.start, args.end, args.last, now=time.time(), model=args.model,
+                        instance_id=args.instance)
+    except ValueError as exc:
+        raise UsageError(f"batchscope trace: {exc}") from None
+    if args.db is not None:
+        check_database_url(args.db, "--db")
+    kwargs = {} if args.max_rows is None else {"max_rows": args.max_rows}
+    try:
+        engine = make_engine(args.db, create=False)
+        try:
+            summary = export_trace(engine, w, args.out, fmt, **kwargs)
+        finally:
+            engine.dispose()
+    except WindowTooLarge as exc:
+        return _fail(f"batchscope trace: {exc}; or raise --max-rows (the rows are read into "
+                     "memory)")
+    except DatabaseNotFound as exc:
+        return _fail(f"batchscope trace: {exc}")
+    except SQLAlchemyError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return _fail(f"batchscope trace: cannot read the database: {first}")
+    except OSError as exc:
+        return _fail(f"batchscope trace: cannot write {args.out}: {exc.strerror or exc}")
+    except ImportError as exc:  # the perfetto package, imported when a trace is written
+        raise UsageError(f"batchscope trace: {exc.name} is not installed; install it with: "
+                         f"pip install {exc.name}") from None
+    written = summary.bytes_written
+    size = f"{written / 1e6:.1f} MB" if written >= 100_000 else f"{written:,} bytes"
+    where = "ui.perfetto.dev" if fmt == "perfetto" else "ui.perfetto.dev or chrome://tracing"
+    if summary.empty:
+        print(f"wrote {args.out} ({fmt}, {size}): no batch, request or step was recorded in "
+              "this window; the trace holds only a note saying so")
+        return 0
+    print(f"wrote {args.out} ({fmt}, {size}): {summary.batch_slices:,} batches, "
+          f"{summary.request_slices:,} requests, {summary.flows:,} flows, "
+          f"{summary.step_slices:,} steps, {summary.events:,} events; open it in {where}")
+    return 0
