@@ -1,5 +1,7 @@
 """``runtime.engine.otlp_wire`` against the SDK's own OTLP encoder: for the same spans,
-the bytes parse back to an ``ExportTraceServiceRequest`` equal to ``encode_spans``'s."""
+the bytes parse back to an ``ExportTraceServiceRequest`` equal to ``encode_spans``'s; and
+its exporter delivers both kinds of batch (its bytes, the SDK's message) to a real gRPC
+``TraceService``."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from runtime.engine.otel import BatchInfo, FinishedTrace, SpanBuilder
 from runtime.engine.otlp_wire import Unsupported, encode_request, fast_grpc_exporter
+from tests.test_otel_export import GrpcReceiver, Received
 
 RESOURCE = Resource.create({"service.name": "batchscope", "service.instance.id": "i-1"})
 VALUES = ["text", "", "ünïcode ✓", True, False, 0, 1, -2, 127, 128, 2**63 - 1, -2**63, 0.0,
@@ -90,3 +94,27 @@ def test_a_span_with_events_is_left_to_the_sdk_encoder():
         assert exporter._translate_data([span]) == encode_spans([span])
     finally:
         exporter.shutdown()
+
+
+def test_the_exporter_sends_its_bytes_and_the_sdk_s_messages_to_a_real_receiver():
+    rng = random.Random(2)
+    plain = [ReadableSpan(f"span {i}", context=context(rng), resource=RESOURCE,
+                          attributes={"n": i}, start_time=1, end_time=2) for i in range(3)]
+    with_event = ReadableSpan("with event", context=context(rng), resource=RESOURCE,
+                              events=[Event("retry", {"n": 1}, timestamp=5)], start_time=1,
+                              end_time=2)
+    received = Received()
+    receiver = GrpcReceiver(received)
+    exporter = fast_grpc_exporter(endpoint=f"http://127.0.0.1:{receiver.port}", insecure=True,
+                                  timeout=10)
+    try:
+        assert isinstance(exporter._translate_data(plain), bytes)  # sent as it is
+        assert exporter.export(plain) == SpanExportResult.SUCCESS
+        assert exporter.export([with_event]) == SpanExportResult.SUCCESS  # the SDK's message
+    finally:
+        exporter.shutdown()
+        receiver.server.stop(None)
+    got = [span for span, _ in received.spans]
+    assert [s.name for s in got] == ["span 0", "span 1", "span 2", "with event"]
+    assert got[:3] == list(encode_spans(plain).resource_spans[0].scope_spans[0].spans)
+    assert [e.name for e in got[3].events] == ["retry"]
