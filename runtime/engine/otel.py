@@ -105,7 +105,9 @@ class FinishedTrace:
 
 
 def _ns(t: float) -> int:
-    return int(round(t * 1e9))
+    """Wall-clock seconds as nanoseconds. Truncated, not rounded (half the cost): a float
+    of today's epoch seconds resolves about 240 ns anyway."""
+    return int(t * 1e9)
 
 
 class SpanBuilder:
