@@ -144,7 +144,7 @@ def opened(page: Any, url: str) -> bool:
         return False
 
 
-def settle(page: Any, timeout_s: float = 60.0) -> None:
+def settle(page: Any, timeout_s: float = 120.0) -> None:
     """Wait until Streamlit finished its current run and nothing stale is shown."""
     page.wait_for_function(SETTLED, timeout=timeout_s * 1000, polling=100)
 
