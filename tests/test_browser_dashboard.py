@@ -27,7 +27,7 @@ from batchscope.trace import check
 from batchscope.storage.db import make_engine
 from sqlalchemy import text
 
-from runtime.tools.screenshots import wait_for
+from runtime.tools.screenshots import go_to_batch, wait_for
 from tests.browser import ARTIFACTS, MARKS, ROOT, opened_page, settle, stop
 from tests.factories import free_port
 
@@ -135,10 +135,7 @@ def test_timeline_shows_a_picked_batch_and_downloads_its_trace(page, stack):
     with stack["engine"].connect() as conn:
         seq = conn.execute(text("SELECT seq FROM batches WHERE model = 'encoder' "
                                 "ORDER BY ended_at DESC LIMIT 1")).scalar()
-    box = page.get_by_label("Go to batch number")
-    box.fill(str(seq))
-    box.press("Enter")
-    page.get_by_text(f"Batch {seq}:", exact=False).first.wait_for(timeout=60_000)
+    go_to_batch(page, seq, 120)
     settle(page)
     assert plots(page) >= 2  # the timeline and the batch's requests
     page.screenshot(path=str(ARTIFACTS / "timeline.png"), full_page=True)

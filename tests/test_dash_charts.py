@@ -170,14 +170,15 @@ def test_grids_are_plotly_subplots(bundle):
     assert gen.layout.xaxis.matches == "x3"
 
 
-def test_building_every_chart_is_fast(bundle):
-    """A live refresh builds every chart in a few milliseconds each (it took 15-45 ms a
-    figure while plotly checked the template on each): well under 300 ms for the lot,
-    even on a busy machine."""
+def test_every_chart_reuses_the_template_and_grids(bundle):
+    """A live refresh hands every figure the template and subplot grids made once (it
+    took 15-45 ms a figure while plotly built and checked the template each time; the
+    time is measured by ``benchmarks/bench_dashboard.py``): three more refreshes make
+    neither again."""
     charts.build_all(bundle, slo_ms=20)  # the template and grids are made once
-    import time
-
-    t0 = time.perf_counter()
+    template, grids = charts._template.cache_info(), charts._grid_json.cache_info()
     for _ in range(3):
         charts.build_all(bundle, slo_ms=20)
-    assert (time.perf_counter() - t0) / 3 < 0.3
+    assert charts._template.cache_info().misses == template.misses
+    assert charts._template.cache_info().hits > template.hits
+    assert charts._grid_json.cache_info().misses == grids.misses

@@ -149,6 +149,27 @@ def settle(page: Any, timeout_s: float = 120.0) -> None:
     page.wait_for_function(SETTLED, timeout=timeout_s * 1000, polling=100)
 
 
+def go_to_batch(page: Any, seq: int, timeout_s: float, try_s: float = 20.0) -> None:
+    """Type ``seq`` into the Batch timeline's "Go to batch number" and wait until its
+    requests are drawn. A live run of the page that lands between typing and Enter can
+    swallow the number, so it is typed again every ``try_s`` until ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    box = page.get_by_label("Go to batch number")
+    drawn = page.get_by_text(f"Batch {seq}:", exact=False).first
+    while True:
+        settle(page, max(1.0, deadline - time.monotonic()))
+        box.fill(str(seq))
+        box.press("Enter")
+        left = deadline - time.monotonic()
+        try:
+            drawn.wait_for(timeout=max(1.0, min(try_s, left)) * 1000)
+            return
+        except Exception:
+            if time.monotonic() + 1.0 >= deadline:
+                raise ScreenshotError(f"timed out after {timeout_s:.0f} s waiting for batch "
+                                      f"{seq} to be drawn") from None
+
+
 def scroll_to_top(locator: Any) -> None:
     """Scroll the page so that ``locator``'s element is at the top of the viewport."""
     locator.evaluate("el => el.scrollIntoView({block: 'start'})")
@@ -180,10 +201,7 @@ def shoot_timeline(page: Any, path: Path, seq: int, timeout_s: float) -> None:
     link.click()
     page.get_by_text("Slowest requests in the window").wait_for(timeout=timeout_s * 1000)
     settle(page, timeout_s)
-    box = page.get_by_label("Go to batch number")
-    box.fill(str(seq))
-    box.press("Enter")
-    page.get_by_text(f"Batch {seq}:", exact=False).first.wait_for(timeout=timeout_s * 1000)
+    go_to_batch(page, seq, timeout_s)
     settle(page, timeout_s)
     page.wait_for_function(DRAWN_CHARTS, arg=2, timeout=timeout_s * 1000, polling=200)
     scroll_to_top(page.get_by_test_id("stTopNav"))
