@@ -125,14 +125,21 @@ def recorded_span_s(engine: Any) -> float:
     return 0.0 if first is None or last is None else float(last - first)
 
 
+#: the batch shot on the timeline ended at most this long before the newest one (the page
+#: shows the last minute; on a slow machine the Live shot alone can take longer)
+RECENT_S = 20.0
+
+
 def largest_batch(engine: Any, model: str) -> int | None:
-    """The ``seq`` of ``model``'s largest recorded batch (the newest of equals)."""
+    """The ``seq`` of ``model``'s largest batch among those of the last ``RECENT_S``
+    seconds recorded (the newest of equals)."""
     from sqlalchemy import text
 
     with engine.connect() as conn:
-        return conn.execute(text("SELECT seq FROM batches WHERE model = :m "
+        return conn.execute(text("SELECT seq FROM batches WHERE model = :m AND ended_at >= "
+                                 "(SELECT MAX(ended_at) FROM batches WHERE model = :m) - :s "
                                  "ORDER BY batch_size DESC, ended_at DESC LIMIT 1"),
-                            {"m": model}).scalar()
+                            {"m": model, "s": RECENT_S}).scalar()
 
 
 def opened(page: Any, url: str) -> bool:
@@ -241,7 +248,7 @@ def take(out: Path, **options: Any) -> list[Path]:
                  "the demo runtime to report")
         wait_for(lambda: recorded_span_s(engine) >= min_data_s, timeout_s + min_data_s,
                  f"{min_data_s:.0f} s of recorded batches")
-        seq = wait_for(lambda: largest_batch(engine, MODEL), timeout_s, f"a batch of {MODEL}")
+        wait_for(lambda: largest_batch(engine, MODEL), timeout_s, f"a batch of {MODEL}")
         pw = stack.enter_context(sync_playwright())
         browser = pw.chromium.launch(executable_path=opt["chromium"], args=list(CHROMIUM_ARGS))
         stack.callback(browser.close)
@@ -252,6 +259,7 @@ def take(out: Path, **options: Any) -> list[Path]:
                  "the dashboard to answer")
         settle(page, timeout_s)
         shoot_live(page, out / LIVE, timeout_s)
+        seq = largest_batch(engine, MODEL)  # picked now: still inside the page's window
         shoot_timeline(page, out / TIMELINE, int(seq), timeout_s)
     return [out / LIVE, out / TIMELINE]
 
