@@ -180,3 +180,15 @@ def test_the_page_refuses_a_window_too_large(app_db, monkeypatch):
     monkeypatch.setattr(timeline, "PAGE_MAX_ROWS", 3)
     at = run_app("timeline")
     assert any("more than 3 can be read at once" in w.value for w in at.warning)
+
+
+def test_a_batch_before_the_sidebar_s_window_is_named_not_silently_ignored(app_db):
+    with app_db.connect() as conn:  # a batch two minutes back, before a 1-min window
+        seq = conn.execute(text("SELECT seq FROM batches WHERE ended_at < :t ORDER BY ended_at "
+                                "DESC LIMIT 1"), {"t": time.time() - 120}).scalar()
+    at = run_app("timeline")
+    next(r for r in at.radio if r.label == "Time window").set_value("1 min").run()
+    at.text_input(key="timeline_batch_number").input(str(seq)).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "timeline_selected" not in at.session_state  # nothing picked
+    assert any(f"batch {seq} ran before the time window" in t.value for t in at.toast)

@@ -176,6 +176,10 @@ def _picked_by_number(engine: Engine, scope: Scope, length_s: float) -> None:
         st.toast(f"there is no batch {text} in this database"
                  + (f" for {scope.model}" if scope.model else ""))
         return
+    if float(found["started_at"]) < scope.start_s:
+        st.toast(f"batch {text} ran before the time window the sidebar sets; choose a longer "
+                 "window (or a custom one) to go to it")
+        return
     _pick(found["instance_id"], int(text))
     st.session_state[FOLLOW] = False
     st.session_state[END] = datetime.fromtimestamp(
