@@ -6,6 +6,7 @@ errors: 404 for an unknown adapter, 422 for one that does not fit, 507 past the 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 import numpy as np
@@ -173,3 +174,21 @@ def test_the_load_command_spreads_requests_over_the_adapters_named(server):
               if line.startswith("batchscope_adapter_requests_total{")
               and 'model="encoder"' in line}
     assert {"enc-0", "enc-1"} <= served
+
+
+def test_demo_adapters_are_written_whole_and_reused(tmp_path, monkeypatch):
+    """Each adapter lands by a rename, so a folder there is complete; a second writer of the
+    same root (another demo) keeps what is there; the cache's name follows the recipe."""
+    from runtime.adapters import demo
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = demo.cached_root()
+    assert root.startswith(str(tmp_path / "cache" / "batchscope" / "demo-adapters" / "encoder-"))
+    first = write_demo_adapters(root, 2)
+    weights = os.path.join(first["enc-0"], "adapter_model.safetensors")
+    made = os.stat(weights).st_mtime_ns
+    assert write_demo_adapters(root, 2) == first
+    assert os.stat(weights).st_mtime_ns == made  # reused, not written again
+    assert sorted(os.listdir(root)) == ["enc-0", "enc-1"]  # no half-written folder
+    monkeypatch.setattr(demo, "SEED", demo.SEED + 1)
+    assert demo.cached_root() != root  # other weights, another folder

@@ -153,9 +153,12 @@ def _alive(pid: int) -> bool:
 
 def test_demo_traffic_runs_in_a_child_that_ends_with_the_demo_even_on_sigkill(tmp_path):
     url_db = f"sqlite:///{tmp_path / 'demo.db'}"
+    temp, cache = tmp_path / "tmp", tmp_path / "cache"
+    temp.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "runtime.tools.demo", "--db", url_db,
                              "--port", "0", "--intensity", "0.3", "--no-generation"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "TMPDIR": str(temp), "XDG_CACHE_HOME": str(cache)})
     try:
         first_url(lines_of(proc))
         deadline = time.monotonic() + 60
@@ -171,6 +174,11 @@ def test_demo_traffic_runs_in_a_child_that_ends_with_the_demo_even_on_sigkill(tm
         while time.monotonic() < deadline and _alive(driver[0]):
             time.sleep(0.2)
         assert not _alive(driver[0]), "the traffic driver outlived the demo"
+        # its adapters stay in the user's cache, complete, for the next demo; nothing of
+        # them is left in the temporary folder
+        adapters = sorted(p.name for p in (cache / "batchscope" / "demo-adapters").glob("*/*"))
+        assert adapters == [f"enc-{i}" for i in range(8)], adapters
+        assert not [p for p in temp.iterdir() if p.name.startswith("batchscope-demo-adapters")]
     finally:
         if proc.poll() is None:
             proc.kill()

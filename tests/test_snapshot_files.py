@@ -5,7 +5,10 @@ from __future__ import annotations
 import gc
 import io
 import json
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -195,6 +198,38 @@ def test_an_opened_snapshot_leaves_no_temporary_files_behind(source, tmp_path):
     del dropped   # never closed: a dashboard session that just ended
     gc.collect()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_copies_left_by_a_killed_process_go_with_the_next_opening(source, tmp_path):
+    """A dashboard killed with SIGKILL cannot remove its snapshots' databases: the next
+    process to open a snapshot there removes them; a living process's copies stay."""
+    _, _, data = source
+    (tmp_path / "s.zip").write_bytes(data)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from batchscope.presentation import snapshot\n"
+         "s = snapshot.load_snapshot(sys.argv[1], workdir=sys.argv[2])\n"
+         "with s.engine.connect() as c: c.exec_driver_sql('SELECT COUNT(*) FROM batches')\n"
+         "print(s.path, flush=True)\n"
+         "time.sleep(600)\n", str(tmp_path / "s.zip"), str(tmp_path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        left = Path(child.stdout.readline().strip())
+        assert left.exists() and left.name.startswith(f"batchscope-snapshot-{child.pid}-")
+        living = snapshot.load_snapshot(data, workdir=tmp_path)  # the child is alive: kept
+        assert left.exists()
+    finally:
+        child.kill()
+        child.wait(30)
+    assert left.exists()  # killed: nothing ran to remove it
+    opened = snapshot.load_snapshot(data, workdir=tmp_path)
+    assert not any(p.name.startswith(f"batchscope-snapshot-{child.pid}-")
+                   for p in tmp_path.iterdir())
+    assert living.path.exists() and opened.path.exists()  # this process's own stay
+    (tmp_path / "batchscope-snapshot-notapid-x.db").write_bytes(b"")  # not ours by name
+    assert snapshot.load.sweep(tmp_path) == []
+    living.close()
+    opened.close()
 
 
 # -- tuning sessions, fleet flags and resource recommendations ---------------------------------

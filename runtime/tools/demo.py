@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from runtime.adapters.demo import demo_name, write_demo_adapters
+from runtime.adapters.demo import cached_root, demo_name, write_demo_adapters
 from runtime.api.config import BatchingConfig, ServerConfig
 
 log = logging.getLogger("batchscope.demo")
@@ -214,8 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = dict(CONFIGS)
     if args.no_autopilot:
         configs = {name: replace(c, autopilot_slo_p99_ms=None) for name, c in configs.items()}
-    # the encoder's adapters: small files (well under a second to write), gone with the demo
-    adapter_root = tempfile.mkdtemp(prefix="batchscope-demo-adapters-")
+    # the encoder's adapters: small files written once into the user's cache and reused
+    # (a demo killed with SIGKILL leaves nothing behind); a temporary folder, gone with the
+    # demo, where there is no cache to write
+    try:
+        adapter_root, own_root = cached_root(), None
+    except OSError:
+        adapter_root = own_root = tempfile.mkdtemp(prefix="batchscope-demo-adapters-")
     paths = write_demo_adapters(adapter_root, len(ADAPTERS))
     service = Service(models, configs, server, generation=generation, version=f"{VERSION}-demo",
                       adapters=[("encoder", name, path) for name, path in paths.items()])
@@ -223,7 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         url = runner.start()
     except BaseException:
-        shutil.rmtree(adapter_root, ignore_errors=True)
+        if own_root:
+            shutil.rmtree(own_root, ignore_errors=True)
         raise
     print(f"batchscope demo on {url}  models: {', '.join(specs)}  adapters: encoder "
           f"{ADAPTERS[0]}..{ADAPTERS[-1]}  database: {server.database_url}", flush=True)
@@ -249,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             driver.terminate()
             driver.join(10)
         runner.stop()
-        shutil.rmtree(adapter_root, ignore_errors=True)
+        if own_root:
+            shutil.rmtree(own_root, ignore_errors=True)
     return 0
 
 

@@ -1,11 +1,17 @@
 """Opening a snapshot: ``load_snapshot`` checks a file and loads it into a temporary
 SQLite database (a ``Snapshot``); ``report_html`` and ``trace_bytes`` give back its stored
-report and trace after the same member checks."""
+report and trace after the same member checks.
+
+The temporary database is named after the process that opened it
+(``batchscope-snapshot-<pid>-*.db``): it goes with its ``Snapshot`` or at exit, and the
+next ``load_snapshot`` removes those of processes that are gone (killed before they could),
+so a dashboard killed with SIGKILL does not leave copies of its snapshots behind."""
 
 from __future__ import annotations
 
 import io
 import os
+import re
 import sqlite3
 import tempfile
 import weakref
@@ -50,6 +56,44 @@ class Snapshot:
 
     def close(self) -> None:
         self._finalizer()
+
+
+PREFIX = "batchscope-snapshot-"
+_LEFT = re.compile(re.escape(PREFIX) + r"(\d+)-[^/]*\.db(-wal|-shm)?")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep(folder: str | Path) -> list[str]:
+    """Remove the temporary databases in ``folder`` left by processes of this user that
+    are gone; the names removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for entry in entries:
+        found = _LEFT.fullmatch(entry.name)
+        if found is None or int(found.group(1)) == os.getpid():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != uid or not entry.is_file(
+                    follow_symlinks=False) or _alive(int(found.group(1))):
+                continue
+            os.remove(entry.path)
+            removed.append(entry.name)
+        except OSError:
+            continue
+    return removed
 
 
 def _discard(engine: Engine | None, path: str) -> None:
@@ -97,7 +141,9 @@ def load_snapshot(source: str | Path | bytes | BinaryIO, *, limits: Limits | Non
         manifest = _check_manifest(_read_member(zf, members[MANIFEST], limits,
                                                 min(limits.max_manifest_bytes,
                                                     limits.max_member_bytes)), limits)
-        fd, path = tempfile.mkstemp(prefix="batchscope-snapshot-", suffix=".db", dir=workdir)
+        folder = workdir if workdir is not None else tempfile.gettempdir()
+        sweep(folder)
+        fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".db", dir=folder)
         os.close(fd)
         try:
             engine = make_engine(f"sqlite:///{path}", create=False)
