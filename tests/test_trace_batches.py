@@ -14,7 +14,7 @@ from batchscope.storage.records import TRACE_FIELDS, ListRecorder, TraceBatch, T
 from runtime.core.clock import FakeClock
 from runtime.core.tracing import RequestTrace
 from runtime.engine import tracing
-from runtime.engine.otel import FinishedTrace
+from runtime.engine.otel import FinishedTrace, finished_from
 from runtime.engine.otel_process import SpanProcess
 from runtime.engine.tracing import Tracer
 
@@ -125,3 +125,44 @@ def test_the_span_process_counts_what_it_cannot_send():
     spans.close(timeout_s=5.0)
     assert spans.dropped == 5 * 3  # counted in spans: each trace's own, queue and compute
     assert sum(new for new, _ in told) == 15 and told[-1][1] == 15
+
+
+def test_a_raw_trace_gives_the_spans_times_of_its_timeline():
+    """The tracer hands a traced request to the span exporter as its row's values plus
+    its span ids, converting nothing; ``finished_from`` makes the ``FinishedTrace`` the
+    spans are built from: wall-clock times of the clamped timeline, the caller's parent."""
+    clock = FakeClock()
+    trace = traced(clock)
+    trace.request_end, trace.outcome = clock.now() + 0.0065, "ok"
+    trace.span = (0xAB, 0x12)
+    trace.operation, trace.first_token = "chat", clock.now() + 0.0035
+    trace.input_tokens, trace.output_tokens, trace.finish_reasons = 5, 9, ("stop",)
+    fields = tuple(getattr(trace, name) for name in TRACE_FIELDS)
+    got = finished_from((fields, 0xAB, 0x12, "chat", trace.first_token, 5, 9, ("stop",)),
+                        clock.to_wall(0.0))
+    at = [None if t is None else clock.to_wall(t) for _, t in trace.timeline()]
+    assert got == FinishedTrace("m", "chat", 0xAB, 0x12, int("cd" * 8, 16), at[0], at[10],
+                                at[3], at[4], at[7], "ok", 7, "r1",
+                                first_token_at=clock.to_wall(trace.first_token),
+                                input_tokens=5, output_tokens=9, finish_reasons=("stop",))
+    refused = RequestTrace(2, "m", "http", clock.now())  # no receive or send stamps
+    refused.request_end = clock.now() + 0.001
+    raw = (tuple(getattr(refused, name) for name in TRACE_FIELDS), 1, 2, "infer", None, None,
+           None, ())
+    lone = finished_from(raw, clock.to_wall(0.0))
+    assert (lone.start_at, lone.end_at) == (clock.to_wall(refused.request_start),
+                                            clock.to_wall(refused.request_end))
+    assert lone.outcome == "error" and lone.parent_span_id is None
+
+
+def test_the_span_process_counts_the_raw_traces_it_cannot_send():
+    spans = SpanProcess("http://127.0.0.1:9", "i")
+    spans._proc.kill()
+    spans._proc.join(10)
+    clock = FakeClock()
+    for i in range(4):
+        trace = traced(clock, i + 1)
+        fields = tuple(getattr(trace, name) for name in TRACE_FIELDS)
+        spans.put_raw((fields, i + 1, i + 1, "infer", None, None, None, ()), clock.to_wall(0.0))
+    spans.close(timeout_s=5.0)
+    assert spans.dropped == 4 * 3

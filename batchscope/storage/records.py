@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import repeat, starmap
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 
 @dataclass(slots=True)
@@ -269,6 +269,23 @@ TRACE_FIELDS = ("trace_id", "model", "protocol", "outcome", "request_id", "batch
                 "send_end")
 
 
+def wall_times(times: Sequence[Optional[float]], offset_s: float) -> list[Optional[float]]:
+    """A trace's monotonic ``times`` (None: not reached) as wall-clock seconds
+    (``+ offset_s``), each made no earlier than the one before it (the items of one
+    request may overlap)."""
+    at: list[Optional[float]] = []
+    last = None
+    for t in times:
+        if t is not None:
+            if last is not None and t < last:
+                t = last
+            last = t
+            at.append(t + offset_s)
+        else:
+            at.append(None)
+    return at
+
+
 @dataclass(slots=True)
 class TraceBatch:
     """Traced requests handed over together, as ``RequestBatch`` does for requests: the
@@ -292,16 +309,7 @@ class TraceBatch:
         out = []
         for (trace_id, model, protocol, outcome, request_id, batch_seq, w3c_trace,
              w3c_parent, *times) in self.traces:
-            at: list[Optional[float]] = []
-            last = None
-            for t in times:
-                if t is not None:
-                    if last is not None and t < last:
-                        t = last
-                    last = t
-                    at.append(t + off)
-                else:
-                    at.append(None)
+            at = wall_times(times, off)
             out.append((inst, model, trace_id, protocol, outcome, at[2], at[8], request_id,
                         batch_seq, at[0], at[1], at[3], at[4], at[5], at[6], at[7], at[9],
                         at[10], w3c_trace, w3c_parent))

@@ -52,6 +52,7 @@ from runtime.api.errors import ClientError
 
 #: the answer header naming the batch a traced request ran in (its ``seq``)
 BATCH_ID_HEADER = "batchscope-batch-id"
+_BATCH_ID_B = BATCH_ID_HEADER.encode()
 #: the trace settings, in the order answers list them
 KEYS = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency",
         "trace_mode")
@@ -416,6 +417,15 @@ class RequestTrace:
             out.append(("traceparent", f"00-{trace_id:032x}-{span_id:016x}-01"))
         if self.batch_seq is not None:
             out.append((BATCH_ID_HEADER, str(self.batch_seq)))
+        return out
+
+    def answer_header_bytes(self) -> list[tuple[bytes, bytes]]:
+        """``answer_headers`` as the HTTP/1.1 layer writes them."""
+        out = []
+        if self.span is not None:
+            out.append((b"traceparent", b"00-%032x-%016x-01" % self.span))
+        if self.batch_seq is not None:
+            out.append((_BATCH_ID_B, b"%d" % self.batch_seq))
         return out
 
     def ran(self, queued_s: float, started_s: float, input_end_s: float,

@@ -43,6 +43,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from batchscope.storage.records import TRACE_FIELDS, wall_times
+
 log = logging.getLogger(__name__)
 
 #: finished traces waiting for the span thread (past it they are dropped and counted)
@@ -102,6 +104,29 @@ class FinishedTrace:
     input_tokens: int | None = None
     output_tokens: int | None = None
     finish_reasons: tuple[str, ...] = ()
+
+
+#: the length of a ``RawTrace``'s first member (``TRACE_FIELDS``): 8 values, 11 times
+_FIELDS = len(TRACE_FIELDS)
+
+
+def finished_from(raw: tuple, wall_offset_s: float) -> FinishedTrace:
+    """The ``FinishedTrace`` of a raw trace, as the serving process hands it over without
+    converting anything: ``(fields, trace id, span id, operation, first token, input
+    tokens, output tokens, finish reasons)``, ``fields`` the trace's row values in
+    ``TRACE_FIELDS`` order with monotonic times (``RequestTrace``), ``wall_offset_s``
+    what turns them into wall-clock seconds."""
+    fields, trace_id, span_id, operation, first, in_tokens, out_tokens, reasons = raw
+    (_, model, _, outcome, request_id, batch_seq, _, w3c_parent) = fields[:8]
+    at = wall_times(fields[8:_FIELDS], wall_offset_s)
+    start = at[0] if at[0] is not None else at[2]
+    end = next((t for t in (at[10], at[9], at[8]) if t is not None), start)
+    return FinishedTrace(model, operation, trace_id, span_id,
+                         int(w3c_parent, 16) if w3c_parent else None, start, end,
+                         at[3], at[4], at[7], outcome or "error", batch_seq, request_id,
+                         first_token_at=None if first is None else first + wall_offset_s,
+                         input_tokens=in_tokens, output_tokens=out_tokens,
+                         finish_reasons=reasons)
 
 
 def _ns(t: float) -> int:
@@ -345,6 +370,10 @@ class OtlpSpans:
         self.queue.append(trace)
         if len(self.queue) == 1:
             self._wake.set()
+
+    def put_raw(self, raw: tuple, wall_offset_s: float) -> None:
+        """``put`` of a raw trace (``finished_from``)."""
+        self.put(finished_from(raw, wall_offset_s))
 
     # -- the span thread ----------------------------------------------------------------
     def _dropped_by_processor(self, count: int) -> None:

@@ -21,8 +21,10 @@ counted;
 ``on_drops`` as ``OtlpSpans`` does. The child inherits the standard ``OTEL_*``
 variables.
 
-Messages: ``(batches, traces, backlog)`` (tuples in ``BatchInfo`` and ``FinishedTrace``
-field order) -> ``(spans handed to the processor, spans dropped)``; ``b"stop"`` -> the
+Messages: ``(batches, traces, raw traces, wall offset, backlog)`` (tuples in
+``BatchInfo`` and ``FinishedTrace`` field order, and traces as the tracer hands them over,
+monotonic, turned into ``FinishedTrace`` here by ``runtime.engine.otel.finished_from``)
+-> ``(spans handed to the processor, spans dropped)``; ``b"stop"`` -> the
 same counts once the child has exported what it holds (``close``'s timeout).
 """
 
@@ -37,7 +39,7 @@ from typing import Any, Callable
 
 from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_child
 from runtime.engine.otel import (QUEUE_MAX, BatchInfo, FinishedTrace, OtlpSpans, exporter_for,
-                                 report_drops, spans_of)
+                                 finished_from, report_drops, spans_of)
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +77,13 @@ def _child_main(conn: Any, endpoint: str, instance_id: str, protocol: str | None
             spans.close(float(msg[len(_STOP):] or 5.0))
             conn.send_bytes(pickle.dumps((spans.spans_out, spans.dropped)))
             return
-        batches, traces, backlog = pickle.loads(msg)
+        batches, traces, raws, wall_offset_s, backlog = pickle.loads(msg)
         for b in batches:
             spans.batch(BatchInfo(*b))
         for t in traces:
             spans.put(FinishedTrace(*t))
+        for r in raws:
+            spans.put(finished_from(r, wall_offset_s))
         prio.follow(max(backlog, len(spans.queue) / queue_max))
         conn.send_bytes(pickle.dumps((spans.spans_out, spans.dropped)))
     spans.close(1.0)
@@ -101,7 +105,10 @@ class SpanProcess:
         self.queue_max = queue_max
         #: filled on the event loop, emptied by the sender thread (deque: both ends safe)
         self._traces: collections.deque = collections.deque()
+        self._raws: collections.deque = collections.deque()
         self._batches: collections.deque = collections.deque()
+        #: what turns the raw traces' monotonic times into wall-clock seconds
+        self._wall_offset_s = 0.0
         #: traces dropped here (queue full or the child gone) and the child's count
         self._dropped_here = 0
         self._dropped_there = 0
@@ -141,11 +148,23 @@ class SpanProcess:
     def put(self, trace: FinishedTrace) -> None:
         """Queue a finished trace for its spans; dropped (and counted) when full."""
         traces = self._traces
-        if len(traces) >= self.queue_max:
+        if len(traces) + len(self._raws) >= self.queue_max:
             self._dropped_here += spans_of(trace)
             return
         traces.append(trace)
         if len(traces) == SEND_AT:
+            self._wake.set()
+
+    def put_raw(self, raw: tuple, wall_offset_s: float) -> None:
+        """``put`` of a trace as the tracer hands it over (``finished_from``): nothing
+        is converted on the event loop."""
+        raws = self._raws
+        if len(raws) + len(self._traces) >= self.queue_max:
+            self._dropped_here += spans_of(finished_from(raw, wall_offset_s))
+            return
+        self._wall_offset_s = wall_offset_s
+        raws.append(raw)
+        if len(raws) == SEND_AT:
             self._wake.set()
 
     # -- the sender thread --------------------------------------------------------------
@@ -162,16 +181,19 @@ class SpanProcess:
     def _send(self) -> None:
         # the traces first: a batch is queued before its members finish, so every batch a
         # trace taken here refers to is taken below too
-        traces, batches = self._traces, self._batches
+        traces, raws, batches = self._traces, self._raws, self._batches
         taken = [traces.popleft() for _ in range(len(traces))]
+        raw = [raws.popleft() for _ in range(len(raws))]
         infos = [batches.popleft() for _ in range(len(batches))]
-        if not taken and not infos:
+        if not taken and not raw and not infos:
             return
+        offset = self._wall_offset_s
         if self._conn is None:
-            self._dropped_here += sum(map(spans_of, taken))
+            self._lost(taken, raw, offset)
             return
         payload = pickle.dumps((list(map(_BATCH_TUPLE, infos)), list(map(_TRACE_TUPLE, taken)),
-                                len(traces) / self.queue_max), protocol=5)
+                                raw, offset, (len(traces) + len(raws)) / self.queue_max),
+                               protocol=5)
         try:
             self._conn.send_bytes(payload)
             if not self._conn.poll(REPLY_TIMEOUT_S):
@@ -180,8 +202,13 @@ class SpanProcess:
         except (EOFError, OSError, TimeoutError):
             log.error("the OpenTelemetry span process %s; spans are dropped from now on",
                       "did not answer" if self._proc.is_alive() else "exited")
-            self._dropped_here += sum(map(spans_of, taken))
+            self._lost(taken, raw, offset)
             self._stop_child()
+
+    def _lost(self, traces: list, raws: list, wall_offset_s: float) -> None:
+        """Count the spans of traces that cannot be sent."""
+        self._dropped_here += sum(map(spans_of, traces)) + sum(
+            spans_of(finished_from(r, wall_offset_s)) for r in raws)
 
 
     # -- stopping -----------------------------------------------------------------------

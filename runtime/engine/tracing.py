@@ -30,12 +30,12 @@ from __future__ import annotations
 import asyncio
 import os
 from operator import attrgetter
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from batchscope.storage.records import TRACE_FIELDS, RecorderLike, TraceBatch, put_many_of
 from runtime.api.errors import ClientError, QueueFull
 from runtime.core.tracing import RequestTrace, TraceControl, parse_traceparent
-from runtime.engine.otel import FinishedTrace, new_ids
+from runtime.engine.otel import new_ids
 from runtime.engine.tracefile import TraceFileWriter
 
 #: ``TraceRow`` timestamp columns in order, with Triton's names over HTTP and gRPC
@@ -65,23 +65,6 @@ def outcome_of(error: BaseException | None) -> str:
     if isinstance(error, asyncio.CancelledError):
         return "cancelled"
     return "error"
-
-
-def finished(trace: RequestTrace, at: list[float | None],
-             to_wall: Callable[[float], float]) -> FinishedTrace:
-    """What the span thread needs of ``trace``, whose ``timeline`` in wall-clock seconds
-    is ``at`` (receive start/end, request start, queue, compute..., send start/end)."""
-    trace_id, span_id = trace.span  # type: ignore[misc]
-    parent = int(trace.w3c_parent_span_id, 16) if trace.w3c_parent_span_id else None
-    start = at[0] if at[0] is not None else at[2]
-    end = next((t for t in (at[10], at[9], at[8]) if t is not None), start)
-    first = trace.first_token
-    return FinishedTrace(trace.model, trace.operation, trace_id, span_id, parent, start, end,
-                         at[3], at[4], at[7], trace.outcome or "error", trace.batch_seq,
-                         trace.request_id,
-                         first_token_at=None if first is None else to_wall(first),
-                         input_tokens=trace.input_tokens, output_tokens=trace.output_tokens,
-                         finish_reasons=trace.finish_reasons)
 
 
 class Tracer:
@@ -170,17 +153,23 @@ class Tracer:
 
         The trace is kept with one list append; ``flush`` hands the kept traces to the
         recorder as one ``TraceBatch`` (at ``FLUSH_EVERY`` traces, or ``FLUSH_AFTER_S``
-        after the first), whose rows are built off this thread. Spans and the trace file
-        need the times now, and get them now."""
+        after the first), whose rows are built off this thread. The span exporter gets
+        the same tuple at once (its spans are built off this thread too); a trace file
+        needs its row now, and gets it now."""
         if trace.request_end is None:
             trace.request_end = self.clock.now()
         if trace.outcome is None:
             trace.outcome = outcome_of(error)
         self.traced += 1
-        if self._files_on or trace.span is not None and self.otel is not None:
-            self._now(trace)
+        fields = _TRACE_FIELDS(trace)  # a tuple of plain values: no work for the GC
+        if trace.span is not None and self.otel is not None:
+            self.otel.put_raw((fields, *trace.span, trace.operation, trace.first_token,
+                               trace.input_tokens, trace.output_tokens, trace.finish_reasons),
+                              self.clock.to_wall(0.0))
+        if self._files_on:
+            self._to_file(trace.model, fields)
         pending = self._pending
-        pending.append(_TRACE_FIELDS(trace))  # a tuple of plain values: no work for the GC
+        pending.append(fields)
         if len(pending) >= FLUSH_EVERY:
             self.flush()
         elif self._timer is None:
@@ -191,16 +180,13 @@ class Tracer:
                 return
             self._timer = loop.call_later(FLUSH_AFTER_S, self.flush)
 
-    def _now(self, trace: RequestTrace) -> None:
-        """The trace file's row and the spans of ``trace``, which need its times now."""
-        to_wall = self.clock.to_wall
-        at = [None if t is None else to_wall(t) for _, t in trace.timeline()]
-        if self.otel is not None and trace.span is not None:
-            self.otel.put(finished(trace, at, to_wall))
-        values = self._values(trace.model)
+    def _to_file(self, model: str, fields: tuple) -> None:
+        """The trace file's row of a trace (``TRACE_FIELDS`` values), when its model's
+        settings write one."""
+        values = self._values(model)
         path = values["trace_file"]
         if path and values["trace_mode"] == "triton":
-            row = TraceBatch(self.instance_id, to_wall(0.0), [_TRACE_FIELDS(trace)]).rows()[0]
+            row = TraceBatch(self.instance_id, self.clock.to_wall(0.0), [fields]).rows()[0]
             self.files.put(path, values["log_frequency"], row)
 
     def flush(self) -> None:

@@ -290,9 +290,9 @@ class InferHook:
                     self._batch_headers = (headers, seq, more)
                     headers = more
             else:
-                more = trace.answer_headers()
+                more = trace.answer_header_bytes()
                 if more:
-                    headers = [*headers, *((k.encode(), v.encode()) for k, v in more)]
+                    headers = [*headers, *more]
             answer(status, headers, body)
             trace.send_end = now()
             tracer.finish(trace)
