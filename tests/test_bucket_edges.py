@@ -9,9 +9,9 @@ import random
 import pytest
 
 from runtime.api.config import BatchingConfig
-from runtime.core.batcher import (DERIVATION_EVERY, FIRST_DERIVATION_AFTER, INITIAL_EDGES,
-                                  Batcher)
+from runtime.core.batcher import Batcher
 from runtime.core.clock import FakeClock
+from runtime.core.edges import DERIVATION_EVERY, FIRST_DERIVATION_AFTER, INITIAL_EDGES
 from runtime.core.queues import (EXACT_LENGTHS, MAX_CANDIDATES, OVERFLOW, LengthCounts,
                                  derive_edges, expected_padding, length_bin)
 from runtime.core.request import PendingRequest
@@ -247,7 +247,7 @@ def at_rate(b: Batcher, clock: FakeClock, lengths, per_s: float) -> None:
 
 
 def test_a_light_rate_gets_learned_edges_within_its_first_second_and_relearns_in_seconds():
-    from runtime.core.batcher import DERIVATION_INTERVAL_S, DERIVATION_MIN_NEW
+    from runtime.core.edges import DERIVATION_INTERVAL_S, DERIVATION_MIN_NEW
 
     b, clock = make()
     rng = random.Random(5)

@@ -38,17 +38,10 @@ of running them uselessly. A request that was dispatched is the shell's: it is
 answered when its batch ends, even if that is past its deadline.
 
 Bucket edges: with ``bucket_edges`` null (the default) the edges of a variable-length
-model are derived from the lengths submitted (``runtime.core.queues.derive_edges``):
-``INITIAL_EDGES`` until ``FIRST_DERIVATION_AFTER`` requests were counted, or
-``DERIVATION_INTERVAL_S`` passed with at least ``DERIVATION_MIN_NEW`` of them (a short or
-light run gets learned edges within its first second), then the ``auto_bucket_count``
-edges with the least expected padding, searched again after every ``DERIVATION_EVERY``
-further requests or, at a lighter rate, every ``DERIVATION_INTERVAL_S`` with at least
-``DERIVATION_MIN_NEW`` new ones. Older counts fade by half per ``DERIVATION_EVERY`` new
-requests however often the search runs, so the edges follow the traffic. New edges replace the current ones only when they pad at least ``MIN_GAIN``
-less (no churn on noise); the queued requests are then re-bucketed, as for a settings
-change. ``bucket_edges``/``bucket_keys()`` tell the edges in use, ``edge_changes`` how
-often they moved.
+model are derived from the lengths submitted (``runtime.core.edges.EdgeLearner``: learned
+within the first second of traffic, then following it); when they change, the queued
+requests are re-bucketed, as for a settings change. ``bucket_edges``/``bucket_keys()``
+tell the edges in use, ``edge_changes`` how often they moved.
 
 Order of service:
 
@@ -82,8 +75,8 @@ from runtime.adapters.lora import AdapterRef
 from runtime.adapters.slots import AdapterPlan, BatchPick, SlotCache
 from runtime.api.config import BatchingConfig
 from runtime.core import policy
-from runtime.core.queues import (OVERFLOW, BucketMap, LengthCounts, PriorityFifo, derive_edges,
-                                 expected_padding)
+from runtime.core.edges import INITIAL_EDGES, EdgeLearner
+from runtime.core.queues import OVERFLOW, BucketMap, PriorityFifo
 from runtime.core.request import CANCELLED, DISPATCHED, EXPIRED, QUEUED, PendingRequest
 from runtime.api.errors import QueueFull, ValidationError
 
@@ -94,19 +87,6 @@ DEFAULT_SERVICE_S = 0.005
 #: the timeouts ``head_refusal`` goes by are those of the last this many to twice this
 #: many requests submitted
 TIMEOUT_EPOCH = 1024
-#: the edges of derived bucketing (``bucket_edges`` null) before any were derived
-INITIAL_EDGES = (32, 64, 128, 256)
-#: derived edges: first searched after this many requests, then after this many more
-FIRST_DERIVATION_AFTER = 256
-DERIVATION_EVERY = 1024
-#: ... or searched when this long passed since the last search (the first: since the first
-#: length) and at least ``DERIVATION_MIN_NEW`` lengths were counted meanwhile
-DERIVATION_INTERVAL_S = 1.0
-DERIVATION_MIN_NEW = 64
-#: derived edges replace the current ones only when they pad at least this much less
-MIN_GAIN = 0.05
-#: after each search the length counts are scaled by this (recent traffic weighs most)
-LENGTH_DECAY = 0.5
 
 
 @dataclass(slots=True)
@@ -181,12 +161,8 @@ class Batcher:
         self._expired: list[PendingRequest] = []
         #: the last ``queue_full`` error and the figures it was made from
         self._refusal: tuple[tuple[int, int, int], QueueFull] | None = None
-        #: lengths seen, for derived edges (None: edges are given, or fixed-size inputs)
-        self._lengths: LengthCounts | None = None
-        self._until_derivation = FIRST_DERIVATION_AFTER
-        #: lengths counted since the last search, and when it ran (None: none counted yet)
-        self._since_search = 0
-        self._last_search_s: float | None = None
+        #: derived edges: the lengths seen (None: edges are given, or fixed-size inputs)
+        self._learner: EdgeLearner | None = None
         #: how often derived edges replaced the ones in use
         self.edge_changes = 0
         #: adapters (``enable_adapters``): the slot cache, the adapters' current refs and
@@ -210,12 +186,10 @@ class Batcher:
         """The edges to use under ``config``: the given ones, or (derived bucketing) the
         ``current`` derived ones, or ``INITIAL_EDGES`` before any were derived."""
         if config.bucket_edges is not None or not (self.variable_length and config.bucketing):
-            self._lengths = None
+            self._learner = None
             return config.bucket_edges or INITIAL_EDGES
-        if self._lengths is None:
-            self._lengths = LengthCounts()
-            self._until_derivation = FIRST_DERIVATION_AFTER
-            self._since_search, self._last_search_s = 0, None
+        if self._learner is None:
+            self._learner = EdgeLearner()
         return current or INITIAL_EDGES
 
     def _build_queues(self, config: BatchingConfig, edges: tuple[int, ...]) -> None:
@@ -242,11 +216,11 @@ class Batcher:
         if (old.bucketing, old.bucket_edges, old.auto_bucket_count, old.priority_levels) != (
                 config.bucketing, config.bucket_edges, config.auto_bucket_count,
                 config.priority_levels):
-            derived = self._lengths is not None
+            derived = self._learner is not None
             edges = self._edges_for(config, self._buckets.edges if derived else None)
-            if self._lengths is not None and old.auto_bucket_count != config.auto_bucket_count \
-                    and self._lengths.counts and edges != INITIAL_EDGES:
-                edges = derive_edges(self._lengths.counts, config.auto_bucket_count) or edges
+            if self._learner is not None and old.auto_bucket_count != config.auto_bucket_count \
+                    and edges != INITIAL_EDGES:
+                edges = self._learner.derive(config.auto_bucket_count) or edges
             self._rebucket(config, edges)
 
     def _rebucket(self, config: BatchingConfig, edges: tuple[int, ...]) -> None:
@@ -273,25 +247,10 @@ class Batcher:
             self._by_priority[req.priority] += 1
             self._bypass_count += req.bypass
 
-    def _count_length(self, length: int, now: float) -> None:
-        """Derived bucketing: count a submitted length; search new edges when due."""
-        lengths = self._lengths
-        lengths.add(length)
-        self._until_derivation -= 1
-        self._since_search += 1
-        if self._last_search_s is None:
-            self._last_search_s = now
-        if self._until_derivation > 0 and (self._since_search < DERIVATION_MIN_NEW or
-                                           now - self._last_search_s < DERIVATION_INTERVAL_S):
-            return
-        self._until_derivation = DERIVATION_EVERY
-        counts = lengths.counts
-        current = self._buckets.edges
-        edges = derive_edges(counts, self._config.auto_bucket_count)
-        lengths.decay(LENGTH_DECAY ** (self._since_search / DERIVATION_EVERY))
-        self._since_search, self._last_search_s = 0, now
-        if edges and edges != current and expected_padding(edges, counts) < \
-                (1.0 - MIN_GAIN) * expected_padding(current, counts):
+    def _count_length(self, learner: EdgeLearner, length: int, now: float) -> None:
+        """Derived bucketing: count a submitted length; new edges when a search found some."""
+        edges = learner.count(length, now, self._buckets.edges, self._config.auto_bucket_count)
+        if edges is not None:
             self.edge_changes += 1
             self._rebucket(self._config, edges)
 
@@ -358,8 +317,9 @@ class Batcher:
                 error = self.drain_refusal(req.priority, req.bypass, left)
                 if error is not None:
                     raise error
-        if self._lengths is not None:
-            self._count_length(req.length, now)
+        learner = self._learner
+        if learner is not None:
+            self._count_length(learner, req.length, now)
         if req.adapter is not None:
             self.adapter_depth[req.adapter] += 1
         self.blocked = False
