@@ -20,7 +20,7 @@ from typing import Callable
 
 import pandas as pd
 
-from batchscope.analysis.diagnosis import SEVERITY_ORDER, Flag, _num
+from batchscope.analysis.flags import SEVERITY_ORDER, Flag, _num
 from batchscope.analysis.fleet import LIVE, STALE
 
 #: the chart keys of ``presentation.fleet_charts`` the flags point at
