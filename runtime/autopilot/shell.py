@@ -30,7 +30,8 @@ from typing import Any
 
 from batchscope.storage.records import EventRow, RecorderLike
 from runtime.api.errors import ConfigError
-from runtime.autopilot.controller import Controller, Decision, Knobs, Observation, Tuning
+from runtime.autopilot.controller import Controller
+from runtime.autopilot.terms import Decision, Knobs, Observation, Tuning
 from runtime.autopilot.window import OutcomeWindow, Snapshot, WindowFigures, figures
 from runtime.engine.directory import ModelDirectory
 
