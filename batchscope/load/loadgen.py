@@ -13,6 +13,9 @@ payloads drawn from the model's metadata), so the generator itself costs little 
 request (about 10 us of CPU against a trivial server). ``measure_ceiling()`` runs it
 against a trivial server to tell how fast the generator alone can go.
 
+What it sends is ``batchscope.load.payloads``'s, the client ``batchscope.load.client``'s;
+their names are importable from here too.
+
 Every outcome is kept in a ``Tally`` with the time it finished, so the same loops serve
 a bounded run (one ``LoadReport``) and a load that runs until stopped and is read
 window by window (``batchscope.load.background``).
@@ -24,321 +27,29 @@ import asyncio
 import itertools
 import math
 import random
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Sequence
-from urllib.parse import urlsplit
 
 import numpy as np
-import orjson
 
-PAYLOAD_POOL = 256
+from batchscope.load.client import (TRANSPORT_ERRORS, KeepAlive, exchange, fetch_metadata,
+                                    request_bytes, split_url)
+from batchscope.load.payloads import (PAYLOAD_POOL, LoadError, build_payloads, infer_body,
+                                      is_variable_length, item_metadata, longest_length,
+                                      parse_lengths, parse_priority)
+
+__all__ = ["LoadError", "LoadReport", "Tally", "Until", "closed_loop", "open_loop",
+           "poisson_arrivals", "check_options", "run_load", "run_load_async", "run_async",
+           "measure_ceiling", "PAYLOAD_POOL", "build_payloads", "infer_body",
+           "is_variable_length", "item_metadata", "longest_length", "parse_lengths",
+           "parse_priority", "fetch_metadata", "request_bytes", "split_url"]
+
 DRAIN_GRACE_S = 10.0
 #: the status kept for a request whose connection failed, and for one still open at the end
 CONNECTION_FAILED = 0
 UNFINISHED = -1
 _STATUS_NAMES = {CONNECTION_FAILED: "connection", UNFINISHED: "unfinished"}
-
-
-class LoadError(ValueError):
-    """The load could not be set up (bad option, unreachable server, unknown model).
-    The text says what was wrong and what to do; callers answer it as a usage error."""
-
-    http_status = 400
-
-    @property
-    def message(self) -> str:
-        return str(self)
-
-
-# -- options parsing ------------------------------------------------------------------
-def parse_lengths(spec: str | None) -> tuple[str, tuple[int, ...]] | None:
-    """``uniform:LO:HI``, ``fixed:N`` or ``choice:A,B,C`` -> (kind, numbers)."""
-    if spec is None:
-        return None
-    kind, _, rest = spec.partition(":")
-    try:
-        nums = tuple(int(x) for x in rest.replace(",", ":").split(":") if x)
-    except ValueError:
-        nums = ()
-    ok = (kind == "uniform" and len(nums) == 2 and 1 <= nums[0] <= nums[1]) or \
-         (kind == "fixed" and len(nums) == 1 and nums[0] >= 1) or \
-         (kind == "choice" and nums and min(nums) >= 1)
-    if not ok:
-        raise LoadError(f"--lengths {spec!r} is not understood; write uniform:8:128, fixed:64 "
-                        "or choice:16,64,128 (positive token counts)")
-    return kind, nums
-
-
-def longest_length(spec: str | None) -> int | None:
-    """The longest length ``spec`` (as ``parse_lengths`` reads it) can draw; None without one."""
-    parsed = parse_lengths(spec)
-    return None if parsed is None else max(parsed[1])
-
-
-def parse_priority(spec: str | int | None) -> list[tuple[int, float]] | None:
-    """``2`` or a weighted mix ``1=0.1,2=0.6,3=0.3`` (HTTP priorities: 1 = most urgent)."""
-    if spec is None:
-        return None
-    if isinstance(spec, int):
-        return [(spec, 1.0)]
-    mix: list[tuple[int, float]] = []
-    try:
-        for part in str(spec).split(","):
-            level, _, weight = part.partition("=")
-            mix.append((int(level), float(weight) if weight else 1.0))
-    except ValueError:
-        mix = []
-    if not mix or any(lv < 0 or w <= 0 for lv, w in mix):
-        raise LoadError(f"--priority {spec!r} is not understood; write 2, or a weighted mix "
-                        "like 1=0.1,2=0.6,3=0.3 (1 = most urgent)")
-    return mix
-
-
-# -- payloads -------------------------------------------------------------------------
-def _tensor_data(datatype: str, shape: list[int], rng: np.random.Generator,
-                 words: int | None) -> list:
-    n = math.prod(shape)
-    if datatype.startswith("FP"):
-        return np.round(rng.standard_normal(n), 3).tolist()
-    if datatype.startswith(("INT", "UINT")):
-        return rng.integers(1, 100, n).tolist()
-    if datatype == "BOOL":
-        return rng.integers(0, 2, n).astype(bool).tolist()
-    # text: a drawn length is the number of words of each element
-    return [" ".join(["word"] * words) if words else "x"] * n
-
-
-def infer_body(metadata: dict, length: int | None, rng: np.random.Generator, *,
-               priority: int | None = None, timeout_ms: float | None = None,
-               bypass: bool = False, adapter: str | None = None) -> bytes:
-    """One JSON ``/infer`` body for the model of ``metadata``: every variable dimension
-    (``-1``) is ``length`` (64 when None), text elements hold ``length`` words;
-    ``adapter``: the LoRA adapter the request names (None: the base model)."""
-    inputs = metadata.get("inputs") or []
-    if not inputs:
-        raise LoadError(f"model {metadata.get('name')!r} lists no inputs in its metadata")
-    tensors = []
-    for spec in inputs:
-        shape = [(length or 64) if d == -1 else d for d in spec["shape"]]
-        tensors.append({"name": spec["name"], "shape": shape, "datatype": spec["datatype"],
-                        "data": _tensor_data(spec["datatype"], shape, rng, length)})
-    params: dict[str, Any] = {}
-    if priority is not None:
-        params["priority"] = priority
-    if timeout_ms is not None:
-        params["timeout"] = int(timeout_ms * 1000)
-    if bypass:
-        params["realtime"] = True
-    if adapter is not None:
-        params["adapter"] = adapter
-    doc: dict[str, Any] = {"inputs": tensors}
-    if params:
-        doc["parameters"] = params
-    return orjson.dumps(doc)
-
-
-def is_variable_length(metadata: dict) -> bool:
-    """Whether some input of the model of ``metadata`` has a variable dimension."""
-    return any(-1 in spec.get("shape", ()) for spec in metadata.get("inputs") or [])
-
-
-def build_payloads(metadata: dict, *, lengths: str | None = None, priority: str | int | None = None,
-                   timeout_ms: float | None = None, bypass: bool = False, seed: int = 0,
-                   pool: int = PAYLOAD_POOL,
-                   adapters: Sequence[str | None] = ()) -> list[bytes]:
-    """JSON ``/infer`` bodies for the model described by ``metadata`` (v2 model metadata);
-    with ``adapters``, each body names one drawn evenly from them (None: the base model)."""
-    rng = np.random.default_rng(seed)
-    pick = random.Random(seed)
-    length_spec = parse_lengths(lengths)
-    mix = parse_priority(priority)
-    if not metadata.get("inputs"):
-        raise LoadError(f"model {metadata.get('name')!r} lists no inputs in its metadata")
-    variable = is_variable_length(metadata) or length_spec is not None
-    count = pool if (variable or (mix and len(mix) > 1) or len(adapters) > 1) else min(pool, 16)
-    bodies = []
-    for _ in range(count):
-        length = None
-        if length_spec is not None:
-            kind, nums = length_spec
-            length = (pick.randint(nums[0], nums[1]) if kind == "uniform"
-                      else nums[0] if kind == "fixed" else pick.choice(nums))
-        level = pick.choices([lv for lv, _ in mix], [w for _, w in mix])[0] if mix else None
-        adapter = pick.choice(adapters) if adapters else None
-        bodies.append(infer_body(metadata, length, rng, priority=level, timeout_ms=timeout_ms,
-                                 bypass=bypass, adapter=adapter))
-    return bodies
-
-
-# -- a minimal HTTP/1.1 keep-alive client ---------------------------------------------
-class _ClientProtocol(asyncio.Protocol):
-    """One keep-alive connection's reading side: frames ``Content-Length`` responses and
-    hands each (status, body, close) to the future of the request waiting for it."""
-
-    __slots__ = ("transport", "buf", "waiter", "lost")
-
-    def __init__(self) -> None:
-        self.transport: Any = None
-        self.buf = b""
-        self.waiter: asyncio.Future | None = None
-        self.lost: BaseException | None = None
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buf + data if self.buf else data
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            self.buf = buf
-            return
-        head = buf[:end].lower()
-        at = head.find(b"content-length:")
-        if at < 0:
-            self._fail(ConnectionError("response without Content-Length"))
-            return
-        stop = head.find(b"\r\n", at)
-        size = int(head[at + 15:] if stop < 0 else head[at + 15:stop])
-        total = end + 4 + size
-        if len(buf) < total:
-            self.buf = buf
-            return
-        self.buf = buf[total:]
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result((int(buf[9:12]), buf[end + 4:total], b"connection: close" in head))
-
-    def _fail(self, exc: BaseException) -> None:
-        self.lost = exc
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
-        if self.transport is not None:
-            self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(exc or ConnectionError("the server closed the connection"))
-
-
-class _Conn:
-    __slots__ = ("proto", "loop")
-
-    def __init__(self, proto: _ClientProtocol, loop: asyncio.AbstractEventLoop) -> None:
-        self.proto = proto
-        self.loop = loop
-
-    @classmethod
-    async def open(cls, host: str, port: int) -> "_Conn":
-        loop = asyncio.get_running_loop()
-        _, proto = await loop.create_connection(_ClientProtocol, host, port)
-        return cls(proto, loop)
-
-    async def send(self, request: bytes) -> tuple[int, bytes]:
-        proto = self.proto
-        if proto.lost is not None:
-            raise ConnectionError("the connection is closed")
-        waiter = self.loop.create_future()
-        proto.waiter = waiter
-        proto.transport.write(request)
-        status, body, close = await waiter
-        if close:
-            self.close()
-        return status, body
-
-    def close(self) -> None:
-        proto = self.proto
-        if proto.lost is None:
-            proto.lost = ConnectionError("closed by the client")
-        try:
-            proto.transport.close()
-        except Exception:
-            pass
-
-
-_TRANSPORT_ERRORS = (OSError, asyncio.IncompleteReadError, ValueError, ConnectionError)
-
-
-async def _exchange(conn: _Conn | None, host: str, port: int,
-                    request: bytes) -> tuple[_Conn, int]:
-    """Send on ``conn`` (or a new connection); returns the connection and the status.
-
-    A kept-alive connection the server closed while it sat idle fails before any
-    answer arrives; the request is then sent once more on a fresh connection.
-    """
-    if conn is not None:
-        try:
-            status, _ = await conn.send(request)
-            return conn, status
-        except (asyncio.IncompleteReadError, ConnectionError):
-            conn.close()
-    conn = await _Conn.open(host, port)
-    try:
-        status, _ = await conn.send(request)
-    except BaseException:
-        conn.close()
-        raise
-    return conn, status
-
-
-def request_bytes(method: str, host: str, port: int, path: str, body: bytes) -> bytes:
-    head = (f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
-    return head.encode() + body
-
-
-def split_url(url: str) -> tuple[str, int]:
-    parts = urlsplit(url if "://" in url else "http://" + url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise LoadError(f"--url {url!r} must look like http://127.0.0.1:8000")
-    return parts.hostname, parts.port or 80
-
-
-def item_metadata(metadata: dict, config: dict | None) -> dict:
-    """``metadata`` with each tensor's shape that of one item. A server that also
-    answers Triton's ``/config`` with ``max_batch_size > 0`` leads every metadata shape
-    with the batch dimension (-1), as Triton does: that dimension is dropped, so the
-    ``-1`` left are variable lengths."""
-    if not config or not isinstance(config.get("max_batch_size"), int) \
-            or config["max_batch_size"] <= 0:
-        return metadata
-    out = dict(metadata)
-    for key in ("inputs", "outputs"):
-        out[key] = [{**t, "shape": list(t.get("shape", ()))[1:]} for t in metadata.get(key) or []]
-    return out
-
-
-async def fetch_metadata(url: str, model: str) -> dict:
-    """The model's v2 metadata, shapes of one item (see ``item_metadata``)."""
-    host, port = split_url(url)
-
-    async def get(path: str) -> tuple[int, bytes]:
-        conn = await asyncio.wait_for(_Conn.open(host, port), 10)
-        try:
-            return await asyncio.wait_for(
-                conn.send(request_bytes("GET", host, port, path, b"")), 30)
-        finally:
-            conn.close()
-
-    try:
-        status, body = await get(f"/v2/models/{model}")
-        config_status, config = await get(f"/v2/models/{model}/config") if status == 200 \
-            else (0, b"")
-    except (OSError, asyncio.TimeoutError) as exc:
-        raise LoadError(f"cannot reach {url} ({type(exc).__name__}: {exc}); is "
-                        "`batchscope serve` running there?") from None
-    if status != 200:
-        raise LoadError(f"model {model!r} is not served at {url} (HTTP {status}: "
-                        f"{body.decode(errors='replace')[:200]})")
-    try:
-        config_doc = orjson.loads(config) if config_status == 200 else None
-    except orjson.JSONDecodeError:
-        config_doc = None
-    return item_metadata(orjson.loads(body), config_doc if isinstance(config_doc, dict) else None)
 
 
 # -- report -----------------------------------------------------------------------------
@@ -433,7 +144,7 @@ async def closed_loop(host: str, port: int, requests: Sequence[bytes], concurren
     clock = time.perf_counter
 
     async def worker(offset: int) -> None:
-        conn: _Conn | None = None
+        conn: KeepAlive | None = None
         i = offset
         try:
             while tally.sent < max_requests and clock() < until.at:
@@ -442,8 +153,8 @@ async def closed_loop(host: str, port: int, requests: Sequence[bytes], concurren
                 i += 1
                 t0 = clock()
                 try:
-                    conn, status = await _exchange(conn, host, port, req)
-                except _TRANSPORT_ERRORS:
+                    conn, status = await exchange(conn, host, port, req)
+                except TRANSPORT_ERRORS:
                     now = clock()
                     tally.record(CONNECTION_FAILED, now - t0, now)
                     conn = None
@@ -472,7 +183,7 @@ async def open_loop(host: str, port: int, arrivals: Iterator[tuple[bytes | None,
     """Send each arrival at its time on an idle connection (or a new one, up to
     ``max_connections``); its latency counts from when it was due. An arrival whose
     request is ``None`` is skipped (a paused load keeps its schedule without sending)."""
-    idle: list[_Conn] = []
+    idle: list[KeepAlive] = []
     slot = asyncio.Semaphore(max_connections)
     tasks: set[asyncio.Task] = set()
     clock = time.perf_counter
@@ -480,8 +191,8 @@ async def open_loop(host: str, port: int, arrivals: Iterator[tuple[bytes | None,
     async def one(req: bytes, scheduled: float) -> None:
         async with slot:
             try:
-                conn, status = await _exchange(idle.pop() if idle else None, host, port, req)
-            except _TRANSPORT_ERRORS:
+                conn, status = await exchange(idle.pop() if idle else None, host, port, req)
+            except TRANSPORT_ERRORS:
                 now = clock()
                 tally.record(CONNECTION_FAILED, now - scheduled, now)
                 return
