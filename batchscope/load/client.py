@@ -16,6 +16,25 @@ import orjson
 from batchscope.load.payloads import LoadError, item_metadata
 
 
+def split_response(buf: bytes) -> tuple[int, bytes, bool, bytes] | None:
+    """The first whole ``Content-Length`` response in ``buf``: (status, body, whether the
+    server closes the connection after it, the bytes after it); None while it is
+    incomplete. Raises ``ConnectionError`` for a response without ``Content-Length``."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = buf[:end].lower()
+    at = head.find(b"content-length:")
+    if at < 0:
+        raise ConnectionError("response without Content-Length")
+    stop = head.find(b"\r\n", at)
+    size = int(head[at + 15:] if stop < 0 else head[at + 15:stop])
+    total = end + 4 + size
+    if len(buf) < total:
+        return None
+    return int(buf[9:12]), buf[end + 4:total], b"connection: close" in head, buf[total:]
+
+
 class _ClientProtocol(asyncio.Protocol):
     """One keep-alive connection's reading side: frames ``Content-Length`` responses and
     hands each (status, body, close) to the future of the request waiting for it."""
@@ -36,25 +55,18 @@ class _ClientProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
+        try:
+            framed = split_response(buf)
+        except ConnectionError as exc:
+            self._fail(exc)
+            return
+        if framed is None:
             self.buf = buf
             return
-        head = buf[:end].lower()
-        at = head.find(b"content-length:")
-        if at < 0:
-            self._fail(ConnectionError("response without Content-Length"))
-            return
-        stop = head.find(b"\r\n", at)
-        size = int(head[at + 15:] if stop < 0 else head[at + 15:stop])
-        total = end + 4 + size
-        if len(buf) < total:
-            self.buf = buf
-            return
-        self.buf = buf[total:]
+        status, body, close, self.buf = framed
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
-            waiter.set_result((int(buf[9:12]), buf[end + 4:total], b"connection: close" in head))
+            waiter.set_result((status, body, close))
 
     def _fail(self, exc: BaseException) -> None:
         self.lost = exc

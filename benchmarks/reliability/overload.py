@@ -58,6 +58,7 @@ if __package__ in (None, ""):
 
 from benchmarks.bench_serving import serve_cmd  # noqa: E402
 from benchmarks.reliability.server import Server  # noqa: E402
+from batchscope.load.client import split_response  # noqa: E402
 from batchscope.load.loadgen import build_payloads, fetch_metadata, run_async, run_load  # noqa: E402
 
 #: a request with no answer this long after the last arrival counts as unanswered
@@ -87,23 +88,20 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
+        try:
+            framed = split_response(buf)
+        except ConnectionError:
+            self.transport.close()  # connection_lost counts the request lost
+            return
+        if framed is None:
             self.buf = buf
             return
-        head = buf[:end].lower()
-        at = head.find(b"content-length:")
-        stop = head.find(b"\r\n", at)
-        size = int(head[at + 15:] if stop < 0 else head[at + 15:stop])
-        if len(buf) < end + 4 + size:
-            self.buf = buf
-            return
+        status, body, close, _ = framed
         self.buf = b""
         index, self.index = self.index, -1
-        status = int(buf[9:12])
         if status != 200:
-            self.pool.sample(status, buf[end + 4:end + 4 + size])
-        self.pool.answered(self, index, status, b"connection: close" in head)
+            self.pool.sample(status, body)
+        self.pool.answered(self, index, status, close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
