@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from runtime.engine.otel import BatchInfo, FinishedTrace, SpanBuilder
-from runtime.engine.otlp_wire import Unsupported, encode_request, fast_grpc_exporter
+from runtime.engine.otlp_wire import Unsupported, WireSpan, encode_request, fast_grpc_exporter
 from tests.test_otel_export import GrpcReceiver, Received
 
 RESOURCE = Resource.create({"service.name": "batchscope", "service.instance.id": "i-1"})
@@ -55,6 +55,37 @@ def test_batchscope_s_own_spans_encode_as_the_sdk_encodes_them():
                           finish_reasons=("length",) if i % 6 == 0 else ())
         spans += builder.spans(t, batch if i % 8 else None)
     same(spans)
+
+
+def test_spans_written_at_once_are_the_bytes_of_the_sdk_s_spans():
+    """``SpanBuilder(wire=True)`` writes each span as its message at once
+    (``WireSpan``): for the same traces (and the same random ids) the request is byte for
+    byte the one written from the SDK's ``ReadableSpan``s, itself checked above against
+    the SDK's encoder; the SDK's batch processor takes them as sampled spans."""
+    now = time.time()
+    cases = []
+    for i in range(120):
+        batch = BatchInfo(i // 10, "mlp", now + 0.004, now + 0.009, 10, 32, 12, 10,
+                          None if i % 3 else 64, "dynamic", 2, "ok" if i % 7 else "error")
+        t = FinishedTrace("decoder" if i % 6 == 0 else "mlp", "chat" if i % 6 == 0 else "infer",
+                          random.getrandbits(128), random.getrandbits(64),
+                          random.getrandbits(64) if i % 2 else None, now, now + 0.01,
+                          now + 0.001 if i % 9 else None, now + 0.004, now + 0.009,
+                          "ok" if i % 5 else "error", batch.seq, f"req-{i}" if i % 4 else None,
+                          first_token_at=now + 0.006 if i % 6 == 0 else None,
+                          input_tokens=i if i % 6 == 0 else None,
+                          output_tokens=2 * i if i % 6 == 0 else None,
+                          finish_reasons=("length", "stop") if i % 6 == 0 else ())
+        cases.append((t, batch if i % 8 else None))
+    built = {}
+    for wire in (False, True):
+        builder = SpanBuilder(RESOURCE, "i-1", wire=wire)
+        random.seed(7)  # the batch and child spans' ids
+        built[wire] = [s for t, b in cases for s in builder.spans(t, b)]
+    assert all(type(s) is WireSpan for s in built[True])
+    assert len(built[True]) == len(built[False])
+    assert encode_request(built[True]) == encode_request(built[False])
+    assert all(s.context.trace_flags.sampled for s in built[True])
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -136,9 +136,13 @@ def _ns(t: float) -> int:
 
 
 class SpanBuilder:
-    """Spans of finished traces (``spans``); remembers which batch spans it made."""
+    """Spans of finished traces (``spans``); remembers which batch spans it made.
 
-    def __init__(self, resource: Any, instance_id: str) -> None:
+    With ``wire`` the spans are ``runtime.engine.otlp_wire.WireSpan``s, each written as
+    its OTLP message at once (for the gRPC exporter of ``otlp_wire``, which sends them as
+    they are); else the SDK's ``ReadableSpan``s (any exporter)."""
+
+    def __init__(self, resource: Any, instance_id: str, *, wire: bool = False) -> None:
         from opentelemetry import trace as api
         from opentelemetry.sdk.trace import ReadableSpan
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -147,29 +151,43 @@ class SpanBuilder:
         self._api, self._readable = api, ReadableSpan
         self._ok, self._error = api.Status(api.StatusCode.UNSET), api.Status(api.StatusCode.ERROR)
         self._sampled = api.TraceFlags(api.TraceFlags.SAMPLED)
+        self._internal, self._server = api.SpanKind.INTERNAL, api.SpanKind.SERVER
         self.resource = resource
         self.instance_id = instance_id
         self.scope = InstrumentationScope("batchscope.runtime")
-        #: seq -> the batch span's context, for batches whose span was made
-        self.batch_spans: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self.wire = wire
+        #: seq -> (trace id, span id) of the batch's span, for batches whose span was made
+        self.batch_spans: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
 
-    def _span(self, name: str, ctx: Any, parent: Any, start: float, end: float, *,
-              kind: Any = None, attributes: dict | None = None, links=(), error: bool = False):
+    def _span(self, name: str, trace_id: int, span_id: int, parent_id: int | None,
+              parent_remote: bool, start: float, end: float, *, kind: Any = None,
+              attributes: dict | None = None, links: tuple = (), error: bool = False):
+        """One span; ``links``: (trace id, span id, attributes) of local spans."""
+        kind = kind or self._internal
+        start_ns, end_ns = _ns(start), _ns(max(end, start))
+        if self.wire:
+            from runtime.engine.otlp_wire import WireSpan, wire_span
+            return WireSpan(wire_span(name, trace_id, span_id, parent_id, parent_remote,
+                                      kind.value, start_ns, end_ns, attributes, links, error),
+                            self.resource, self.scope)
+        api = self._api
+        parent = None if parent_id is None else self._context(trace_id, parent_id,
+                                                              parent_remote)
         return self._readable(
-            name, context=ctx, parent=parent, resource=self.resource,
-            attributes=attributes or {}, links=links, kind=kind or self._api.SpanKind.INTERNAL,
-            status=self._error if error else self._ok,
-            start_time=_ns(start), end_time=_ns(max(end, start)),
-            instrumentation_scope=self.scope)
+            name, context=self._context(trace_id, span_id), parent=parent,
+            resource=self.resource, attributes=attributes or {},
+            links=[api.Link(self._context(t, s), a) for t, s, a in links], kind=kind,
+            status=self._error if error else self._ok, start_time=start_ns,
+            end_time=end_ns, instrumentation_scope=self.scope)
 
     def _context(self, trace_id: int, span_id: int, remote: bool = False):
         return self._api.SpanContext(trace_id, span_id, is_remote=remote,
                                      trace_flags=self._sampled)
 
-    def batch_span(self, b: BatchInfo) -> tuple[Any, Any]:
-        """(the span, its context) of batch ``b``."""
-        ctx = self._context(random.getrandbits(128) or 1, random.getrandbits(64) or 1)
-        span = self._span(f"batch {b.model}", ctx, None, b.started_at, b.ended_at,
+    def batch_span(self, b: BatchInfo) -> tuple[Any, tuple[int, int]]:
+        """(the span, its (trace id, span id)) of batch ``b``."""
+        ids = (random.getrandbits(128) or 1, random.getrandbits(64) or 1)
+        span = self._span(f"batch {b.model}", *ids, None, False, b.started_at, b.ended_at,
                           attributes={
                               "batchscope.batch.id": b.seq, "batchscope.batch.size": b.size,
                               "batchscope.batch.max_size": b.max_batch_size,
@@ -182,26 +200,22 @@ class SpanBuilder:
                               "batchscope.instance.id": self.instance_id,
                               "gen_ai.request.model": b.model},
                           error=b.outcome != "ok")
-        return span, ctx
+        return span, ids
 
     def spans(self, t: FinishedTrace, batch: BatchInfo | None) -> list:
         """The spans of one finished trace: its batch's (the first time), the request's
         and its children's."""
-        Link, SpanKind = self._api.Link, self._api.SpanKind
         out = []
-        links = ()
+        links: tuple = ()
         if batch is not None:
-            ctx = self.batch_spans.get(batch.seq)
-            if ctx is None:
-                span, ctx = self.batch_span(batch)
+            ids = self.batch_spans.get(batch.seq)
+            if ids is None:
+                span, ids = self.batch_span(batch)
                 out.append(span)
-                self.batch_spans[batch.seq] = ctx
+                self.batch_spans[batch.seq] = ids
                 while len(self.batch_spans) > BATCHES_KEPT:
                     self.batch_spans.popitem(last=False)
-            links = (Link(ctx, {"batchscope.batch.id": batch.seq}),)
-        ctx = self._context(t.trace_id, t.span_id)
-        parent = None if t.parent_span_id is None else self._context(
-            t.trace_id, t.parent_span_id, remote=True)
+            links = ((*ids, {"batchscope.batch.id": batch.seq}),)
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": t.operation, "gen_ai.request.model": t.model,
             "gen_ai.latency.e2e": t.end_at - t.start_at,
@@ -228,12 +242,13 @@ class SpanBuilder:
                                "batchscope.batch.policy": batch.policy,
                                "batchscope.batch.settings_version": batch.settings_version})
         failed = t.outcome != "ok"
-        out.append(self._span(f"{t.operation} {t.model}", ctx, parent, t.start_at, t.end_at,
-                              kind=SpanKind.SERVER, attributes=attributes, links=links,
+        out.append(self._span(f"{t.operation} {t.model}", t.trace_id, t.span_id,
+                              t.parent_span_id, t.parent_span_id is not None, t.start_at,
+                              t.end_at, kind=self._server, attributes=attributes, links=links,
                               error=failed))
         for name, a, z in self._phases(t):
-            child = self._context(t.trace_id, random.getrandbits(64) or 1)
-            out.append(self._span(name, child, ctx, a, z))
+            out.append(self._span(name, t.trace_id, random.getrandbits(64) or 1, t.span_id,
+                                  False, a, z))
         return out
 
     def count(self, t: FinishedTrace, batch: BatchInfo | None) -> int:
@@ -330,8 +345,10 @@ class OtlpSpans:
         attributes = {"service.instance.id": instance_id}
         if not os.environ.get("OTEL_SERVICE_NAME"):
             attributes["service.name"] = "batchscope"
-        self.builder = SpanBuilder(Resource.create(attributes), instance_id)
-        self.processor = BatchSpanProcessor(exporter or exporter_for(endpoint, protocol))
+        exporter = exporter or exporter_for(endpoint, protocol)
+        self.builder = SpanBuilder(Resource.create(attributes), instance_id,
+                                   wire=bool(getattr(exporter, "takes_wire_spans", False)))
+        self.processor = BatchSpanProcessor(exporter)
         inner = getattr(self.processor, "_batch_processor", None)
         if inner is not None and hasattr(inner, "_metrics"):
             inner._metrics = _DropCounter(inner._metrics, self._dropped_by_processor)
