@@ -156,6 +156,9 @@ class SpanBuilder:
         self.instance_id = instance_id
         self.scope = InstrumentationScope("batchscope.runtime")
         self.wire = wire
+        if wire:
+            from runtime.engine.otlp_wire import WireSpan, wire_span
+            self._wire_span, self._wire = WireSpan, wire_span
         #: seq -> (trace id, span id) of the batch's span, for batches whose span was made
         self.batch_spans: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
 
@@ -166,10 +169,10 @@ class SpanBuilder:
         kind = kind or self._internal
         start_ns, end_ns = _ns(start), _ns(max(end, start))
         if self.wire:
-            from runtime.engine.otlp_wire import WireSpan, wire_span
-            return WireSpan(wire_span(name, trace_id, span_id, parent_id, parent_remote,
-                                      kind.value, start_ns, end_ns, attributes, links, error),
-                            self.resource, self.scope)
+            return self._wire_span(self._wire(name, trace_id, span_id, parent_id,
+                                              parent_remote, kind.value, start_ns, end_ns,
+                                              attributes, links, error),
+                                   self.resource, self.scope)
         api = self._api
         parent = None if parent_id is None else self._context(trace_id, parent_id,
                                                               parent_remote)
