@@ -94,9 +94,16 @@ def test_incomplete_user_model_shows_the_code_to_write(tmp_path):
 
 def test_demo_records_batches_and_stops_on_sigterm(tmp_path):
     url_db = f"sqlite:///{tmp_path / 'demo.db'}"
+    # a cache that cannot be written (under a file): the adapters go to a temporary
+    # folder, removed when the demo stops
+    (tmp_path / "not-a-folder").write_text("")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "runtime.tools.demo", "--db", url_db, "--port", "0",
                              "--intensity", "0.5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "XDG_CACHE_HOME": str(tmp_path / "not-a-folder" / "c"),
+                                 "TMPDIR": str(temp)})
     try:
         url = first_url(lines_of(proc))
         db = make_engine(url_db)
@@ -133,6 +140,7 @@ def test_demo_records_batches_and_stops_on_sigterm(tmp_path):
             proc.kill()
             proc.wait()
     assert control.all_instances(db)[0].stopped_at is not None
+    assert not [p for p in temp.iterdir() if p.name.startswith("batchscope-demo-adapters")]
 
 
 def _children(pid: int) -> list[int]:

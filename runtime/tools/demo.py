@@ -219,9 +219,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # demo, where there is no cache to write
     try:
         adapter_root, own_root = cached_root(), None
-    except OSError:
+        paths = write_demo_adapters(adapter_root, len(ADAPTERS))
+    except OSError as exc:
+        logging.getLogger(__name__).info("demo adapters in a temporary folder: the cache "
+                                         "cannot be written (%s)", exc)
         adapter_root = own_root = tempfile.mkdtemp(prefix="batchscope-demo-adapters-")
-    paths = write_demo_adapters(adapter_root, len(ADAPTERS))
+        paths = write_demo_adapters(adapter_root, len(ADAPTERS))
     service = Service(models, configs, server, generation=generation, version=f"{VERSION}-demo",
                       adapters=[("encoder", name, path) for name, path in paths.items()])
     runner = ServiceThread(service, host=args.host, port=args.port)
