@@ -247,25 +247,8 @@ class InferHook:
                 trace.recv_start, trace.recv_end = traced[1], traced[2]
                 answer = self._traced(trace, answer)
 
-        def done(result: Any, error: BaseException | None) -> None:
-            req.release()
-            if error is None:
-                try:
-                    payload, extra = encode_infer(name, MODEL_VERSION, req, result, outputs)
-                except Exception as exc:
-                    answer(*error_answer(exc, f"POST /v2/models/{name}/infer (encoding "
-                                              "the answer)"))
-                    return
-                if extra:
-                    answer(200, [(b"content-type", b"application/octet-stream")] + [
-                        (k.lower().encode(), v.encode()) for k, v in extra.items()], payload)
-                else:
-                    answer(200, _JSON_HEADERS, payload)
-            else:
-                answer(*error_answer(error, f"POST /v2/models/{name}/infer"))
-
         try:
-            submit_infer(engine, name, req, done, trace)
+            submit_infer(engine, name, req, _InferDone(name, req, outputs, answer), trace)
         except BaseException as exc:
             req.release()
             if trace is not None:  # refused before the engine took it
@@ -274,30 +257,81 @@ class InferHook:
 
     def _traced(self, trace: Any, answer: Answer) -> Answer:
         """``answer`` stamping the send times of a traced request, then recording it."""
-        tracer = self.tracer
+        return _TracedAnswer(self, trace, answer)
+
+    def batch_headers(self, headers: list[tuple[bytes, bytes]],
+                      seq: int) -> list[tuple[bytes, bytes]]:
+        """``headers`` with the batch id ``seq`` added: the members of one batch get one
+        list (so the HTTP layer prepares its head once)."""
+        last = self._batch_headers
+        if last[0] is headers and last[1] == seq:
+            return last[2]
+        more = [*headers, (_BATCH_ID_B, b"%d" % seq)]
+        self._batch_headers = (headers, seq, more)
+        return more
+
+
+class _InferDone:
+    """The engine's ``on_done`` of one request: releases its body and answers it with its
+    outputs (or its error). One object, not a closure and its cells: every request in
+    flight holds one, and the garbage collector traverses what requests in flight hold."""
+
+    __slots__ = ("name", "req", "outputs", "answer")
+
+    def __init__(self, name: str, req: Any, outputs: Any, answer: Answer) -> None:
+        self.name = name
+        self.req = req
+        self.outputs = outputs
+        self.answer = answer
+
+    def __call__(self, result: Any, error: BaseException | None) -> None:
+        req = self.req
+        req.release()
+        answer = self.answer
+        if error is not None:
+            answer(*error_answer(error, f"POST /v2/models/{self.name}/infer"))
+            return
+        try:
+            payload, extra = encode_infer(self.name, MODEL_VERSION, req, result, self.outputs)
+        except Exception as exc:
+            answer(*error_answer(exc, f"POST /v2/models/{self.name}/infer (encoding the "
+                                      "answer)"))
+            return
+        if extra:
+            answer(200, [(b"content-type", b"application/octet-stream")] + [
+                (k.lower().encode(), v.encode()) for k, v in extra.items()], payload)
+        else:
+            answer(200, _JSON_HEADERS, payload)
+
+
+class _TracedAnswer:
+    """A traced request's answer callback: stamps the send times around ``answer``,
+    adds the trace's headers and hands the trace to the tracer. One object (not a
+    closure with its cells): a traced request in flight holds as few objects as it can
+    for the garbage collector to traverse."""
+
+    __slots__ = ("hook", "trace", "answer")
+
+    def __init__(self, hook: InferHook, trace: Any, answer: Answer) -> None:
+        self.hook = hook
+        self.trace = trace
+        self.answer = answer
+
+    def __call__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        trace = self.trace
+        tracer = self.hook.tracer
         now = tracer.clock.now
-
-        def traced(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-            trace.send_start = now()
-            seq = trace.batch_seq
-            if trace.span is None and seq is not None:  # only the batch id is added
-                last = self._batch_headers
-                if last[0] is headers and last[1] == seq:
-                    # the batch's other answers: the same list, so the same prepared head
-                    headers = last[2]
-                else:
-                    more = [*headers, (_BATCH_ID_B, b"%d" % seq)]
-                    self._batch_headers = (headers, seq, more)
-                    headers = more
-            else:
-                more = trace.answer_header_bytes()
-                if more:
-                    headers = [*headers, *more]
-            answer(status, headers, body)
-            trace.send_end = now()
-            tracer.finish(trace)
-
-        return traced
+        trace.send_start = now()
+        seq = trace.batch_seq
+        if trace.span is None and seq is not None:  # only the batch id is added
+            headers = self.hook.batch_headers(headers, seq)
+        else:
+            more = trace.answer_header_bytes()
+            if more:
+                headers = [*headers, *more]
+        self.answer(status, headers, body)
+        trace.send_end = now()
+        tracer.finish(trace)
 
 
 class _NoTracing:

@@ -63,6 +63,21 @@ from runtime.server.http1.wire import (Clock, DrainHook, EarlyHook, EdgeHook, Ex
 log = logging.getLogger("batchscope.server")
 
 
+class Reply:
+    """``conn.answer(ex, status, headers, body)`` as a callback of (status, headers,
+    body), the fast path's way to answer: one object rather than a closure and its cells
+    (each request in flight holds one)."""
+
+    __slots__ = ("conn", "ex")
+
+    def __init__(self, conn: Connection, ex: Exchange) -> None:
+        self.conn = conn
+        self.ex = ex
+
+    def __call__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.conn.answer(self.ex, status, headers, body)
+
+
 class HttpServer:
     """Serves an ASGI app (and an optional synchronous fast hook) over HTTP/1.1."""
 
@@ -279,8 +294,7 @@ class HttpServer:
             if b"?" not in url and b"%" not in url:
                 try:
                     taken = fast(conn, ex.method, url.decode("latin-1"), ex.headers, body,
-                                 lambda status, headers, payload: conn.answer(ex, status, headers,
-                                                                              payload))
+                                 Reply(conn, ex))
                 except Exception as exc:
                     where = f"{ex.method.decode('latin-1')} {url[:200].decode('latin-1')}"
                     conn.answer(ex, *error_answer(exc, where))
