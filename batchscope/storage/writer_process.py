@@ -44,6 +44,7 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any
 
+from batchscope import gctune
 from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_child
 from batchscope.storage.records import BATCHED
 
@@ -88,6 +89,7 @@ def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = No
         def _busy(dbapi_conn: Any, _record: Any) -> None:
             dbapi_conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
     raw = None
+    gctune.settle()  # the engine and its modules stay for the process's life
     conn.send_bytes(_READY + prio.state.encode())
     while True:
         try:

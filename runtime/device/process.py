@@ -41,7 +41,6 @@ started, so they are not failed but sent again to the new child, in their order
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import math
 import os
@@ -53,6 +52,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from batchscope import gctune
 from batchscope.spawn import FrameReader, FrameWriter, spawn_child
 from runtime.core.clock import MonotonicClock
 from runtime.api.config import BatchingConfig
@@ -126,7 +126,7 @@ def child_main(conn: Any, specs: Sequence[str], names: Sequence[str], device: st
         conn.send_bytes(_dumps(("failed", f"{type(exc).__name__}: {exc}", traceback.format_exc())))
         return
     conn.send_bytes(_dumps(("ready", os.getpid())))
-    gc.freeze()
+    gctune.settle()  # the models stay for the process's life
     clock = MonotonicClock()
     configs: dict[str, BatchingConfig] = {}
     graphs: dict[str, Any] = {}

@@ -37,6 +37,7 @@ import threading
 from operator import attrgetter
 from typing import Any, Callable
 
+from batchscope import gctune
 from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_child
 from runtime.engine.otel import (QUEUE_MAX, BatchInfo, FinishedTrace, OtlpSpans, exporter_for,
                                  finished_from, report_drops, spans_of)
@@ -67,6 +68,7 @@ def _child_main(conn: Any, endpoint: str, instance_id: str, protocol: str | None
     except Exception as exc:  # noqa: BLE001 - told to the parent, which refuses to start
         conn.send_bytes(pickle.dumps(f"{type(exc).__name__}: {exc}"[:500]))
         return
+    gctune.settle()  # the SDK, the exporter and its channel stay for the process's life
     conn.send_bytes(_READY)
     while True:
         try:

@@ -49,8 +49,10 @@ _MODEL_PROTOCOL = itemgetter(1, 2)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-#: pending records folded into the series at this many (and at every scrape)
-FOLD_EVERY = 4096
+#: pending records folded into the series at this many (and at every scrape). Folding
+#: costs the same per request from 64 records up (1.4 us here); more records kept pending
+#: are only more objects alive for the garbage collector to traverse
+FOLD_EVERY = 256
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                     1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -31,6 +30,7 @@ import threading
 import uuid
 from typing import Any, Callable, Iterator, Sequence
 
+from batchscope import gctune
 from batchscope.version import version
 from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.api.model import ModelAPI
@@ -47,13 +47,6 @@ log = logging.getLogger("batchscope.server")
 VERSION = version()
 #: idle keep-alive connections stay open this long (load generators reuse them)
 KEEP_ALIVE_S = 60
-#: the garbage collector's young generation, in tracked objects allocated (net) between
-#: two collections. Each request in flight holds a few dozen tracked objects (its parsed
-#: body, pending entry, callbacks, trace), so at CPython's default of 700 a server with
-#: 64 requests in flight collected every few dozen requests (every ~36 with every
-#: request traced), each time traversing all of them; at this size it collects every few
-#: thousand, each collection no dearer: the survivors are the same requests in flight
-GC_YOUNG_OBJECTS = 20_000
 #: the default drain timeout: from the signal to the end of ``serve()``, at most this
 #: long (``ServerConfig.drain_timeout_s``, ``--drain-timeout-s``; ``runtime.server.drain``)
 GRACEFUL_SHUTDOWN_S = DRAIN_TIMEOUT_S
@@ -394,9 +387,8 @@ class Service:
                     raise RuntimeError(f"the server did not start ({type(exc).__name__}: "
                                        f"{exc}); see the log above for the reason") from exc
                 # what startup built (models, torch, libraries) lives as long as the
-                # process: keep it out of the garbage collector's full scans
-                gc.freeze()
-                gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])
+                # process: out of the garbage collector's scans, which come less often
+                gctune.settle()
                 try:
                     await http.start(sock)
                     await self._exit
