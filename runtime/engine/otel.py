@@ -152,6 +152,8 @@ class SpanBuilder:
         self._ok, self._error = api.Status(api.StatusCode.UNSET), api.Status(api.StatusCode.ERROR)
         self._sampled = api.TraceFlags(api.TraceFlags.SAMPLED)
         self._internal, self._server = api.SpanKind.INTERNAL, api.SpanKind.SERVER
+        #: each kind's value, read once (an enum's ``value`` is a property)
+        self._kinds = {kind: kind.value for kind in api.SpanKind}
         self.resource = resource
         self.instance_id = instance_id
         self.scope = InstrumentationScope("batchscope.runtime")
@@ -170,7 +172,7 @@ class SpanBuilder:
         start_ns, end_ns = _ns(start), _ns(max(end, start))
         if self.wire:
             return self._wire_span(self._wire(name, trace_id, span_id, parent_id,
-                                              parent_remote, kind.value, start_ns, end_ns,
+                                              parent_remote, self._kinds[kind], start_ns, end_ns,
                                               attributes, links, error),
                                    self.resource, self.scope)
         api = self._api

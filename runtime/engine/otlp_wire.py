@@ -47,6 +47,8 @@ def _varint(n: int) -> bytes:
     """A base-128 varint; a negative int64 as its two's complement."""
     if 0 <= n < 0x80:
         return _SMALL[n]
+    if 0 < n < 0x4000:  # two bytes: lengths of most messages, batch ids, sizes
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     if n < 0:  # int64: two's complement, ten bytes
         n += 1 << 64
     out = bytearray()
@@ -109,8 +111,7 @@ def _pair(k: str, v: Any) -> bytes:
         done = _pairs.get((k, v))
         if done is None:
             done = _key(k) + _field(b"\x12", _value(v))
-            if len(_pairs) < _HELD:
-                _pairs[(k, v)] = done
+            _keep(_pairs, (k, v), done)
         return done
     if kind is float:
         return _key(k) + b"\x12\x09\x21" + _PACK_DOUBLE(v)
@@ -120,15 +121,67 @@ def _pair(k: str, v: Any) -> bytes:
     return _key(k) + _field(b"\x12", _value(v))
 
 
+#: attributes framed under their tag, ready to join: (tag, key) -> the bytes before a
+#: double's eight; (tag, key, varint length) -> the bytes before an integer's varint.
+#: Bounded.
+_framed: dict[tuple, bytes] = {}
+#: (tag, key) -> {string or boolean value -> the attribute framed}; at most
+#: ``_VALUES_HELD`` values a key (a key whose values do not repeat, such as a request id,
+#: stops there and keeps out no other key's)
+_values: dict[tuple[bytes, str], dict[Any, bytes]] = {}
+_VALUES_HELD = 256
+#: span names as Span.name fields
+_names: dict[str, bytes] = {}
+
+
+def _keep(cache: dict, key: Any, value: bytes) -> None:
+    """Remember ``value``; a full cache starts over (values that never repeat, such as
+    request ids, must not keep out those that do)."""
+    if len(cache) >= _HELD:
+        cache.clear()
+    cache[key] = value
+
+
+def _frame(tag: bytes, pair: bytes) -> bytes:
+    n = len(pair)
+    return tag + (_SMALL[n] if n < 0x80 else _varint(n)) + pair
+
+
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     """Repeated KeyValue under ``tag``."""
     if not attributes:
         return b""
     out = []
+    framed = _framed
     for k, v in attributes.items():
-        pair = _pair(k, v)
-        n = len(pair)
-        out.append(tag + (_SMALL[n] if n < 0x80 else _varint(n)) + pair)
+        kind = type(v)
+        if kind is float:
+            head = framed.get((tag, k))
+            if head is None:
+                head = _frame(tag, _key(k) + b"\x12\x09\x21" + _PACK_DOUBLE(0.0))[:-8]
+                _keep(framed, (tag, k), head)
+            out.append(head + _PACK_DOUBLE(v))
+        elif kind is int:
+            value = b"\x18" + _varint(v)
+            key = (tag, k, len(value))
+            head = framed.get(key)
+            if head is None:
+                head = _frame(tag, _key(k) + b"\x12" + _SMALL[len(value)] + value)[:-len(value)]
+                _keep(framed, key, head)
+            out.append(head + value)
+        elif kind is str or kind is bool:
+            values = _values.get((tag, k))
+            if values is None:
+                values = {}
+                _keep(_values, (tag, k), values)
+            done = values.get(v)
+            if done is None:
+                done = _frame(tag, _key(k) + _field(b"\x12", _value(v)))
+                if len(values) < _VALUES_HELD:  # else this key's values do not repeat
+                    values[v] = done
+            out.append(done)
+        else:
+            out.append(_frame(tag, _pair(k, v)))
     return b"".join(out)
 
 
@@ -247,7 +300,11 @@ def wire_span(name: str, trace_id: int, span_id: int, parent_span_id: int | None
     if parent_span_id is not None:
         out += (b"\x22\x08", parent_span_id.to_bytes(8, "big"))
     if name:
-        out.append(_field(b"\x2a", name.encode()))
+        named = _names.get(name)
+        if named is None:
+            named = _field(b"\x2a", name.encode())
+            _keep(_names, name, named)
+        out.append(named)
     out.append(b"\x30" + _SMALL[_KIND[kind]])
     if start_ns:
         out.append(b"\x39" + _PACK_FIXED64(start_ns))
