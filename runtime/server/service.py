@@ -128,11 +128,17 @@ class Service:
                  generation: dict[str, Any] | None = None, version: str = VERSION,
                  on_started: Callable[["Service"], None] | None = None,
                  auth: AuthConfig | None = None,
-                 adapters: Sequence[tuple[str, str, str]] = ()) -> None:
-        """``adapters``: (model, name, path) of the LoRA adapters served from the start."""
+                 adapters: Sequence[tuple[str, str, str]] = (),
+                 own_process: bool = False) -> None:
+        """``adapters``: (model, name, path) of the LoRA adapters served from the start.
+        ``own_process``: the process serves this service alone (``batchscope serve``), so
+        once started its garbage collector is settled for serving (``gctune.settle``); a
+        service embedded in another program (a thread, a test) leaves the host's collector
+        as it is."""
         from runtime.engine.engine import Engine  # the engine pulls in torch; import on use
 
         self.server_config = server
+        self.own_process = own_process
         if server.nvtx:  # before any device process starts: they inherit the switch
             from runtime.device import nvtx
             os.environ[nvtx.ENV] = "1"
@@ -386,9 +392,10 @@ class Service:
                         await self.shutdown()
                     raise RuntimeError(f"the server did not start ({type(exc).__name__}: "
                                        f"{exc}); see the log above for the reason") from exc
-                # what startup built (models, torch, libraries) lives as long as the
-                # process: out of the garbage collector's scans, which come less often
-                gctune.settle()
+                if self.own_process:
+                    # what startup built (models, torch, libraries) lives as long as the
+                    # process: out of the garbage collector's scans, which come less often
+                    gctune.settle()
                 try:
                     await http.start(sock)
                     await self._exit

@@ -106,7 +106,7 @@ def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu"
     try:
         service = Service(models, configs, server, device=device, instance_id=instance_id,
                           generation=generation, on_started=announce, auth=auth,
-                          adapters=adapters)
+                          adapters=adapters, own_process=True)
     except BatchScopeError as exc:
         raise UsageError(f"--adapter: {exc.message}") from None
     loop = new_event_loop()
