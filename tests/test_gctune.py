@@ -31,3 +31,36 @@ def test_settle_freezes_and_raises_the_young_generation():
     assert got["after"][1:] == got["before"][1:]
     assert got["frozen"] >= 1000  # the kept lists among them
     assert got["held_tracked_young"] == 0  # none of them is scanned by a young collection
+
+
+_EMBEDDED = """
+import gc, json
+import httpx
+from runtime.api.config import ServerConfig
+from runtime.server.service import Service, ServiceThread
+from runtime.tools import cli
+
+before = gc.get_threshold()
+models, generation = cli.load_models(["mlp"])
+runner = ServiceThread(Service(models, {}, ServerConfig(record=False), generation=generation))
+url = runner.start()
+try:
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 256], "datatype": "FP32",
+                        "data": [0.5] * 256}]}
+    status = httpx.post(f"{url}/v2/models/mlp/infer", json=body, timeout=30).status_code
+finally:
+    runner.stop()
+print(json.dumps({"status": status, "before": before, "after": gc.get_threshold(),
+                  "frozen": gc.get_freeze_count()}))
+"""
+
+
+def test_an_embedded_service_leaves_the_hosts_collector_alone():
+    """A service in a thread of another program serves without freezing the host's heap
+    or changing its thresholds (only ``batchscope serve``, a process of its own, does)."""
+    out = subprocess.run([sys.executable, "-c", _EMBEDDED], capture_output=True, text=True,
+                         timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["status"] == 200
+    assert got["after"] == got["before"]
+    assert got["frozen"] == 0
