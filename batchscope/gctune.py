@@ -17,7 +17,9 @@ models, the database engine): it moves all of that out of the collector's scans
 comes every few thousand requests, and costs no more, since the objects alive are the
 same work in flight. Reference cycles are still collected (and a full collection still
 runs as the older generations fill), only less often; what waits for them is garbage of
-at most that many objects.
+at most that many objects. Only processes BatchScope owns call it (``batchscope serve``
+and the child processes it starts); a service embedded in another program leaves that
+program's collector as it is.
 """
 
 from __future__ import annotations
