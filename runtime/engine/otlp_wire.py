@@ -142,11 +142,6 @@ def _keep(cache: dict, key: Any, value: bytes) -> None:
     cache[key] = value
 
 
-def _frame(tag: bytes, pair: bytes) -> bytes:
-    n = len(pair)
-    return tag + (_SMALL[n] if n < 0x80 else _varint(n)) + pair
-
-
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     """Repeated KeyValue under ``tag``."""
     if not attributes:
@@ -158,7 +153,7 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
         if kind is float:
             head = framed.get((tag, k))
             if head is None:
-                head = _frame(tag, _key(k) + b"\x12\x09\x21" + _PACK_DOUBLE(0.0))[:-8]
+                head = _field(tag, _key(k) + b"\x12\x09\x21" + _PACK_DOUBLE(0.0))[:-8]
                 _keep(framed, (tag, k), head)
             out.append(head + _PACK_DOUBLE(v))
         elif kind is int:
@@ -166,7 +161,7 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
             key = (tag, k, len(value))
             head = framed.get(key)
             if head is None:
-                head = _frame(tag, _key(k) + b"\x12" + _SMALL[len(value)] + value)[:-len(value)]
+                head = _field(tag, _key(k) + b"\x12" + _SMALL[len(value)] + value)[:-len(value)]
                 _keep(framed, key, head)
             out.append(head + value)
         elif kind is str or kind is bool:
@@ -176,12 +171,12 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
                 _keep(_values, (tag, k), values)
             done = values.get(v)
             if done is None:
-                done = _frame(tag, _key(k) + _field(b"\x12", _value(v)))
+                done = _field(tag, _key(k) + _field(b"\x12", _value(v)))
                 if len(values) < _VALUES_HELD:  # else this key's values do not repeat
                     values[v] = done
             out.append(done)
         else:
-            out.append(_frame(tag, _pair(k, v)))
+            out.append(_field(tag, _pair(k, v)))
     return b"".join(out)
 
 
