@@ -244,6 +244,34 @@ def test_a_database_of_schema_version_5_upgrades_in_place_and_takes_traces(db_ur
         engine.dispose()
 
 
+def test_a_database_of_schema_version_10_drops_the_model_time_index_of_traces(db_url):
+    """Revision 0009 -> 0010: ``request_traces`` keeps its rows and its time index; the
+    (model, time) index, which no read used, is gone; new rows are written."""
+    database_at(db_url, "0009", """
+        INSERT INTO request_traces (instance_id, model, trace_id, protocol, outcome,
+          request_start_at, request_end_at) VALUES ('rt-1', 'mlp', 1, 'http', 'ok', 12.0, 12.5)
+        """)
+    plain = create_engine(db_url)
+    before = {ix["name"] for ix in inspect(plain).get_indexes("request_traces")}
+    plain.dispose()
+    assert before == {"ix_request_traces_model_end", "ix_request_traces_end"}
+    engine = make_engine(db_url)
+    try:
+        assert schema_version(engine) == SCHEMA_VERSION >= 11
+        assert schema_revision(engine) == storage_db._head() >= "0010"
+        after = {ix["name"] for ix in inspect(engine).get_indexes("request_traces")}
+        assert after == {"ix_request_traces_end"}
+        rec = Recorder(engine)
+        rec.put(TraceRow("rt-1", "mlp", 2, "grpc", "ok", 13.0, 13.2))
+        assert rec.flush() == 1
+        with engine.connect() as conn:
+            ids = conn.execute(select(RequestTraceRecord.trace_id)
+                               .order_by(RequestTraceRecord.id)).scalars().all()
+        assert ids == [1, 2]
+    finally:
+        engine.dispose()
+
+
 def test_an_empty_database_gets_every_table(db):
     assert schema_version(db) == SCHEMA_VERSION and schema_revision(db) == storage_db._head()
     assert set(Base.metadata.tables) <= set(inspect(db).get_table_names())

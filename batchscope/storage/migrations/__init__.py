@@ -21,6 +21,8 @@
   request (schema version 9).
 * ``0009_generation_step_counts``: the sequences that speculated and the distinct LoRA
   adapters of each generation step (schema version 10).
+* ``0010_request_traces_one_index``: the traced requests keep only their time index
+  (schema version 11).
 
 A new revision: a file here with the next number, ``down_revision`` the last one, its
 ``upgrade`` written against the tables as the previous revisions left them (never
