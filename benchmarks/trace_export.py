@@ -17,7 +17,14 @@ track, no overlap on a track but nesting, and every batch's and request's times 
 the rows' to the nanosecond (``round(t * 1e9)``). The target: a Perfetto file under
 50 MB. A run takes about a minute on a 2-core box.
 
+``--traced-every N`` also writes a ``request_traces`` row for one request in N (1: every
+request, as ``trace_rate`` 1 would), with receive and send times around the request and
+input and output copies inside its compute; then each traced request's slice must span
+its receive to its send, with ``receive``, ``queue``, ``compute`` and ``send`` parts and
+``input``, ``infer`` and ``output`` in its compute.
+
     python -m benchmarks.trace_export
+    python -m benchmarks.trace_export --traced-every 1      # every request traced
     python -m benchmarks.trace_export --seconds 10 --rps 200 --json
 """
 
@@ -69,7 +76,28 @@ print(json.dumps(out))
 """
 
 
-def fill(url: str, seconds: float, rps: float) -> dict:
+#: one trace row per request whose id is a multiple of :every: 50 us receiving before its
+#: arrival, input and output copies of a fifth of its compute each, 30 us sending after
+TRACES_SQL = """
+INSERT INTO request_traces (instance_id, model, trace_id, protocol, outcome, batch_seq,
+  recv_start_at, recv_end_at, request_start_at, queue_start_at, compute_start_at,
+  compute_input_end_at, compute_output_start_at, compute_end_at, request_end_at,
+  send_start_at, send_end_at)
+SELECT instance_id, model, id, 'http', outcome, batch_seq,
+  arrived_at - 0.00005, arrived_at - 0.00001, arrived_at - 0.000005, arrived_at,
+  CASE WHEN served THEN arrived_at + queue_wait_s END,
+  CASE WHEN served THEN arrived_at + queue_wait_s + 0.2 * (latency_s - queue_wait_s) END,
+  CASE WHEN served THEN arrived_at + queue_wait_s + 0.8 * (latency_s - queue_wait_s) END,
+  CASE WHEN served THEN finished_at END,
+  finished_at, finished_at + 0.000005, finished_at + 0.00003
+FROM (SELECT *, outcome NOT IN ('rejected', 'expired') AND batch_seq IS NOT NULL AS served
+      FROM requests WHERE id % :every = 0) AS r
+"""
+
+
+def fill(url: str, seconds: float, rps: float, traced_every: int = 0) -> dict:
+    from sqlalchemy import text
+
     from batchscope.storage.db import make_engine
     from batchscope.testing import synthetic
 
@@ -79,8 +107,12 @@ def fill(url: str, seconds: float, rps: float) -> dict:
     made = synthetic.generate(engine, sc.with_(
         duration_s=seconds, batches_per_s=rps / sc.batch_size_mean, rejected_per_s=rps / 200,
         expired_per_s=rps / 500), end_s=END)
+    traced = 0
+    if traced_every:
+        with engine.begin() as conn:
+            traced = conn.execute(text(TRACES_SQL), {"every": traced_every}).rowcount
     engine.dispose()
-    return {"batches": made.batches, "requests": made.requests,
+    return {"batches": made.batches, "requests": made.requests, "traced": traced,
             "generate_s": time.perf_counter() - t0}
 
 
@@ -113,12 +145,20 @@ def verify(url: str, fmt: str, path: Path, start: float, end: float) -> dict:
                if s.category == "batch"}
     requests = {s.args["request_id"]: (s.start_ns, s.end_ns) for s in got.slices
                 if s.category == "request"}
+
+    def span(r) -> tuple[int, int]:  # a traced request: its receive to its send
+        lo, hi = ns(r.arrived_at), ns(r.finished_at)
+        if r.recv_start_at == r.recv_start_at:  # not NaN
+            lo, hi = min(lo, ns(r.recv_start_at)), max(hi, ns(r.send_end_at))
+        return lo, hi
+
     times_ok = (batches == {r.id: (ns(r.started_at), ns(r.ended_at))
                             for r in rows.batches.itertuples()}
-                and requests == {r.id: (ns(r.arrived_at), ns(r.finished_at))
-                                 for r in rows.requests.itertuples()})
+                and requests == {r.id: span(r) for r in rows.requests.itertuples()})
     unserved = rows.requests["outcome"].isin(("rejected", "expired"))
     batched = int((~unserved & rows.requests["batch_seq"].notna()).sum())
+    traced = rows.requests["trace_id"].notna()
+    traced_batched = int((traced & ~unserved & rows.requests["batch_seq"].notna()).sum())
     flows_ok = all(src.category == "queue" and dst.category == "batch"
                    for src, dst in got.flows.values())
     checks = {
@@ -128,6 +168,9 @@ def verify(url: str, fmt: str, path: Path, start: float, end: float) -> dict:
         "queue_and_compute_per_batched_request": cats["queue"] == cats["compute"] == batched,
         "one_flow_per_batched_request": len(got.flows) == batched and flows_ok,
         "times_equal_rows_ns": times_ok,
+        "receive_and_send_per_traced_request": cats["receive"] == cats["send"] == int(traced.sum()),
+        "input_infer_output_per_traced_batched_request":
+            cats["input"] == cats["infer"] == cats["output"] == traced_batched,
     }
     return {"parse_s": parse_s, "checks": checks, "problems": got.problems[:5]}
 
@@ -136,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="traffic to export (s)")
     parser.add_argument("--rps", type=float, default=1000.0, help="requests per second")
+    parser.add_argument("--traced-every", type=int, default=0, metavar="N",
+                        help="a trace row for one request in N (0: none)")
     parser.add_argument("--keep", type=Path, help="keep the database and traces in this folder")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
@@ -145,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     try:
         url = f"sqlite:///{folder / 'trace.db'}"
-        made = fill(url, args.seconds, args.rps)
+        made = fill(url, args.seconds, args.rps, args.traced_every)
         start, end = END - args.seconds - 1, END + 1
         base = child(url, "rows", "-", start, end)
         results = {"generated": made, "rows_only": base, "formats": {}}
@@ -162,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results, indent=1))
         return 0
     print(f"synthetic traffic: {args.seconds:.0f} s at ~{args.rps:,.0f} req/s: "
-          f"{made['batches']:,} batches, {made['requests']:,} requests "
-          f"(generated in {made['generate_s']:.1f} s)")
+          f"{made['batches']:,} batches, {made['requests']:,} requests, "
+          f"{made['traced']:,} of them traced (generated in {made['generate_s']:.1f} s)")
     print(f"rows read alone: {base['rows']:,} in {base['wall_s']:.1f} s, "
           f"peak RSS {base['peak_rss_mb']:.0f} MB")
     print(f"{'format':<9} {'rows':>8} {'export_s':>9} {'MB':>7} {'peak_RSS_MB':>12} "

@@ -403,3 +403,90 @@ def test_the_running_server_exports_its_recent_window(tmp_path):
             httpx.Client(base_url=bare.url, timeout=30) as http:
         r = http.get("/v2/trace/export")
         assert r.status_code == 404 and "records nothing" in r.json()["error"]
+
+
+def test_traced_requests_carry_their_trace_timestamps_into_the_export(tmp_path):
+    """A real server tracing one request in two: in its export every traced request spans
+    its receive and send around its queue and compute, its compute holds input, infer and
+    output, at the times of its ``request_traces`` row; untraced requests keep two parts;
+    the timeline page's batch members get the same columns."""
+    import httpx
+    from sqlalchemy import func, select
+
+    from batchscope.analysis.queries.timeline import with_members
+    from batchscope.presentation import timeline_chart
+    from batchscope.storage.schema import RequestTraceRecord
+    from runtime.api.config import ServerConfig
+    from runtime.models.toys import DoubleModel
+    from runtime.server.service import Service, ServiceThread
+    from tests.factories import wait_until
+
+    url = f"sqlite:///{tmp_path / 'traced.db'}"
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
+                        "data": [1, 2, 3, 4]}]}
+    with ServiceThread(Service({"a": DoubleModel()}, None, ServerConfig(database_url=url),
+                               instance_id="traced")) as runner, \
+            httpx.Client(base_url=runner.url, timeout=120) as http:
+        r = http.post("/v2/trace/setting", json={"trace_level": ["TIMESTAMPS"],
+                                                 "trace_rate": "2"})
+        assert r.status_code == 200, r.text
+        for _ in range(20):
+            assert http.post("/v2/models/a/infer", json=body).status_code == 200
+    engine = make_engine(url)
+    try:
+        def traces() -> int:
+            with Session(engine) as s:
+                return s.scalar(select(func.count()).select_from(RequestTraceRecord))
+        assert wait_until(lambda: traces() >= 10, limit=400)
+        with Session(engine) as s:
+            stored = {r.trace_id: r for r in s.scalars(select(RequestTraceRecord))}
+        assert len(stored) == 10
+        window = Window(0, 4e9)
+        rows = timeline_rows(engine, window)
+        assert len(rows.requests) == 20 and rows.traced == 10
+        traced = rows.requests.dropna(subset=["trace_id"])
+        assert sorted(traced["trace_id"].astype(int)) == sorted(stored)
+        for data, read in ((_export(engine, "perfetto", tmp_path, window)[0], read_perfetto),
+                           (_export(engine, "json", tmp_path, window)[0], read_chrome)):
+            check = read(data)
+            assert check.ok, check.problems
+            requests = [s for s in check.slices if s.category == "request"]
+            assert len(requests) == 20
+            with_trace = [s for s in requests if "trace_id" in s.args]
+            assert sorted(int(s.args["trace_id"]) for s in with_trace) == sorted(stored)
+            for req in with_trace:
+                t = stored[int(req.args["trace_id"])]
+                inside = sorted((s for s in check.slices if s.track == req.track
+                                 and req.start_ns <= s.start_ns and s.end_ns <= req.end_ns
+                                 and s is not req), key=lambda s: (s.start_ns, s.depth))
+                parts = [s.category for s in inside if s.depth == req.depth + 1]
+                assert parts == ["receive", "queue", "compute", "send"], parts
+                assert [s.category for s in inside if s.depth == req.depth + 2] == \
+                    ["input", "infer", "output"]
+                receive = next(s for s in inside if s.category == "receive")
+                send = next(s for s in inside if s.category == "send")
+                if read is read_perfetto:  # nanoseconds exactly (JSON holds microseconds)
+                    assert (receive.start_ns, send.end_ns) == (_ns(t.recv_start_at),
+                                                               _ns(t.send_end_at))
+                    assert (req.start_ns, req.end_ns) == (_ns(t.recv_start_at),
+                                                          _ns(t.send_end_at))
+                assert req.args["receive_ms"] >= 0 and req.args["send_ms"] >= 0
+            for req in requests:
+                if "trace_id" not in req.args:
+                    parts = [s.category for s in check.slices if s.track == req.track
+                             and s.depth == req.depth + 1 and req.start_ns <= s.start_ns
+                             and s.end_ns <= req.end_ns]
+                    assert parts == ["queue", "compute"], parts
+        # the page's rows: marks only, then a picked batch's members with their traces
+        page = timeline_rows(engine, window, requests="marks")
+        seq = int(traced["batch_seq"].iloc[0])
+        picked = with_members(engine, page, ("traced", seq))
+        members = picked.members("traced", seq)
+        assert members["trace_id"].notna().sum() == (traced["batch_seq"] == seq).sum() >= 1
+        assert (members.dropna(subset=["trace_id"])["recv_start_at"]
+                <= members.dropna(subset=["trace_id"])["arrived_at"]).all()
+        fig, part = timeline_chart.members(picked, ("traced", seq))
+        assert [t.name for t in fig.data] == ["receive", "queue", "compute", "send"]
+        assert len(part) == len(members)
+    finally:
+        engine.dispose()

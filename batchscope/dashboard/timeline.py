@@ -214,6 +214,10 @@ def _show_selected(rows: TimelineRows, key: tuple[str, int]) -> None:
     if len(part):
         cols = [c for c in ("priority", "length", "outcome", "queue_wait_s", "latency_s",
                             "ttft_s", "prompt_tokens", "output_tokens", "bypass") if c in part]
+        if "trace_id" in part and part["trace_id"].notna().any():  # its traced requests
+            part = part.assign(receive_ms=1000 * (part["recv_end_at"] - part["recv_start_at"]),
+                               send_ms=1000 * (part["send_end_at"] - part["send_start_at"]))
+            cols += ["trace_id", "client_request_id", "receive_ms", "send_ms"]
         st.dataframe(part[cols].reset_index(drop=True), hide_index=True)
 
 

@@ -34,6 +34,8 @@ LABEL_MAX = 150
 REFUSED = ("rejected", "expired", "cancelled")
 FAILED_BATCH = "#d62728"
 QUEUE_COLOR = "#c7c7c7"
+#: a traced request's bytes arriving and its answer going out (Triton's HTTP/gRPC times)
+TRANSPORT_COLOR = "#9edae5"
 BAR_WIDTH_PX = 14
 PALETTE = plotly.colors.qualitative.Plotly
 
@@ -233,6 +235,10 @@ def members(rows: TimelineRows, key: tuple[str, int]) -> tuple[go.Figure, pd.Dat
         title = f"Batch {seq}: {len(part)} requests — queue wait, then compute"
         phases = [("queue", "arrived_at", "started_at", QUEUE_COLOR),
                   ("compute", "started_at", "finished_at", None)]
+        if "trace_id" in part and part["trace_id"].notna().any():  # traced: the transport too
+            title += " (traced ones: receive before, send after)"
+            phases = [("receive", "recv_start_at", "recv_end_at", TRANSPORT_COLOR), *phases,
+                      ("send", "send_start_at", "send_end_at", TRANSPORT_COLOR)]
     else:
         s = rows.steps
         step = s[(s["instance_id"] == inst) & (s["id"] == -seq)]
@@ -261,8 +267,9 @@ def members(rows: TimelineRows, key: tuple[str, int]) -> tuple[go.Figure, pd.Dat
                                             part["queue_wait_s"], part["latency_s"],
                                             part["ttft_s"])]
     for phase, a, z, c in phases:
-        start = part[a].to_numpy(float) - t0
-        fig.add_trace(go.Bar(y=labels, x=np.maximum(part[z].to_numpy(float) - t0 - start, 0),
+        start = pd.to_numeric(part[a], errors="coerce").to_numpy(float) - t0
+        end = pd.to_numeric(part[z], errors="coerce").to_numpy(float) - t0
+        fig.add_trace(go.Bar(y=labels, x=np.maximum(end - start, 0),
                              base=start, orientation="h", name=phase, hovertext=hover,
                              hoverinfo="text+name", marker=dict(color=c or color)))
     fig.update_layout(xaxis=dict(title="seconds after the window's start"),

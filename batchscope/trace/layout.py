@@ -15,8 +15,12 @@ that says nothing of any file format:
   a request from arrival to answer with two children, ``queue`` (arrival to the start
   of its batch) and ``compute`` (to the answer); a request that never reached a batch
   (refused, expired) is one slice, or an instant when it took no time, named by its
-  outcome; a step with its engine figures; an event (settings change, autopilot, OOM,
-  error ...) an instant on its process's own track;
+  outcome; a traced request (Triton's trace settings) also spans its ``receive`` (its
+  bytes arriving, before the queue) and ``send`` (its answer going out, after compute),
+  and its ``compute`` holds ``input``, ``infer`` and ``output`` (Triton's
+  COMPUTE_INPUT_END and COMPUTE_OUTPUT_START), with its trace id in the args; a step
+  with its engine figures; an event (settings change, autopilot, OOM, error ...) an
+  instant on its process's own track;
 * flows: one arrow from each request's ``queue`` slice to the batch it joined (the
   batch slice ends the flows of all its requests).
 
@@ -206,7 +210,7 @@ INTEGERS = {"id", "seq", "settings_version", "max_batch_size", "bucket", "batch_
             "peak_memory_increase_bytes", "queue_depth",
             "batch_seq", "priority", "length", "prompt_tokens", "output_tokens", "running",
             "waiting", "prefill_tokens", "decode_tokens", "blocks_used", "blocks_free",
-            "preemptions"}
+            "preemptions", "trace_id"}
 
 
 def _columns(df: pd.DataFrame, names) -> dict[str, list]:
@@ -294,13 +298,15 @@ def build(rows: TimelineRows) -> Layout:
     b_end = np.maximum(ns(batches["ended_at"]), b_start)
     rcols = _columns(requests, ("id", "instance_id", "model", "batch_seq", "priority", "bypass",
                                 "length", "queue_wait_s", "latency_s", "outcome", "ttft_s",
-                                "tpot_s", "prompt_tokens", "output_tokens", "timeout_ms"))
+                                "tpot_s", "prompt_tokens", "output_tokens", "timeout_ms",
+                                "trace_id", "protocol", "client_request_id", "w3c_trace_id"))
     r_arr = ns(requests["arrived_at"])
     r_fin = np.maximum(ns(requests["finished_at"]), r_arr)
     r_sta = ns(requests["started_at"])
     # a request has a queue and a compute part when it started (and was not refused)
     segmented = (r_sta >= 0) & ~requests["outcome"].isin(UNSERVED).to_numpy(dtype=bool)
     r_sta = np.clip(r_sta, r_arr, r_fin)
+    stamps = _trace_stamps(requests, r_arr, r_sta, r_fin)
     flow_of, flows_in = _link(bcols, b_start, rcols, r_arr, segmented, counts, notes)
     scols = _columns(steps, ("mode", "running", "waiting", "prefill_tokens", "decode_tokens",
                              "blocks_used", "blocks_free", "preemptions", "step_s"))
@@ -334,10 +340,11 @@ def build(rows: TimelineRows) -> Layout:
                                                                  if lane else ""),
                               "steps", lambda idx: _step_source(idx, scols, s_start, s_end))
             counts.step_slices += n
-            rank, n = b.lanes(process, rank, _of(requests, inst, model), r_arr, r_fin,
-                              lambda lane: f"{model} · requests {lane + 1}", "requests",
+            rank, n = b.lanes(process, rank, _of(requests, inst, model), stamps["lo"],
+                              stamps["hi"], lambda lane: f"{model} · requests {lane + 1}",
+                              "requests",
                               lambda idx: _request_source(idx, rcols, r_arr, r_sta, r_fin,
-                                                          segmented, flow_of))
+                                                          segmented, flow_of, stamps))
             counts.request_slices += n
         idx = np.flatnonzero(marks["instance_id"].astype(str).to_numpy() == inst)
         if len(idx):
@@ -436,10 +443,67 @@ def _flag(value):
     return None if value is None else bool(value)
 
 
-def _request_source(idx, cols, arrived, started, finished, segmented, flow_of):
+def _trace_stamps(requests: pd.DataFrame, arrived: np.ndarray, started: np.ndarray,
+                  finished: np.ndarray) -> dict[str, np.ndarray]:
+    """A traced request's own timestamps in nanoseconds, clamped so that its parts nest
+    and follow each other (receive before arrival, input and output inside compute, send
+    after the answer), -1 where it was not traced or the server did not see them; and
+    each request's whole span, ``lo`` to ``hi`` (arrival to answer for one not traced)."""
+    def col(name: str) -> np.ndarray:
+        if name not in requests.columns:
+            return np.full(len(requests), -1, dtype=np.int64)
+        return ns(pd.to_numeric(requests[name], errors="coerce"))
+
+    def clamp(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        return np.where(x >= 0, np.clip(x, lo, np.maximum(lo, hi)), -1)
+
+    recv_start, recv_end = col("recv_start_at"), col("recv_end_at")
+    send_start, send_end = col("send_start_at"), col("send_end_at")
+    received = (recv_start >= 0) & (recv_end >= 0)
+    sent = (send_start >= 0) & (send_end >= 0)
+    lo = np.where(received, np.minimum(recv_start, arrived), arrived)
+    hi = np.where(sent, np.maximum(send_end, finished), finished)
+    out = {"lo": lo, "hi": hi}
+    out["recv_start"] = np.where(received, recv_start.clip(max=arrived), -1)
+    out["recv_end"] = np.where(received, np.clip(recv_end, out["recv_start"], arrived), -1)
+    out["send_start"] = np.where(sent, np.maximum(send_start, finished), -1)
+    out["send_end"] = np.where(sent, np.maximum(send_end, out["send_start"]), -1)
+    input_end = clamp(col("compute_input_end_at"), started, finished)
+    output_start = clamp(col("compute_output_start_at"), input_end, finished)
+    both = (input_end >= 0) & (output_start >= 0)
+    out["input_end"] = np.where(both, input_end, -1)
+    out["output_start"] = np.where(both, output_start, -1)
+    return out
+
+
+def _traced_parts(i: int, track: Track, stamps: dict, middle: tuple) -> tuple:
+    """``middle`` (the queue and compute slices, or none) between the receive and send
+    slices of request ``i``, where it has them."""
+    parts = []
+    if stamps["recv_start"][i] >= 0:
+        parts.append(Slice(track, int(stamps["recv_start"][i]), int(stamps["recv_end"][i]),
+                           "receive", "receive", {}))
+    parts.extend(middle)
+    if stamps["send_start"][i] >= 0:
+        parts.append(Slice(track, int(stamps["send_start"][i]), int(stamps["send_end"][i]),
+                           "send", "send", {}))
+    return tuple(parts)
+
+
+def _compute_parts(i: int, track: Track, s: int, f: int, stamps: dict) -> tuple:
+    """The ``input``, ``infer`` and ``output`` parts of a traced request's compute."""
+    ie, os_ = int(stamps["input_end"][i]), int(stamps["output_start"][i])
+    if ie < 0:
+        return ()
+    return (Slice(track, s, ie, "input", "input", {}), Slice(track, ie, os_, "infer", "infer", {}),
+            Slice(track, os_, f, "output", "output", {}))
+
+
+def _request_source(idx, cols, arrived, started, finished, segmented, flow_of, stamps):
     def walk(track: Track):
         for i in idx.tolist():
             a, s, f = int(arrived[i]), int(started[i]), int(finished[i])
+            lo, hi = int(stamps["lo"][i]), int(stamps["hi"][i])
             outcome = cols["outcome"][i]
             args = _args((
                 ("request_id", cols["id"][i]), ("priority", cols["priority"][i]),
@@ -450,16 +514,29 @@ def _request_source(idx, cols, arrived, started, finished, segmented, flow_of):
                 ("timeout_ms", cols["timeout_ms"][i]), ("ttft_ms", _ms(cols["ttft_s"][i])),
                 ("tpot_ms", _ms(cols["tpot_s"][i])),
                 ("prompt_tokens", cols["prompt_tokens"][i]),
-                ("output_tokens", cols["output_tokens"][i])))
+                ("output_tokens", cols["output_tokens"][i]),
+                ("trace_id", cols["trace_id"][i]), ("protocol", cols["protocol"][i]),
+                ("client_request_id", cols["client_request_id"][i]),
+                ("w3c_trace_id", cols["w3c_trace_id"][i]),
+                ("receive_ms", _span_ms(stamps["recv_start"][i], stamps["recv_end"][i])),
+                ("send_ms", _span_ms(stamps["send_start"][i], stamps["send_end"][i]))))
             if not segmented[i]:  # never reached a batch: named by its outcome
-                yield from _walk(Slice(track, a, f, str(outcome), "request", args,
-                                       instant=(f == a)))
+                yield from _walk(Slice(track, lo, hi, str(outcome), "request", args,
+                                       instant=(hi == lo),
+                                       children=_traced_parts(i, track, stamps, ())))
                 continue
             name = f"request {cols['id'][i]}" if outcome == "ok" else f"{outcome} {cols['id'][i]}"
             children = (Slice(track, a, s, "queue", "queue", {}, flow_out=int(flow_of[i])),
-                        Slice(track, s, f, "compute", "compute", {}))
-            yield from _walk(Slice(track, a, f, name, "request", args, children=children))
+                        Slice(track, s, f, "compute", "compute", {},
+                              children=_compute_parts(i, track, s, f, stamps)))
+            yield from _walk(Slice(track, lo, hi, name, "request", args,
+                                   children=_traced_parts(i, track, stamps, children)))
     return walk
+
+
+def _span_ms(start_ns, end_ns) -> float | None:
+    """Milliseconds from ``start_ns`` to ``end_ns`` (None where either is missing)."""
+    return None if start_ns < 0 or end_ns < 0 else round((int(end_ns) - int(start_ns)) / 1e6, 6)
 
 
 def _step_source(idx, cols, start, end):

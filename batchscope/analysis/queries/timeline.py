@@ -10,8 +10,12 @@ window would fit, instead of reading them all into memory.
 Times are the recorded wall-clock seconds, as in the database. A request's queue wait
 ends when its batch starts (``arrived_at + queue_wait_s``), so its two segments (queue,
 then compute) need no join; its batch is ``(instance_id, batch_seq)`` →
-``(instance_id, seq)``. A generation step's row is written when the step ends
-(``at``), so it ran from ``at - step_s``.
+``(instance_id, seq)``. A request that was traced (``request_traces``, Triton's trace
+settings) also gets its trace's timestamps (``TRACED_COLUMNS``: when its bytes arrived,
+the device's input and output copies, when its answer went out): ``with_traces`` pairs a
+trace with the request row whose arrival is its queue start (the same monotonic reading
+with the same wall-clock offset, so they agree to well under ``MATCH_S``). A generation
+step's row is written when the step ends (``at``), so it ran from ``at - step_s``.
 
 ``assign_lanes`` packs intervals into the fewest rows where none overlap (the greedy
 interval partitioning, in start order), for the chart's lanes and for trace tracks
@@ -47,6 +51,18 @@ REQUEST_COLUMNS = (
     "id", "instance_id", "model", "batch_seq", "priority", "bypass", "length", "arrived_at",
     "finished_at", "queue_wait_s", "latency_s", "outcome", "ttft_s", "tpot_s",
     "prompt_tokens", "output_tokens", "timeout_ms")
+TRACE_COLUMNS = (
+    "instance_id", "model", "trace_id", "protocol", "request_id", "queue_start_at",
+    "recv_start_at", "recv_end_at", "compute_input_end_at", "compute_output_start_at",
+    "send_start_at", "send_end_at", "w3c_trace_id")
+#: what a traced request's row gains from its trace (NaN or None where it was not traced);
+#: ``client_request_id`` is the ``id`` the client sent (the trace's ``request_id``)
+TRACED_COLUMNS = (
+    "trace_id", "protocol", "client_request_id", "recv_start_at", "recv_end_at",
+    "compute_input_end_at", "compute_output_start_at", "send_start_at", "send_end_at",
+    "w3c_trace_id")
+#: how far apart a request's arrival and its trace's queue start may be and still pair
+MATCH_S = 1e-6
 STEP_COLUMNS = ("id", "instance_id", "model", "at", "mode", "running", "waiting",
                 "prefill_tokens", "decode_tokens", "blocks_used", "blocks_free", "preemptions",
                 "step_s")
@@ -78,6 +94,8 @@ class TimelineRows:
     instances: pd.DataFrame
     #: how many requests overlap the window (``requests`` may hold only some of them)
     requests_in_window: int = 0
+    #: how many of ``requests`` carry their trace's timestamps
+    traced: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -142,17 +160,51 @@ def timeline_rows(engine: Engine, w: Window, max_rows: int = MAX_ROWS, *,
             reqs = _merged(marks, slow)
             in_window = int(read_frame(conn, f"SELECT COUNT(*) AS n FROM requests WHERE {wr}",
                                        pr)["n"].iloc[0])
+        traces = None
+        if every:
+            wt, pt = _overlapping(w, "request_start_at", "request_end_at")
+            traces = read_frame(conn, f"SELECT {', '.join(TRACE_COLUMNS)} FROM request_traces "
+                                      f"WHERE {wt} LIMIT :lim",
+                                {**pt, "lim": max_rows - rows + 1})
         steps = read_frame(conn, f"SELECT {', '.join(STEP_COLUMNS)} FROM generation_steps "
                                  f"WHERE {ws} ORDER BY at, id", ps)
         marks_ev = events(conn, w, limit=5_000)
         ids = sorted(set(batches["instance_id"]) | set(reqs["instance_id"].unique())
                      | set(steps["instance_id"]) | set(marks_ev["instance_id"].dropna()))
         instances = _instances(conn, ids)
-    out = TimelineRows(w, _batches(batches), _requests(reqs), _steps(steps), marks_ev, instances,
-                       len(reqs) if every else in_window)
+    notes = []
+    if traces is not None and rows + len(traces) > max_rows:
+        notes.append(f"the window's traced requests are drawn without their trace timestamps: "
+                     f"with them it would hold more than {max_rows:,} rows; pick a shorter "
+                     "window to see them")
+        traces = None
+    requests_frame = with_traces(_requests(reqs), traces)
+    out = TimelineRows(w, _batches(batches), requests_frame, _steps(steps), marks_ev, instances,
+                       len(reqs) if every else in_window, notes=notes,
+                       traced=int(requests_frame["trace_id"].notna().sum()))
     if out.empty and not out.requests_in_window:
         out.notes.append("no batch, request or generation step was recorded in this window")
     return out
+
+
+def with_traces(requests: pd.DataFrame, traces: pd.DataFrame | None) -> pd.DataFrame:
+    """``requests`` (oldest first) with ``TRACED_COLUMNS`` from the ``traces`` rows
+    (``TRACE_COLUMNS``) of the same instance and model whose queue start is the request's
+    arrival (within ``MATCH_S``); the columns are there, empty, for untraced requests."""
+    req = requests.drop(columns=[c for c in TRACED_COLUMNS if c in requests.columns])
+    if traces is None or not len(traces) or not len(req):
+        return _typed(req, TRACED_COLUMNS)
+    t = traces.dropna(subset=["queue_start_at"]).rename(columns={"request_id":
+                                                                 "client_request_id"})
+    if not len(t):
+        return _typed(req, TRACED_COLUMNS)
+    t = t.astype({"queue_start_at": float}).sort_values("queue_start_at", kind="stable")
+    req = req.sort_values(["arrived_at", "id"], kind="stable").reset_index(drop=True)
+    keep = ["instance_id", "model", "queue_start_at", *TRACED_COLUMNS]
+    out = pd.merge_asof(req.astype({"arrived_at": float}), t[keep], left_on="arrived_at",
+                        right_on="queue_start_at", by=["instance_id", "model"],
+                        tolerance=MATCH_S, direction="nearest")
+    return out.drop(columns=["queue_start_at"])
 
 
 def with_members(engine: Engine, rows: TimelineRows, key: tuple[str, int]) -> TimelineRows:
@@ -180,7 +232,15 @@ def with_members(engine: Engine, rows: TimelineRows, key: tuple[str, int]) -> Ti
                   "late": t1 + MAX_SPAN_S}
     found = read_frame(engine, f"SELECT {', '.join(REQUEST_COLUMNS)} FROM requests WHERE {sql} "
                                "ORDER BY arrived_at, id", params)
-    rows.requests = _requests(_merged(rows.requests.drop(columns=["started_at"]), found))
+    # the traces of the requests found: those of the batch, or those that ended with the
+    # step's sequences (request_end_at is indexed, and is their finished_at or later)
+    tsql = sql.replace("finished_at", "request_end_at").replace("arrived_at",
+                                                                 "request_start_at")
+    traces = read_frame(engine, f"SELECT {', '.join(TRACE_COLUMNS)} FROM request_traces "
+                                f"WHERE {tsql}", params)
+    before = rows.requests.drop(columns=["started_at", *TRACED_COLUMNS], errors="ignore")
+    rows.requests = with_traces(_requests(_merged(before, found)), traces)
+    rows.traced = int(rows.requests["trace_id"].notna().sum())
     return rows
 
 
