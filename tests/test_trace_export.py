@@ -364,6 +364,20 @@ def test_importing_the_exporter_leaves_the_protos_unloaded():
 
 
 # -- from the running server ------------------------------------------------------------------
+DOUBLE_BODY = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
+                            "data": [1, 2, 3, 4]}]}
+
+
+def _doubling(url: str, instance_id: str):
+    """A real server of the toy model ``a`` recording into ``url`` (a context manager)."""
+    from runtime.api.config import ServerConfig
+    from runtime.models.toys import DoubleModel
+    from runtime.server.service import Service, ServiceThread
+
+    return ServiceThread(Service({"a": DoubleModel()}, None, ServerConfig(database_url=url),
+                                 instance_id=instance_id))
+
+
 @pytest.mark.slow
 def test_the_running_server_exports_its_recent_window(tmp_path):
     import httpx
@@ -374,13 +388,10 @@ def test_the_running_server_exports_its_recent_window(tmp_path):
     from tests.factories import wait_until
 
     url = f"sqlite:///{tmp_path / 'served.db'}"
-    body = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
-                        "data": [1, 2, 3, 4]}]}
-    with ServiceThread(Service({"a": DoubleModel()}, None, ServerConfig(database_url=url),
-                               instance_id="export")) as runner, \
+    with _doubling(url, "export") as runner, \
             httpx.Client(base_url=runner.url, timeout=120) as http:
         for _ in range(20):
-            assert http.post("/v2/models/a/infer", json=body).status_code == 200
+            assert http.post("/v2/models/a/infer", json=DOUBLE_BODY).status_code == 200
         engine = make_engine(url)
         assert wait_until(lambda: timeline_rows(engine, Window(0, 4e9)).requests_in_window >= 20,
                           limit=400)
@@ -416,22 +427,16 @@ def test_traced_requests_carry_their_trace_timestamps_into_the_export(tmp_path):
     from batchscope.analysis.queries.timeline import with_members
     from batchscope.presentation import timeline_chart
     from batchscope.storage.schema import RequestTraceRecord
-    from runtime.api.config import ServerConfig
-    from runtime.models.toys import DoubleModel
-    from runtime.server.service import Service, ServiceThread
     from tests.factories import wait_until
 
     url = f"sqlite:///{tmp_path / 'traced.db'}"
-    body = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
-                        "data": [1, 2, 3, 4]}]}
-    with ServiceThread(Service({"a": DoubleModel()}, None, ServerConfig(database_url=url),
-                               instance_id="traced")) as runner, \
+    with _doubling(url, "traced") as runner, \
             httpx.Client(base_url=runner.url, timeout=120) as http:
         r = http.post("/v2/trace/setting", json={"trace_level": ["TIMESTAMPS"],
                                                  "trace_rate": "2"})
         assert r.status_code == 200, r.text
         for _ in range(20):
-            assert http.post("/v2/models/a/infer", json=body).status_code == 200
+            assert http.post("/v2/models/a/infer", json=DOUBLE_BODY).status_code == 200
     engine = make_engine(url)
     try:
         def traces() -> int:
