@@ -23,6 +23,7 @@ from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.engine.engine import Engine
 from runtime.api.errors import BatchLost, ConfigError, ModelError
 from runtime.device.executor import pack_items, pack_outputs, unpack_items, unpack_outputs
+from runtime.device.process import DEVICE_NICE_CPU, device_nice_for
 from runtime.models.loader import load_model
 from tests.factories import SLOW_MODEL, wait_for
 
@@ -200,6 +201,51 @@ def test_device_process_needs_specs_and_defaults_to_on_for_the_cpu_only():
     assert device_process_default(True, "cuda") is True
     assert parser.parse_args(["serve", "--device-process"]).device_process is True
     assert parser.parse_args(["serve", "--no-device-process"]).device_process is False
+
+
+def test_the_device_process_runs_nicer_than_the_serving_process_on_the_cpu():
+    """By default the child is ``DEVICE_NICE_CPU`` levels nicer than this process on a
+    CPU device, a new child after a crash too; ``device_nice`` sets it (0: the same);
+    accelerators keep the serving process's priority; bad values are refused."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    spec = f"double={TOYS['double']}"
+
+    def niceness(device_nice, crash: bool = False) -> tuple[int, ...]:
+        engine = Engine({"double": load_model(spec)}, device_process=True, model_specs=[spec],
+                        device_nice=device_nice)
+        seen = []
+
+        async def run() -> None:
+            await engine.start()
+            try:
+                pid = engine._processes["double"].pid
+                seen.append(os.getpriority(os.PRIO_PROCESS, pid))
+                if crash:
+                    os.kill(pid, signal.SIGKILL)
+                    await wait_for(lambda: engine._processes["double"].restarts == 1,
+                                   "a new child")
+                    answers = _submit_all(engine, "double", [_vec(1.0)])
+                    await wait_for(lambda: answers[0] is not None, "an answer from it")
+                    assert answers[0][1] is None
+                    seen.append(os.getpriority(os.PRIO_PROCESS, engine._processes["double"].pid))
+            finally:
+                await engine.stop()
+
+        asyncio.run(run())
+        return tuple(seen)
+
+    nicer = min(19, base + DEVICE_NICE_CPU)
+    assert niceness(None, crash=True) == (nicer, nicer)
+    assert niceness(0) == (base,)
+    assert device_nice_for("cpu", None) == DEVICE_NICE_CPU > 0
+    assert device_nice_for("cuda", None) == 0 and device_nice_for("cuda", 4) == 4
+    assert ServerConfig().device_nice is None and ServerConfig(device_nice=19).device_nice == 19
+    for bad in (-1, 20, "3", 2.5, True):
+        with pytest.raises(ConfigError, match="device_nice"):
+            ServerConfig(device_nice=bad)
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).device_nice is None
+    assert parser.parse_args(["serve", "--device-nice", "4"]).device_nice == 4
 
 
 def test_setup_failure_in_the_child_is_reported(tmp_path):

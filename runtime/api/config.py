@@ -206,6 +206,9 @@ class ServerConfig:
     #: expected to take at most this long runs in the serving process, a lone longer one
     #: that finds it busy on a thread there (``runtime.engine.direct``)
     direct_max_compute_ms: float = 2.0
+    #: the device process's CPU niceness (0 to 19, above the serving process's own); None:
+    #: ``DEVICE_NICE_CPU`` on a CPU device, 0 on a GPU (``runtime.device.process``)
+    device_nice: int | None = None
     #: run the recorder's database inserts in a child process (``batchscope.storage.writer_process``)
     recorder_process: bool = False
     #: also serve the KServe v2 / Triton gRPC API on this port (0: a free one; None: no gRPC)
@@ -244,6 +247,10 @@ class ServerConfig:
                 <= 1000):
             problems.append(f"direct_max_compute_ms={self.direct_max_compute_ms!r} must be a "
                             "number of milliseconds from 0 (never direct) to 1000")
+        if self.device_nice is not None and not (_is_int(self.device_nice)
+                                                 and 0 <= self.device_nice <= 19):
+            problems.append(f"device_nice={self.device_nice!r} must be an integer from 0 "
+                            "(the serving process's priority) to 19, or None for the default")
         for name in ("device_process", "recorder_process", "nvtx"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")

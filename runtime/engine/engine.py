@@ -48,7 +48,7 @@ from runtime.core.arbiter import FairArbiter
 from runtime.core.clock import MonotonicClock
 from runtime.core.request import PendingRequest
 from runtime.device.executor import MAX_ERROR_CHARS
-from runtime.device.process import DeviceProcess
+from runtime.device.process import DeviceProcess, device_nice_for
 from runtime.engine.admission import deadline_of, priority_of
 from runtime.engine.adapter_ops import EngineAdapters
 from runtime.engine.booking import Booking
@@ -116,7 +116,8 @@ class Engine(EngineAdapters):
                  event_interval_s: float = EVENT_INTERVAL_S,
                  inline_max_compute_ms: float = INLINE_MAX_COMPUTE_MS,
                  device_process: bool = False, model_specs: Sequence[str] = (),
-                 direct_max_compute_ms: float = DIRECT_MAX_COMPUTE_MS) -> None:
+                 direct_max_compute_ms: float = DIRECT_MAX_COMPUTE_MS,
+                 device_nice: int | None = None) -> None:
         """``event_interval_s``: rejection and expiry events of a model are folded into at
         most one per this many seconds (each carries the count); request rows are not.
         ``inline_max_compute_ms``: on a CPU device, a batch expected (from recent batches)
@@ -129,7 +130,9 @@ class Engine(EngineAdapters):
         ``direct_max_compute_ms``: with the device process on a CPU device, a batch that
         finds its process idle and is expected to take at most this long runs in this
         process instead (``runtime.engine.direct``; the models are then set up here too);
-        0 turns that off."""
+        0 turns that off.
+        ``device_nice``: the device processes' CPU niceness (``runtime.device.process``;
+        None: ``DEVICE_NICE_CPU`` on a CPU device, 0 on a GPU)."""
         configs = dict(configs or {})
         unknown = sorted(set(configs) - set(models))
         if unknown:
@@ -170,7 +173,8 @@ class Engine(EngineAdapters):
                 process = DeviceProcess(
                     tuple(specs), names, str(self.device),
                     torch_threads=torch.get_num_threads(), clock=self._clock,
-                    on_exit=functools.partial(self._device_process_exited, names))
+                    on_exit=functools.partial(self._device_process_exited, names),
+                    nice=device_nice_for(self.device.type, device_nice))
                 self._processes.update((name, process) for name in names)
             self._backend: DeviceProcesses | DeviceThread = DeviceProcesses(
                 list(dict.fromkeys(self._processes.values())))

@@ -173,6 +173,7 @@ class Service:
         self.engine = Engine(models, configs, recorder=recorder, instance_id=self.instance_id,
                              device=device, device_process=server.device_process,
                              direct_max_compute_ms=server.direct_max_compute_ms,
+                             device_nice=server.device_nice,
                              model_specs=_request_specs(models, server.models)
                              if server.device_process else ())
         self.spans = self._trace_settings(server, recorder)

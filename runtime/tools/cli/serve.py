@@ -42,6 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
                           drain_timeout_s=args.drain_timeout_s,
                           otlp_traces_endpoint=args.otlp_traces_endpoint,
                           trace_config=trace_config(args.trace_config), nvtx=args.nvtx,
+                          device_nice=args.device_nice,
                           **({} if args.direct_max_compute_ms is None else
                              {"direct_max_compute_ms": args.direct_max_compute_ms}))
     if args.torch_threads is not None:

@@ -54,6 +54,10 @@ def _add_serve(sub: Any) -> None:
                         "idle and is expected to take at most this long runs in the serving "
                         "process, without the hop, and a lone longer one (up to 50 ms) that "
                         "finds it busy runs on a thread there (default 2; 0: never)")
+    p.add_argument("--device-nice", type=int, default=None, metavar="N",
+                   help="run the device process N levels nicer than the serving process, "
+                        "0 to 19 (default: 10 on the CPU, where the two share the cores "
+                        "and the event loop is the pipeline's narrow part; 0 on a GPU)")
     p.add_argument("--recorder-process", action=argparse.BooleanOptionalAction, default=True,
                    help="write recorded rows to the database from a child process, so the "
                         "database work costs the serving process almost nothing (default: on)")
