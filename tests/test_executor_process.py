@@ -23,7 +23,7 @@ from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.engine.engine import Engine
 from runtime.api.errors import BatchLost, ConfigError, ModelError
 from runtime.device.executor import pack_items, pack_outputs, unpack_items, unpack_outputs
-from runtime.device.process import DEVICE_NICE_CPU, device_nice_for
+from runtime.device.process import DEVICE_NICE_CPU
 from runtime.models.loader import load_model
 from tests.factories import SLOW_MODEL, wait_for
 
@@ -203,42 +203,76 @@ def test_device_process_needs_specs_and_defaults_to_on_for_the_cpu_only():
     assert parser.parse_args(["serve", "--no-device-process"]).device_process is False
 
 
-def test_the_device_process_runs_nicer_than_the_serving_process_on_the_cpu():
-    """By default the child is ``DEVICE_NICE_CPU`` levels nicer than this process on a
-    CPU device, a new child after a crash too; ``device_nice`` sets it (0: the same);
-    accelerators keep the serving process's priority; bad values are refused."""
+SLEEPY_MODEL = '''
+import time
+import numpy as np
+import torch
+from runtime.api.model import ModelAPI, TensorSpec
+
+
+class SleepyModel(ModelAPI):
+    """x + 1 after 20 ms of device time a batch: far dearer per request than the loop."""
+    name = "sleepy"
+    inputs = (TensorSpec("INPUT0", "FP32", (4,)),)
+    outputs = (TensorSpec("OUTPUT0", "FP32", (4,)),)
+
+    def decode(self, inputs):
+        return np.asarray(inputs["INPUT0"], dtype=np.float32).reshape(4)
+
+    def collate(self, items, pad_to):
+        return torch.from_numpy(np.stack(items))
+
+    def predict(self, batch):
+        time.sleep(0.02)
+        return batch + 1
+
+    def split(self, output, n):
+        return [{"OUTPUT0": output[i].numpy()} for i in range(n)]
+'''
+
+
+def test_device_process_priority_fixed_renice_and_kept_after_a_crash():
+    """``device_nice`` N starts the child N levels nicer (0: the same); by default on the
+    CPU it starts at the same level with a ``LoopBound`` per process sharing one tally,
+    ``renice`` makes the running child nicer and a new child after a crash starts there;
+    bad values are refused."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
     spec = f"double={TOYS['double']}"
 
-    def niceness(device_nice, crash: bool = False) -> tuple[int, ...]:
+    def run_engine(device_nice, check) -> None:
         engine = Engine({"double": load_model(spec)}, device_process=True, model_specs=[spec],
                         device_nice=device_nice)
-        seen = []
 
         async def run() -> None:
             await engine.start()
             try:
-                pid = engine._processes["double"].pid
-                seen.append(os.getpriority(os.PRIO_PROCESS, pid))
-                if crash:
-                    os.kill(pid, signal.SIGKILL)
-                    await wait_for(lambda: engine._processes["double"].restarts == 1,
-                                   "a new child")
-                    answers = _submit_all(engine, "double", [_vec(1.0)])
-                    await wait_for(lambda: answers[0] is not None, "an answer from it")
-                    assert answers[0][1] is None
-                    seen.append(os.getpriority(os.PRIO_PROCESS, engine._processes["double"].pid))
+                await check(engine, engine._processes["double"])
             finally:
                 await engine.stop()
 
         asyncio.run(run())
-        return tuple(seen)
 
-    nicer = min(19, base + DEVICE_NICE_CPU)
-    assert niceness(None, crash=True) == (nicer, nicer)
-    assert niceness(0) == (base,)
-    assert device_nice_for("cpu", None) == DEVICE_NICE_CPU > 0
-    assert device_nice_for("cuda", None) == 0 and device_nice_for("cuda", 4) == 4
+    def at(pid: int) -> int:
+        return os.getpriority(os.PRIO_PROCESS, pid)
+
+    async def default(engine: Engine, process) -> None:
+        assert at(process.pid) == base and process.nice == 0
+        bound = engine._priorities[process]
+        assert bound.nice == DEVICE_NICE_CPU and not bound.applied
+        process.renice(DEVICE_NICE_CPU)
+        assert at(process.pid) == min(19, base + DEVICE_NICE_CPU)
+        os.kill(process.pid, signal.SIGKILL)
+        await wait_for(lambda: process.restarts == 1, "a new child")
+        answers = _submit_all(engine, "double", [_vec(1.0)])
+        await wait_for(lambda: answers[0] is not None, "an answer from it")
+        assert answers[0][1] is None
+        assert at(process.pid) == min(19, base + DEVICE_NICE_CPU)
+
+    async def fixed(engine: Engine, process) -> None:
+        assert at(process.pid) == min(19, base + 3) and not engine._priorities
+
+    run_engine(None, default)
+    run_engine(3, fixed)
     assert ServerConfig().device_nice is None and ServerConfig(device_nice=19).device_nice == 19
     for bad in (-1, 20, "3", 2.5, True):
         with pytest.raises(ConfigError, match="device_nice"):
@@ -246,6 +280,37 @@ def test_the_device_process_runs_nicer_than_the_serving_process_on_the_cpu():
     parser = build_parser()
     assert parser.parse_args(["serve"]).device_nice is None
     assert parser.parse_args(["serve", "--device-nice", "4"]).device_nice == 4
+
+
+def test_a_model_dearer_than_the_loop_keeps_its_priority(tmp_path):
+    """A real model whose batches take 20 ms each: every window the loop's CPU per
+    request is measured and found below the model's device time, and the process keeps
+    the serving process's priority."""
+    path = tmp_path / "sleepy_model.py"
+    path.write_text(SLEEPY_MODEL)
+    spec = f"{path}:SleepyModel"
+    engine = Engine({"sleepy": load_model(spec)}, device_process=True, model_specs=[spec],
+                    direct_max_compute_ms=0)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    async def run() -> None:
+        await engine.start()
+        try:
+            process = engine._processes["sleepy"]
+            bound = engine._priorities[process]
+            bound.check_every_s, bound.min_requests = 0.0, 4  # judge every few requests
+            for _ in range(5):
+                answers = _submit_all(engine, "sleepy", [_vec(float(i)) for i in range(6)])
+                await wait_for(lambda: all(a is not None for a in answers), "answers")
+            assert bound.loop_s_per_request is not None
+            assert bound.loop_s_per_request < engine._models["sleepy"].batcher \
+                .mean_compute_per_request_s
+            assert not bound.applied and process.nice == 0
+            assert os.getpriority(os.PRIO_PROCESS, process.pid) == base
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
 
 
 def test_setup_failure_in_the_child_is_reported(tmp_path):

@@ -445,6 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pin", action="store_true",
                     help="server (with its children) on CPU 0, this load generator on CPU 1, in "
                          "every phase: the generator's own cost then takes nothing from the server")
+    ap.add_argument("--device-nice", type=int, default=None, metavar="N",
+                    help="serve with --device-nice N (default: the server's own default)")
     ap.add_argument("--client", choices=("c", "python"), default="c",
                     help="the open loop: openloop.c, compiled here (the default; the Python one "
                          "when no compiler works), or the Python one")
@@ -462,7 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.client == "c" and exe is None:
             print("no C compiler here: the Python open loop offers the load", flush=True)
         db = None if args.no_record else f"sqlite:///{tmp}/overload.db"
-        server = Server(cmd_prefix + serve_cmd(db=db, models=(args.model,)))
+        extra = () if args.device_nice is None else ("--device-nice", str(args.device_nice))
+        server = Server(cmd_prefix + serve_cmd(*extra, db=db, models=(args.model,)))
         try:
             url = server.url
             assert url is not None

@@ -206,8 +206,9 @@ class ServerConfig:
     #: expected to take at most this long runs in the serving process, a lone longer one
     #: that finds it busy on a thread there (``runtime.engine.direct``)
     direct_max_compute_ms: float = 2.0
-    #: the device process's CPU niceness (0 to 19, above the serving process's own); None:
-    #: ``DEVICE_NICE_CPU`` on a CPU device, 0 on a GPU (``runtime.device.process``)
+    #: how many levels nicer than the serving process the device process runs (0 to 19);
+    #: None: the same, and on a CPU device 10 nicer once its model is measured to cost
+    #: less per request than the event loop (``runtime.device.priority``)
     device_nice: int | None = None
     #: run the recorder's database inserts in a child process (``batchscope.storage.writer_process``)
     recorder_process: bool = False

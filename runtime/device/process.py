@@ -37,14 +37,10 @@ started, so they are not failed but sent again to the new child, in their order
 (with the batches submitted meanwhile). ``on_exit`` is not told of this kill:
 ``timeouts`` counts them, ``restarts`` counts every new child.
 
-CPU priority. On a CPU device the child's forward passes and the serving process's event
-loop share the cores, and the event loop is one thread that every request passes
-through twice: when it waits for a core, the whole pipeline does. So the child runs
-``DEVICE_NICE_CPU`` levels nicer (``device_nice_for``): it takes the cores the loop
-leaves, and the loop no longer queues behind a batch. It loses nothing where the model
-is the bound (the loop then needs little), and on a GPU, where the child mostly waits
-for the device, it keeps the loop's priority. ``ServerConfig.device_nice`` (``batchscope
-serve --device-nice``) sets it.
+CPU priority. A child runs ``nice`` levels nicer than the serving process (0 by default);
+``renice`` makes the running child (and any later one) nicer still, which is how
+``runtime.device.priority.LoopBound`` lets the serving process's event loop go first on
+a CPU device once the loop is measured to be the pipeline's narrow part.
 """
 
 from __future__ import annotations
@@ -81,19 +77,11 @@ _READS_PER_WAKE = 64
 OnDone = Callable[[list[Attempt]], None]
 
 
-#: how much nicer than the serving process the device process runs on a CPU device
-#: (``mlp`` at 64 clients on 2 cores: 1.08-1.13x the throughput of the same priority, in
-#: three runs of alternating slices; 4 levels: 1.03x; ``SCHED_BATCH`` at the same level:
-#: 1.02x; the encoder, whose model is the bound, and one or eight clients: unchanged)
+#: how much nicer than the serving process a device process on the CPU is made once its
+#: model is cheaper per request than the event loop (``runtime.device.priority``; ``mlp``
+#: at 64 clients on 2 cores: 1.08-1.13x the throughput of the same priority in four runs
+#: of alternating slices; 4 levels: 1.03x; ``SCHED_BATCH`` at the same level: 1.02x)
 DEVICE_NICE_CPU = 10
-
-
-def device_nice_for(device_type: str, nice: int | None) -> int:
-    """The device process's niceness: ``nice`` when given, else ``DEVICE_NICE_CPU`` on a
-    CPU device and 0 (the serving process's own) on an accelerator."""
-    if nice is not None:
-        return int(nice)
-    return DEVICE_NICE_CPU if device_type == "cpu" else 0
 
 
 def _dumps(msg: Any) -> bytes:
@@ -237,7 +225,7 @@ class DeviceProcess:
         self.on_exit = on_exit
         self.start_timeout_s = start_timeout_s
         #: how much nicer than this process the child runs (see the module doc)
-        self.nice = int(nice)
+        self.nice = min(19, max(0, int(nice)))
         self._clock = clock or MonotonicClock()
         #: child times are on this process' clock only when both read the monotonic clock
         self._same_clock = type(self._clock) is MonotonicClock
@@ -267,6 +255,21 @@ class DeviceProcess:
         #: children killed because a batch ran past its execution timeout
         self.timeouts = 0
         self.pid: int | None = None
+
+    def renice(self, nice: int) -> None:
+        """Run the child (and every later one) ``nice`` levels nicer than this process;
+        never raises (a child that is gone gets the level when it is started anew)."""
+        self.nice = min(19, max(self.nice, int(nice)))
+        if self._proc is not None and self._proc.pid is not None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, self._proc.pid,
+                               min(19, os.getpriority(os.PRIO_PROCESS, 0) + self.nice))
+            except OSError as exc:
+                log.warning("could not lower the device process's priority: %s", exc)
+                return
+        log.info("the device process of %s now runs %d levels nicer than the serving "
+                 "process: its model costs less per request than the event loop",
+                 ", ".join(self.names), self.nice)
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:

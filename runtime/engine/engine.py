@@ -48,7 +48,8 @@ from runtime.core.arbiter import FairArbiter
 from runtime.core.clock import MonotonicClock
 from runtime.core.request import PendingRequest
 from runtime.device.executor import MAX_ERROR_CHARS
-from runtime.device.process import DeviceProcess, device_nice_for
+from runtime.device.priority import LoopBound, RequestTally
+from runtime.device.process import DEVICE_NICE_CPU, DeviceProcess
 from runtime.engine.admission import deadline_of, priority_of
 from runtime.engine.adapter_ops import EngineAdapters
 from runtime.engine.booking import Booking
@@ -131,8 +132,10 @@ class Engine(EngineAdapters):
         finds its process idle and is expected to take at most this long runs in this
         process instead (``runtime.engine.direct``; the models are then set up here too);
         0 turns that off.
-        ``device_nice``: the device processes' CPU niceness (``runtime.device.process``;
-        None: ``DEVICE_NICE_CPU`` on a CPU device, 0 on a GPU)."""
+        ``device_nice``: how many levels nicer than this process the device processes
+        run; None: the same, and on a CPU device ``DEVICE_NICE_CPU`` nicer once the
+        event loop is measured to cost more per request than the model
+        (``runtime.device.priority``)."""
         configs = dict(configs or {})
         unknown = sorted(set(configs) - set(models))
         if unknown:
@@ -167,15 +170,23 @@ class Engine(EngineAdapters):
         #: the child processes batches run in (``device_process=True``): one per model,
         #: so a model that hangs or crashes stops no other; else empty
         self._processes: dict[str, DeviceProcess] = {}
+        #: per device process on the CPU, when it goes nicer than the event loop
+        #: (``runtime.device.priority``); empty when its priority is fixed
+        self._priorities: dict[DeviceProcess, LoopBound] = {}
         self._lanes: list[DirectLane] = []
         if device_process:
+            tally = RequestTally()
+            adaptive = device_nice is None and self.device.type == "cpu"
+            bounds = self._priorities
             for names, specs in _process_groups(list(self._models), list(model_specs)):
                 process = DeviceProcess(
                     tuple(specs), names, str(self.device),
                     torch_threads=torch.get_num_threads(), clock=self._clock,
                     on_exit=functools.partial(self._device_process_exited, names),
-                    nice=device_nice_for(self.device.type, device_nice))
+                    nice=device_nice or 0)
                 self._processes.update((name, process) for name in names)
+                if adaptive:
+                    bounds[process] = LoopBound(DEVICE_NICE_CPU, tally)
             self._backend: DeviceProcesses | DeviceThread = DeviceProcesses(
                 list(dict.fromkeys(self._processes.values())))
             #: each model's direct lane (CPU only; none when direct_max_compute_ms is 0)
@@ -183,7 +194,8 @@ class Engine(EngineAdapters):
                            for m in served] if self.device.type == "cpu" and \
                 direct_max_compute_ms > 0 else []
             lanes = {lane.model.name: lane for lane in self._lanes}
-            executors = [ProcessExecutor(self._processes[m.name], m, lanes.get(m.name))
+            executors = [ProcessExecutor(self._processes[m.name], m, lanes.get(m.name),
+                                         tally, bounds.get(self._processes[m.name]))
                          for m in served]
         else:
             thread = DeviceThread(served, self.device, self._clock, inline_max_compute_ms / 1000.0)
