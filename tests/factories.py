@@ -98,6 +98,35 @@ def samples(metrics) -> dict:
 
 
 # -- model sources for the device process (loaded from a file path in the child) ------------
+#: a model file: x + 1, each batch taking 20 ms of device time whatever its size
+SLEEPY_MODEL = '''
+import time
+import numpy as np
+import torch
+from runtime.api.model import ModelAPI, TensorSpec
+
+
+class Sleepy(ModelAPI):
+    """x + 1, each batch taking 20 ms whatever its size."""
+    name = "sleepy"
+    inputs = (TensorSpec("X", "FP32", (4,)),)
+    outputs = (TensorSpec("Y", "FP32", (4,)),)
+
+    def decode(self, inputs):
+        return np.asarray(inputs["X"], dtype=np.float32).reshape(4)
+
+    def collate(self, items, pad_to):
+        return torch.from_numpy(np.stack(items))
+
+    def predict(self, batch):
+        time.sleep(0.02)
+        return batch + 1
+
+    def split(self, output, n):
+        out = output.numpy()
+        return [{"Y": out[i]} for i in range(n)]
+'''
+
 SLOW_MODEL = '''
 import time
 from typing import Any

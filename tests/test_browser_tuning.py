@@ -33,47 +33,20 @@ from batchscope.storage.db import make_engine
 from batchscope.tuning import store
 from batchscope.tuning.space import format_point
 from tests.browser import ARTIFACTS, MARKS, ROOT, opened_page, settle, stop
-from tests.factories import free_port, wait_until
+from tests.factories import SLEEPY_MODEL, free_port, wait_until
 
 INSTANCE = "tune-browser"
 MODEL = "sleepy"
 
 pytestmark = MARKS
 
-SLEEPY = '''
-import time
-import numpy as np
-import torch
-from runtime.api.model import ModelAPI, TensorSpec
-
-
-class Sleepy(ModelAPI):
-    """x + 1, each batch taking 20 ms whatever its size."""
-    name = "sleepy"
-    inputs = (TensorSpec("X", "FP32", (4,)),)
-    outputs = (TensorSpec("Y", "FP32", (4,)),)
-
-    def decode(self, inputs):
-        return np.asarray(inputs["X"], dtype=np.float32).reshape(4)
-
-    def collate(self, items, pad_to):
-        return torch.from_numpy(np.stack(items))
-
-    def predict(self, batch):
-        time.sleep(0.02)
-        return batch + 1
-
-    def split(self, output, n):
-        out = output.numpy()
-        return [{"Y": out[i]} for i in range(n)]
-'''
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     base = tmp_path_factory.mktemp("browser-tuning")
     url = f"sqlite:///{base / 'live.db'}"
     engine = make_engine(url)
-    (base / "sleepy.py").write_text(SLEEPY)
+    (base / "sleepy.py").write_text(SLEEPY_MODEL)
     env = {**os.environ, "BATCHSCOPE_DB_URL": url, "BATCHSCOPE_NO_DEMO": "1"}
     runtime = subprocess.Popen(
         [sys.executable, "-m", "runtime.tools.cli", "serve", "--model", f"{base / 'sleepy.py'}:Sleepy",

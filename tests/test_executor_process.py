@@ -25,7 +25,7 @@ from runtime.api.errors import BatchLost, ConfigError, ModelError
 from runtime.device.executor import pack_items, pack_outputs, unpack_items, unpack_outputs
 from runtime.device.process import DEVICE_NICE_CPU
 from runtime.models.loader import load_model
-from tests.factories import SLOW_MODEL, wait_for
+from tests.factories import SLEEPY_MODEL, SLOW_MODEL, wait_for
 
 TOYS = {"double": "runtime.models.toys:DoubleModel", "varlen": "runtime.models.toys:VarLenModel",
         "failing": "runtime.models.toys:FailingModel", "oomtoy": "runtime.models.toys:OOMModel"}
@@ -203,34 +203,6 @@ def test_device_process_needs_specs_and_defaults_to_on_for_the_cpu_only():
     assert parser.parse_args(["serve", "--no-device-process"]).device_process is False
 
 
-SLEEPY_MODEL = '''
-import time
-import numpy as np
-import torch
-from runtime.api.model import ModelAPI, TensorSpec
-
-
-class SleepyModel(ModelAPI):
-    """x + 1 after 20 ms of device time a batch: far dearer per request than the loop."""
-    name = "sleepy"
-    inputs = (TensorSpec("INPUT0", "FP32", (4,)),)
-    outputs = (TensorSpec("OUTPUT0", "FP32", (4,)),)
-
-    def decode(self, inputs):
-        return np.asarray(inputs["INPUT0"], dtype=np.float32).reshape(4)
-
-    def collate(self, items, pad_to):
-        return torch.from_numpy(np.stack(items))
-
-    def predict(self, batch):
-        time.sleep(0.02)
-        return batch + 1
-
-    def split(self, output, n):
-        return [{"OUTPUT0": output[i].numpy()} for i in range(n)]
-'''
-
-
 def test_device_process_priority_fixed_renice_and_kept_after_a_crash():
     """``device_nice`` N starts the child N levels nicer (0: the same); by default on the
     CPU it starts at the same level with a ``LoopBound`` per process sharing one tally,
@@ -288,7 +260,7 @@ def test_a_model_dearer_than_the_loop_keeps_its_priority(tmp_path):
     the serving process's priority."""
     path = tmp_path / "sleepy_model.py"
     path.write_text(SLEEPY_MODEL)
-    spec = f"{path}:SleepyModel"
+    spec = f"{path}:Sleepy"
     engine = Engine({"sleepy": load_model(spec)}, device_process=True, model_specs=[spec],
                     direct_max_compute_ms=0)
     base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -300,7 +272,8 @@ def test_a_model_dearer_than_the_loop_keeps_its_priority(tmp_path):
             bound = engine._priorities[process]
             bound.check_every_s, bound.min_requests = 0.0, 4  # judge every few requests
             for _ in range(5):
-                answers = _submit_all(engine, "sleepy", [_vec(float(i)) for i in range(6)])
+                answers = _submit_all(engine, "sleepy", [{"X": np.full(4, i, np.float32)}
+                                                          for i in range(6)])
                 await wait_for(lambda: all(a is not None for a in answers), "answers")
             assert bound.loop_s_per_request is not None
             assert bound.loop_s_per_request < engine._models["sleepy"].batcher \
