@@ -15,9 +15,12 @@ part:
   answers past their deadline in one run of two, against 101 % and none).
 
 ``LoopBound`` tells the two apart from what the engine measures anyway: the loop
-thread's CPU time per request handed to the device processes (``time.thread_time`` on
-the loop, over windows of at least ``MIN_REQUESTS``) against the model's device time per
-request in its batches (``Batcher.mean_compute_per_request_s``). Once the model's is the
+thread's CPU time per request offered to the engine, refused ones included
+(``time.thread_time`` on the loop, over windows of at least ``MIN_REQUESTS``), against
+the model's device time per request in its batches
+(``Batcher.mean_compute_per_request_s``). Counting the refused keeps an overloaded
+server's model first: at 3x its capacity the loop refuses two requests for each it
+serves, and its cost per request served triples, while its cost per request does not. Once the model's is the
 smaller, the process is made ``nice`` levels nicer, for good: an unprivileged process
 may lower its own or its children's priority but never raise it back, so the decision is
 one way (a new child after a crash starts at the level reached). A synchronous state
@@ -34,8 +37,8 @@ MIN_REQUESTS = 200
 
 
 class RequestTally:
-    """Requests the serving process has handed to its models' executors, all models
-    together (the loop's CPU is shared by all of them)."""
+    """Requests offered to the engine, refused or not, all models together (the loop's
+    CPU is shared by all of them)."""
 
     __slots__ = ("n",)
 

@@ -174,8 +174,10 @@ class Engine(EngineAdapters):
         #: (``runtime.device.priority``); empty when its priority is fixed
         self._priorities: dict[DeviceProcess, LoopBound] = {}
         self._lanes: list[DirectLane] = []
+        #: requests offered to the engine, refused or not (``runtime.device.priority``)
+        self._tally = RequestTally()
         if device_process:
-            tally = RequestTally()
+            tally = self._tally
             adaptive = device_nice is None and self.device.type == "cpu"
             bounds = self._priorities
             for names, specs in _process_groups(list(self._models), list(model_specs)):
@@ -195,7 +197,7 @@ class Engine(EngineAdapters):
                 direct_max_compute_ms > 0 else []
             lanes = {lane.model.name: lane for lane in self._lanes}
             executors = [ProcessExecutor(self._processes[m.name], m, lanes.get(m.name),
-                                         tally, bounds.get(self._processes[m.name]))
+                                         bounds.get(self._processes[m.name]))
                          for m in served]
         else:
             thread = DeviceThread(served, self.device, self._clock, inline_max_compute_ms / 1000.0)
@@ -317,6 +319,7 @@ class Engine(EngineAdapters):
                trace: Any = None, adapter: str | None = None) -> PendingRequest:
         """Check and queue one request whose answer goes to ``outcome`` (a future, or
         anything with ``done/set_result/set_exception``). Raises before queueing."""
+        self._tally.n += 1  # refused or not: the loop's work per request counts it
         served = self._open(model)
         adapter = self._adapter_of(served, adapter)
         item, length = self._decode(served, inputs)
@@ -347,6 +350,7 @@ class Engine(EngineAdapters):
                      trace: Any = None, adapter: str | None = None) -> ItemsOutcome:
         """Check and queue the items of one request, all or none: every item is decoded
         and the queue's room checked before the first is queued. Raises before queueing."""
+        self._tally.n += len(items)
         served = self._open(model)
         adapter = self._adapter_of(served, adapter)
         batcher = served.batcher

@@ -51,7 +51,7 @@ from runtime.core.batcher import Batch
 from runtime.device.compiled import compiled_already
 from runtime.device.executor import batch_attempts, graph_runner
 from runtime.device.oom import Attempt
-from runtime.device.priority import LoopBound, RequestTally
+from runtime.device.priority import LoopBound
 from runtime.device.process import DeviceProcess
 from runtime.engine.direct import DirectLane
 from runtime.engine.served import ServedModel
@@ -354,13 +354,11 @@ class ProcessExecutor:
     max_in_flight = MAX_AHEAD_BATCHES
 
     def __init__(self, process: DeviceProcess, model: ServedModel,
-                 direct: DirectLane | None = None, tally: RequestTally | None = None,
-                 bound: LoopBound | None = None) -> None:
+                 direct: DirectLane | None = None, bound: LoopBound | None = None) -> None:
         self._process = process
         self._model = model
-        #: requests handed to every model's executor, and whether this model's process
-        #: should run nicer than the loop (``runtime.device.priority``); None: fixed
-        self._tally = tally
+        #: whether this model's process should go nicer than the loop
+        #: (``runtime.device.priority``); None: its priority is fixed
         self._bound = bound
         #: the process runs this model alone: its stalls are its own (see dispatch)
         self.isolated = process.names == [model.name]
@@ -369,15 +367,12 @@ class ProcessExecutor:
         self.direct = direct
 
     def submit(self, batch: Batch, on_done: OnDone) -> None:
-        tally = self._tally
-        if tally is not None:
-            tally.n += len(batch.requests)
-            bound = self._bound
-            if bound is not None:
-                now = time.monotonic()
-                if bound.due(now) and bound.decide(
-                        now, time.thread_time(), self._model.batcher.mean_compute_per_request_s):
-                    self._process.renice(bound.nice)
+        bound = self._bound
+        if bound is not None:
+            now = time.monotonic()
+            if bound.due(now) and bound.decide(now, time.thread_time(),
+                                               self._model.batcher.mean_compute_per_request_s):
+                self._process.renice(bound.nice)
         direct = self.direct
         if direct is not None:
             where = direct.takes(batch, self._process.idle)
