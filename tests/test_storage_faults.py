@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from batchscope.storage.writer_process import REPLY_TIMEOUT_S
 from benchmarks.reliability.server import Server
 from benchmarks.reliability.storage_faults import make_fault, recorded, undo_fault
 
@@ -109,7 +110,10 @@ def test_serving_survives_the_fault_and_the_loss_is_counted_exactly(kind, tmp_pa
             undo_fault(kind, folder, db)
         serve(200)
         # recording is back: the drop report is written with the first rows after the fix
-        assert wait_for(lambda: recorded(db)[1].get("by_kind", {}).get("requests", 0) > 0), (
+        # (a database child stuck on the fault is given up after its reply timeout, so
+        # the bound is that timeout and a margin, not a guess at the machine's speed)
+        assert wait_for(lambda: recorded(db)[1].get("by_kind", {}).get("requests", 0) > 0,
+                        limit_s=REPLY_TIMEOUT_S + 60.0), (
             recorded(db)[1], [ln for ln in httpx_get(server.url + "/metrics").splitlines()
                               if ln.startswith("batchscope_recorder")], "".join(server.tail))
         serve(100)
