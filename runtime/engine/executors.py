@@ -373,6 +373,8 @@ class ProcessExecutor:
             if bound.due(now) and bound.decide(now, time.thread_time(),
                                                self._model.batcher.mean_compute_per_request_s):
                 self._process.renice(bound.nice)
+            if bound.applied:  # decided for good: nothing more to ask per batch
+                self._bound = None
         direct = self.direct
         if direct is not None:
             where = direct.takes(batch, self._process.idle)
