@@ -15,6 +15,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from runtime.api.config import ServerConfig
 from runtime.device import nvtx
+from runtime.engine import otel
 from runtime.engine.otel import BatchInfo, FinishedTrace, OtlpSpans, SpanBuilder
 from runtime.models.toys import DoubleModel
 from runtime.server.service import Service, ServiceThread
@@ -208,9 +209,44 @@ class SlowExporter:
         return True
 
 
+class KeepingExporter:
+    """An exporter that keeps what it is given, at once."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+        self.ok = SpanExportResult.SUCCESS
+        self.names: list[str] = []
+
+    def export(self, spans):
+        self.names.extend(s.name for s in spans)
+        return self.ok
+
+    def shutdown(self):
+        pass
+
+    def force_flush(self, timeout_millis=None):
+        return True
+
+
+def test_a_burst_larger_than_the_processors_queue_is_exported_not_dropped(monkeypatch):
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "8")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4")
+    monkeypatch.setattr(otel, "ROOM_WAIT_S", 60.0)  # an exporter that keeps up is waited for
+    exporter = KeepingExporter()
+    spans = OtlpSpans("unused", "i", exporter=exporter, queue_max=1000)
+    spans.batch(batch(1))
+    for n in range(300):  # 901 spans at once into a queue of 8
+        spans.put(trace(n))
+    spans.close(timeout_s=60.0)
+    assert spans.dropped == 0
+    assert len(exporter.names) == spans.spans_out == 300 * 3 + 1
+    assert exporter.names.count("infer m") == 300 and exporter.names.count("batch m") == 1
+
+
 def test_spans_lost_to_a_full_queue_are_counted_and_reported(monkeypatch):
     monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4")
     monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "2")
+    monkeypatch.setattr(otel, "ROOM_WAIT_S", 0.05)  # an exporter that takes nothing
     reports = []
     exporter = SlowExporter()
     spans = OtlpSpans("unused", "i", exporter=exporter, queue_max=5,
@@ -223,8 +259,8 @@ def test_spans_lost_to_a_full_queue_are_counted_and_reported(monkeypatch):
     spans.close()
     assert spans.dropped > 0
     # every span of the 40 traces (3 each) and the batch span, once built, was exported or
-    # counted as dropped: by our queue, before it was built (the processor's queue full),
-    # or by the processor
+    # counted as dropped: by our queue, before it was built (the processor's queue full
+    # for longer than ROOM_WAIT_S), or by the processor
     batch_span = int(1 in spans.builder.batch_spans)
     assert exporter.exported + spans.dropped == 40 * 3 + batch_span
     assert spans.spans_out < 40 * 3 + batch_span  # the full processor queue saved building

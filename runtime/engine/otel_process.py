@@ -12,11 +12,13 @@ traces), and a child process (``batchscope.spawn.spawn_child``) runs
 the OTLP exporter) on them.
 
 The child runs at the lowest CPU priority while it keeps up (``SCHED_IDLE`` on Linux)
-and at ``nice`` 10 while its backlog grows (``batchscope.spawn.BacklogPriority``), as
-the database writer does: spans are exported in the CPU time serving leaves, and a
-machine that never idles still gets them, at the cost of that share of a CPU. Past
-``queue_max`` traces waiting (here or in the child), traces are dropped and their spans
-counted;
+and at a fair share of a CPU (``nice`` 0) while its backlog grows
+(``batchscope.spawn.BacklogPriority``), as the database writer does at ``nice`` 10:
+spans are exported in the CPU time serving leaves, and a machine that never idles still
+gets them, at the cost of that share. (At ``nice`` 10, with every request traced on a
+machine whose cores serving fills, the child could not keep up and spans were dropped.)
+Past ``queue_max`` traces waiting (here or in the child), traces are dropped and their
+spans counted;
 ``dropped`` adds the child's count (its queue, the processor's), reported through
 ``on_drops`` as ``OtlpSpans`` does. The child inherits the standard ``OTEL_*``
 variables.
@@ -86,7 +88,7 @@ def _child_main(conn: Any, endpoint: str, instance_id: str, protocol: str | None
             spans.put(FinishedTrace(*t))
         for r in raws:
             spans.put(finished_from(r, wall_offset_s))
-        prio.follow(max(backlog, len(spans.queue) / queue_max))
+        prio.follow(max(backlog, spans.backlog()))
         conn.send_bytes(pickle.dumps((spans.spans_out, spans.dropped)))
     spans.close(1.0)
 
@@ -99,7 +101,7 @@ class SpanProcess:
 
     def __init__(self, endpoint: str, instance_id: str, *, protocol: str | None = None,
                  on_drops: Callable[[int, int], None] | None = None,
-                 queue_max: int = QUEUE_MAX, nice: int = 10) -> None:
+                 queue_max: int = QUEUE_MAX, nice: int = 0) -> None:
         exporter_for(endpoint, protocol)  # missing packages or a bad protocol: here
         import opentelemetry.sdk.trace.export  # noqa: F401
         self.endpoint = endpoint
