@@ -141,10 +141,11 @@ def encode_costs(requests: int = 3000, repeats: int = 5) -> dict[str, float]:
     from runtime.engine.otlp_wire import encode_request
 
     now = time.time()
+    batches = [BatchInfo(seq, "mlp", now + 0.005, now + 0.009, 30, 32, 30, 30, None, "dynamic", 1,
+                         "ok") for seq in range(requests // 30 + 1)]  # one per batch, as kept
     traces = [(FinishedTrace("mlp", "infer", random.getrandbits(128), random.getrandbits(64), None,
                              now, now + 0.01, now + 0.001, now + 0.005, now + 0.009, "ok", i // 30),
-               BatchInfo(i // 30, "mlp", now + 0.005, now + 0.009, 30, 32, 30, 30, None,
-                         "dynamic", 1, "ok")) for i in range(requests)]
+               batches[i // 30]) for i in range(requests)]
     best = {"build": float("inf"), "sdk": float("inf"), "wire": float("inf"),
             "at_once": float("inf")}
     resource = Resource.create({"service.name": "batchscope"})

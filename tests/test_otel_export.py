@@ -16,7 +16,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from runtime.api.config import ServerConfig
 from runtime.device import nvtx
 from runtime.engine import otel
-from runtime.engine.otel import BatchInfo, FinishedTrace, OtlpSpans, SpanBuilder
+from runtime.engine.otel import BatchInfo, FinishedTrace, OtlpSpans, SpanBuilder, spans_of
 from runtime.models.toys import DoubleModel
 from runtime.server.service import Service, ServiceThread
 from tests.factories import wait_until
@@ -186,6 +186,18 @@ def test_one_batch_span_serves_all_its_members_and_generation_has_prefill_and_de
     assert [s.name for s in gen] == ["infer m", "queue", "prefill", "decode"]
     assert gen[0].attributes["gen_ai.latency.time_to_first_token"] == pytest.approx(0.2)
     assert gen[0].links == () or len(gen[0].links) == 0
+
+
+@pytest.mark.parametrize("wire", [False, True])
+def test_a_trace_s_span_count_is_the_spans_made_of_it(wire):
+    from opentelemetry.sdk.resources import Resource
+    builder = SpanBuilder(Resource.create({}), "i", wire=wire)
+    for queued in (None, 10.05):
+        for started in (None, 10.1):
+            for first in (None, 10.2):
+                t = FinishedTrace("m", "infer", 7, 100, None, 10.0, 10.5, queued, started,
+                                  10.4 if started else None, "ok", None, first_token_at=first)
+                assert spans_of(t) == len(builder.spans(t, None))
 
 
 class SlowExporter:

@@ -169,8 +169,15 @@ class SpanBuilder:
         self.scope = InstrumentationScope("batchscope.runtime")
         self.wire = wire
         if wire:
-            from runtime.engine.otlp_wire import WireSpan, wire_span
-            self._wire_span, self._wire = WireSpan, wire_span
+            from runtime.engine import otlp_wire
+            self._wire_span, self._wire = otlp_wire.WireSpan, otlp_wire.wire_span
+            self._ow = otlp_wire
+            #: what repeats between spans, written once: (operation, model) and outcome ->
+            #: their attributes; a batch's seq -> (its link, its members' batch attributes,
+            #: the ``BatchInfo`` and batch span ids they were written from)
+            self._heads: dict[tuple[str, str], bytes] = {}
+            self._outcomes: dict[str, bytes] = {}
+            self._blocks: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         #: seq -> (trace id, span id) of the batch's span, for batches whose span was made
         self.batch_spans: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
 
@@ -220,6 +227,9 @@ class SpanBuilder:
     def spans(self, t: FinishedTrace, batch: BatchInfo | None) -> list:
         """The spans of one finished trace: its batch's (the first time), the request's
         and its children's."""
+        if self.wire and t.first_token_at is None and t.input_tokens is None \
+                and t.output_tokens is None and not t.finish_reasons:
+            return self._wire_spans(t, batch)
         out = []
         links: tuple = ()
         if batch is not None:
@@ -266,6 +276,73 @@ class SpanBuilder:
                                   False, a, z))
         return out
 
+    def _wire_spans(self, t: FinishedTrace, batch: BatchInfo | None) -> list:
+        """``spans`` of a request model's trace written straight as ``WireSpan``s, the
+        same bytes: what repeats (the constant attributes, a batch's attributes and its
+        link) is written once and joined; the children share the request's id bytes."""
+        ow = self._ow
+        out = []
+        links = battrs = b""
+        if batch is not None:
+            seq = batch.seq
+            ids = self.batch_spans.get(seq)
+            if ids is None:
+                span, ids = self.batch_span(batch)
+                out.append(span)
+                self.batch_spans[seq] = ids
+                while len(self.batch_spans) > BATCHES_KEPT:
+                    self.batch_spans.popitem(last=False)
+            held = self._blocks.get(seq)
+            if held is None or held[2] is not batch or held[3] != ids:
+                held = (ow.link_block(*ids, {"batchscope.batch.id": seq}), ow.attributes_block({
+                    "batchscope.batch.id": seq, "batchscope.batch.size": batch.size,
+                    "batchscope.batch.padded_size": batch.padded_elements,
+                    "batchscope.batch.bucket": -2 if batch.bucket is None else batch.bucket,
+                    "batchscope.batch.policy": batch.policy,
+                    "batchscope.batch.settings_version": batch.settings_version}), batch, ids)
+                self._blocks[seq] = held
+                while len(self._blocks) > BATCHES_KEPT:
+                    self._blocks.popitem(last=False)
+            links, battrs = held[0], held[1]
+        head = self._heads.get((t.operation, t.model))
+        if head is None:
+            head = self._heads[(t.operation, t.model)] = ow.attributes_block(
+                {"gen_ai.operation.name": t.operation, "gen_ai.request.model": t.model})
+        outcome = self._outcomes.get(t.outcome)
+        if outcome is None:
+            outcome = self._outcomes[t.outcome] = ow.attributes_block(
+                {"batchscope.request.outcome": t.outcome,
+                 "batchscope.instance.id": self.instance_id})
+        parts = [head, ow.double_head("gen_ai.latency.e2e"), ow.pack_double(t.end_at - t.start_at),
+                 outcome]
+        if t.request_id:
+            parts.append(ow.attributes_block({"batchscope.request.id": t.request_id}))
+        queued, started, ended = t.queue_start_at, t.compute_start_at, t.compute_end_at
+        if queued is not None and started is not None:
+            parts += (ow.double_head("gen_ai.latency.time_in_queue"),
+                      ow.pack_double(started - queued))
+        parts.append(battrs)
+        start, end = t.start_at, t.end_at
+        parent = t.parent_span_id
+        wire_span, scope, resource = self._wire_span, self.scope, self.resource
+        out.append(wire_span(self._wire(
+            f"{t.operation} {t.model}", t.trace_id, t.span_id, parent, parent is not None,
+            self._kinds[self._server], _ns(start), _ns(max(end, start)), b"".join(parts),
+            links, t.outcome != "ok"), resource, scope))
+        if queued is None and started is None:
+            return out
+        tid, mine = t.trace_id.to_bytes(16, "big"), t.span_id.to_bytes(8, "big")
+        child = ow.child_span
+        if queued is not None:
+            z = started if started is not None else end
+            out.append(wire_span(child(tid, random.getrandbits(64) or 1, mine, "queue",
+                                       _ns(queued), _ns(max(z, queued))), resource, scope))
+        if started is not None:
+            z = ended if ended is not None else end
+            out.append(wire_span(child(tid, random.getrandbits(64) or 1, mine, "compute",
+                                       _ns(started), _ns(max(z, started))), resource, scope))
+        return out
+
     def count(self, t: FinishedTrace, batch: BatchInfo | None) -> int:
         """How many spans ``spans(t, batch)`` would make."""
         return int(batch is not None and batch.seq not in self.batch_spans) + spans_of(t)
@@ -287,8 +364,12 @@ class SpanBuilder:
 
 
 def spans_of(t: FinishedTrace) -> int:
-    """The spans of trace ``t`` itself (its batch's aside): drops are counted in spans."""
-    return 1 + len(SpanBuilder._phases(t))
+    """The spans of trace ``t`` itself (its batch's aside): drops are counted in spans.
+    As many as ``SpanBuilder._phases`` makes, counted without making them."""
+    n = 2 if t.queue_start_at is not None else 1
+    if t.compute_start_at is not None:
+        n += 2 if t.first_token_at is not None else 1
+    return n
 
 
 def report_drops(exporter: Any) -> None:

@@ -284,13 +284,55 @@ class WireSpan:
         self.instrumentation_scope = scope
 
 
+def attributes_block(attributes: Mapping[str, Any]) -> bytes:
+    """``Span.attributes`` of ``attributes`` as ``wire_span`` writes them. The blocks of
+    two mappings joined are the block of the one after the other, so a caller writes what
+    repeats from span to span once and joins it."""
+    return _attributes(b"\x4a", attributes)
+
+
+def link_block(trace_id: int, span_id: int, attributes: Mapping[str, Any] | None) -> bytes:
+    """One ``Span.links`` entry, to a local, sampled span."""
+    return _field(b"\x6a", b"".join((
+        b"\x0a\x10", trace_id.to_bytes(16, "big"), b"\x12\x08", span_id.to_bytes(8, "big"),
+        _attributes(b"\x22", attributes), b"\x35", _LOCAL_FLAGS)))
+
+
+def double_head(key: str) -> bytes:
+    """The bytes of a ``Span.attributes`` entry ``key`` = a double, up to the double's
+    own eight (``_PACK_DOUBLE``)."""
+    head = _framed.get((b"\x4a", key))
+    if head is None:
+        head = _attributes(b"\x4a", {key: 0.0})[:-8]
+    return head
+
+
+def pack_double(value: float) -> bytes:
+    return _PACK_DOUBLE(value)
+
+
+def child_span(trace_id: bytes, span_id: int, parent: bytes, name: str, start_ns: int,
+               end_ns: int) -> bytes:
+    """``wire_span`` of an ``INTERNAL`` span with no attributes or links, unset status,
+    under a local parent (``trace_id``, ``parent``: the ids' bytes, as the request span's
+    children share them)."""
+    named = _names.get(name)
+    if named is None:
+        named = _field(b"\x2a", name.encode())
+        _keep(_names, name, named)
+    return b"".join((b"\x0a\x10", trace_id, b"\x12\x08", span_id.to_bytes(8, "big"),
+                     b"\x22\x08", parent, named, _INTERNAL, b"\x39", _PACK_FIXED64(start_ns),
+                     b"\x41", _PACK_FIXED64(end_ns), _UNSET, _CHILD_FLAGS))
+
+
 def wire_span(name: str, trace_id: int, span_id: int, parent_span_id: int | None,
               parent_remote: bool, kind: int, start_ns: int, end_ns: int,
-              attributes: Mapping[str, Any] | None, links: Sequence[tuple[int, int, Mapping]],
-              error: bool) -> bytes:
+              attributes: Mapping[str, Any] | bytes | None,
+              links: Sequence[tuple[int, int, Mapping]] | bytes, error: bool) -> bytes:
     """The ``Span`` message ``_span`` writes for a ``ReadableSpan`` of these values (no
     trace state, events or dropped counts; ``kind`` the SDK's ``SpanKind`` value; each
-    link (trace id, span id, attributes) to a local, sampled span)."""
+    link (trace id, span id, attributes) to a local, sampled span). ``attributes`` and
+    ``links`` may come written already (``attributes_block``, ``link_block``)."""
     out = [b"\x0a\x10", trace_id.to_bytes(16, "big"), b"\x12\x08", span_id.to_bytes(8, "big")]
     if parent_span_id is not None:
         out += (b"\x22\x08", parent_span_id.to_bytes(8, "big"))
@@ -305,12 +347,12 @@ def wire_span(name: str, trace_id: int, span_id: int, parent_span_id: int | None
         out.append(b"\x39" + _PACK_FIXED64(start_ns))
     if end_ns:
         out.append(b"\x41" + _PACK_FIXED64(end_ns))
-    out.append(_attributes(b"\x4a", attributes))
-    for link_trace, link_span, link_attributes in links:
-        out.append(_field(b"\x6a", b"".join((
-            b"\x0a\x10", link_trace.to_bytes(16, "big"), b"\x12\x08",
-            link_span.to_bytes(8, "big"), _attributes(b"\x22", link_attributes),
-            b"\x35", _LOCAL_FLAGS))))
+    out.append(attributes if type(attributes) is bytes else _attributes(b"\x4a", attributes))
+    if type(links) is bytes:
+        out.append(links)
+    else:
+        for link_trace, link_span, link_attributes in links:
+            out.append(link_block(link_trace, link_span, link_attributes))
     out.append(_ERROR if error else _UNSET)
     out.append(b"\x85\x01" + (_REMOTE_FLAGS if parent_remote else _LOCAL_FLAGS))
     return b"".join(out)
@@ -318,6 +360,8 @@ def wire_span(name: str, trace_id: int, span_id: int, parent_span_id: int | None
 
 _LOCAL_FLAGS = _PACK_FIXED32(_HAS_IS_REMOTE)
 _REMOTE_FLAGS = _PACK_FIXED32(_HAS_IS_REMOTE | _IS_REMOTE)
+_CHILD_FLAGS = b"\x85\x01" + _LOCAL_FLAGS
+_INTERNAL = b"\x30" + _SMALL[_KIND[0]]  # Span.kind of the SDK's SpanKind.INTERNAL (0)
 _resources: dict[int, tuple[Any, bytes]] = {}
 _scopes: dict[int, tuple[Any, bytes]] = {}
 
