@@ -79,7 +79,8 @@ def http_receiver(received: Received) -> ThreadingHTTPServer:
 
 def serve_and_send(tmp_path, endpoint: str, n: int) -> tuple[list[httpx.Response], httpx.Response]:
     """A real server exporting to ``endpoint`` and tracing every request: ``n`` plain
-    requests and one carrying a caller's ``traceparent``; the server is stopped (its
+    requests, one closing its connection and one carrying a caller's ``traceparent``
+    (the answers: the first ``n + 1``, and the last); the server is stopped (its
     spans flushed) before this returns."""
     service = Service({"a": DoubleModel()}, None, ServerConfig(
         database_url=f"sqlite:///{tmp_path / 'otel.db'}", otlp_traces_endpoint=endpoint,
@@ -89,6 +90,9 @@ def serve_and_send(tmp_path, endpoint: str, n: int) -> tuple[list[httpx.Response
     try:
         with httpx.Client(base_url=url, timeout=30) as http:
             answers = [http.post("/v2/models/a/infer", json=BODY) for _ in range(n)]
+            # the last answer on its connection is written without a prepared head
+            answers.append(http.post("/v2/models/a/infer", json=BODY,
+                                     headers={"connection": "close"}))
             joined = http.post("/v2/models/a/infer", json=BODY, headers={
                 "traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"})
             metrics = http.get("/metrics").text

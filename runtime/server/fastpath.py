@@ -48,6 +48,7 @@ from typing import Any, Callable
 from runtime.api.errors import ModelNotReady, error_answer
 from runtime.core.tracing import BATCH_ID_HEADER
 from runtime.server.bounds import MemoryBudget, RequestBounds
+from runtime.server.http1.server import Reply
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, submit_infer
 from runtime.server.routes import MODEL_VERSION, find_model
 
@@ -323,13 +324,16 @@ class _TracedAnswer:
         now = tracer.clock.now
         trace.send_start = now()
         seq = trace.batch_seq
-        if trace.span is None and seq is not None:  # only the batch id is added
+        if seq is not None:  # the members of a batch share one list, and one prepared head
             headers = self.hook.batch_headers(headers, seq)
+        span = trace.span
+        answer = self.answer
+        if span is None:
+            answer(status, headers, body)
+        elif type(answer) is Reply:  # the traceparent is this answer's own: one more line
+            answer.with_line(status, headers, body, b"traceparent: 00-%032x-%016x-01\r\n" % span)
         else:
-            more = trace.answer_header_bytes()
-            if more:
-                headers = [*headers, *more]
-        self.answer(status, headers, body)
+            answer(status, [*headers, (b"traceparent", b"00-%032x-%016x-01" % span)], body)
         trace.send_end = now()
         tracer.finish(trace)
 

@@ -366,21 +366,24 @@ class Connection(asyncio.Protocol):
                 self.close()
 
     def answer(self, ex: Exchange, status: int, headers: list[tuple[bytes, bytes]],
-               body: bytes) -> None:
-        """A whole response at once (``Content-Length`` framing)."""
+               body: bytes, line: bytes = b"") -> None:
+        """A whole response at once (``Content-Length`` framing). ``line``: one more
+        header line of this response alone (``name: value\r\n``), written after the
+        prepared head of ``headers`` rather than making a head of its own."""
         if ex.keep_alive and not ex.is_head and ex.version == "1.1":
             # the common case: one prepared head per (status, headers) and this second
             head = self.server.heads.get((status, id(headers)))
             if head is None or head[0] is not headers:
                 head = self.server.head_for(status, headers)
             ex.head_sent = True
-            self.write(ex, b"%bcontent-length: %d\r\n\r\n%b" % (head[1], len(body), body))
+            self.write(ex, b"%b%bcontent-length: %d\r\n\r\n%b" % (head[1], line, len(body),
+                                                                   body))
             self.finish(ex)
             return
         parts = [status_line(status), self.server.clock.header]
         for k, v in headers:
             parts += (k, b": ", v, b"\r\n")
-        parts += (b"content-length: ", str(len(body)).encode(), b"\r\n")
+        parts += (line, b"content-length: ", str(len(body)).encode(), b"\r\n")
         if not ex.keep_alive:
             parts.append(b"connection: close\r\n")
         elif ex.version == "1.0":

@@ -77,6 +77,11 @@ class Reply:
     def __call__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         self.conn.answer(self.ex, status, headers, body)
 
+    def with_line(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes,
+                  line: bytes) -> None:
+        """The answer with one more header line of its own (``Connection.answer``)."""
+        self.conn.answer(self.ex, status, headers, body, line)
+
 
 class HttpServer:
     """Serves an ASGI app (and an optional synchronous fast hook) over HTTP/1.1."""
