@@ -53,6 +53,11 @@ from runtime.api.errors import ClientError
 #: the answer header naming the batch a traced request ran in (its ``seq``)
 BATCH_ID_HEADER = "batchscope-batch-id"
 _BATCH_ID_B = BATCH_ID_HEADER.encode()
+
+
+def traceparent_bytes(span: tuple[int, int]) -> bytes:
+    """The W3C ``traceparent`` value naming span ``(trace id, span id)``, sampled."""
+    return b"00-%032x-%016x-01" % span
 #: the trace settings, in the order answers list them
 KEYS = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency",
         "trace_mode")
@@ -414,7 +419,7 @@ class RequestTrace:
         out = []
         if self.span is not None:
             trace_id, span_id = self.span
-            out.append(("traceparent", f"00-{trace_id:032x}-{span_id:016x}-01"))
+            out.append(("traceparent", traceparent_bytes((trace_id, span_id)).decode()))
         if self.batch_seq is not None:
             out.append((BATCH_ID_HEADER, str(self.batch_seq)))
         return out
@@ -423,7 +428,7 @@ class RequestTrace:
         """``answer_headers`` as the HTTP/1.1 layer writes them."""
         out = []
         if self.span is not None:
-            out.append((b"traceparent", b"00-%032x-%016x-01" % self.span))
+            out.append((b"traceparent", traceparent_bytes(self.span)))
         if self.batch_seq is not None:
             out.append((_BATCH_ID_B, b"%d" % self.batch_seq))
         return out

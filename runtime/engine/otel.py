@@ -70,11 +70,6 @@ def new_ids(w3c_trace_id: str | None) -> tuple[int, int]:
     return trace_id, random.getrandbits(64) or 1
 
 
-def traceparent(trace_id: int, span_id: int) -> str:
-    """The W3C ``traceparent`` header naming a span (sampled)."""
-    return f"00-{trace_id:032x}-{span_id:016x}-01"
-
-
 @dataclass(slots=True)
 class BatchInfo:
     """What a batch span says: wall-clock times and the batch's shape and settings."""

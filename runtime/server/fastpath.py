@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from runtime.api.errors import ModelNotReady, error_answer
-from runtime.core.tracing import BATCH_ID_HEADER
+from runtime.core.tracing import BATCH_ID_HEADER, traceparent_bytes
 from runtime.server.bounds import MemoryBudget, RequestBounds
 from runtime.server.http1.server import Reply
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, submit_infer
@@ -331,9 +331,10 @@ class _TracedAnswer:
         if span is None:
             answer(status, headers, body)
         elif type(answer) is Reply:  # the traceparent is this answer's own: one more line
-            answer.with_line(status, headers, body, b"traceparent: 00-%032x-%016x-01\r\n" % span)
+            answer.with_line(status, headers, body,
+                             b"traceparent: %b\r\n" % traceparent_bytes(span))
         else:
-            answer(status, [*headers, (b"traceparent", b"00-%032x-%016x-01" % span)], body)
+            answer(status, [*headers, (b"traceparent", traceparent_bytes(span))], body)
         trace.send_end = now()
         tracer.finish(trace)
 
