@@ -46,9 +46,16 @@ def test_a_trace_batch_gives_the_rows_built_at_once():
     assert trace.compute_input_end < trace.compute_start  # overlapping: clamped in the row
     untraced = RequestTrace(2, "m", "grpc", clock.now())  # refused: most stamps missing
     untraced.request_end, untraced.outcome = clock.now() + 0.001, "rejected"
-    fields = [tuple(getattr(t, name) for name in TRACE_FIELDS) for t in (trace, untraced)]
+    in_order = RequestTrace(3, "m", "http", clock.now(), recv_start=clock.now() - 0.002,
+                            recv_end=clock.now() - 0.001)  # every stamp, none out of order
+    in_order.ran(clock.now() + 0.001, clock.now() + 0.002, clock.now() + 0.003,
+                 clock.now() + 0.004, clock.now() + 0.005, 8, clock.now() + 0.006, "ok")
+    in_order.send_start, in_order.send_end = clock.now() + 0.007, clock.now() + 0.008
+    traces = (trace, untraced, in_order)
+    fields = [tuple(getattr(t, name) for name in TRACE_FIELDS) for t in traces]
     rows = TraceBatch("i", clock.to_wall(0.0), fields).rows()
-    assert rows == [row_at_once(trace, clock), row_at_once(untraced, clock)]
+    assert rows == [row_at_once(t, clock) for t in traces]
+    assert None not in (rows[2].recv_start_at, rows[2].compute_input_end_at, rows[2].send_end_at)
     assert rows[0].compute_input_end_at == rows[0].compute_start_at
     assert rows[1].queue_start_at is None and rows[1].send_end_at is None
 

@@ -22,8 +22,9 @@ class MonotonicClock:
         # one fixed offset keeps wall() consistent with now() for the process' life
         self._offset = time.time() - time.monotonic()
 
-    def now(self) -> float:
-        return time.monotonic()
+    #: ``time.monotonic`` itself: the hot paths call ``clock.now()`` for every request,
+    #: and a C function called straight costs a third of a Python method around it
+    now = staticmethod(time.monotonic)
 
     def wall(self) -> float:
         return time.monotonic() + self._offset

@@ -377,40 +377,34 @@ class RequestTrace:
                  "outcome", "span", "operation", "first_token", "input_tokens",
                  "output_tokens", "finish_reasons")
 
-    def __init__(self, trace_id: int, model: str, protocol: str, request_start: float, *,
-                 request_id: str | None = None, w3c: tuple[str, str, bool] | None = None
-                 ) -> None:
+    def __init__(self, trace_id: int, model: str, protocol: str, request_start: float,
+                 request_id: str | None = None, w3c: tuple[str, str, bool] | None = None,
+                 recv_start: float | None = None, recv_end: float | None = None,
+                 operation: str = "infer") -> None:
         self.trace_id = trace_id
         self.model = model
         self.protocol = protocol
         self.request_id = request_id
-        self.w3c_trace_id = w3c[0] if w3c is not None else None
-        self.w3c_parent_span_id = w3c[1] if w3c is not None else None
-        self.recv_start: float | None = None
-        self.recv_end: float | None = None
+        if w3c is None:
+            self.w3c_trace_id = self.w3c_parent_span_id = None
+        else:
+            self.w3c_trace_id, self.w3c_parent_span_id = w3c[0], w3c[1]
+        self.recv_start = recv_start
+        self.recv_end = recv_end
         self.request_start = request_start
-        self.queue_start: float | None = None
-        self.compute_start: float | None = None
-        self.compute_input_end: float | None = None
-        self.compute_output_start: float | None = None
-        self.compute_end: float | None = None
-        self.request_end: float | None = None
-        self.send_start: float | None = None
-        self.send_end: float | None = None
-        self.batch_seq: int | None = None
-        #: the request's outcome, as its ``RequestRow`` has it (None: not settled yet)
-        self.outcome: str | None = None
-        #: (trace id, span id) of its OpenTelemetry span, drawn when it begins while spans
-        #: are exported (``runtime.engine.otel``); None otherwise
-        self.span: tuple[int, int] | None = None
+        # not reached yet; ``batch_seq``: the batch it ran in; ``outcome``: as its
+        # ``RequestRow`` has it (None: not settled yet); ``span``: (trace id, span id) of
+        # its OpenTelemetry span, drawn when it begins while spans are exported
+        # (``runtime.engine.otel``), else None
+        self.queue_start = self.compute_start = self.compute_input_end = None
+        self.compute_output_start = self.compute_end = self.request_end = None
+        self.send_start = self.send_end = self.batch_seq = self.outcome = self.span = None
         #: what the request asked for, in GenAI's words: infer (a request model),
         #: text_completion or chat (a generation model)
-        self.operation = "infer"
+        self.operation = operation
         #: a generation request's first token (monotonic s), its prompt and output tokens
         #: (over its choices) and why each choice ended
-        self.first_token: float | None = None
-        self.input_tokens: int | None = None
-        self.output_tokens: int | None = None
+        self.first_token = self.input_tokens = self.output_tokens = None
         self.finish_reasons: tuple[str, ...] = ()
 
     def answer_headers(self) -> list[tuple[str, str]]:
@@ -445,6 +439,12 @@ class RequestTrace:
             self.compute_output_start = output_start_s
             self.compute_end = ended_s
             self.batch_seq = batch_seq
+            if self.request_end is None and self.outcome is None:  # ``settled``, one call less
+                if self.queue_start is None or queued_s < self.queue_start:
+                    self.queue_start = queued_s
+                self.request_end = now
+                self.outcome = outcome
+                return
         else:  # another item's batch: the span widens
             self.compute_start = min(self.compute_start, started_s)
             if self.compute_input_end is None or input_end_s < self.compute_input_end:

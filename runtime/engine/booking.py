@@ -145,7 +145,7 @@ class Booking:
         #: the number of the last ``BatchRow``, across models
         self.batch_seq = 0
         self.failures = FailureLog()
-        #: given each batch with a traced member while spans are exported
+        #: given each batch with a member whose spans are exported
         #: (``runtime.engine.otel.OtlpSpans.batch``); None: nobody asks
         self.on_traced_batch: Callable[[BatchInfo], None] | None = None
         #: model name -> its declared input shapes (see ``_shapes_of``)
@@ -333,7 +333,8 @@ class Booking:
             a.peak_memory_bytes, a.cuda_graph, batch.queue_depth, a.peak_memory_increase_bytes,
             None if model.batcher.slots is None else len({r.adapter for r in part} - {None})))
         hook = self.on_traced_batch
-        if hook is not None and any(r.trace is not None for r in part):
+        if hook is not None and any(r.trace is not None and r.trace.span is not None
+                                    for r in part):  # a member whose spans are exported
             hook(BatchInfo(seq, model.name, to_wall(a.started_s), to_wall(a.ended_s), len(part),
                            cfg.max_batch_size, padded, real, batch.bucket, cfg.policy,
                            batch.settings_version, a.outcome))

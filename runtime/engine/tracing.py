@@ -122,10 +122,13 @@ class Tracer:
 
     # -- one request ------------------------------------------------------------------
     def begin(self, model: str, protocol: str, request_id: str | None = None,
-              traceparent: str | bytes | None = None, operation: str = "infer"
+              traceparent: str | bytes | None = None, operation: str = "infer",
+              recv_start: float | None = None, recv_end: float | None = None
               ) -> RequestTrace | None:
         """A new trace of one request of ``model`` about to be handed to the engine, or
-        None when it is not traced (see the module doc for the ``traceparent`` rule)."""
+        None when it is not traced (see the module doc for the ``traceparent`` rule).
+        ``recv_start``/``recv_end``: when its bytes began and finished arriving, where
+        the transport saw it."""
         w3c = parse_traceparent(traceparent) if traceparent is not None else None
         if w3c is None or not w3c[2]:
             control = self.control
@@ -134,9 +137,8 @@ class Tracer:
         self.last_id += 1
         if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
             request_id = request_id[:MAX_REQUEST_ID_CHARS]
-        trace = RequestTrace(self.last_id, model, protocol, self.clock.now(),
-                             request_id=request_id, w3c=w3c)
-        trace.operation = operation
+        trace = RequestTrace(self.last_id, model, protocol, self.clock.now(), request_id, w3c,
+                             recv_start, recv_end, operation)
         if self.otel is not None and (w3c is not None and w3c[2]
                                       or self._values(model)["trace_mode"] == "opentelemetry"):
             trace.span = new_ids(trace.w3c_trace_id)

@@ -243,10 +243,10 @@ class InferHook:
         engine = self.engine
         trace = None
         if traced is not None and self.tracer is not None:
-            trace = self.tracer.begin(name, "http", req.id, traced[0])
+            trace = self.tracer.begin(name, "http", req.id, traced[0], "infer", traced[1],
+                                      traced[2])
             if trace is not None:
-                trace.recv_start, trace.recv_end = traced[1], traced[2]
-                answer = self._traced(trace, answer)
+                answer = _TracedAnswer(self, trace, answer)
 
         try:
             submit_infer(engine, name, req, _InferDone(name, req, outputs, answer), trace)
@@ -255,10 +255,6 @@ class InferHook:
             if trace is not None:  # refused before the engine took it
                 self.tracer.finish(trace, exc)
             raise
-
-    def _traced(self, trace: Any, answer: Answer) -> Answer:
-        """``answer`` stamping the send times of a traced request, then recording it."""
-        return _TracedAnswer(self, trace, answer)
 
     def batch_headers(self, headers: list[tuple[bytes, bytes]],
                       seq: int) -> list[tuple[bytes, bytes]]:
