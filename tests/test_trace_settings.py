@@ -33,6 +33,7 @@ from runtime.core.tracing import (DEFAULTS, KEYS, RequestTrace, TraceControl, Tr
 from runtime.engine.tracefile import NotATraceFile, TraceFileWriter, append_to_array
 from runtime.engine.tracing import COLUMNS, GRPC_NAMES, HTTP_NAMES
 from runtime.models.toys import DoubleModel, FailingModel
+from runtime.server.fastpath import LARGE_BODY_BYTES
 from runtime.server.auth import AuthConfig, Forbidden, Unauthorized, auth_for_listening
 from runtime.server.service import Service, ServiceThread
 from tests.factories import wait_until
@@ -543,6 +544,19 @@ def test_a_request_of_several_items_is_one_trace(served, http):
     assert r.status_code == 200, r.text
     [trace] = served.rows(before, 1)
     assert trace.request_id == "batch-of-3" and in_order(trace)
+
+
+def test_a_large_body_parsed_off_the_loop_is_traced_with_its_receive_times(served, http):
+    http.post("/v2/trace/setting", json={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+    before = served.tracer.last_id
+    # past the size the fast path parses on its parser thread: the connection reads on
+    # meanwhile, so the request's receive times are kept before it goes there
+    body = orjson.dumps({"id": "large", **BODY}) + b" " * (LARGE_BODY_BYTES + 1)
+    r = http.post("/v2/models/a/infer", content=body,
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    [trace] = served.rows(before, 1)
+    assert trace.request_id == "large" and in_order(trace), trace
 
 
 @pytest.mark.slow

@@ -123,14 +123,15 @@ class Tracer:
     # -- one request ------------------------------------------------------------------
     def begin(self, model: str, protocol: str, request_id: str | None = None,
               traceparent: str | bytes | None = None, operation: str = "infer",
-              recv_start: float | None = None, recv_end: float | None = None
-              ) -> RequestTrace | None:
+              recv_start: float | None = None, recv_end: float | None = None,
+              sampled: bool = False) -> RequestTrace | None:
         """A new trace of one request of ``model`` about to be handed to the engine, or
         None when it is not traced (see the module doc for the ``traceparent`` rule).
         ``recv_start``/``recv_end``: when its bytes began and finished arriving, where
-        the transport saw it."""
+        the transport saw it. ``sampled``: the caller has counted the request already
+        (``control.sample(model)`` said yes; it had no ``traceparent``)."""
         w3c = parse_traceparent(traceparent) if traceparent is not None else None
-        if w3c is None or not w3c[2]:
+        if not sampled and (w3c is None or not w3c[2]):
             control = self.control
             if not (control.active and control.sample(model)):
                 return None

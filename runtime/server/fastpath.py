@@ -177,10 +177,8 @@ class InferHook:
                 encoding = value.decode("latin-1")
             elif key == _TRACEPARENT_B:
                 traceparent = value
-        traced = None
-        if traceparent is not None or self._tracing.active:  # maybe traced: its receive times
-            traced = (traceparent, getattr(conn, "began_s", 0.0) or None,
-                      getattr(conn, "last_active_s", 0.0) or None)
+        # maybe traced (tracing is on, or it names a trace): whom to ask its receive times
+        received = conn if traceparent is not None or self._tracing.active else None
         try:
             served = find_model(self.models, target[0], target[1])
             name = served.name
@@ -199,11 +197,12 @@ class InferHook:
                 loop = _running_loop()
                 if loop is not None:  # parse off the loop: other clients keep being served
                     self._parse_aside(loop, path, body, header_length, encoding, served,
-                                      levels, bounds, answer, traced)
+                                      levels, bounds, answer, traceparent,
+                                      None if received is None else _Received(received))
                     return True
             req = parse_infer(body, header_length, name, model.inputs, outputs, levels,
                               encoding, bounds, self.budget)
-            self._submit(name, req, outputs, answer, traced)
+            self._submit(name, req, outputs, answer, traceparent, received)
         except Exception as exc:  # a refusal (BatchScopeError) or a bug: answered alike
             answer(*error_answer(exc, f"POST {path}"))
         return True
@@ -211,7 +210,7 @@ class InferHook:
     def _parse_aside(self, loop: asyncio.AbstractEventLoop, path: str, body: bytes,
                      header_length: str | None, encoding: str | None, served: Any,
                      levels: int, bounds: RequestBounds, answer: Answer,
-                     traced: tuple | None = None) -> None:
+                     traceparent: bytes | None = None, received: Any = None) -> None:
         """Parse a large body on the parser thread, then submit it back on the loop."""
         model = served.model
 
@@ -223,28 +222,33 @@ class InferHook:
                 loop.call_soon_threadsafe(answer, *error_answer(exc, f"POST {path}"))
                 return
             loop.call_soon_threadsafe(self._submit_guarded, path, served.name, req,
-                                      model.outputs, answer, traced)
+                                      model.outputs, answer, traceparent, received)
 
         self.large_parses += 1
         _parser_pool().submit(parse)
 
     def _submit_guarded(self, path: str, name: str, req: Any, outputs: Any,
-                        answer: Answer, traced: tuple | None = None) -> None:
+                        answer: Answer, traceparent: bytes | None = None,
+                        received: Any = None) -> None:
         try:
-            self._submit(name, req, outputs, answer, traced)
+            self._submit(name, req, outputs, answer, traceparent, received)
         except Exception as exc:
             answer(*error_answer(exc, f"POST {path}"))
 
     def _submit(self, name: str, req: Any, outputs: Any, answer: Answer,
-                traced: tuple | None = None) -> None:
+                traceparent: bytes | None = None, received: Any = None) -> None:
         """Hand a parsed request to the engine; its answer goes to ``answer``.
-        ``traced``: (``traceparent``, receive start, receive end) of a request that may
-        be traced (tracing is on, or it carries a ``traceparent``), else None."""
+        ``received``: None for a request that is not traced (tracing is off and it has no
+        ``traceparent``), else what tells when it arrived (its connection's ``began_s``
+        and ``last_active_s``), read only once the request is traced."""
         engine = self.engine
         trace = None
-        if traced is not None and self.tracer is not None:
-            trace = self.tracer.begin(name, "http", req.id, traced[0], "infer", traced[1],
-                                      traced[2])
+        if received is not None and self.tracer is not None and (
+                traceparent is not None or self._tracing.sample(name)):
+            trace = self.tracer.begin(name, "http", req.id, traceparent, "infer",
+                                      getattr(received, "began_s", 0.0) or None,
+                                      getattr(received, "last_active_s", 0.0) or None,
+                                      sampled=traceparent is None)
             if trace is not None:
                 answer = _TracedAnswer(self, trace, answer)
 
@@ -333,6 +337,17 @@ class _TracedAnswer:
             answer(status, [*headers, (b"traceparent", traceparent_bytes(span))], body)
         trace.send_end = now()
         tracer.finish(trace)
+
+
+class _Received:
+    """A connection's receive times of one request, kept while its body is parsed off
+    the loop (the connection reads on meanwhile)."""
+
+    __slots__ = ("began_s", "last_active_s")
+
+    def __init__(self, conn: Any) -> None:
+        self.began_s = getattr(conn, "began_s", 0.0)
+        self.last_active_s = getattr(conn, "last_active_s", 0.0)
 
 
 class _NoTracing:
