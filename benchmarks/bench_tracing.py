@@ -12,7 +12,11 @@ modes in turn, ``--rounds`` times:
 * ``otel``: every request traced and sent as spans (``trace_mode`` opentelemetry);
 * ``otel_1_in_100``: 1 request in 100 sent as spans;
 * ``timestamps_1_in_100``: 1 request in 100 traced, rows only (not run unless named in
-  ``--modes``: it tells the span process's share of ``otel_1_in_100`` from the rest).
+  ``--modes``: it tells the span process's share of ``otel_1_in_100`` from the rest);
+* ``sampling_only``: tracing on at a rate no request reaches after the first, so every
+  request is counted by the sampler and none traced (named in ``--modes`` only);
+* ``off_again``: tracing off under other settings, an A/A check: how far a mode that
+  costs nothing reads from ``off`` in this run (named in ``--modes`` only).
 
 After each slice it waits until the receiver has had no span and the database no new row
 for a second, so a slice does not pay for the spans and rows the one before it left. Prints each mode's median
@@ -58,7 +62,12 @@ MODES = {
                             "trace_mode": "triton"},
     "otel_1_in_100": {"trace_level": ["TIMESTAMPS"], "trace_rate": "100",
                       "trace_mode": "opentelemetry"},
+    "sampling_only": {"trace_level": ["TIMESTAMPS"], "trace_rate": "100000000",
+                      "trace_mode": "triton"},
+    "off_again": {"trace_level": ["OFF"], "trace_rate": "999"},
 }
+#: the modes run when ``--modes`` is not given
+DEFAULT_MODES = ("off", "timestamps", "otel", "otel_1_in_100")
 
 
 def _receiver(conn, count) -> None:
@@ -230,7 +239,7 @@ def main() -> None:
     ap.add_argument("--slice-s", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--model", default="mlp")
-    ap.add_argument("--modes", default=",".join(m for m in MODES if m != "timestamps_1_in_100"),
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
                     help="the modes to alternate, comma-separated (off always included)")
     args = ap.parse_args()
     if args.encode:
