@@ -377,6 +377,23 @@ class RequestTrace:
                  "outcome", "span", "operation", "first_token", "input_tokens",
                  "output_tokens", "finish_reasons")
 
+    w3c_trace_id: str | None
+    w3c_parent_span_id: str | None
+    queue_start: float | None
+    compute_start: float | None
+    compute_input_end: float | None
+    compute_output_start: float | None
+    compute_end: float | None
+    request_end: float | None
+    send_start: float | None
+    send_end: float | None
+    batch_seq: int | None
+    outcome: str | None
+    span: tuple[int, int] | None
+    first_token: float | None
+    input_tokens: int | None
+    output_tokens: int | None
+
     def __init__(self, trace_id: int, model: str, protocol: str, request_start: float,
                  request_id: str | None = None, w3c: tuple[str, str, bool] | None = None,
                  recv_start: float | None = None, recv_end: float | None = None,
