@@ -16,6 +16,7 @@ import os
 import time
 
 import httpx
+import psutil
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
@@ -48,19 +49,37 @@ CLUSTER_ATTEMPTS = 3
 def _two_node_cluster() -> cluster_utils.Cluster:
     """A head and one more node. Ray gives a node's raylet a fixed 30 s to register with
     its GCS and raises otherwise; on a busy 2-core machine that start-up (not what this
-    module tests) fails now and then, so a cluster that did not come up is shut down and
+    module tests) fails now and then, for the head as for the second node, so a cluster
+    that did not come up is stopped (with whatever the failed node had started) and
     started again, a bounded number of times."""
     for attempt in range(1, CLUSTER_ATTEMPTS + 1):
-        cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "include_dashboard": False})
+        before = {child.pid for child in psutil.Process().children(recursive=True)}
+        cluster = None
         try:
+            cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={
+                "num_cpus": 1, "include_dashboard": False})
             cluster.add_node(num_cpus=1)
             return cluster
         except Exception as exc:  # Ray raises a bare Exception for the start-up timeout
-            cluster.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
+            _stop_started_since(before)
             if attempt == CLUSTER_ATTEMPTS or "timed out during startup" not in str(exc):
                 raise
     raise AssertionError("unreachable")
+
+
+def _stop_started_since(before: set[int]) -> None:
+    """Kill the processes this one started since ``before`` was taken: a node whose
+    start-up failed leaves its GCS server and raylet running, and no handle on them."""
+    started = [child for child in psutil.Process().children(recursive=True)
+               if child.pid not in before]
+    for child in started:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(started, timeout=10)
 
 
 @pytest.fixture(scope="module")
