@@ -307,23 +307,12 @@ class TraceBatch:
         """The rows as tuples in ``TraceRow`` field order."""
         inst, off = self.instance_id, self.wall_offset_s
         out = []
-        append = out.append
-        for (trace_id, model, protocol, outcome, request_id, batch_seq, w3c_trace, w3c_parent,
-             t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10) in self.traces:
-            try:  # the common case: every stamp there, in order (None: a TypeError)
-                ordered = t0 <= t1 <= t2 <= t3 <= t4 <= t5 <= t6 <= t7 <= t8 <= t9 <= t10
-            except TypeError:
-                ordered = False
-            if ordered:
-                append((inst, model, trace_id, protocol, outcome, t2 + off, t8 + off,
-                        request_id, batch_seq, t0 + off, t1 + off, t3 + off, t4 + off,
-                        t5 + off, t6 + off, t7 + off, t9 + off, t10 + off, w3c_trace,
-                        w3c_parent))
-                continue
-            at = wall_times((t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10), off)
-            append((inst, model, trace_id, protocol, outcome, at[2], at[8], request_id,
-                    batch_seq, at[0], at[1], at[3], at[4], at[5], at[6], at[7], at[9],
-                    at[10], w3c_trace, w3c_parent))
+        for (trace_id, model, protocol, outcome, request_id, batch_seq, w3c_trace,
+             w3c_parent, *times) in self.traces:
+            at = wall_times(times, off)
+            out.append((inst, model, trace_id, protocol, outcome, at[2], at[8], request_id,
+                        batch_seq, at[0], at[1], at[3], at[4], at[5], at[6], at[7], at[9],
+                        at[10], w3c_trace, w3c_parent))
         return out
 
     def rows(self) -> list[TraceRow]:

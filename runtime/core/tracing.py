@@ -456,12 +456,6 @@ class RequestTrace:
             self.compute_output_start = output_start_s
             self.compute_end = ended_s
             self.batch_seq = batch_seq
-            if self.request_end is None and self.outcome is None:  # ``settled``, one call less
-                if self.queue_start is None or queued_s < self.queue_start:
-                    self.queue_start = queued_s
-                self.request_end = now
-                self.outcome = outcome
-                return
         else:  # another item's batch: the span widens
             self.compute_start = min(self.compute_start, started_s)
             if self.compute_input_end is None or input_end_s < self.compute_input_end:
