@@ -16,6 +16,7 @@ from runtime.api.config import BatchingConfig
 from runtime.api.errors import ModelError, OutOfMemory, RequestExpired
 from runtime.core.clock import FakeClock
 from runtime.core.request import PendingRequest
+from runtime.core.tracing import PlainTrace, RequestTrace
 from runtime.device.oom import Attempt
 from runtime.engine.booking import Booking
 from runtime.engine.engine import CallbackOutcome
@@ -166,3 +167,73 @@ def test_rejections_and_expiries_are_counted_and_folded_into_events():
     assert isinstance(got[0], RequestExpired) and "timeout of 5 ms" in str(got[0])
     assert s.model.counts.outcomes == {"rejected": 4, "expired": 1}
     assert [e.kind for e in s.rec.of(EventRow)] == ["rejected", "rejected", "expired"]
+
+
+def _traced_batch(s: Setup, traces: list) -> tuple:
+    """Queue one request per trace (None: untraced) whose answer notes its trace's batch
+    number and stamps its send times as the fast path does; take them as one batch."""
+    now = s.clock.now()
+    seen: list = []
+    for i, trace in enumerate(traces):
+        def done(result, error, trace=trace):
+            seen.append((None if trace is None else trace.batch_seq, error))
+            if trace is not None:
+                trace.send_start, trace.send_end = s.clock.now(), s.clock.now() + 0.0001
+
+        s.model.batcher.submit(PendingRequest(np.full(4, float(i), np.float32), arrived_s=now,
+                                              future=CallbackOutcome(done), trace=trace), now)
+    s.clock.advance(0.010)
+    return s.model.batcher.next_batch(s.clock.now()), seen
+
+
+def test_the_plain_traces_of_a_batch_are_handed_over_together_once_answered():
+    s = Setup(max_batch_size=4)
+    handed: list = []
+    s.booking.on_plain_traces = handed.append
+    plain = [PlainTrace(1, "double", "r1", 0.5, 0.6), PlainTrace(2, "double", None, None, None)]
+    full = RequestTrace(3, "double", "http", s.clock.now())
+    batch, seen = _traced_batch(s, [plain[0], full, None, plain[1]])
+    arrived = s.clock.now() - 0.010
+    attempt = s.attempt(0, 4, "ok")
+    booked = s.booking.batch_back(s.model, batch, [attempt], s.clock.now())
+    s.booking.answer(s.model, booked, s.clock.now())
+
+    [seq] = booked.seqs
+    # each answer saw its batch's number; the plain ones went over as one tuple
+    assert seen == [(seq, None), (seq, None), (None, None), (seq, None)]
+    [(model, protocol, outcome, batch_seq, started, input_end, output_start, ended, end,
+      members)] = handed
+    assert (model, protocol, outcome, batch_seq) == ("double", "http", "ok", seq)
+    assert (started, ended, end) == (attempt.started_s, attempt.ended_s, s.clock.now())
+    assert (input_end, output_start) == (attempt.started_s + attempt.input_s,
+                                         attempt.ended_s - attempt.output_s)
+    assert members == [(t.trace_id, t.request_id, t.recv_start, t.recv_end, arrived,
+                        t.send_start, t.send_end) for t in plain]
+    assert None not in (plain[0].send_start, plain[1].send_end)
+    # the other kind of trace is stamped in place, as before
+    assert (full.batch_seq, full.outcome, full.compute_start) == (seq, "ok", attempt.started_s)
+    assert all(p.ending is None for p in plain)
+
+
+def test_a_plain_trace_of_a_failed_batch_becomes_a_request_trace():
+    s = Setup(max_batch_size=2, oom_recovery=False)
+    handed: list = []
+    s.booking.on_plain_traces = handed.append
+    trace = PlainTrace(9, "double", "x", 0.1, 0.2)
+    batch, seen = _traced_batch(s, [trace, None])
+    arrived = s.clock.now() - 0.010
+    attempt = s.attempt(0, 2, "oom", error="CUDA out of memory")
+    booked = s.booking.batch_back(s.model, batch, [attempt], s.clock.now())
+    s.booking.answer(s.model, booked, s.clock.now())
+
+    assert handed == [] and isinstance(seen[0][1], OutOfMemory)
+    full = trace.full(s.clock.now())
+    assert (full.trace_id, full.model, full.request_id, full.recv_start, full.recv_end) == (
+        9, "double", "x", 0.1, 0.2)
+    assert (full.outcome, full.batch_seq, full.compute_start) == ("oom", booked.seqs[0],
+                                                                  attempt.started_s)
+    assert full.request_start == full.queue_start == arrived
+    assert full.request_end == s.clock.now()
+    # refused before it was queued: it starts when the engine refused it
+    refused = PlainTrace(10, "double", None, None, None).full(42.0)
+    assert refused.request_start == 42.0 and refused.outcome is None

@@ -12,7 +12,8 @@ from batchscope.storage.db import make_engine
 from batchscope.storage.recorder import Recorder
 from batchscope.storage.records import TRACE_FIELDS, ListRecorder, TraceBatch, TraceRow
 from runtime.core.clock import FakeClock
-from runtime.core.tracing import RequestTrace
+from runtime.api.errors import QueueFull
+from runtime.core.tracing import PlainTrace, RequestTrace
 from runtime.engine import tracing
 from runtime.engine.otel import FinishedTrace, finished_from
 from runtime.engine.otel_process import SpanProcess
@@ -173,3 +174,77 @@ def test_the_span_process_counts_the_raw_traces_it_cannot_send():
         spans.put_raw((fields, i + 1, i + 1, "infer", None, None, None, ()), clock.to_wall(0.0))
     spans.close(timeout_s=5.0)
     assert spans.dropped == 4 * 3
+
+
+def plain_batch(clock: FakeClock, first_id: int, n: int) -> tuple[tuple, list[RequestTrace]]:
+    """A batch of ``n`` plain traces as booking hands it over, and the same traces as
+    ``RequestTrace`` s stamped in place (a member's request start is its queue start)."""
+    now = clock.now()
+    started, input_end, output_start, ended, end = (now + 0.003, now + 0.0035, now + 0.0045,
+                                                    now + 0.005, now + 0.006)
+    members, same = [], []
+    for i in range(n):
+        trace_id, arrived = first_id + i, now + 0.001 * i / n
+        recv = (now - 0.002, now - 0.001) if i % 2 == 0 else (None, None)
+        send = (now + 0.007, now + 0.008)
+        members.append((trace_id, f"p{trace_id}", *recv, arrived, *send))
+        full = RequestTrace(trace_id, "m", "http", arrived, f"p{trace_id}", None, *recv)
+        full.ran(arrived, started, input_end, output_start, ended, 11, end, "ok")
+        full.send_start, full.send_end = send
+        same.append(full)
+    return ("m", "http", "ok", 11, started, input_end, output_start, ended, end, members), same
+
+
+def test_plain_traces_give_the_rows_of_the_same_request_traces():
+    clock = FakeClock()
+    batch, same = plain_batch(clock, 5, 3)
+    other = traced(clock, 1)
+    fields = [tuple(getattr(other, name) for name in TRACE_FIELDS)]
+    record = TraceBatch("i", clock.to_wall(0.0), fields, [batch])
+    assert len(record) == 4
+    assert record.rows() == [row_at_once(t, clock) for t in (other, *same)]
+    assert record.model_protocols() == {("m", "http"): 4}
+
+
+def test_plain_batches_are_kept_and_flushed_with_the_other_traces(monkeypatch):
+    monkeypatch.setattr(tracing, "FLUSH_EVERY", 5)
+    clock, recorder = FakeClock(), ListRecorder()
+    tracer = Tracer(["m"], recorder, "i", clock)
+
+    async def run() -> list[int]:
+        seen = []
+        tracer.finish(traced(clock, 1))
+        seen.append(len(recorder.records))
+        tracer.plain_batch(plain_batch(clock, 2, 3)[0])  # 4 kept: not yet
+        seen.append(len(recorder.records))
+        tracer.plain_batch(plain_batch(clock, 5, 2)[0])  # 6: handed over
+        seen.append(len(recorder.records))
+        return seen
+
+    assert asyncio.run(run()) == [0, 0, 6]
+    assert sorted(r.trace_id for r in recorder.records) == list(range(1, 7))
+    assert tracer.traced == 6
+
+
+def test_a_plain_trace_refused_by_the_engine_is_recorded_with_its_outcome():
+    clock, recorder = FakeClock(), ListRecorder()
+    tracer = Tracer(["m"], recorder, "i", clock)
+    tracer.update(None, {"trace_level": ("TIMESTAMPS",), "trace_rate": 1})
+    trace = tracer.begin_plain("m", "id-1", clock.now() - 0.001, None)
+    assert isinstance(trace, PlainTrace) and trace.trace_id == 1
+    tracer.finish(trace, QueueFull("full"))
+    [row] = recorder.records
+    assert (row.trace_id, row.request_id, row.outcome) == (1, "id-1", "rejected")
+    assert row.request_start_at == row.request_end_at == clock.to_wall(clock.now())
+    assert row.recv_start_at == clock.to_wall(clock.now() - 0.001) and row.batch_seq is None
+
+
+def test_a_model_writing_a_trace_file_gets_request_traces(tmp_path):
+    clock = FakeClock()
+    tracer = Tracer(["m", "n"], ListRecorder(), "i", clock)
+    tracer.update(None, {"trace_level": ("TIMESTAMPS",), "trace_rate": 1})
+    assert isinstance(tracer.begin_plain("m", None, None, None), PlainTrace)
+    tracer.update("m", {"trace_file": str(tmp_path / "t.json")})  # the answer is remembered,
+    assert isinstance(tracer.begin_plain("m", None, None, None), RequestTrace)  # then redone
+    assert isinstance(tracer.begin_plain("n", None, None, None), PlainTrace)
+    tracer.close()

@@ -368,6 +368,30 @@ def test_rate_ten_then_a_thousand_requests_records_exactly_a_hundred(served, htt
 
 
 @pytest.mark.slow
+def test_each_traced_answer_names_the_batch_its_row_and_the_batch_table_have(served, http):
+    http.post("/v2/trace/setting", json={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+    before, traced = served.tracer.last_id, served.tracer.traced
+    named = []
+    for i in range(6):
+        r = http.post("/v2/models/a/infer", json={"id": f"n{i}", **BODY})
+        assert r.status_code == 200, r.text
+        named.append((f"n{i}", int(r.headers["batchscope-batch-id"])))
+    rows = served.rows(before, 6)
+    assert [(t.request_id, t.batch_seq) for t in rows] == named
+    assert all(in_order(t) and t.outcome == "ok" for t in rows)
+    assert served.tracer.traced - traced == 6
+    seqs = {seq for _, seq in named}
+
+    def batch_rows() -> set[int]:
+        with served.db.connect() as conn:
+            return {seq for (seq,) in conn.exec_driver_sql(
+                "SELECT seq FROM batches WHERE model = 'a' AND seq BETWEEN ? AND ?",
+                (min(seqs), max(seqs))).all()}
+
+    assert wait_until(lambda: seqs <= batch_rows(), limit=4000), (seqs, batch_rows())
+
+
+@pytest.mark.slow
 def test_tracing_off_records_nothing(served, http):
     before, traced = served.tracer.last_id, served.tracer.traced
     send(http, "a", 50)

@@ -269,6 +269,16 @@ TRACE_FIELDS = ("trace_id", "model", "protocol", "outcome", "request_id", "batch
                 "send_end")
 
 
+#: what a ``TraceBatch`` holds of each batch of plain traces, in order; the last value
+#: lists the batch's traced members
+PLAIN_BATCH_FIELDS = ("model", "protocol", "outcome", "batch_seq", "compute_start",
+                      "compute_input_end", "compute_output_start", "compute_end",
+                      "request_end", "members")
+#: what it holds of each member of such a batch (times monotonic)
+PLAIN_MEMBER_FIELDS = ("trace_id", "request_id", "recv_start", "recv_end", "request_start",
+                       "send_start", "send_end")
+
+
 def wall_times(times: Sequence[Optional[float]], offset_s: float) -> list[Optional[float]]:
     """A trace's monotonic ``times`` (None: not reached) as wall-clock seconds
     (``+ offset_s``), each made no earlier than the one before it (the items of one
@@ -294,14 +304,32 @@ class TraceBatch:
     writer's process where there is one). ``traces`` holds one tuple per trace in
     ``TRACE_FIELDS`` order, times monotonic; ``rows()`` turns each into wall-clock
     seconds (``wall_offset_s``), every timestamp made no earlier than the one before it
-    (the items of one request may overlap), exactly as a ``TraceRow`` built at once."""
+    (the items of one request may overlap), exactly as a ``TraceRow`` built at once.
+
+    ``batches`` holds the plain traces of whole batches (one item each, no W3C parent):
+    per batch one ``PLAIN_BATCH_FIELDS`` tuple whose last value lists its traced
+    members, each a ``PLAIN_MEMBER_FIELDS`` tuple. What the members of a batch share
+    (model, outcome, batch, compute and end times) is held once; a member's queue start
+    is its request start (the engine queues a request as it takes it)."""
 
     instance_id: str
     wall_offset_s: float
     traces: list
+    batches: list = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.traces)
+        return len(self.traces) + sum(len(b[-1]) for b in self.batches)
+
+    def model_protocols(self) -> dict[tuple[str, str], int]:
+        """(model, protocol) -> how many of its traces are of that model and protocol."""
+        out: dict[tuple[str, str], int] = {}
+        for t in self.traces:
+            key = t[1], t[2]
+            out[key] = out.get(key, 0) + 1
+        for b in self.batches:
+            key = b[0], b[1]
+            out[key] = out.get(key, 0) + len(b[-1])
+        return out
 
     def tuples(self) -> list[tuple]:
         """The rows as tuples in ``TraceRow`` field order."""
@@ -313,6 +341,16 @@ class TraceBatch:
             out.append((inst, model, trace_id, protocol, outcome, at[2], at[8], request_id,
                         batch_seq, at[0], at[1], at[3], at[4], at[5], at[6], at[7], at[9],
                         at[10], w3c_trace, w3c_parent))
+        for (model, protocol, outcome, batch_seq, compute_start, input_end, output_start,
+             compute_end, request_end, members) in self.batches:
+            for trace_id, request_id, recv_start, recv_end, request_start, send_start, \
+                    send_end in members:
+                at = wall_times((recv_start, recv_end, request_start, request_start,
+                                 compute_start, input_end, output_start, compute_end,
+                                 request_end, send_start, send_end), off)
+                out.append((inst, model, trace_id, protocol, outcome, at[2], at[8],
+                            request_id, batch_seq, at[0], at[1], at[3], at[4], at[5], at[6],
+                            at[7], at[9], at[10], None, None))
         return out
 
     def rows(self) -> list[TraceRow]:

@@ -36,6 +36,14 @@ the sending, the engine (``runtime.engine.booking``) the queue and the compute
 timestamps of the batch it ran in. A request that is not traced has none: the hot path
 checks one attribute for ``None``.
 
+``PlainTrace`` is the same for the common traced request (an HTTP request of one item,
+sampled by the settings, whose model writes no spans and no trace file): only what is
+its own (its ids, receive and send times, the batch it ran in), as few stores as the
+hot path can make; the engine's booking hands the traced members of a batch over
+together, with what they share held once (``batchscope.storage.records.TraceBatch``).
+One that does not end in a batch that ran (refused, expired, failed) becomes a
+``RequestTrace`` (``full``) and is recorded as one.
+
 ``parse_traceparent(value)`` reads a W3C ``traceparent`` header: (trace id, parent
 span id, sampled) or None when it is malformed (then it is ignored, as W3C Trace
 Context says).
@@ -506,3 +514,44 @@ class RequestTrace:
                 last = at
             out.append((name, at))
         return out
+
+
+class PlainTrace:
+    """A traced request of one item with no W3C parent and no spans (see the module doc):
+    its trace id, request id, receive times (monotonic seconds, None where not seen), and,
+    once answered, the batch it ran in and its send times. ``settled`` (an outcome that
+    was not a batch run to the end) keeps what ``full`` needs to make it a
+    ``RequestTrace``."""
+
+    __slots__ = ("trace_id", "model", "request_id", "recv_start", "recv_end", "batch_seq",
+                 "send_start", "send_end", "ending")
+
+    #: spans are never exported for a plain trace
+    span = None
+
+    def __init__(self, trace_id: int, model: str, request_id: str | None,
+                 recv_start: float | None, recv_end: float | None) -> None:
+        self.trace_id = trace_id
+        self.model = model
+        self.request_id = request_id
+        self.recv_start = recv_start
+        self.recv_end = recv_end
+        self.batch_seq = self.send_start = self.send_end = self.ending = None
+
+    def settled(self, queued_s: float | None, now: float, outcome: str,
+                started_s: float | None = None, batch_seq: int | None = None) -> None:
+        """``RequestTrace.settled``: kept until the request's answer makes it ``full``."""
+        self.ending = (queued_s, now, outcome, started_s, batch_seq)
+
+    def full(self, now: float) -> RequestTrace:
+        """This trace as a ``RequestTrace``, with the outcome ``settled`` gave it. Its
+        request start is its queue start (the engine queues a request as it takes it),
+        or ``now`` for a request the engine refused."""
+        ending = self.ending
+        queued = ending[0] if ending is not None else None
+        trace = RequestTrace(self.trace_id, self.model, "http",
+                             queued if queued is not None else now,
+                             self.request_id, None, self.recv_start, self.recv_end)
+        if ending is not None:
+            trace.settled(*ending)
+        return trace

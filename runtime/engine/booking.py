@@ -18,7 +18,9 @@ several when out-of-memory or a model error split it; see
   the Triton statistics report);
 * the timestamps of a traced request (``PendingRequest.trace``, see
   ``runtime.engine.tracing``): queued, its batch's compute start, inputs ready, outputs
-  taken and end, and its outcome, stamped just before it is answered;
+  taken and end, and its outcome, stamped just before it is answered; a plain trace
+  (``PlainTrace``) gets only its batch's number, and the traced members of a batch go
+  to ``on_plain_traces`` together, once answered, with the times they share held once;
 * every request's one outcome: its result, ``OutOfMemory`` (507), ``ModelError``
   (500: "failed on this request" when it failed alone), ``ModelTimedOut`` (503) or
   ``ModelNotReady`` (503, a stuck model), with one ``RequestRow`` each (a
@@ -55,6 +57,7 @@ from runtime.api.errors import (BatchLost, BatchScopeError, ModelError, ModelNot
                                 OutOfMemory, RequestExpired)
 from runtime.core.batcher import Batch, pad_length
 from runtime.core.request import PendingRequest
+from runtime.core.tracing import PlainTrace
 from runtime.device.oom import Attempt
 from runtime.device.timeouts import FLOOR_S, MULTIPLE
 from runtime.engine.otel import BatchInfo
@@ -148,6 +151,10 @@ class Booking:
         #: given each batch with a member whose spans are exported
         #: (``runtime.engine.otel.OtlpSpans.batch``); None: nobody asks
         self.on_traced_batch: Callable[[BatchInfo], None] | None = None
+        #: given the plain traces of each batch that answered some (a
+        #: ``batchscope.storage.records.PLAIN_BATCH_FIELDS`` tuple;
+        #: ``runtime.engine.tracing.Tracer.plain_batch``); None: they are not recorded
+        self.on_plain_traces: Callable[[tuple], None] | None = None
         #: model name -> its declared input shapes (see ``_shapes_of``)
         self._declared: dict[str, tuple] = {}
 
@@ -262,16 +269,27 @@ class Booking:
         deadlines: list[float | None] = []
         lengths: list[int] | None = [] if model.variable else None
         adapters: list[str | None] | None = [] if batch_adapters is not None else None
+        plain: list[tuple] | None = None
         for i in range(start, a.stop):
             req = reqs[i]
             fut = req.future
             if fut.done():
                 continue
-            if req.trace is not None:  # stamped before the answer goes out
+            trace = req.trace
+            if trace is None:
+                fut.set_result(outputs[i - start])
+            elif type(trace) is PlainTrace:  # its answer reads the batch and stamps sending
+                trace.batch_seq = seq
+                fut.set_result(outputs[i - start])
+                if plain is None:
+                    plain = []
+                plain.append((trace.trace_id, trace.request_id, trace.recv_start,
+                              trace.recv_end, req.arrived_s, trace.send_start, trace.send_end))
+            else:  # stamped before the answer goes out
                 ended = a.ended_s
-                req.trace.ran(req.arrived_s, a.started_s, a.started_s + a.input_s,
-                              ended - a.output_s, ended, seq, now, "ok")
-            fut.set_result(outputs[i - start])
+                trace.ran(req.arrived_s, a.started_s, a.started_s + a.input_s,
+                          ended - a.output_s, ended, seq, now, "ok")
+                fut.set_result(outputs[i - start])
             priorities.append(req.priority)
             arrived.append(req.arrived_s)
             bypass.append(req.bypass)
@@ -281,6 +299,11 @@ class Booking:
             if adapters is not None:
                 adapters.append(req.adapter)
         answered = len(arrived)
+        if plain is not None and self.on_plain_traces is not None:
+            ended = a.ended_s
+            self.on_plain_traces((model.name, "http", "ok", seq, a.started_s,
+                                  a.started_s + a.input_s, ended - a.output_s, ended, now,
+                                  plain))
         if answered:
             block = RequestBatch(self.instance_id, model.name, seq, "ok", a.started_s, now,
                                  self.clock.to_wall(0.0), priorities, arrived, bypass, lengths,

@@ -165,6 +165,7 @@ class Engine(EngineAdapters):
         #: Triton's trace settings of the models and the traces' records
         #: (``runtime.engine.tracing``)
         self.tracer = Tracer(self._models, self._booking.recorder, instance_id, self._clock)
+        self._booking.on_plain_traces = self.tracer.plain_batch
         self._arbiter = FairArbiter()
         served = list(self._models.values())
         #: the child processes batches run in (``device_process=True``): one per model,

@@ -13,6 +13,12 @@ How a transport uses it, on the event loop's thread::
     ...engine.submit(..., trace=trace)...     # the engine stamps queue and compute times
     tracer.finish(trace)                      # once answered (send times stamped first)
 
+The HTTP fast path traces the common request (one item, no ``traceparent``, sampled by
+the settings, a model whose traces are neither spans nor written to a trace file)
+leaner: ``begin_plain`` gives a ``PlainTrace`` (ids and receive times only), the
+engine's booking stamps the batch it ran in, the transport its send times, and booking
+hands the batch's traced members to ``plain_batch`` together, once they are answered.
+
 A request that carries a W3C ``traceparent`` marked sampled (trace flags ``01``) is
 always traced, whatever the trace settings (also with ``trace_level`` OFF): its
 caller is tracing it, and the OpenTelemetry exporter (``runtime.engine.otel``, when
@@ -34,7 +40,7 @@ from typing import Any, Iterable, Mapping
 
 from batchscope.storage.records import TRACE_FIELDS, RecorderLike, TraceBatch, put_many_of
 from runtime.api.errors import ClientError, QueueFull
-from runtime.core.tracing import RequestTrace, TraceControl, parse_traceparent
+from runtime.core.tracing import PlainTrace, RequestTrace, TraceControl, parse_traceparent
 from runtime.engine.otel import new_ids
 from runtime.engine.tracefile import TraceFileWriter
 
@@ -83,14 +89,29 @@ class Tracer:
         self.files = TraceFileWriter(list(zip(HTTP_NAMES, COLUMNS)),
                                      grpc_names=list(zip(GRPC_NAMES, COLUMNS)))
         #: the OpenTelemetry exporter (``runtime.engine.otel.OtlpSpans``), when one is set
-        self.otel: Any = None
+        self._otel: Any = None
         #: traces finished and not yet handed to the recorder, and the flush due for them
         self._pending: list[tuple] = []
+        #: batches of plain traces (``plain_batch``) not yet handed over, and their traces
+        self._pending_batches: list[tuple] = []
+        self._pending_plain = 0
+        #: model -> whether its sampled requests may be traced plain (see ``begin_plain``)
+        self._plain: dict[str, bool] = {}
         self._timer: asyncio.TimerHandle | None = None
         #: whether the recorder takes ``TraceBatch`` records (else it gets the rows)
         self._batches = bool(getattr(recorder, "accepts_request_batches", False))
         #: whether any model writes a trace file (then a trace's row is built at once)
         self._files_on = False
+
+    @property
+    def otel(self) -> Any:
+        """The OpenTelemetry exporter (``runtime.engine.otel.OtlpSpans``), when one is set."""
+        return self._otel
+
+    @otel.setter
+    def otel(self, exporter: Any) -> None:
+        self._otel = exporter
+        self._plain.clear()
 
     # -- settings ---------------------------------------------------------------------
     def settings(self, model: str | None = None) -> dict[str, Any]:
@@ -113,6 +134,7 @@ class Tracer:
             if before:
                 self.files.reset(before)
         settings = self.control.update(model, changes)
+        self._plain.clear()
         if path:
             self.files.reset(path)
         control = self.control
@@ -145,6 +167,34 @@ class Tracer:
             trace.span = new_ids(trace.w3c_trace_id)
         return trace
 
+    def begin_plain(self, model: str, request_id: str | None, recv_start: float | None,
+                    recv_end: float | None) -> PlainTrace | RequestTrace:
+        """The trace of a request of ``model`` the settings sampled (``control.sample``
+        said yes; it has one item and no ``traceparent``): a ``PlainTrace`` when the
+        model's traces are neither spans nor written to a trace file, else ``begin``'s."""
+        plain = self._plain.get(model)
+        if plain is None:
+            values = self._values(model)
+            plain = self._plain[model] = not values["trace_file"] and (
+                self._otel is None or values["trace_mode"] != "opentelemetry")
+        if not plain:
+            return self.begin(model, "http", request_id, None, "infer", recv_start, recv_end,
+                              sampled=True)  # type: ignore[return-value]
+        self.last_id += 1
+        if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
+            request_id = request_id[:MAX_REQUEST_ID_CHARS]
+        return PlainTrace(self.last_id, model, request_id, recv_start, recv_end)
+
+    def plain_batch(self, batch: tuple) -> None:
+        """Keep the plain traces of one batch's answered members (a
+        ``PLAIN_BATCH_FIELDS`` tuple, see ``batchscope.storage.records``) for the next
+        ``flush``, as ``finish`` keeps a trace."""
+        self._pending_batches.append(batch)
+        n = len(batch[-1])
+        self.traced += n
+        self._pending_plain += n
+        self._due(len(self._pending) + self._pending_plain)
+
     def _values(self, model: str) -> Mapping[str, Any]:
         """The settings ``model`` is traced with (its own, or the global ones)."""
         control = self.control
@@ -158,7 +208,10 @@ class Tracer:
         recorder as one ``TraceBatch`` (at ``FLUSH_EVERY`` traces, or ``FLUSH_AFTER_S``
         after the first), whose rows are built off this thread. The span exporter gets
         the same tuple at once (its spans are built off this thread too); a trace file
-        needs its row now, and gets it now."""
+        needs its row now, and gets it now. A ``PlainTrace`` is recorded as the
+        ``RequestTrace`` it makes (``PlainTrace.full``)."""
+        if type(trace) is PlainTrace:
+            trace = trace.full(self.clock.now())
         if trace.request_end is None:
             trace.request_end = self.clock.now()
         if trace.outcome is None:
@@ -173,7 +226,11 @@ class Tracer:
             self._to_file(trace.model, fields)
         pending = self._pending
         pending.append(fields)
-        if len(pending) >= FLUSH_EVERY:
+        self._due(len(pending) + self._pending_plain)
+
+    def _due(self, kept: int) -> None:
+        """Flush at ``FLUSH_EVERY`` traces kept, else ``FLUSH_AFTER_S`` after the first."""
+        if kept >= FLUSH_EVERY:
             self.flush()
         elif self._timer is None:
             try:
@@ -198,9 +255,11 @@ class Tracer:
         if timer is not None:
             timer.cancel()
         pending, self._pending = self._pending, []
-        if not pending:
+        batches, self._pending_batches = self._pending_batches, []
+        self._pending_plain = 0
+        if not pending and not batches:
             return
-        batch = TraceBatch(self.instance_id, self.clock.to_wall(0.0), pending)
+        batch = TraceBatch(self.instance_id, self.clock.to_wall(0.0), pending, batches)
         if self._batches:
             self.recorder.put(batch)
         else:

@@ -11,9 +11,12 @@ request to a path that is not an inference route) is left to the ASGI app.
 The success path allocates only what the answer needs: the parsed request, the
 settle callback and the encoded body. Tracing (``runtime.engine.tracing``) adds one
 header comparison (``traceparent``) and one attribute check (are trace settings
-active) to a request that is not traced; a traced one gets a ``RequestTrace`` with its
-receive times (the first byte of its head, the read that completed it), its send
-times (around the write of its answer) and the engine's, recorded once answered.
+active) to a request that is not traced; a traced one gets a trace with its receive
+times (the first byte of its head, the read that completed it), its send times
+(around the write of its answer) and the engine's, recorded once answered: a
+``PlainTrace`` (the few values that are its own) for a request of one item the
+settings sampled, a ``RequestTrace`` for one with a ``traceparent`` or several items,
+or whose model exports spans or writes a trace file.
 
 Shedding costs far less than serving: ``InferHook.early`` is asked by the HTTP
 server as soon as a request head is complete, before the body is read, and answers
@@ -46,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from runtime.api.errors import ModelNotReady, error_answer
-from runtime.core.tracing import BATCH_ID_HEADER, traceparent_bytes
+from runtime.core.tracing import BATCH_ID_HEADER, PlainTrace, traceparent_bytes
 from runtime.server.bounds import MemoryBudget, RequestBounds
 from runtime.server.http1.server import Reply
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, submit_infer
@@ -243,12 +246,20 @@ class InferHook:
         and ``last_active_s``), read only once the request is traced."""
         engine = self.engine
         trace = None
-        if received is not None and self.tracer is not None and (
-                traceparent is not None or self._tracing.sample(name)):
-            trace = self.tracer.begin(name, "http", req.id, traceparent, "infer",
-                                      getattr(received, "began_s", 0.0) or None,
-                                      getattr(received, "last_active_s", 0.0) or None,
-                                      sampled=traceparent is None)
+        tracer = self.tracer
+        if received is not None and tracer is not None:
+            if traceparent is None:
+                if self._tracing.sample(name):
+                    if req.items is None:  # one item: a plain trace, or begin's
+                        trace = tracer.begin_plain(name, req.id, received.began_s or None,
+                                                   received.last_active_s or None)
+                    else:
+                        trace = tracer.begin(name, "http", req.id, None, "infer",
+                                             received.began_s or None,
+                                             received.last_active_s or None, sampled=True)
+            else:
+                trace = tracer.begin(name, "http", req.id, traceparent, "infer",
+                                     received.began_s or None, received.last_active_s or None)
             if trace is not None:
                 answer = _TracedAnswer(self, trace, answer)
 
@@ -309,7 +320,11 @@ class _TracedAnswer:
     """A traced request's answer callback: stamps the send times around ``answer``,
     adds the trace's headers and hands the trace to the tracer. One object (not a
     closure with its cells): a traced request in flight holds as few objects as it can
-    for the garbage collector to traverse."""
+    for the garbage collector to traverse.
+
+    A ``PlainTrace`` answered from its batch gets its send times and nothing more (the
+    engine's booking hands it over with its batch's); one that got another outcome
+    (``PlainTrace.ending``) is answered as the ``RequestTrace`` it makes."""
 
     __slots__ = ("hook", "trace", "answer")
 
@@ -322,6 +337,15 @@ class _TracedAnswer:
         trace = self.trace
         tracer = self.hook.tracer
         now = tracer.clock.now
+        if type(trace) is PlainTrace:
+            if trace.ending is None:  # answered from its batch
+                trace.send_start = now()
+                seq = trace.batch_seq
+                self.answer(status, headers if seq is None else
+                            self.hook.batch_headers(headers, seq), body)
+                trace.send_end = now()
+                return
+            trace = trace.full(now())
         trace.send_start = now()
         seq = trace.batch_seq
         if seq is not None:  # the members of a batch share one list, and one prepared head

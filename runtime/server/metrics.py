@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections import Counter as _Tally
-from operator import itemgetter
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -43,8 +41,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from batchscope.storage.records import (BatchRow, GenStepRow, RequestBatch, RequestRow, TraceBatch,
                                         TraceRow)
 
-#: a ``TraceBatch`` trace's (model, protocol)
-_MODEL_PROTOCOL = itemgetter(1, 2)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -383,8 +379,7 @@ class MetricsRecorder:
                 _append(observations, self.iteration_tokens.labels(record.model),
                         record.prefill_tokens + record.decode_tokens)
             elif kind is TraceBatch:
-                per = _Tally(map(_MODEL_PROTOCOL, record.traces))
-                for (model, protocol), n in per.items():
+                for (model, protocol), n in record.model_protocols().items():
                     child = self.traced.labels(model, protocol)
                     counts[child] = counts.get(child, 0) + n
             elif kind is TraceRow:
