@@ -230,7 +230,7 @@ def test_a_plain_trace_refused_by_the_engine_is_recorded_with_its_outcome():
     clock, recorder = FakeClock(), ListRecorder()
     tracer = Tracer(["m"], recorder, "i", clock)
     tracer.update(None, {"trace_level": ("TIMESTAMPS",), "trace_rate": 1})
-    trace = tracer.begin_plain("m", "id-1", clock.now() - 0.001, None)
+    trace = tracer.begin("m", "http", "id-1", recv_start=clock.now() - 0.001, plain=True)
     assert isinstance(trace, PlainTrace) and trace.trace_id == 1
     tracer.finish(trace, QueueFull("full"))
     [row] = recorder.records
@@ -243,8 +243,8 @@ def test_a_model_writing_a_trace_file_gets_request_traces(tmp_path):
     clock = FakeClock()
     tracer = Tracer(["m", "n"], ListRecorder(), "i", clock)
     tracer.update(None, {"trace_level": ("TIMESTAMPS",), "trace_rate": 1})
-    assert isinstance(tracer.begin_plain("m", None, None, None), PlainTrace)
+    assert isinstance(tracer.begin("m", "http", plain=True), PlainTrace)
     tracer.update("m", {"trace_file": str(tmp_path / "t.json")})  # the answer is remembered,
-    assert isinstance(tracer.begin_plain("m", None, None, None), RequestTrace)  # then redone
-    assert isinstance(tracer.begin_plain("n", None, None, None), PlainTrace)
+    assert isinstance(tracer.begin("m", "http", plain=True), RequestTrace)  # then redone
+    assert isinstance(tracer.begin("n", "http", plain=True), PlainTrace)
     tracer.close()

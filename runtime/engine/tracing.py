@@ -15,7 +15,7 @@ How a transport uses it, on the event loop's thread::
 
 The HTTP fast path traces the common request (one item, no ``traceparent``, sampled by
 the settings, a model whose traces are neither spans nor written to a trace file)
-leaner: ``begin_plain`` gives a ``PlainTrace`` (ids and receive times only), the
+leaner: ``begin(..., plain=True)`` gives a ``PlainTrace`` (ids and receive times only), the
 engine's booking stamps the batch it ran in, the transport its send times, and booking
 hands the batch's traced members to ``plain_batch`` together, once they are answered.
 
@@ -95,7 +95,7 @@ class Tracer:
         #: batches of plain traces (``plain_batch``) not yet handed over, and their traces
         self._pending_batches: list[tuple] = []
         self._pending_plain = 0
-        #: model -> whether its sampled requests may be traced plain (see ``begin_plain``)
+        #: model -> whether its sampled requests may be traced plain (see ``begin``)
         self._plain: dict[str, bool] = {}
         self._timer: asyncio.TimerHandle | None = None
         #: whether the recorder takes ``TraceBatch`` records (else it gets the rows)
@@ -146,17 +146,36 @@ class Tracer:
     def begin(self, model: str, protocol: str, request_id: str | None = None,
               traceparent: str | bytes | None = None, operation: str = "infer",
               recv_start: float | None = None, recv_end: float | None = None,
-              sampled: bool = False) -> RequestTrace | None:
+              plain: bool = False) -> RequestTrace | PlainTrace | None:
         """A new trace of one request of ``model`` about to be handed to the engine, or
         None when it is not traced (see the module doc for the ``traceparent`` rule).
         ``recv_start``/``recv_end``: when its bytes began and finished arriving, where
-        the transport saw it. ``sampled``: the caller has counted the request already
-        (``control.sample(model)`` said yes; it had no ``traceparent``)."""
-        w3c = parse_traceparent(traceparent) if traceparent is not None else None
-        if not sampled and (w3c is None or not w3c[2]):
+        the transport saw it. ``plain``: an
+        HTTP request of one item, traced as a ``PlainTrace`` when it has no
+        ``traceparent`` and its model's traces are neither spans nor written to a trace
+        file."""
+        if traceparent is None:
             control = self.control
             if not (control.active and control.sample(model)):
                 return None
+            w3c = None
+            if plain:
+                ok = self._plain.get(model)
+                if ok is None:
+                    values = self._values(model)
+                    ok = self._plain[model] = not values["trace_file"] and (
+                        self._otel is None or values["trace_mode"] != "opentelemetry")
+                if ok:
+                    self.last_id += 1
+                    if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
+                        request_id = request_id[:MAX_REQUEST_ID_CHARS]
+                    return PlainTrace(self.last_id, model, request_id, recv_start, recv_end)
+        else:
+            w3c = parse_traceparent(traceparent)
+            if w3c is None or not w3c[2]:
+                control = self.control
+                if not (control.active and control.sample(model)):
+                    return None
         self.last_id += 1
         if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
             request_id = request_id[:MAX_REQUEST_ID_CHARS]
@@ -166,24 +185,6 @@ class Tracer:
                                       or self._values(model)["trace_mode"] == "opentelemetry"):
             trace.span = new_ids(trace.w3c_trace_id)
         return trace
-
-    def begin_plain(self, model: str, request_id: str | None, recv_start: float | None,
-                    recv_end: float | None) -> PlainTrace | RequestTrace:
-        """The trace of a request of ``model`` the settings sampled (``control.sample``
-        said yes; it has one item and no ``traceparent``): a ``PlainTrace`` when the
-        model's traces are neither spans nor written to a trace file, else ``begin``'s."""
-        plain = self._plain.get(model)
-        if plain is None:
-            values = self._values(model)
-            plain = self._plain[model] = not values["trace_file"] and (
-                self._otel is None or values["trace_mode"] != "opentelemetry")
-        if not plain:
-            return self.begin(model, "http", request_id, None, "infer", recv_start, recv_end,
-                              sampled=True)  # type: ignore[return-value]
-        self.last_id += 1
-        if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
-            request_id = request_id[:MAX_REQUEST_ID_CHARS]
-        return PlainTrace(self.last_id, model, request_id, recv_start, recv_end)
 
     def plain_batch(self, batch: tuple) -> None:
         """Keep the plain traces of one batch's answered members (a

@@ -45,6 +45,7 @@ is answered.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -107,6 +108,8 @@ class InferHook:
         #: ``active`` is the one thing asked of a request without ``traceparent``
         self.tracer = getattr(self.engine, "tracer", None)
         self._tracing = self.tracer.control if self.tracer is not None else _NO_TRACING
+        #: the engine's clock, read for a traced answer's send times
+        self.now = self.tracer.clock.now if self.tracer is not None else time.monotonic
         #: (answer headers, batch id, those headers with the batch id) of the last traced
         #: answer: the members of one batch share one list, hence one prepared head
         self._batch_headers: tuple = (None, None, None)
@@ -248,18 +251,9 @@ class InferHook:
         trace = None
         tracer = self.tracer
         if received is not None and tracer is not None:
-            if traceparent is None:
-                if self._tracing.sample(name):
-                    if req.items is None:  # one item: a plain trace, or begin's
-                        trace = tracer.begin_plain(name, req.id, received.began_s or None,
-                                                   received.last_active_s or None)
-                    else:
-                        trace = tracer.begin(name, "http", req.id, None, "infer",
-                                             received.began_s or None,
-                                             received.last_active_s or None, sampled=True)
-            else:
-                trace = tracer.begin(name, "http", req.id, traceparent, "infer",
-                                     received.began_s or None, received.last_active_s or None)
+            trace = tracer.begin(name, "http", req.id, traceparent, "infer",
+                                 received.began_s or None, received.last_active_s or None,
+                                 plain=req.items is None)
             if trace is not None:
                 answer = _TracedAnswer(self, trace, answer)
 
@@ -335,21 +329,25 @@ class _TracedAnswer:
 
     def __call__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         trace = self.trace
-        tracer = self.hook.tracer
-        now = tracer.clock.now
+        hook = self.hook
+        now = hook.now
         if type(trace) is PlainTrace:
             if trace.ending is None:  # answered from its batch
-                trace.send_start = now()
                 seq = trace.batch_seq
-                self.answer(status, headers if seq is None else
-                            self.hook.batch_headers(headers, seq), body)
+                if seq is not None:  # the batch's first member made its headers
+                    last = hook._batch_headers
+                    headers = last[2] if last[0] is headers and last[1] == seq else \
+                        hook.batch_headers(headers, seq)
+                trace.send_start = now()
+                self.answer(status, headers, body)
                 trace.send_end = now()
                 return
             trace = trace.full(now())
+        tracer = hook.tracer
         trace.send_start = now()
         seq = trace.batch_seq
         if seq is not None:  # the members of a batch share one list, and one prepared head
-            headers = self.hook.batch_headers(headers, seq)
+            headers = hook.batch_headers(headers, seq)
         span = trace.span
         answer = self.answer
         if span is None:
