@@ -150,10 +150,9 @@ class Tracer:
         """A new trace of one request of ``model`` about to be handed to the engine, or
         None when it is not traced (see the module doc for the ``traceparent`` rule).
         ``recv_start``/``recv_end``: when its bytes began and finished arriving, where
-        the transport saw it. ``plain``: an
-        HTTP request of one item, traced as a ``PlainTrace`` when it has no
-        ``traceparent`` and its model's traces are neither spans nor written to a trace
-        file."""
+        the transport saw it. ``plain``: an HTTP request of one item, traced as a
+        ``PlainTrace`` when it has no ``traceparent`` and its model's traces are neither
+        spans nor written to a trace file."""
         if traceparent is None:
             control = self.control
             if not (control.active and control.sample(model)):
