@@ -146,17 +146,20 @@ class Tracer:
     def begin(self, model: str, protocol: str, request_id: str | None = None,
               traceparent: str | bytes | None = None, operation: str = "infer",
               recv_start: float | None = None, recv_end: float | None = None,
-              plain: bool = False) -> RequestTrace | PlainTrace | None:
+              sampled: bool = False, plain: bool = False) -> RequestTrace | PlainTrace | None:
         """A new trace of one request of ``model`` about to be handed to the engine, or
         None when it is not traced (see the module doc for the ``traceparent`` rule).
         ``recv_start``/``recv_end``: when its bytes began and finished arriving, where
-        the transport saw it. ``plain``: an HTTP request of one item, traced as a
-        ``PlainTrace`` when it has no ``traceparent`` and its model's traces are neither
-        spans nor written to a trace file."""
+        the transport saw it. ``sampled``: the caller has counted the request already
+        (``control.sample(model)`` said yes; it had no ``traceparent``), so a request
+        the settings do not sample costs it no call here. ``plain``: an HTTP request of
+        one item, traced as a ``PlainTrace`` when it has no ``traceparent`` and its
+        model's traces are neither spans nor written to a trace file."""
         if traceparent is None:
-            control = self.control
-            if not (control.active and control.sample(model)):
-                return None
+            if not sampled:
+                control = self.control
+                if not (control.active and control.sample(model)):
+                    return None
             w3c = None
             if plain:
                 ok = self._plain.get(model)

@@ -250,10 +250,11 @@ class InferHook:
         engine = self.engine
         trace = None
         tracer = self.tracer
-        if received is not None and tracer is not None:
+        if received is not None and tracer is not None and (
+                traceparent is not None or self._tracing.sample(name)):
             trace = tracer.begin(name, "http", req.id, traceparent, "infer",
                                  received.began_s or None, received.last_active_s or None,
-                                 plain=req.items is None)
+                                 sampled=traceparent is None, plain=req.items is None)
             if trace is not None:
                 answer = _TracedAnswer(self, trace, answer)
 
