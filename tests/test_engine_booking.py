@@ -208,7 +208,7 @@ def test_the_plain_traces_of_a_batch_are_handed_over_together_once_answered():
     assert (input_end, output_start) == (attempt.started_s + attempt.input_s,
                                          attempt.ended_s - attempt.output_s)
     assert members == [(t.trace_id, t.request_id, t.recv_start, t.recv_end, arrived,
-                        t.send_start, t.send_end) for t in plain]
+                        t.send_start, t.send_end, None) for t in plain]
     assert None not in (plain[0].send_start, plain[1].send_end)
     # the other kind of trace is stamped in place, as before
     assert (full.batch_seq, full.outcome, full.compute_start) == (seq, "ok", attempt.started_s)

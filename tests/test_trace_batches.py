@@ -187,7 +187,7 @@ def plain_batch(clock: FakeClock, first_id: int, n: int) -> tuple[tuple, list[Re
         trace_id, arrived = first_id + i, now + 0.001 * i / n
         recv = (now - 0.002, now - 0.001) if i % 2 == 0 else (None, None)
         send = (now + 0.007, now + 0.008)
-        members.append((trace_id, f"p{trace_id}", *recv, arrived, *send))
+        members.append((trace_id, f"p{trace_id}", *recv, arrived, *send, None))
         full = RequestTrace(trace_id, "m", "http", arrived, f"p{trace_id}", None, *recv)
         full.ran(arrived, started, input_end, output_start, ended, 11, end, "ok")
         full.send_start, full.send_end = send
@@ -247,4 +247,37 @@ def test_a_model_writing_a_trace_file_gets_request_traces(tmp_path):
     tracer.update("m", {"trace_file": str(tmp_path / "t.json")})  # the answer is remembered,
     assert isinstance(tracer.begin("m", "http", plain=True), RequestTrace)  # then redone
     assert isinstance(tracer.begin("n", "http", plain=True), PlainTrace)
+    tracer.close()
+
+
+class Exported:
+    """Stands where the span exporter would: keeps what the tracer hands it."""
+
+    def __init__(self) -> None:
+        self.raws: list[tuple] = []
+
+    def put_raw(self, raw: tuple, wall_offset_s: float) -> None:
+        self.raws.append((raw, wall_offset_s))
+
+
+def test_plain_traces_with_spans_reach_the_exporter_as_request_traces_would():
+    clock, recorder = FakeClock(), ListRecorder()
+    tracer = Tracer(["m", "n"], recorder, "i", clock)
+    tracer.otel = exported = Exported()
+    tracer.update(None, {"trace_level": ("TIMESTAMPS",), "trace_rate": 1,
+                         "trace_mode": "opentelemetry"})
+    tracer.update("n", {"trace_mode": "triton"})
+    spanned = tracer.begin("m", "http", "q1", plain=True)
+    assert isinstance(spanned, PlainTrace) and spanned.span is not None
+    assert tracer.begin("n", "http", plain=True).span is None  # its own mode: no spans
+    batch, same = plain_batch(clock, spanned.trace_id, 2)
+    members = batch[-1]
+    members[0] = (*members[0][:7], spanned.span)  # the first member exports spans
+    tracer.plain_batch(batch)
+    [(raw, offset)] = exported.raws
+    same[0].span = spanned.span
+    fields = tuple(getattr(same[0], name) for name in TRACE_FIELDS)
+    assert raw == (fields, *spanned.span, "infer", None, None, None, ())
+    assert offset == clock.to_wall(0.0)
+    assert finished_from(raw, offset).span_id == spanned.span[1]
     tracer.close()

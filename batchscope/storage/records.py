@@ -274,9 +274,10 @@ TRACE_FIELDS = ("trace_id", "model", "protocol", "outcome", "request_id", "batch
 PLAIN_BATCH_FIELDS = ("model", "protocol", "outcome", "batch_seq", "compute_start",
                       "compute_input_end", "compute_output_start", "compute_end",
                       "request_end", "members")
-#: what it holds of each member of such a batch (times monotonic)
+#: what it holds of each member of such a batch (times monotonic; ``span``: its
+#: OpenTelemetry (trace id, span id) where spans are exported, not a column)
 PLAIN_MEMBER_FIELDS = ("trace_id", "request_id", "recv_start", "recv_end", "request_start",
-                       "send_start", "send_end")
+                       "send_start", "send_end", "span")
 
 
 def wall_times(times: Sequence[Optional[float]], offset_s: float) -> list[Optional[float]]:
@@ -344,7 +345,7 @@ class TraceBatch:
         for (model, protocol, outcome, batch_seq, compute_start, input_end, output_start,
              compute_end, request_end, members) in self.batches:
             for trace_id, request_id, recv_start, recv_end, request_start, send_start, \
-                    send_end in members:
+                    send_end, _ in members:
                 at = wall_times((recv_start, recv_end, request_start, request_start,
                                  compute_start, input_end, output_start, compute_end,
                                  request_end, send_start, send_end), off)

@@ -36,10 +36,10 @@ the sending, the engine (``runtime.engine.booking``) the queue and the compute
 timestamps of the batch it ran in. A request that is not traced has none: the hot path
 checks one attribute for ``None``.
 
-``PlainTrace`` is the same for the common traced request (an HTTP request of one item,
-sampled by the settings, whose model writes no spans and no trace file): only what is
-its own (its ids, receive and send times, the batch it ran in), as few stores as the
-hot path can make; the engine's booking hands the traced members of a batch over
+``PlainTrace`` is the same for the common traced request (an HTTP request of one item
+with no ``traceparent``, sampled by the settings, whose model writes no trace file):
+only what is its own (its ids, span ids where spans are exported, receive and send
+times, the batch it ran in), as few stores as the hot path can make; the engine's booking hands the traced members of a batch over
 together, with what they share held once (``batchscope.storage.records.TraceBatch``).
 One that does not end in a batch that ran (refused, expired, failed) becomes a
 ``RequestTrace`` (``full``) and is recorded as one.
@@ -517,17 +517,16 @@ class RequestTrace:
 
 
 class PlainTrace:
-    """A traced request of one item with no W3C parent and no spans (see the module doc):
-    its trace id, request id, receive times (monotonic seconds, None where not seen), and,
-    once answered, the batch it ran in and its send times. ``settled`` (an outcome that
-    was not a batch run to the end) keeps what ``full`` needs to make it a
-    ``RequestTrace``."""
+    """A traced request of one item with no W3C parent (see the module doc): its trace id,
+    request id, receive times (monotonic seconds, None where not seen), ``span`` as
+    ``RequestTrace``'s (set by the tracer where spans are exported), and, once answered,
+    the batch it ran in and its send times. ``settled`` (an outcome that was not a batch
+    run to the end) keeps what ``full`` needs to make it a ``RequestTrace``."""
 
     __slots__ = ("trace_id", "model", "request_id", "recv_start", "recv_end", "batch_seq",
-                 "send_start", "send_end", "ending")
+                 "send_start", "send_end", "ending", "span")
 
-    #: spans are never exported for a plain trace
-    span = None
+    span: tuple[int, int] | None
 
     def __init__(self, trace_id: int, model: str, request_id: str | None,
                  recv_start: float | None, recv_end: float | None) -> None:
@@ -536,7 +535,7 @@ class PlainTrace:
         self.request_id = request_id
         self.recv_start = recv_start
         self.recv_end = recv_end
-        self.batch_seq = self.send_start = self.send_end = self.ending = None
+        self.batch_seq = self.send_start = self.send_end = self.ending = self.span = None
 
     def settled(self, queued_s: float | None, now: float, outcome: str,
                 started_s: float | None = None, batch_seq: int | None = None) -> None:
@@ -552,6 +551,7 @@ class PlainTrace:
         trace = RequestTrace(self.trace_id, self.model, "http",
                              queued if queued is not None else now,
                              self.request_id, None, self.recv_start, self.recv_end)
+        trace.span = self.span
         if ending is not None:
             trace.settled(*ending)
         return trace

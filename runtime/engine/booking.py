@@ -284,7 +284,8 @@ class Booking:
                 if plain is None:
                     plain = []
                 plain.append((trace.trace_id, trace.request_id, trace.recv_start,
-                              trace.recv_end, req.arrived_s, trace.send_start, trace.send_end))
+                              trace.recv_end, req.arrived_s, trace.send_start, trace.send_end,
+                              trace.span))
             else:  # stamped before the answer goes out
                 ended = a.ended_s
                 trace.ran(req.arrived_s, a.started_s, a.started_s + a.input_s,

@@ -14,8 +14,8 @@ How a transport uses it, on the event loop's thread::
     tracer.finish(trace)                      # once answered (send times stamped first)
 
 The HTTP fast path traces the common request (one item, no ``traceparent``, sampled by
-the settings, a model whose traces are neither spans nor written to a trace file)
-leaner: ``begin(..., plain=True)`` gives a ``PlainTrace`` (ids and receive times only), the
+the settings, a model that writes no trace file) leaner: ``begin(..., plain=True)``
+gives a ``PlainTrace`` (ids, span ids where spans are exported, receive times), the
 engine's booking stamps the batch it ran in, the transport its send times, and booking
 hands the batch's traced members to ``plain_batch`` together, once they are answered.
 
@@ -55,6 +55,8 @@ GRPC_NAMES = ("GRPC_WAITREAD_START", "GRPC_WAITREAD_END") + HTTP_NAMES[2:9] + (
     "GRPC_SEND_START", "GRPC_SEND_END")
 #: the longest request id kept
 MAX_REQUEST_ID_CHARS = 256
+#: how a model's sampled one-item HTTP requests are traced (``Tracer._plain_kind``)
+_NOT_PLAIN, _PLAIN, _PLAIN_SPANS = 0, 1, 2
 #: finished traces are handed to the recorder together: at this many, or this long after
 #: the first of them
 FLUSH_EVERY = 256
@@ -95,7 +97,7 @@ class Tracer:
         #: batches of plain traces (``plain_batch``) not yet handed over, and their traces
         self._pending_batches: list[tuple] = []
         self._pending_plain = 0
-        #: model -> whether its sampled requests may be traced plain (see ``begin``)
+        #: model -> how its sampled one-item requests are traced (``_plain_kind``)
         self._plain: dict[str, bool] = {}
         self._timer: asyncio.TimerHandle | None = None
         #: whether the recorder takes ``TraceBatch`` records (else it gets the rows)
@@ -154,7 +156,7 @@ class Tracer:
         (``control.sample(model)`` said yes; it had no ``traceparent``), so a request
         the settings do not sample costs it no call here. ``plain``: an HTTP request of
         one item, traced as a ``PlainTrace`` when it has no ``traceparent`` and its
-        model's traces are neither spans nor written to a trace file."""
+        model writes no trace file."""
         if traceparent is None:
             if not sampled:
                 control = self.control
@@ -162,16 +164,17 @@ class Tracer:
                     return None
             w3c = None
             if plain:
-                ok = self._plain.get(model)
-                if ok is None:
-                    values = self._values(model)
-                    ok = self._plain[model] = not values["trace_file"] and (
-                        self._otel is None or values["trace_mode"] != "opentelemetry")
-                if ok:
+                kind = self._plain.get(model)
+                if kind is None:
+                    kind = self._plain[model] = self._plain_kind(model)
+                if kind:
                     self.last_id += 1
                     if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
                         request_id = request_id[:MAX_REQUEST_ID_CHARS]
-                    return PlainTrace(self.last_id, model, request_id, recv_start, recv_end)
+                    trace = PlainTrace(self.last_id, model, request_id, recv_start, recv_end)
+                    if kind == _PLAIN_SPANS:
+                        trace.span = new_ids(None)
+                    return trace
         else:
             w3c = parse_traceparent(traceparent)
             if w3c is None or not w3c[2]:
@@ -188,14 +191,39 @@ class Tracer:
             trace.span = new_ids(trace.w3c_trace_id)
         return trace
 
+    def _plain_kind(self, model: str) -> int:
+        """Whether ``model``'s sampled requests of one item are traced plain: not while
+        it writes a trace file (``_NOT_PLAIN``), with spans where its ``trace_mode`` is
+        ``opentelemetry`` and an exporter is set (``_PLAIN_SPANS``), else ``_PLAIN``."""
+        values = self._values(model)
+        if values["trace_file"]:
+            return _NOT_PLAIN
+        if self._otel is not None and values["trace_mode"] == "opentelemetry":
+            return _PLAIN_SPANS
+        return _PLAIN
+
     def plain_batch(self, batch: tuple) -> None:
         """Keep the plain traces of one batch's answered members (a
         ``PLAIN_BATCH_FIELDS`` tuple, see ``batchscope.storage.records``) for the next
-        ``flush``, as ``finish`` keeps a trace."""
+        ``flush``, as ``finish`` keeps a trace; the span exporter gets those with spans
+        at once, as ``finish`` hands it a trace's values."""
         self._pending_batches.append(batch)
-        n = len(batch[-1])
+        members = batch[-1]
+        n = len(members)
         self.traced += n
         self._pending_plain += n
+        otel = self._otel
+        if otel is not None:
+            (model, protocol, outcome, seq, started, input_end, output_start, ended, end,
+             _) = batch
+            offset = self.clock.to_wall(0.0)
+            for (trace_id, request_id, recv_start, recv_end, start, send_start, send_end,
+                 span) in members:
+                if span is not None:  # the values ``finish`` would hand over (TRACE_FIELDS)
+                    otel.put_raw(((trace_id, model, protocol, outcome, request_id, seq, None,
+                                   None, recv_start, recv_end, start, start, started,
+                                   input_end, output_start, ended, end, send_start,
+                                   send_end), *span, "infer", None, None, None, ()), offset)
         self._due(len(self._pending) + self._pending_plain)
 
     def _values(self, model: str) -> Mapping[str, Any]:

@@ -16,7 +16,7 @@ times (the first byte of its head, the read that completed it), its send times
 (around the write of its answer) and the engine's, recorded once answered: a
 ``PlainTrace`` (the few values that are its own) for a request of one item the
 settings sampled, a ``RequestTrace`` for one with a ``traceparent`` or several items,
-or whose model exports spans or writes a trace file.
+or whose model writes a trace file.
 
 Shedding costs far less than serving: ``InferHook.early`` is asked by the HTTP
 server as soon as a request head is complete, before the body is read, and answers
@@ -317,9 +317,10 @@ class _TracedAnswer:
     closure with its cells): a traced request in flight holds as few objects as it can
     for the garbage collector to traverse.
 
-    A ``PlainTrace`` answered from its batch gets its send times and nothing more (the
-    engine's booking hands it over with its batch's); one that got another outcome
-    (``PlainTrace.ending``) is answered as the ``RequestTrace`` it makes."""
+    A ``PlainTrace`` answered from its batch gets its send times and its headers, and
+    nothing more (the engine's booking hands it over with its batch's); one that got
+    another outcome (``PlainTrace.ending``) is answered as the ``RequestTrace`` it
+    makes."""
 
     __slots__ = ("hook", "trace", "answer")
 
@@ -332,25 +333,17 @@ class _TracedAnswer:
         trace = self.trace
         hook = self.hook
         now = hook.now
-        if type(trace) is PlainTrace:
-            if trace.ending is None:  # answered from its batch
-                seq = trace.batch_seq
-                if seq is not None:  # the batch's first member made its headers
-                    last = hook._batch_headers
-                    headers = last[2] if last[0] is headers and last[1] == seq else \
-                        hook.batch_headers(headers, seq)
-                trace.send_start = now()
-                self.answer(status, headers, body)
-                trace.send_end = now()
-                return
-            trace = trace.full(now())
-        tracer = hook.tracer
-        trace.send_start = now()
+        plain = type(trace) is PlainTrace
+        if plain and trace.ending is not None:  # not answered from its batch
+            trace, plain = trace.full(now()), False
         seq = trace.batch_seq
         if seq is not None:  # the members of a batch share one list, and one prepared head
-            headers = hook.batch_headers(headers, seq)
+            last = hook._batch_headers
+            headers = last[2] if last[0] is headers and last[1] == seq else \
+                hook.batch_headers(headers, seq)
         span = trace.span
         answer = self.answer
+        trace.send_start = now()
         if span is None:
             answer(status, headers, body)
         elif type(answer) is Reply:  # the traceparent is this answer's own: one more line
@@ -359,7 +352,8 @@ class _TracedAnswer:
         else:
             answer(status, [*headers, (b"traceparent", traceparent_bytes(span))], body)
         trace.send_end = now()
-        tracer.finish(trace)
+        if not plain:  # a plain trace goes over with its batch's (the engine's booking)
+            hook.tracer.finish(trace)
 
 
 class _Received:
