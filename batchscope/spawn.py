@@ -142,17 +142,20 @@ class BacklogPriority:
         self.start = self.state = start
 
     def follow(self, backlog: float) -> None:
+        """Move every thread of this process to ``nice`` or back to idle as ``backlog``
+        (0..1) crosses ``urgent`` or ``calm``. Every thread: on Linux the policy and the
+        nice value belong to a thread, not to its process, and the work may be done by
+        threads other than the one that calls (the span process's span and export
+        threads)."""
         if self.start != "idle":
             return
         self.observe()
         try:
             if self.state == "idle" and backlog >= self.urgent:
-                os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0),
-                                                       self.nice))
-                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+                _set_threads(os.SCHED_OTHER, self.nice)
                 self.state = "nice"
             elif self.state == "nice" and backlog <= self.calm:
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                _set_threads(os.SCHED_IDLE, None)
                 self.state = "idle"
         except OSError:  # not allowed here (an unprivileged user's limits): stay as it is
             pass
@@ -166,6 +169,31 @@ class BacklogPriority:
                 self.state = "nice"
         except OSError:
             pass
+
+
+def _own_threads() -> list[int]:
+    """The ids of this process's threads (Linux's ``/proc/self/task``), the calling
+    thread first; ``[0]`` (the calling thread) where there is no such folder."""
+    try:
+        others = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+    me = threading.get_native_id()
+    return [me] + [t for t in others if t != me]
+
+
+def _set_threads(policy: int, nice: int | None) -> None:
+    """``policy`` (and a nice value of at least ``nice``) for every thread of this
+    process, the calling thread first: raises ``OSError`` when that one may not take it,
+    before any other is changed."""
+    for tid in _own_threads():
+        try:
+            if nice is not None:
+                os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid),
+                                                         nice))
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
 
 
 def lower_priority(idle: bool, nice: int) -> str:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from batchscope.spawn import child_priority, spawn_child
+import threading
+
+from batchscope.spawn import BacklogPriority, child_priority, spawn_child
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,6 +119,48 @@ def test_an_idle_child_runs_under_sched_idle():
         child.process.join(30)
         child.conn.close()
     assert os.sched_getscheduler(0) != os.SCHED_IDLE   # the parent is untouched
+
+
+def thread_policies() -> list[tuple[int, int]]:
+    """(policy, nice) of each thread of the calling process."""
+    return [(os.sched_getscheduler(int(t)), os.getpriority(os.PRIO_PROCESS, int(t)))
+            for t in os.listdir("/proc/self/task")]
+
+
+def backlog_child(conn) -> None:
+    """Starts a worker thread, as the span process's span and export threads, then
+    follows an urgent and a calm backlog, sending every thread's (policy, nice) after
+    each."""
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    prio = BacklogPriority(child_priority(), 5, urgent=0.25, calm=0.05)
+    seen = [thread_policies()]
+    prio.follow(1.0)
+    seen.append((prio.state, thread_policies()))
+    prio.follow(0.0)
+    seen.append((prio.state, thread_policies()))
+    stop.set()
+    worker.join()
+    conn.send(seen)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or not hasattr(os, "SCHED_IDLE"),
+                    reason="thread policies are read from Linux's /proc")
+def test_a_backlog_moves_every_thread_of_an_idle_child_not_only_the_caller():
+    child = spawn_child(backlog_child, name="batchscope-test-backlog", idle=True)
+    try:
+        assert child.conn.poll(60)
+        started, (urgent_state, urgent), (calm_state, calm) = child.conn.recv()
+    finally:
+        child.process.join(30)
+        child.conn.close()
+    idle = os.SCHED_IDLE
+    assert len(started) == 2 and all(policy == idle for policy, _ in started)
+    if urgent_state != "nice":
+        pytest.skip("this user may not leave SCHED_IDLE")
+    assert all(policy == os.SCHED_OTHER and nice >= 5 for policy, nice in urgent), urgent
+    assert calm_state == "idle" and all(policy == idle for policy, _ in calm), calm
 
 
 def test_a_target_in_the_main_script_is_refused_with_a_reason():
