@@ -39,8 +39,9 @@ checks one attribute for ``None``.
 ``PlainTrace`` is the same for the common traced request (an HTTP request of one item
 with no ``traceparent``, sampled by the settings, whose model writes no trace file):
 only what is its own (its ids, span ids where spans are exported, receive and send
-times, the batch it ran in), as few stores as the hot path can make; the engine's booking hands the traced members of a batch over
-together, with what they share held once (``batchscope.storage.records.TraceBatch``).
+times, the batch it ran in), as few stores as the hot path can make; the engine's
+booking hands the traced members of a batch over together, with what they share held
+once (``batchscope.storage.records.TraceBatch``).
 One that does not end in a batch that ran (refused, expired, failed) becomes a
 ``RequestTrace`` (``full``) and is recorded as one.
 

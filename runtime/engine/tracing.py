@@ -98,7 +98,7 @@ class Tracer:
         self._pending_batches: list[tuple] = []
         self._pending_plain = 0
         #: model -> how its sampled one-item requests are traced (``_plain_kind``)
-        self._plain: dict[str, bool] = {}
+        self._plain: dict[str, int] = {}
         self._timer: asyncio.TimerHandle | None = None
         #: whether the recorder takes ``TraceBatch`` records (else it gets the rows)
         self._batches = bool(getattr(recorder, "accepts_request_batches", False))
@@ -163,27 +163,26 @@ class Tracer:
                 if not (control.active and control.sample(model)):
                     return None
             w3c = None
+            kind = _NOT_PLAIN
             if plain:
                 kind = self._plain.get(model)
                 if kind is None:
                     kind = self._plain[model] = self._plain_kind(model)
-                if kind:
-                    self.last_id += 1
-                    if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
-                        request_id = request_id[:MAX_REQUEST_ID_CHARS]
-                    trace = PlainTrace(self.last_id, model, request_id, recv_start, recv_end)
-                    if kind == _PLAIN_SPANS:
-                        trace.span = new_ids(None)
-                    return trace
         else:
             w3c = parse_traceparent(traceparent)
             if w3c is None or not w3c[2]:
                 control = self.control
                 if not (control.active and control.sample(model)):
                     return None
+            kind = _NOT_PLAIN
         self.last_id += 1
         if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
             request_id = request_id[:MAX_REQUEST_ID_CHARS]
+        if kind:
+            plain_trace = PlainTrace(self.last_id, model, request_id, recv_start, recv_end)
+            if kind == _PLAIN_SPANS:
+                plain_trace.span = new_ids(None)
+            return plain_trace
         trace = RequestTrace(self.last_id, model, protocol, self.clock.now(), request_id, w3c,
                              recv_start, recv_end, operation)
         if self.otel is not None and (w3c is not None and w3c[2]
