@@ -72,6 +72,9 @@ def test_the_reported_attack_is_refused():
     ({**LOCAL, "origin": "null"}, 403, "other origins"),
     ({**LOCAL, "sec-fetch-site": "cross-site"}, 403, "Sec-Fetch-Site: cross-site"),
     ({**LOCAL, "sec-fetch-site": "same-site"}, 403, "Sec-Fetch-Site: same-site"),
+    # the browser says the page is another site's: refused even with an Origin that matches
+    ({**LOCAL, "origin": "http://127.0.0.1:8000", "sec-fetch-site": "cross-site"}, 403,
+     "Sec-Fetch-Site: cross-site"),
     # DNS rebinding: the page's own name now resolves to 127.0.0.1, so Origin == Host
     ({**JSON, "host": "evil.example:8000", "origin": "http://evil.example:8000"}, 403,
      "loopback address in Host"),

@@ -88,6 +88,8 @@ def error_of(headers: dict[str, str], body: bytes) -> str:
 @pytest.mark.parametrize("method, path", [
     ("GET", "/x"), ("GET", "/v2/nothing/here"), ("POST", "/v2/models"), ("DELETE", "/x"),
     ("GET", "/v2/models/double/infer/more"),
+    # a slash added is not found (no redirect: it would name whatever Host the client sent)
+    ("POST", f"{INFER}/"), ("GET", "/v2/health/live/"), ("POST", "/v2/trace/setting/"),
 ])
 def test_unknown_route_is_a_json_404_naming_the_request(http, quiet_log, method, path):
     r = http.request(method, path)

@@ -108,6 +108,14 @@ def test_a_window_too_large_is_refused_with_its_size_and_an_empty_one_says_so(fi
     with pytest.raises(WindowTooLarge) as info:
         timeline_rows(engine, w, max_rows=100)
     assert info.value.rows == count_rows(engine, w) and "pick a window of at most" in str(info.value)
+    # the rows lie in the last seconds of a long window: the hint is worked out over them,
+    # and a window of the length it names, from where they start, is taken
+    with pytest.raises(WindowTooLarge) as info:
+        timeline_rows(engine, Window(end - 86_400, end), max_rows=100)
+    first, _ = info.value.span
+    assert first > end - 86_400 and "they lie within" in str(info.value)
+    taken = timeline_rows(engine, Window(first, first + info.value.fits_s), max_rows=100)
+    assert not taken.empty
     empty = timeline_rows(engine, Window(end + 3600, end + 3610))
     assert empty.empty and "no batch, request or generation step" in empty.notes[0]
     fig = timeline_chart.timeline(empty)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -294,9 +295,26 @@ def test_cli_writes_traces_and_refuses_clearly(tmp_path):
     r = _cli("--db", db, "--start", "-30s", "--end", "-20s", "-o", str(tmp_path / "then.json"))
     assert r.returncode == 0 and "no batch, request or step" in r.stdout, r.stderr
 
-    for bad in (["--start", "yesterday"], ["--start", "-5s", "--last", "3"]):
-        r = _cli("--db", db, *bad, "-o", str(tmp_path / "x.json"))
-        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    kept = tmp_path / "kept.pftrace"
+    kept.write_bytes(b"an older file")
+    for bad in (["--start", "yesterday"], ["--start", "-5s", "--last", "3"],
+                ["--last", "1e12"], ["--start", "9300000000", "--end", "9300000010"],
+                ["--max-rows", "0"]):
+        for out in (tmp_path / "x.json", kept):
+            r = _cli("--db", db, *bad, "-o", str(out))
+            assert r.returncode == 2 and r.stderr.count("\n") == 1, (bad, r.stderr)
+            assert "Traceback" not in r.stderr
+    assert kept.read_bytes() == b"an older file" and not (tmp_path / "x.json").exists()
+    # another program's database: refused, and left byte for byte as it was
+    foreign = tmp_path / "foreign.db"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE foo (x)")
+    conn.commit()
+    conn.close()
+    before = foreign.read_bytes()
+    r = _cli("--db", f"sqlite:///{foreign}", "-o", str(tmp_path / "f.json"))
+    assert r.returncode == 2 and "no BatchScope tables" in r.stderr, r.stderr
+    assert foreign.read_bytes() == before and not (tmp_path / "foreign.db-wal").exists()
     r = _cli("--db", db, "-o", str(tmp_path / "x.bin"))
     assert r.returncode == 2 and "cannot tell the trace format" in r.stderr
 
@@ -406,7 +424,12 @@ def test_the_running_server_exports_its_recent_window(tmp_path):
         for params, status, words in (({"last": "0"}, 400, "more than 0"),
                                       ({"format": "svg"}, 400, "perfetto or json"),
                                       ({"since": "1"}, 400, "unknown parameter"),
-                                      ({"model": "nope"}, 404, "unknown model")):
+                                      ({"model": "nope"}, 404, "unknown model"),
+                                      # windows no trace can hold: the client's mistake
+                                      ({"end": "nan"}, 400, "not finite"),
+                                      ({"end": "-5"}, 400, "before 1970"),
+                                      ({"end": "1e17"}, 400, "the year 2255"),
+                                      ({"last": "1e-300"}, 400, "at or after its end")):
             r = http.get("/v2/trace/export", params=params)
             assert r.status_code == status and words in r.json()["error"], (params, r.text)
         engine.dispose()
@@ -493,5 +516,14 @@ def test_traced_requests_carry_their_trace_timestamps_into_the_export(tmp_path):
         fig, part = timeline_chart.members(picked, ("traced", seq))
         assert [t.name for t in fig.data] == ["receive", "queue", "compute", "send"]
         assert len(part) == len(members)
+        # a snapshot keeps the traces' rows: a trace made again from it, as the timeline
+        # page of an opened snapshot makes one, draws their receive and send as well
+        snap = snapshot.load_snapshot(snapshot.export_bytes(engine, window))
+        try:
+            again = read_perfetto(_export(snap.engine, "perfetto", tmp_path, window)[0])
+            assert again.ok and again.by_category()["receive"] == len(stored)
+            assert again.by_category()["send"] == len(stored)
+        finally:
+            snap.close()
     finally:
         engine.dispose()

@@ -13,6 +13,7 @@ database is read once the recorder has written what the counts say it must.
 from __future__ import annotations
 
 import json
+import tempfile
 
 import httpx
 import numpy as np
@@ -455,6 +456,10 @@ def test_unknown_keys_bad_values_and_unknown_models_are_refused(http):
     assert r.status_code == 400
     r = http.post("/v2/trace/setting", json={"trace_file": "/no/such/folder/t.json"})
     assert r.status_code == 400 and "does not exist" in r.json()["error"]
+    # a file the server cannot make: refused now, not every trace dropped later
+    for unwritable in ("/proc/t.json", f"{tempfile.gettempdir()}/{'n' * 300}.json"):
+        r = http.post("/v2/trace/setting", json={"trace_file": unwritable})
+        assert r.status_code == 400 and "cannot write" in r.json()["error"], r.text
     assert http.get("/v2/models/nope/trace/setting").status_code == 404
     assert http.post("/v2/models/nope/trace/setting", json={}).status_code == 404
     # a page of another site cannot change them; a form post is not JSON

@@ -5,7 +5,8 @@ until a batch is picked) is read row by row (``queries.timeline``) and drawn as 
 of batches (``presentation.timeline_chart``). A batch is picked by clicking its bar,
 by a row of the "slowest requests" table, or by its number; its requests are then drawn
 as queue wait and compute, with their table. The window downloads as a Perfetto trace
-or as Chrome trace JSON (made when the button is pressed, off the page's run).
+or as Chrome trace JSON (made when the button is pressed, off the page's run), the same
+file a snapshot of the window holds.
 
 Until a batch is picked, only the requests the chart marks or the table lists are read
 (refused, expired, bypassed, the slowest), so the page's cost follows the batches, not the
@@ -29,6 +30,7 @@ from batchscope.analysis.queries.timeline import (TimelineRows, WindowTooLarge, 
                                                   timeline_rows, with_members)
 from batchscope.dashboard.scope import Scope, data_engine, fmt_time
 from batchscope.presentation import timeline_chart
+from batchscope.presentation.snapshot.layout import TRACE_MAX_ROWS
 
 LENGTHS_S = (1, 2, 5, 10, 30, 60, 300)
 DEFAULT_LENGTH_S = 10
@@ -100,7 +102,7 @@ def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -
         st.info(note)
     st.plotly_chart(fig, key="timeline_chart", on_select=_picked_on_chart,
                     selection_mode=("points", "box"), config={"displaylogo": False})
-    _downloads(engine, w)
+    _downloads(engine, w, len(rows.batches) + rows.requests_in_window)
     chosen, slow = st.columns([3, 2])
     with slow:
         st.markdown("**Slowest requests in the window**")
@@ -221,24 +223,31 @@ def _show_selected(rows: TimelineRows, key: tuple[str, int]) -> None:
         st.dataframe(part[cols].reset_index(drop=True), hide_index=True)
 
 
-def _downloads(engine: Engine, w: Window) -> None:
-    """Download buttons for the window's trace; the file is made on the click."""
+def _downloads(engine: Engine, w: Window, rows: int) -> None:
+    """Download buttons for the window's trace, made on the click with the snapshot's
+    limit (``TRACE_MAX_ROWS``), so that both give the same file; past it they are off,
+    saying why. ``rows``: the window's batches and requests."""
     stamp = datetime.fromtimestamp(w.start_s, timezone.utc).strftime("%Y%m%dT%H%M%S")
 
     def made(fmt: str):
         def data() -> bytes:
             from batchscope.trace import export_trace
             buf = io.BytesIO()
-            export_trace(engine, w, buf, fmt=fmt, max_rows=PAGE_MAX_ROWS)
+            export_trace(engine, w, buf, fmt=fmt, max_rows=TRACE_MAX_ROWS)
             return buf.getvalue()
         return data
 
-    a, b, _ = st.columns([1, 1, 2])
+    off = rows > TRACE_MAX_ROWS
+    a, b, why = st.columns([1, 1, 2])
     a.download_button("Download Perfetto trace", made("perfetto"),
                       file_name=f"batchscope-{stamp}.pftrace",
                       mime="application/octet-stream", key="timeline_dl_perfetto",
-                      on_click="ignore", help="open it in ui.perfetto.dev")
+                      on_click="ignore", help="open it in ui.perfetto.dev", disabled=off)
     b.download_button("Download Chrome trace", made("json"),
                       file_name=f"batchscope-{stamp}.json", mime="application/json",
                       key="timeline_dl_json", on_click="ignore",
-                      help="open it in chrome://tracing or ui.perfetto.dev")
+                      help="open it in chrome://tracing or ui.perfetto.dev", disabled=off)
+    if off:
+        why.caption(f"The window holds {rows:,} batches and requests, more than the "
+                    f"{TRACE_MAX_ROWS:,} a trace download takes: pick a shorter window, or "
+                    "export this one with `batchscope trace`.")

@@ -102,8 +102,9 @@ def make_engine(url: str | None = None, *, create: bool = True) -> Engine:
     connections to a plain SQLite file URL open it read-write without SQLite's create
     flag, so a file deleted later is not recreated behind the caller's back.
 
-    SQLite: WAL journal mode lets the dashboard read while the runtime writes, and a
-    busy timeout absorbs short lock waits.
+    SQLite: WAL journal mode (set by the creating side, ``create=True``; it stays in the
+    file, and a reader opening someone else's database changes nothing in it) lets the
+    dashboard read while the runtime writes, and a busy timeout absorbs short lock waits.
     """
     url = with_driver(url or default_url())
     is_sqlite = url.startswith("sqlite")
@@ -130,7 +131,8 @@ def make_engine(url: str | None = None, *, create: bool = True) -> Engine:
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn, _record):  # pragma: no cover - exercised by every test
             cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
+            if create:  # kept in the file; a reader leaves a file's journal mode alone
+                cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
             cur.close()
@@ -200,6 +202,8 @@ def init_schema(engine: Engine) -> None:
 
 def _init_schema_once(engine: Engine) -> None:
     with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":  # a writer's file (one made anew included) is WAL
+            conn.exec_driver_sql("PRAGMA journal_mode=WAL")
         if _revision(conn) == _head():
             return
     with _schema_lock(engine) as conn:

@@ -20,16 +20,18 @@ batch. An empty window still gives a valid trace, holding a note that says so.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from sqlalchemy import Engine
 
-from batchscope.analysis.queries.timeline import MAX_ROWS, WindowTooLarge, timeline_rows
-from batchscope.analysis.queries.window import Window
-from batchscope.trace import layout as layout_module
+if TYPE_CHECKING:
+    from batchscope.analysis.queries.timeline import WindowTooLarge
+    from batchscope.analysis.queries.window import Window
 
 #: file name suffix -> format
 FORMATS = {".pftrace": "perfetto", ".perfetto-trace": "perfetto", ".pb": "perfetto",
@@ -87,24 +89,57 @@ class _Counting:
         return len(data)
 
 
+def _write_whole(path: Path, write) -> _Counting:
+    """``write`` into a new file beside ``path``, which then replaces ``path``: a failed
+    export leaves no half-written file, and an older file of that name as it was. What
+    is not a regular file (a device, a pipe) is written to as it is."""
+    if path.exists() and not path.is_file():
+        with open(path, "wb") as fh:
+            counting = _Counting(fh)
+            write(counting)
+        return counting
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.part")
+    try:
+        # the mode the umask leaves, as open() would give the file itself
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as fh:
+            counting = _Counting(fh)
+            write(counting)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return counting
+
+
+def __getattr__(name: str) -> Any:
+    # the reading side (pandas) is imported when it is used: the server checks a window
+    # with ``timespec`` without the dashboard packages
+    if name == "WindowTooLarge":
+        from batchscope.analysis.queries.timeline import WindowTooLarge
+        return WindowTooLarge
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def export_trace(engine: Engine, window: Window, out: str | os.PathLike | BinaryIO,
-                 fmt: str = "perfetto", *, max_rows: int = MAX_ROWS) -> ExportSummary:
+                 fmt: str = "perfetto", *, max_rows: int | None = None) -> ExportSummary:
     """Write the trace of ``window`` to ``out`` (a path, or a binary file left open) in
-    ``fmt`` (``perfetto`` or ``json``); see the module doc. Raises ``WindowTooLarge``
-    (nothing written) past ``max_rows`` batches and requests, ``ValueError`` for an
-    unknown format."""
+    ``fmt`` (``perfetto`` or ``json``); see the module doc. A path is written whole or
+    not at all (``_write_whole``). Raises ``WindowTooLarge`` (nothing written) past
+    ``max_rows`` batches and requests (default ``MAX_ROWS`` of the timeline queries), ``ValueError`` for an unknown format."""
     if fmt not in ("perfetto", "json"):
         raise ValueError(f"unknown trace format {fmt!r}; use perfetto or json")
-    rows = timeline_rows(engine, window, max_rows=max_rows)
+    from batchscope.analysis.queries.timeline import MAX_ROWS, timeline_rows
+    from batchscope.trace import layout as layout_module
+
+    rows = timeline_rows(engine, window, max_rows=MAX_ROWS if max_rows is None else max_rows)
     laid = layout_module.build(rows)
     if fmt == "perfetto":
         from batchscope.trace import perfetto as writer
     else:
         from batchscope.trace import chrome as writer
     if isinstance(out, (str, os.PathLike)):
-        with open(Path(out), "wb") as fh:
-            counting = _Counting(fh)
-            writer.write(laid, counting)
+        counting = _write_whole(Path(out), lambda fh: writer.write(laid, fh))
     else:
         counting = _Counting(out)
         writer.write(laid, counting)

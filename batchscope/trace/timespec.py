@@ -5,7 +5,8 @@ A time is epoch seconds (``1767225600.5``), an ISO 8601 date and time
 or an offset back from now (``-10s``, ``-1.5m``, ``-2h``, ``-500ms``).
 ``window_from(start, end, last_s, now=...)`` turns the three options into a ``Window``:
 by default the last ``DEFAULT_LAST_S`` seconds before the end (itself ``now`` unless
-given). Anything it cannot read is a ``ValueError`` that says what it accepts.
+given). Anything it cannot read, and a window outside 1970..``LATEST_S``, is a
+``ValueError`` that says what it accepts.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ from __future__ import annotations
 import math
 import re
 from datetime import datetime
+from typing import TYPE_CHECKING
 
-from batchscope.analysis.queries.window import Window
+if TYPE_CHECKING:  # the server checks windows without the dashboard packages
+    from batchscope.analysis.queries.window import Window
 
 #: the window when neither a start nor a length is given
 DEFAULT_LAST_S = 10.0
+#: the latest time a window may reach (2255-03-14): a trace holds nanoseconds in 64-bit
+#: integers, which end in 2262
+LATEST_S = 9_000_000_000.0
 _UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _OFFSET = re.compile(r"^-\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)$")
 ACCEPTED = ("epoch seconds (1767225600), an ISO date and time (2026-01-01T12:00:00, "
@@ -60,7 +66,21 @@ def window_from(start: str | None, end: str | None, last_s: float | None, *, now
         start_s = end_s - last_s
     else:
         start_s = parse_time(start, now=now) if start is not None else end_s - DEFAULT_LAST_S
+    check_window(start_s, end_s)
+    from batchscope.analysis.queries.window import Window
+    return Window(start_s, end_s, model, instance_id)
+
+
+def check_window(start_s: float, end_s: float) -> None:
+    """``ValueError`` for a window that is not a finite span within 1970..``LATEST_S``."""
+    if not (math.isfinite(start_s) and math.isfinite(end_s)):
+        raise ValueError(f"the window {start_s!r}..{end_s!r} is not finite; give {ACCEPTED}")
     if start_s >= end_s:
         raise ValueError(f"the window starts ({start_s:.3f}) at or after its end ({end_s:.3f}); "
                          "the start must come first")
-    return Window(start_s, end_s, model, instance_id)
+    if start_s < 0:
+        raise ValueError(f"the window starts before 1970 ({start_s:,.3f} epoch seconds); give a "
+                         "shorter --last or a later start")
+    if end_s > LATEST_S:
+        raise ValueError(f"the window ends after {LATEST_S:,.0f} epoch seconds (the year 2255), "
+                         "past what a trace's nanosecond times can hold; give an earlier end")

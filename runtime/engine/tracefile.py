@@ -89,6 +89,25 @@ def append_to_array(path: str, items: list[bytes]) -> None:
         os.close(fd)
 
 
+def check_writable(path: str) -> str | None:
+    """Why traces could not be appended to ``path`` (its folder must exist), or None:
+    the file is opened for appending as the writer will, and removed again when this
+    made it (a setting that names a file the server cannot write is refused, rather
+    than every trace being dropped later)."""
+    existed = os.path.exists(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.close(fd)
+    if not existed:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return None
+
+
 class TraceFileWriter:
     """Writes traces to Triton-format JSON files on a thread of its own (see module doc)."""
 

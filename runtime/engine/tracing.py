@@ -42,7 +42,7 @@ from batchscope.storage.records import TRACE_FIELDS, RecorderLike, TraceBatch, p
 from runtime.api.errors import ClientError, QueueFull
 from runtime.core.tracing import PlainTrace, RequestTrace, TraceControl, parse_traceparent
 from runtime.engine.otel import new_ids
-from runtime.engine.tracefile import TraceFileWriter
+from runtime.engine.tracefile import TraceFileWriter, check_writable
 
 #: ``TraceRow`` timestamp columns in order, with Triton's names over HTTP and gRPC
 COLUMNS = ("recv_start_at", "recv_end_at", "request_start_at", "queue_start_at",
@@ -122,7 +122,8 @@ class Tracer:
 
     def update(self, model: str | None, changes: Mapping[str, Any]) -> dict[str, Any]:
         """Apply checked changes (``runtime.core.tracing.parse_changes``); the effective
-        settings after them. A ``trace_file`` whose folder does not exist is refused."""
+        settings after them. A ``trace_file`` whose folder does not exist, or that the
+        server cannot write, is refused."""
         path = changes.get("trace_file")
         if path:
             folder = os.path.dirname(os.path.abspath(path))
@@ -131,6 +132,13 @@ class Tracer:
                                   "does not exist; give a file in an existing folder")
             if os.path.isdir(path):
                 raise ClientError(f"trace_file {path[:200]!r} is a folder; give a file path")
+            every = changes.get("log_frequency", self.control.values_of(model)["log_frequency"])
+            first = f"{path}.0" if int(every) > 0 else path
+            why = check_writable(first)
+            if why is not None:
+                raise ClientError(f"trace_file {path[:200]!r}: this server cannot write "
+                                  f"{first[:200]!r} ({why}); give a file in a folder it may "
+                                  "write to")
         if "trace_file" in changes or "log_frequency" in changes:
             before = self.control.values_of(model)["trace_file"]
             if before:

@@ -51,8 +51,8 @@ from runtime.generation.engine import GenerationEngine, GenerationStream, TokenE
 from runtime.generation.params import GenerationRequest, parse_chat, parse_completion
 from runtime.server.openai_errors import (InvalidParam, error_response, model_not_found,
                                           openai_answer, routing_refusal)
-from runtime.server.openai_http import (GONE_STATUS, ClientGone, json_response, model_routes,
-                                        until_disconnected)
+from runtime.server.openai_http import (GONE_STATUS, ClientGone, TimedAnswer, json_response,
+                                        model_routes, received_times, until_disconnected)
 
 
 # -- the two answer shapes ----------------------------------------------------------------
@@ -201,15 +201,18 @@ async def _gather_all(events: AsyncIterator[tuple[int, TokenEvent]], count: int
 
 def _begin_trace(engine: GenerationEngine, shape: "_Shape", request: Request) -> Any:
     """The request's ``RequestTrace`` when the server's tracer (``engine.tracer``, set by
-    the service) traces it, else None (see ``runtime.engine.tracing``)."""
+    the service) traces it, else None (see ``runtime.engine.tracing``); with its receive
+    times, where the HTTP server gave them."""
     tracer = getattr(engine, "tracer", None)
     if tracer is None:
         return None
     traceparent = request.headers.get("traceparent")
     if traceparent is None and not tracer.control.active:
         return None
+    recv_start, recv_end = received_times(request)
     return tracer.begin(engine.name, "http", None, traceparent,
-                        operation="chat" if shape.chat else "text_completion")
+                        operation="chat" if shape.chat else "text_completion",
+                        recv_start=recv_start, recv_end=recv_end)
 
 
 def _end_trace(engine: GenerationEngine, trace: Any, streams: list[GenerationStream],
@@ -240,6 +243,17 @@ def _trace_headers(trace: Any) -> dict[str, str]:
     return dict(trace.answer_headers()) if trace is not None else {}
 
 
+def _sent(response: Response, engine: GenerationEngine, trace: Any,
+          streams: list[GenerationStream], error: BaseException | None = None) -> Any:
+    """``response``, and for a traced request its trace stamped with the send times of
+    its write (``TimedAnswer``: a stream's from its first byte to its last) and recorded
+    once written (``_end_trace``)."""
+    if trace is None:
+        return response
+    return TimedAnswer(response, trace, engine.tracer.clock.now,
+                       lambda: _end_trace(engine, trace, streams, error))
+
+
 def _usage(streams: list[GenerationStream]) -> dict[str, int]:
     prompt = sum(s.prompt_tokens for s in streams)
     completion = sum(s.output_tokens for s in streams)
@@ -252,20 +266,16 @@ class _EventStream(StreamingResponse):
     (finished, the client gone, the server stopping), also when it never started."""
 
     def __init__(self, body: AsyncIterator[bytes], streams: list[GenerationStream],
-                 headers: dict[str, str] | None = None,
-                 on_end: Callable[[], None] | None = None) -> None:
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", **(headers or {})})
         self._streams = streams
-        self._on_end = on_end
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             _close(self._streams)
-            if self._on_end is not None:
-                self._on_end()
 
 
 def _sse_line(data: Any) -> bytes:
@@ -302,36 +312,40 @@ def _answerer(engines: dict[str, GenerationEngine], shape: _Shape,
             engine, adapter = _engine_for(engines, req.model)
             prompts = _chat_prompt(engine, req) if shape.chat else req.prompts
             trace = _begin_trace(engine, shape, request)
-            try:
-                streams = _submit_all(engine, req, prompts, adapter)
-            except BaseException as exc:
-                _end_trace(engine, trace, [], exc)
-                raise
         except Exception as exc:
             return error_response(exc, shape.where)
+        try:
+            streams = _submit_all(engine, req, prompts, adapter)
+        except Exception as exc:  # refused (queue full, a bad prompt): answered, then recorded
+            return _sent(error_response(exc, shape.where), engine, trace, [], exc)
+        except BaseException as exc:
+            _end_trace(engine, trace, [], exc)
+            raise
         head = {"id": f"{shape.id_prefix}{uuid.uuid4().hex}", "object": shape.chunk_object,
                 "created": int(time.time()), "model": req.model}
         events = _merged(streams)
         try:
             if req.stream:
                 first = await until_disconnected(request, _first_of_each(events, len(streams)))
-                return _EventStream(_sse(shape, head, first, events, streams, req.include_usage),
-                                    streams, _trace_headers(trace),
-                                    lambda: _end_trace(engine, trace, streams))
+                return _sent(_EventStream(_sse(shape, head, first, events, streams,
+                                               req.include_usage),
+                                          streams, _trace_headers(trace)),
+                             engine, trace, streams)
             texts, reasons = await until_disconnected(request, _gather_all(events, len(streams)))
-        except ClientGone as exc:
+        except ClientGone as exc:  # nobody reads the answer: recorded with no send times
             _close(streams)
             _end_trace(engine, trace, streams, exc)
             return Response(status_code=GONE_STATUS)
         except Exception as exc:
             _close(streams)
-            _end_trace(engine, trace, streams, exc)
-            return error_response(exc, shape.where)
+            return _sent(error_response(exc, shape.where), engine, trace, streams, exc)
         _close(streams)
-        _end_trace(engine, trace, streams)
+        if trace is not None:  # every choice is done: what is left is writing the answer
+            trace.request_end = engine.tracer.clock.now()
         choices = [shape.choice(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons))]
-        return json_response({**head, "object": shape.object, "choices": choices,
-                              "usage": _usage(streams)}, headers=_trace_headers(trace))
+        return _sent(json_response({**head, "object": shape.object, "choices": choices,
+                                    "usage": _usage(streams)}, headers=_trace_headers(trace)),
+                     engine, trace, streams)
 
     return answer
 
@@ -368,5 +382,7 @@ def create_app(engines: dict[str, GenerationEngine]) -> Starlette:
             for engine in engines.values():
                 await engine.stop()
 
-    return Starlette(routes=routes(engines), lifespan=lifespan,
-                     exception_handlers={HTTPException: routing_refusal})
+    app = Starlette(routes=routes(engines), lifespan=lifespan,
+                    exception_handlers={HTTPException: routing_refusal})
+    app.router.redirect_slashes = False  # as runtime.server.routes: no redirect to Host
+    return app

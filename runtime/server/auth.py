@@ -239,13 +239,14 @@ class AuthConfig:
     # -- the steps --------------------------------------------------------------------
     @staticmethod
     def _check_same_origin(headers: Mapping[str, str]) -> None:
+        # a browser's word that the page is another site's counts whatever Origin says
+        site = (headers.get("sec-fetch-site") or "").strip().lower()
+        if site in ("cross-site", "same-site"):
+            raise Forbidden(f"control requests from web pages of other sites are refused "
+                            f"(Sec-Fetch-Site: {site}); send them from a script or a "
+                            "command-line client")
         origin = headers.get("origin")
         if origin is None:
-            site = (headers.get("sec-fetch-site") or "").strip().lower()
-            if site in ("cross-site", "same-site"):
-                raise Forbidden(f"control requests from web pages of other sites are refused "
-                                f"(Sec-Fetch-Site: {site}); send them from a script or a "
-                                "command-line client")
             return
         host = headers.get("host")
         parts = urlsplit(origin.strip())

@@ -8,6 +8,8 @@ model list, and noticing a client that went away.
   resources freed) and ``ClientGone`` raised. Streamed answers need no such wrapper
   once they started: the response notices the client leaving itself.
 * ``model_routes(names)``: ``GET /v1/models`` and ``GET /v1/models/{model}``.
+* ``received_times(request)`` and ``TimedAnswer``: a traced request's receive times
+  (from the HTTP/1 server's scope) and send times (around the write of its answer).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from runtime.server.bounds import check_json_size
+from runtime.server.http1.asgi import RECEIVED
 from runtime.server.openai_errors import InvalidParam, error_response, model_not_found
 
 T = TypeVar("T")
@@ -76,6 +79,58 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)  # let it unwind before the caller goes on
     raise ClientGone()
+
+
+def received_times(request: Request) -> tuple[float | None, float | None]:
+    """When the request's bytes began and finished arriving (``runtime.server.http1``'s
+    ``batchscope.received`` scope extension, on the event loop's clock, as the fast path
+    reads them); (None, None) from a server that does not say."""
+    received = (request.scope.get("extensions") or {}).get(RECEIVED)
+    if not received:
+        return None, None
+    start, end = received
+    return start or None, end or None
+
+
+class TimedAnswer:
+    """``response`` (an ASGI app) written with a trace's send times stamped around the
+    write, then ``on_end()`` (which records the trace) however the write ended.
+
+    ``send_start``: as the first body message is handed to the server (its first bytes
+    go out with it, the head included); ``send_end``: once the last one (no
+    ``more_body``) has been written. A streamed answer's first bytes thus go out with
+    its first events, its last with its end. ``request_end``, unless the route stamped
+    it, is taken as that last message is handed over: the answer is all made then."""
+
+    __slots__ = ("response", "trace", "now", "on_end")
+
+    def __init__(self, response: Any, trace: Any, now: Callable[[], float],
+                 on_end: Callable[[], None]) -> None:
+        self.response = response
+        self.trace = trace
+        self.now = now
+        self.on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        trace, now = self.trace, self.now
+
+        async def timed(message: dict) -> None:
+            if message["type"] != "http.response.body":
+                await send(message)
+                return
+            last = not message.get("more_body", False)
+            if last and trace.request_end is None:
+                trace.request_end = now()
+            if trace.send_start is None:
+                trace.send_start = now()
+            await send(message)
+            if last:
+                trace.send_end = now()
+
+        try:
+            await self.response(scope, receive, timed)
+        finally:
+            self.on_end()
 
 
 def model_routes(names: Callable[[], list[str]]) -> list[Route]:

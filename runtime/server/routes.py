@@ -44,6 +44,7 @@ from runtime.server.control_api import (DEFAULT_AUTH, control_routes, json_respo
 from runtime.server.bounds import MemoryBudget, RequestBounds, check_json_size
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, run_infer
 from runtime.server.metrics import CONTENT_TYPE, MetricsRecorder
+from runtime.server.openai_http import TimedAnswer, received_times
 from runtime.server.trace_api import trace_routes
 from runtime.server.triton import MODEL_VERSION
 
@@ -131,10 +132,13 @@ def _served(request: Request) -> ServedModel:
 async def answer_infer(state: Any, name: str, version: str | None, body: bytes,
                        header_length: str | None,
                        content_encoding: str | None = None,
-                       traceparent: str | None = None) -> tuple[bytes, dict[str, str]]:
+                       traceparent: str | None = None,
+                       received: tuple[float | None, float | None] = (None, None),
+                       ) -> tuple[bytes, dict[str, str], Any]:
     """One ``/infer`` call: decode, run through the engine, encode. Raises BatchScopeError.
-    A traced request (``runtime.engine.tracing``) is recorded once encoded (no receive
-    or send times: the ASGI server has them)."""
+    The third value is the request's trace (``runtime.engine.tracing``), None when it is
+    not traced: its caller records it once the answer is sent (``TimedAnswer``), with
+    the ``received`` times it began and finished arriving."""
     served = find_model(state.models, name, version)
     engine = state.engine
     if not engine.is_ready(served.name):
@@ -147,7 +151,7 @@ async def answer_infer(state: Any, name: str, version: str | None, body: bytes,
     tracer = getattr(engine, "tracer", None)
     trace = None
     if tracer is not None and (traceparent is not None or tracer.control.active):
-        trace = tracer.begin(served.name, "http", req.id, traceparent)
+        trace = tracer.begin(served.name, "http", req.id, traceparent, "infer", *received)
     try:
         result = await run_infer(engine, served.name, req, trace)
     except BaseException as exc:
@@ -156,11 +160,15 @@ async def answer_infer(state: Any, name: str, version: str | None, body: bytes,
         raise
     finally:
         req.release()
-    payload, headers = encode_infer(served.name, MODEL_VERSION, req, result, model.outputs)
+    try:
+        payload, headers = encode_infer(served.name, MODEL_VERSION, req, result, model.outputs)
+    except BaseException as exc:
+        if trace is not None:
+            tracer.finish(trace, exc)
+        raise
     if trace is not None:
         headers = {**headers, **dict(trace.answer_headers())}
-        tracer.finish(trace)
-    return payload, headers
+    return payload, headers, trace
 
 
 # -- handlers -----------------------------------------------------------------------
@@ -193,13 +201,18 @@ async def model_ready(request: Request) -> Response:
 
 
 async def infer(request: Request) -> Response:
-    payload, headers = await answer_infer(
+    payload, headers, trace = await answer_infer(
         request.app.state, request.path_params["name"], request.path_params.get("version"),
         await request.body(), request.headers.get(HEADER_LENGTH),
-        request.headers.get("content-encoding"), request.headers.get("traceparent"))
+        request.headers.get("content-encoding"), request.headers.get("traceparent"),
+        received_times(request))
     media = ("application/octet-stream" if "Inference-Header-Content-Length" in headers
              else "application/json")
-    return Response(payload, headers=headers, media_type=media)
+    response = Response(payload, headers=headers, media_type=media)
+    if trace is None:
+        return response
+    tracer = request.app.state.engine.tracer
+    return TimedAnswer(response, trace, tracer.clock.now, lambda: tracer.finish(trace))
 
 
 async def model_config(request: Request) -> Response:
@@ -272,6 +285,8 @@ def build_app(engine: Any, *, metrics: MetricsRecorder | None = None,
     routes.extend(extra_routes)
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: routing_refusal})
+    # a path with a slash added is not found: a redirect would name the client's Host
+    app.router.redirect_slashes = False
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.version = version

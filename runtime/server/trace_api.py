@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from batchscope.trace.timespec import check_window
 from runtime.api.errors import (ClientError, ModelNotFound, QueueFull, RequestTooLarge,
                                 RouteNotFound, ServerBusy)
 from runtime.core.tracing import KEYS, parse_changes
@@ -65,7 +66,7 @@ def traced_model(app: Any, name: str) -> str:
         raise ModelNotFound(f"model {name!r} is a generation model this server does not "
                             f"trace; traced models: {sorted(traced)}")
     raise ModelNotFound(f"unknown model {name!r}; served models are "
-                        f"{sorted(engine.model_names())}")
+                        f"{sorted({*engine.model_names(), *traced})}")
 
 
 def read_changes(body: bytes) -> dict[str, Any]:
@@ -147,6 +148,10 @@ async def export_trace(request: Request) -> Response:
     if not 0 < last <= EXPORT_MAX_S:
         raise ClientError(f"last={last:g}: give a window of more than 0 and at most "
                           f"{EXPORT_MAX_S:g} seconds (longer ones: batchscope trace)")
+    try:  # the window the export would read, checked here: a bad one is the client's
+        check_window(end - last, end)
+    except ValueError as exc:
+        raise ClientError(f"end={q.get('end', 'now')[:40]}, last={last:g}: {exc}") from None
     model = q.get("model")
     if model is not None:
         traced_model(request.app, model)

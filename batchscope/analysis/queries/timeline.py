@@ -25,7 +25,10 @@ interval partitioning, in start order), for the chart's lanes and for trace trac
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -69,16 +72,56 @@ STEP_COLUMNS = ("id", "instance_id", "model", "at", "mode", "running", "waiting"
 
 
 class WindowTooLarge(ValueError):
-    """The window holds more rows than may be read at once."""
+    """The window holds more rows than may be read at once. ``span``: the first and last
+    time of those rows (within the window), which the hint's length is worked out over:
+    rows bunched in part of a long window get the length that part allows."""
 
-    def __init__(self, rows: int, max_rows: int, window: Window) -> None:
+    def __init__(self, rows: int, max_rows: int, window: Window,
+                 span: tuple[float, float] | None = None) -> None:
         self.rows = rows
         self.max_rows = max_rows
-        fits_s = window.duration_s * max_rows / max(rows, 1)
+        first, last = span if span is not None else (window.start_s, window.end_s)
+        first, last = max(first, window.start_s), min(last, window.end_s)
+        if not last > first:
+            first, last = window.start_s, window.end_s
+        self.span = (first, last)
+        # a tenth less than an even spread allows, two significant digits, rounded down
+        self.fits_s = _round_down((last - first) * 0.9 * max_rows / max(rows, 1))
+        where = "" if span is None else (
+            f"; they lie within {_seconds(last - first)} s from "
+            f"{datetime.fromtimestamp(first, timezone.utc):%Y-%m-%d %H:%M:%S} UTC")
         super().__init__(
             f"the window holds {rows:,} batches and requests, more than {max_rows:,} can be "
-            f"read at once; pick a window of at most {fits_s:,.1f} s (or one model or "
-            "instance)")
+            f"read at once{where}; pick a window of at most {_seconds(self.fits_s)} s (or one model "
+            "or instance)")
+
+
+def _round_down(x: float) -> float:
+    """``x`` rounded down to two significant digits (a hint never names a length that
+    the same rows would refuse again)."""
+    if not x > 0:
+        return 0.0
+    step = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return math.floor(x / step) * step
+
+
+def _seconds(x: float) -> str:
+    """A length in seconds for a reader: ``135,000,000``, ``12``, ``0.34``."""
+    return f"{x:,.0f}" if x >= 10 else f"{x:.2g}"
+
+
+def _refusal(conn: Any, w: Window, rows: int, max_rows: int) -> WindowTooLarge:
+    """``WindowTooLarge`` with the span of the window's batches and requests."""
+    wb, pb = _overlapping(w, "started_at", "ended_at")
+    wr, pr = _overlapping(w, "arrived_at", "finished_at")
+    b = read_frame(conn, f"SELECT MIN(started_at) AS a, MAX(ended_at) AS z FROM batches "
+                         f"WHERE {wb}", pb)
+    r = read_frame(conn, f"SELECT MIN(arrived_at) AS a, MAX(finished_at) AS z FROM requests "
+                         f"WHERE {wr}", pr)
+    firsts = [float(v) for v in (b["a"].iloc[0], r["a"].iloc[0]) if pd.notna(v)]
+    lasts = [float(v) for v in (b["z"].iloc[0], r["z"].iloc[0]) if pd.notna(v)]
+    span = (min(firsts), max(lasts)) if firsts and lasts else None
+    return WindowTooLarge(rows, max_rows, w, span)
 
 
 @dataclass
@@ -138,7 +181,8 @@ def timeline_rows(engine: Engine, w: Window, max_rows: int = MAX_ROWS, *,
     every = requests == "all"
     rows = count_rows(engine, w, requests=every)
     if rows > max_rows:
-        raise WindowTooLarge(rows, max_rows, w)
+        with connection(engine) as conn:
+            raise _refusal(conn, w, rows, max_rows)
     wb, pb = _overlapping(w, "started_at", "ended_at")
     wr, pr = _overlapping(w, "arrived_at", "finished_at")
     ws, ps = _overlapping(w, "at - step_s", "at")
@@ -154,7 +198,7 @@ def timeline_rows(engine: Engine, w: Window, max_rows: int = MAX_ROWS, *,
                                      f"(outcome <> 'ok' OR bypass = :yes) ORDER BY arrived_at, id "
                                      "LIMIT :lim", {**pr, "yes": True, "lim": max_rows - rows + 1})
             if rows + len(marks) > max_rows:
-                raise WindowTooLarge(rows + len(marks), max_rows, w)
+                raise _refusal(conn, w, rows + len(marks), max_rows)
             slow = read_frame(conn, f"SELECT {cols} FROM requests WHERE {wr} "
                                     "ORDER BY latency_s DESC LIMIT :n", {**pr, "n": slowest})
             reqs = _merged(marks, slow)

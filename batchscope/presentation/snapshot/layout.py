@@ -22,6 +22,9 @@ TRACE_MAX_BYTES = 96 * 1024 ** 2
 TABLES: dict[str, tuple[str | None, bool]] = {
     "batches": ("ended_at", True),
     "requests": ("finished_at", True),
+    #: the traced requests' timestamps: a trace made again from an opened snapshot
+    #: draws their receive, send and compute parts as the stored one does
+    "request_traces": ("request_end_at", True),
     "events": ("at", True),
     "device_samples": ("at", False),
     "generation_steps": ("at", True),

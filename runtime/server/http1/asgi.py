@@ -6,6 +6,12 @@ and ``http.response.body``. A response without ``Content-Length`` whose body com
 several parts goes out with chunked transfer encoding (HTTP/1.1) or until close
 (HTTP/1.0), so streams stream. An app that fails before answering is answered by
 ``runtime.api.errors.error_answer``; one that fails mid-answer has its answer cut short.
+
+The scope's ``extensions`` carry ``RECEIVED`` (``"batchscope.received"``): when the
+request's first byte arrived and the read that completed it (its connection's
+``began_s`` and ``last_active_s`` as it was dispatched, the event loop's clock), the
+receive times a traced request's routes record (``runtime.engine.tracing``), as the
+fast hook reads them from the connection.
 """
 
 from __future__ import annotations
@@ -22,13 +28,15 @@ from runtime.server.http1.wire import Exchange, status_line
 #: ``Connection`` (``connection``) and ``HttpServer`` (``server``) import this module, so
 #: their names in annotations here are not imported
 log = logging.getLogger("batchscope.server")
+#: the scope extension holding (first byte arrived, last byte arrived) of the request
+RECEIVED = "batchscope.received"
 
 
 class AsgiCall:
     """Runs one request through an ASGI 3 application."""
 
     __slots__ = ("conn", "ex", "body", "started", "chunked", "length_known", "body_done",
-                 "status", "head")
+                 "status", "head", "received")
 
     def __init__(self, conn: "Connection", ex: Exchange, body: bytes) -> None:
         self.conn = conn
@@ -40,6 +48,9 @@ class AsgiCall:
         self.body_done = False
         self.status = 0
         self.head: list[tuple[bytes, bytes]] = []
+        #: the connection's receive times of this request, read now: a pipelined request
+        #: parsed before the app runs moves them on
+        self.received = (conn.began_s, conn.last_active_s)
 
     def scope(self) -> dict:
         """The ASGI scope; raises ``ClientError`` for a target that is not a URL path."""
@@ -58,7 +69,7 @@ class AsgiCall:
             "http_version": ex.version, "server": self.conn.local, "client": self.conn.client,
             "scheme": "http", "method": ex.method.decode("ascii"), "root_path": "",
             "path": path, "raw_path": raw_path, "query_string": url.query or b"",
-            "headers": ex.headers, "state": {},
+            "headers": ex.headers, "state": {}, "extensions": {RECEIVED: self.received},
         }
 
     def where(self) -> str:

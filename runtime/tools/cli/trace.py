@@ -62,6 +62,8 @@ def _trace(args: argparse.Namespace) -> int:
         raise UsageError(f"batchscope trace: {exc}") from None
     if args.db is not None:
         check_database_url(args.db, "--db")
+    if args.max_rows is not None and args.max_rows < 1:
+        raise UsageError(f"batchscope trace: --max-rows {args.max_rows} must be 1 or more")
     kwargs = {} if args.max_rows is None else {"max_rows": args.max_rows}
     try:
         engine = make_engine(args.db, create=False)
@@ -76,6 +78,9 @@ def _trace(args: argparse.Namespace) -> int:
         return _fail(f"batchscope trace: {exc}")
     except SQLAlchemyError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "no such table" in first or "does not exist" in first:
+            return _fail(f"batchscope trace: the database holds no BatchScope tables ({first}); "
+                         "give the URL a runtime records to (batchscope serve --db)")
         return _fail(f"batchscope trace: cannot read the database: {first}")
     except OSError as exc:
         return _fail(f"batchscope trace: cannot write {args.out}: {exc.strerror or exc}")
@@ -86,10 +91,13 @@ def _trace(args: argparse.Namespace) -> int:
     size = f"{written / 1e6:.1f} MB" if written >= 100_000 else f"{written:,} bytes"
     where = "ui.perfetto.dev" if fmt == "perfetto" else "ui.perfetto.dev or chrome://tracing"
     if summary.empty:
+        held = f"{summary.events:,} event(s) and a note" if summary.events else "only a note"
         print(f"wrote {args.out} ({fmt}, {size}): no batch, request or step was recorded in "
-              "this window; the trace holds only a note saying so")
+              f"this window; the trace holds {held} saying so")
         return 0
     print(f"wrote {args.out} ({fmt}, {size}): {summary.batch_slices:,} batches, "
           f"{summary.request_slices:,} requests, {summary.flows:,} flows, "
           f"{summary.step_slices:,} steps, {summary.events:,} events; open it in {where}")
+    for note in summary.notes:  # e.g. traced requests drawn without their timestamps
+        print(f"note: {note}")
     return 0
