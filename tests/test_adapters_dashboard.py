@@ -79,6 +79,9 @@ def test_frames_per_adapter_mix_and_slots(db):
 def test_a_window_without_adapter_rows_has_no_adapter_frames(db):
     rec = Recorder(db)
     rec.put(BatchRow("rt-1", "mlp", 1, "dynamic", 1, 8, None, 1, 1, 1, 0, 0, 0, 0.01, T0, T0 + 0.01))
+    # a model that takes adapters, served with none: its batches record 0, base rows only
+    rec.put(BatchRow("rt-1", "encoder", 1, "dynamic", 1, 8, None, 1, 1, 1, 0, 0, 0, 0.01,
+                     T0 + 1, T0 + 1.01, adapters=0))
     rec.flush()
     assert adapter_frames(db, _window()) is None
     assert "adapters" not in queries.live_bundle(db, queries.Window(T0 - 1, T0 + 61))

@@ -113,6 +113,12 @@ def test_compare_is_relative_to_before(bundle):
     fig = charts.compare(h, h)
     assert names(fig) == ["before", "after"]
     assert all(v == pytest.approx(1.0) for v in fig.data[1].y if v is not None)
+    # each label in its own unit: served req/s a rate, latencies and waits milliseconds
+    row = h.iloc[0]
+    labels = dict(zip(fig.data[0].x, fig.data[0].text))
+    assert labels["served req/s"] == f"{row['ok_per_s']:.1f}"
+    assert labels["p99 latency"] == f"{row['latency_p99'] * 1000:.1f} ms"
+    assert labels["mean queue wait"] == f"{row['queue_wait_mean_s'] * 1000:.1f} ms"
 
 
 def fleet_frames():

@@ -180,3 +180,21 @@ def test_at_most_one_demo_runtime_whatever_is_typed(tmp_path, monkeypatch, fake_
     second = start()       # another session of the same server
     assert not second.exception
     assert slot.starts == 1 and demo.demo_slot() is slot
+
+
+def test_the_demo_records_where_the_dashboard_reads_from_any_folder(tmp_path, monkeypatch):
+    """The demo runs in the checkout's root; a relative SQLite path is the dashboard's
+    working folder's, so the demo is handed it made absolute."""
+    monkeypatch.chdir(tmp_path)
+    assert demo.absolute_sqlite_url("sqlite:///data/batchscope.db") == \
+        f"sqlite:///{tmp_path / 'data' / 'batchscope.db'}"
+    for url in (f"sqlite:///{tmp_path / 'x.db'}", "postgresql+psycopg://u:p@db:5432/bs"):
+        assert demo.absolute_sqlite_url(url) == url
+    seen = []
+    monkeypatch.setattr(demo.DemoRuntime, "argv", staticmethod(
+        lambda url: seen.append(url) or [sys.executable, "-c", "pass"]))
+    runtime = demo.DemoRuntime("sqlite:///data/batchscope.db")
+    runtime.proc.wait(timeout=60)
+    assert seen == [f"sqlite:///{tmp_path / 'data' / 'batchscope.db'}"]
+    assert runtime.url == "sqlite:///data/batchscope.db"  # what the dashboard compares
+

@@ -219,6 +219,27 @@ def test_exported_mlp_matches_the_builtin(files, kind):
         model.decode({"INPUT0": np.zeros(3, dtype=np.float32)})
 
 
+@pytest.mark.slow
+def test_a_pt2_program_compiles_and_answers_as_it_does_eagerly(files):
+    """``compile=default`` on a ``pt2:`` model compiles its program's module (the numpy
+    batch around it stays eager), and the compiled model answers as the eager one."""
+    from runtime.core.clock import MonotonicClock
+    from runtime.device.compiled import compiled_frames, compiled_predict
+
+    model = load_model(f"pt2:{files['mlp.pt2']}")
+    model.setup("cpu")
+    rng = np.random.default_rng(2)
+    requests = [{"INPUT0": rng.standard_normal(256).astype(np.float32)} for _ in range(4)]
+    eager = run(model, requests)
+    before = compiled_frames()
+    made = compiled_predict(model, "default", MonotonicClock())
+    assert made.error is None and compiled_frames() > before
+    items = [model.decode(r) for r in requests]
+    got = model.split(made.predict(model.collate(items, None)), len(items))
+    for g, e in zip(got, eager):
+        np.testing.assert_allclose(g["OUTPUT0"], e["OUTPUT0"], atol=1e-5)
+
+
 class Flatten(torch.nn.Module):
     def forward(self, x):
         return x.contiguous().view(-1) * 2

@@ -30,6 +30,20 @@ MODULE = "runtime.tools.demo"
 LOG_PATH = Path(tempfile.gettempdir()) / "batchscope-demo-runtime.log"
 
 
+def absolute_sqlite_url(url: str) -> str:
+    """``url`` with a relative SQLite file path made absolute against the working folder
+    (other URLs as they are): a child started in another folder opens the same file."""
+    from sqlalchemy.engine import make_url
+
+    from batchscope.storage.db import sqlite_path
+
+    path = sqlite_path(url)
+    if path is None or os.path.isabs(path):
+        return url
+    return make_url(url).set(database=os.path.abspath(path)).render_as_string(
+        hide_password=False)
+
+
 class DemoRuntime:
     """The demo runtime as a child process, stopped when the app exits."""
 
@@ -44,9 +58,11 @@ class DemoRuntime:
             self.error = f"the demo runtime ({where}) is not part of this checkout"
             return
         self._log = open(self.log_path, "ab")
+        # it runs in the checkout's root: a relative SQLite path is this process's
+        target = absolute_sqlite_url(url)
         self.proc = subprocess.Popen(
-            self.argv(url), cwd=str(ROOT), stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "BATCHSCOPE_DB_URL": url})
+            self.argv(target), cwd=str(ROOT), stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, "BATCHSCOPE_DB_URL": target})
         atexit.register(self.stop)
 
     @staticmethod

@@ -428,13 +428,14 @@ def compare(before: pd.DataFrame, after: pd.DataFrame, *, labels=("before", "aft
     keys = [("ok_per_s", "served req/s"), ("mean_batch_size", "mean batch size"),
             ("latency_p50", "p50 latency"), ("latency_p99", "p99 latency"),
             ("queue_wait_mean_s", "mean queue wait")]
+    times = {"latency_p50", "latency_p99", "queue_wait_mean_s"}  # seconds, shown in ms
     if not len(before) or not len(after):
         return _empty(fig)
     for label, frame in zip(labels, (before, after)):
         row = frame.iloc[0]
         vals = [row.get(k) for k, _ in keys]
         texts = [("—" if v is None or pd.isna(v) else
-                  (f"{v * 1000:.1f} ms" if k.endswith(("_s", "p50", "p99")) else f"{v:.1f}"))
+                  (f"{v * 1000:.1f} ms" if k in times else f"{v:.1f}"))
                  for v, (k, _) in zip(vals, keys)]
         base = [before.iloc[0].get(k) for k, _ in keys]
         rel = [(v / b if v is not None and b and pd.notna(v) and pd.notna(b) else None)

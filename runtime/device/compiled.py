@@ -81,16 +81,14 @@ def compiled_predict(model: Any, mode: str, clock: Any) -> Compiled | None:
         held = _compiled.get(model)
         if held is not None and held[0] == mode:
             return Compiled(held[1])
-        import torch
-
-        fn = on_any_thread(torch.compile(model.predict, mode=mode))
+        fn = _compiled_fn(model, mode)
         started = clock.now()
         try:
             in_own_thread(lambda: warm_up(model, fn))
         except CompileFailed as exc:
             # some torch versions fail on inference tensors (torch 2.11): the compiled
             # model gets ordinary tensors instead, if that compiles
-            fn = on_any_thread(outside_inference_mode(torch.compile(model.predict, mode=mode)))
+            fn = _compiled_fn(model, mode, outside_inference=True)
             if not INFERENCE_TROUBLE.search(str(exc)) or not compiles(model, fn):
                 _compiled[model] = (mode, model.predict)
                 return Compiled(model.predict, clock.now() - started, str(exc))
@@ -98,6 +96,20 @@ def compiled_predict(model: Any, mode: str, clock: Any) -> Compiled | None:
                      getattr(model, "name", "?"), mode, exc)
         _compiled[model] = (mode, fn)
         return Compiled(fn, clock.now() - started)
+
+
+def _compiled_fn(model: Any, mode: str, *, outside_inference: bool = False) -> Callable:
+    """``model.predict`` through ``torch.compile``, or the predict a model that says what
+    to compile makes (``predict_compiled_with(compile, outside_inference)``: a model whose
+    batches are numpy arrays compiles its torch module, not the conversion around it);
+    ``outside_inference``: run outside inference mode (see ``outside_inference_mode``)."""
+    import torch
+
+    make = getattr(model, "predict_compiled_with", None)
+    if make is not None:
+        return on_any_thread(make(lambda f: torch.compile(f, mode=mode), outside_inference))
+    fn = torch.compile(model.predict, mode=mode)
+    return on_any_thread(outside_inference_mode(fn) if outside_inference else fn)
 
 
 #: what a compile failure that inference tensors may cause says

@@ -27,15 +27,16 @@ BASE = ""
 
 
 def has_adapters(engine: Engine, w: Window) -> bool:
-    """Whether any batch or generation step of the window recorded its adapters."""
+    """Whether any batch or generation step of the window ran an adapter (a model that
+    takes adapters but ran none records 0: its page stays as before)."""
     cond, params = in_window(w, "ended_at")
     gcond, gparams = in_window(w, "at")
     with engine.connect() as conn:
-        if conn.execute(text(f"SELECT 1 FROM batches WHERE {cond} AND adapters IS NOT NULL "
+        if conn.execute(text(f"SELECT 1 FROM batches WHERE {cond} AND adapters > 0 "
                              "LIMIT 1"), params).first() is not None:
             return True
         return conn.execute(text(f"SELECT 1 FROM generation_steps WHERE {gcond} AND adapters "
-                                 "IS NOT NULL LIMIT 1"), gparams).first() is not None
+                                 "> 0 LIMIT 1"), gparams).first() is not None
 
 
 def adapter_stats(engine: Engine, w: Window) -> pd.DataFrame:

@@ -13,14 +13,14 @@ from __future__ import annotations
 import inspect
 import logging
 import zipfile
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from runtime.api.errors import ConfigError
 from runtime.models import inference
-from runtime.models.files.graph_model import GraphModel, GraphTensor, Signature
+from runtime.models.files.graph_model import GraphModel, GraphTensor, Signature, to_numpy
 from runtime.models.files.spec import FileSpec
 
 log = logging.getLogger(__name__)
@@ -137,14 +137,30 @@ class ExportedModel(GraphModel):
         log.debug("pt2:%s: %d views run as reshapes", self.spec.path, reshapes)
         self._order = [t.name for t in self.signature.inputs]
 
-    def run(self, feeds: dict[str, np.ndarray]) -> list[torch.Tensor]:
+    def run(self, feeds: dict[str, np.ndarray], forward: Any = None,
+            outside_inference: bool = False) -> list[torch.Tensor]:
         args = [torch.from_numpy(feeds[name]).to(self.device, non_blocking=True)
                 for name in self._order]
-        with inference():
-            out = self.module(*args)
+        mode = torch.no_grad() if outside_inference else inference()
+        with mode:
+            out = (self.module if forward is None else forward)(*args)
         if isinstance(out, dict):
             return list(out.values())
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
+    def predict_compiled_with(self, compile: Callable[[Any], Any],
+                              outside_inference: bool = False) -> Callable:
+        """``predict`` with the program's module through ``compile`` (``torch.compile``,
+        the ``compile`` setting): the module is what there is to compile, and a compiled
+        frame that takes the batch's numpy arrays fails its own guards (torch 2.13)."""
+        forward = compile(self.module)
+
+        def predict(batch: tuple[dict[str, np.ndarray], list[int]]) -> Any:
+            feeds, lengths = batch
+            return [to_numpy(o) for o in self.run(feeds, forward, outside_inference)], lengths
+
+        return predict
+
     def backend_options(self) -> dict[str, Any]:
         return {"torch": torch.__version__}
+

@@ -163,7 +163,7 @@ class GraphModel(ModelAPI):
 
     def predict(self, batch: tuple[dict[str, np.ndarray], list[int]]) -> tuple[list[np.ndarray], list[int]]:
         feeds, lengths = batch
-        return [_numpy(o) for o in self.run(feeds)], lengths
+        return [to_numpy(o) for o in self.run(feeds)], lengths
 
     def split(self, output: tuple[list[np.ndarray], list[int]], n: int) -> list[dict[str, np.ndarray]]:
         arrays, lengths = output
@@ -203,10 +203,10 @@ def _converted(t: GraphTensor, arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return arr.astype(dtype)
 
 
-def _numpy(value: Any) -> np.ndarray:
+def to_numpy(value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray):
         return value
-    to_numpy: Callable[[], np.ndarray] | None = getattr(value, "numpy", None)
-    if to_numpy is not None:
+    method: Callable[[], np.ndarray] | None = getattr(value, "numpy", None)
+    if method is not None:
         return value.detach().cpu().numpy()
     return np.asarray(value)

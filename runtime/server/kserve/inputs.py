@@ -6,9 +6,14 @@ bytes)."""
 from __future__ import annotations
 
 import math
+import struct
+from collections import deque
+from functools import reduce
+from operator import countOf, iadd
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
+import orjson
 
 from runtime.api.errors import ClientError, ValidationError
 from runtime.api.model import DATATYPES, TensorSpec
@@ -21,6 +26,19 @@ MAX_DIMS = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
 #: any request body holds, at one byte an element: a larger span declares work, such as
 #: a batch of 2**32 empty items, that no data backs)
 MAX_ELEMENTS = 1 << 27
+
+#: the ``struct`` code of each numeric datatype, in standard size and native byte order
+#: (``=``): packing JSON values with it checks each one's type and range in C, where
+#: ``np.fromiter``/``np.asarray`` would truncate floats to integers, parse numeric
+#: strings, take true/false for 1/0, and turn a float beyond FP32/FP16 into inf
+_CODES = {"UINT8": "B", "UINT16": "H", "UINT32": "I", "UINT64": "Q", "INT8": "b", "INT16": "h",
+          "INT32": "i", "INT64": "q", "FP16": "e", "FP32": "f", "FP64": "d"}
+_INTEGER_CODES = frozenset("BHIQbhiq")
+#: values packed by one call at most (a large input is packed in parts of this many)
+_PACK_AT_ONCE = 1 << 16
+#: a 0-d 1 of each FP datatype (comparing with it is cheaper than with a Python 1)
+_ONES = {t: np.ones((), DATATYPES[t]) for t in ("FP16", "FP32", "FP64")}
+assert all(struct.calcsize("=" + c) == np.dtype(DATATYPES[t]).itemsize for t, c in _CODES.items())
 
 
 def shape_of(name: str, shape: Any) -> tuple[int, ...]:
@@ -199,6 +217,18 @@ def _values(d: _Input, binary: memoryview | None, offset: int) -> np.ndarray:
             arr = np.frombuffer(raw, dtype=np_dtype)
         return arr.reshape(shape)
     data = d.entry["data"]
+    if datatype in _CODES:
+        if data and type(data[0]) is list:
+            flat = _flattened(d, data)
+            nested = True
+        else:
+            flat = data
+            nested = False
+        if len(flat) != count:  # nothing converted for values that cannot fit
+            raise ClientError(f"input {name!r}: shape {list(shape)} needs {count} values, "
+                              f"data has {len(flat)}")
+        arr = _numbers(d, flat, nested)
+        return arr if arr.shape == shape else arr.reshape(shape)
     try:
         if datatype == "BYTES":
             flat = np.asarray(data, dtype=object).reshape(-1)
@@ -208,22 +238,12 @@ def _values(d: _Input, binary: memoryview | None, offset: int) -> np.ndarray:
                                       f"rectangular nested list of them), got {_quote(v)}")
             arr = np.empty(flat.size, dtype=object)
             arr[:] = [v.encode() for v in flat]
-        elif datatype == "BOOL":
+        else:  # BOOL
             arr = np.asarray(data)
             if arr.size and arr.dtype != np.bool_:
                 raise ClientError(f"input {name!r}: BOOL data must be true/false values, got "
                                   f"{arr.dtype.name} values")
             arr = arr.astype(np.bool_, copy=False)
-        elif data and type(data[0]) is not list:
-            if len(data) != count:  # nothing converted for values that cannot fit
-                raise ClientError(f"input {name!r}: shape {list(shape)} needs {count} values, "
-                                  f"data has {len(data)}")
-            try:  # a flat list of numbers: the common case, converted without a detour
-                arr = np.fromiter(data, np_dtype, len(data))
-            except (ValueError, TypeError, OverflowError):
-                arr = np.asarray(data, dtype=np_dtype)
-        else:
-            arr = np.asarray(data, dtype=np_dtype)
     except (ValueError, TypeError, OverflowError):
         raise ClientError(f"input {name!r}: data is not a (rectangular) list of {datatype} "
                           "values") from None
@@ -231,6 +251,123 @@ def _values(d: _Input, binary: memoryview | None, offset: int) -> np.ndarray:
         raise ClientError(f"input {name!r}: shape {list(shape)} needs {count} values, "
                           f"data has {arr.size}")
     return arr if arr.shape == shape else arr.reshape(shape)
+
+
+def _flattened(d: _Input, data: list) -> list:
+    """A nested ``data`` list's values in row-major order; at every level it must be a
+    list of lists of one length (rectangular), at most ``MAX_DIMS`` deep."""
+    depth = 1
+    while data and type(data[0]) is list:
+        depth += 1
+        if depth > MAX_DIMS:
+            raise ClientError(f"input {d.name!r}: data is not a (rectangular) list of "
+                              f"{d.datatype} values: it is nested more than {MAX_DIMS} deep, "
+                              "the most dimensions a tensor may have")
+        if len(data) == 1:  # [[...]]: a batch of one
+            data = data[0]
+            continue
+        if set(map(type, data)) != {list} or len(set(map(len, data))) != 1:
+            raise ClientError(f"input {d.name!r}: data is not a (rectangular) list of "
+                              f"{d.datatype} values: lists at one nesting level differ in "
+                              "length, or mix lists and values; send a flat list, or nested "
+                              "lists of one length per level")
+        data = reduce(iadd, data, [])
+    return data
+
+
+def _numbers(d: _Input, flat: list, nested: bool) -> np.ndarray:
+    """``flat`` (a list of JSON values) as a 1-D array of ``d``'s numeric datatype, each
+    value checked: integers (not floats, strings, true/false or null) for the INT and
+    UINT types, numbers (integers or floats, not strings, true/false or null) for the FP
+    types, and every value within the datatype's range."""
+    n = len(flat)
+    arr = np.empty(n, d.np_dtype)
+    if not n:
+        return arr
+    code = _CODES[d.datatype]
+    try:  # in C: refuses strings, null, lists, floats for integers, values out of range
+        if n <= _PACK_AT_ONCE:
+            struct.pack_into(f"={n}{code}", arr, 0, *flat)
+        else:  # in parts: the arguments of one call are a tuple as long as the data
+            size = arr.itemsize
+            for i in range(0, n, _PACK_AT_ONCE):
+                part = flat[i:i + _PACK_AT_ONCE]
+                struct.pack_into(f"={len(part)}{code}", arr, i * size, *part)
+    except (struct.error, TypeError, OverflowError, ValueError):
+        raise _bad_value(d, flat, nested) from None
+    # what it takes that it should not: true and false, packed as 1 and 0 (for the FP
+    # types, looked for only where the array holds a 0 or a 1)
+    if ((code in _INTEGER_CODES or np.count_nonzero(arr) != n
+         or np.count_nonzero(arr == _ONES[d.datatype])) and _holds_bool(flat)):
+        raise _bad_value(d, flat, nested)
+    return arr
+
+
+def _holds_bool(flat: list) -> bool:
+    """Whether a list of numbers holds a ``True`` or ``False`` (exactly), quickly for a
+    list of integers or a list of floats."""
+    if type(flat[0]) is int:  # serializing integers is quicker than looking at each type
+        try:
+            text = orjson.dumps(flat)
+        except orjson.JSONEncodeError:  # an int beyond 64 bits
+            pass
+        else:  # no integer is written with an e; true, false and some floats are
+            if b"e" not in text:
+                return False
+    else:
+        try:  # float.conjugate takes nothing but a float: not a bool, nor an int
+            deque(map(float.conjugate, flat), 0)
+            return False
+        except TypeError:
+            pass
+    return countOf(map(type, flat), bool) != 0
+
+
+def _bad_value(d: _Input, flat: list, nested: bool) -> ClientError:
+    """The error naming the first value of ``flat`` that ``d``'s datatype cannot hold."""
+    name, datatype = d.name, d.datatype
+    code = _CODES[datatype]
+    one = struct.Struct("=" + code)
+    integers = code in _INTEGER_CODES
+    if integers:
+        info = np.iinfo(d.np_dtype)
+        span = f"integers from {info.min} to {info.max}"
+        kind = ("integers (JSON numbers without a fraction or exponent; not strings, "
+                "true/false or null)")
+    else:
+        most = float(np.finfo(d.np_dtype).max)
+        span = f"numbers from {-most:.8g} to {most:.8g}"
+        kind = "JSON numbers (not strings, true/false or null)"
+    for i, v in enumerate(flat):
+        t = type(v)
+        if t is int or (t is float and not integers):
+            try:
+                one.pack(v)
+                continue
+            except (struct.error, OverflowError, ValueError):
+                wrong_type = False
+        elif integers and t is float and v.is_integer():
+            # a JSON integer past 64 bits is parsed as a float (rounded): say so
+            try:
+                one.pack(int(v))
+                wrong_type = -2.0**63 < v < 2.0**64
+            except (struct.error, OverflowError, ValueError):
+                wrong_type = False
+        else:
+            wrong_type = True
+        where = f"element {i}" + (" of the data flattened in row-major order" if nested else "")
+        shown = _quote(v) if v is not None and t is not bool else orjson.dumps(v).decode()
+        if t is list:
+            return ClientError(f"input {name!r}: data is not a (rectangular) list of "
+                               f"{datatype} values: {where} is a list where a value is "
+                               "expected; send a flat list, or nested lists of one depth")
+        if not wrong_type:
+            return ClientError(f"input {name!r}: data is not a list of {datatype} values: "
+                               f"{where} is {shown}, out of range for {datatype} "
+                               f"({span}); send values within that range")
+        return ClientError(f"input {name!r}: data is not a (rectangular) list of {datatype} "
+                           f"values: {datatype} data must be {kind}; {where} is {shown}")
+    return ClientError(f"input {name!r}: data is not a (rectangular) list of {datatype} values")
 
 
 def _shape_text(shape: Sequence[Any]) -> str:

@@ -18,7 +18,9 @@ def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve models over HTTP (KServe v2)")
     p.add_argument("--model", action="append", dest="models", metavar="SPEC",
                    help="builtin name (mlp, encoder, minilm, wide; decoder = generation at "
-                        "/v1/completions), module:Class or path/file.py:Class; repeat for "
+                        "/v1/completions), module:Class, path/file.py:Class, or files you "
+                        "have: hf:DIR, onnx:FILE.onnx, pt2:FILE.pt2 (options after the path: "
+                        "hf:DIR,task=generation); NAME=SPEC serves it as NAME; repeat for "
                         "several models (default: mlp and encoder)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1); any other than loopback "
