@@ -136,6 +136,17 @@ def test_chunked_request_body(service):
         assert status == 200 and outputs(answer) == [14.0] * 4
 
 
+@pytest.mark.parametrize("coding", ["gzip, chunked", "deflate, chunked", "identity"])
+def test_a_transfer_coding_other_than_chunked_is_refused_saying_what_to_send(service, coding):
+    sock, rd = connect(service["url"])
+    body = infer_body(7.0)
+    chunked = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    with sock:
+        sock.sendall(request("POST", INFER, headers={"Transfer-Encoding": coding}) + chunked)
+        status, _, answer = rd.response()
+        assert status == 400 and "Content-Encoding" in orjson.loads(answer)["error"]
+
+
 def test_head_answers_headers_only(service):
     sock, rd = connect(service["url"])
     with sock:

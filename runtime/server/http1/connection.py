@@ -186,6 +186,13 @@ class Connection(asyncio.Protocol):
             self.declared = declared if declared > 0 else 0
         elif name == b"expect" and value.lower() == b"100-continue":
             ex.expect_continue = True
+        elif name == b"transfer-encoding" and value.strip().lower() != b"chunked":
+            # the parser undoes chunked alone: a body under another coding would be read
+            # as if it had none
+            self.refuse(ClientError(
+                f"Transfer-Encoding {value[:60].decode('latin-1')!r} is not supported; send "
+                "the body with Content-Length or 'Transfer-Encoding: chunked' (a compressed "
+                "body: Content-Encoding gzip or deflate)"))
 
     def _check_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
         size = sum(len(k) + len(v) for k, v in headers)
