@@ -1,6 +1,6 @@
 """A traced request to a generation model over ``/v1/completions`` and
-``/v1/chat/completions``, and a KServe ``/infer`` the Starlette routes answer (not the
-fast path), gets every HTTP timestamp of its ``request_traces`` row, as one on the fast
+``/v1/chat/completions``, one to ``/v1/embeddings``, and a KServe ``/infer`` the
+Starlette routes answer (not the fast path), gets every HTTP timestamp of its ``request_traces`` row, as one on the fast
 path does: its receive times (from the HTTP/1 server, through the ASGI scope) and its
 send times (around the write of its answer; a streamed answer's from its first byte to
 its last).
@@ -25,6 +25,7 @@ from batchscope.storage.records import TraceRow
 from batchscope.storage.schema import RequestTraceRecord
 from runtime.api.config import ServerConfig
 from runtime.models.decoder import TinyDecoder
+from runtime.models.encoder import EncoderModel
 from runtime.models.toys import DoubleModel
 from runtime.server.service import Service, ServiceThread
 from tests.factories import wait_until
@@ -50,7 +51,7 @@ class Served:
     """The server, its database and the traces its tracer finished (raw, as handed over)."""
 
     def __init__(self, url: str) -> None:
-        self.service = Service({"mlp": DoubleModel()}, None,
+        self.service = Service({"mlp": DoubleModel(), "encoder": EncoderModel()}, None,
                                ServerConfig(database_url=url, grpc_port=0,
                                             heartbeat_interval_s=0.2,
                                             control_poll_interval_s=0.05),
@@ -220,6 +221,20 @@ def test_an_infer_the_routes_answer_has_its_receive_and_send_times(served, http)
     assert r.status_code == 200, r.text
     row = one_row(served, before)
     assert (row.model, row.protocol, row.outcome) == ("mlp", "http", "ok"), row
+    times = [getattr(row, c) for c in HTTP_ORDER]
+    assert None not in times and times == sorted(times), row
+    assert r.headers["batchscope-batch-id"] == str(row.batch_seq)
+
+
+def test_an_embeddings_request_is_one_trace_with_every_timestamp(served, http):
+    """``/v1/embeddings`` with two inputs: one trace (as a KServe request of several
+    items), its batch named in the answer, every timestamp set and in order."""
+    before = served.tracer.last_id
+    r = http.post("/v1/embeddings", json={"model": "encoder", "input": ["hello", "world"]})
+    assert r.status_code == 200, r.text
+    assert served.tracer.last_id == before + 1
+    row = one_row(served, before)
+    assert (row.model, row.protocol, row.outcome) == ("encoder", "http", "ok"), row
     times = [getattr(row, c) for c in HTTP_ORDER]
     assert None not in times and times == sorted(times), row
     assert r.headers["batchscope-batch-id"] == str(row.batch_seq)

@@ -51,8 +51,8 @@ from runtime.generation.engine import GenerationEngine, GenerationStream, TokenE
 from runtime.generation.params import GenerationRequest, parse_chat, parse_completion
 from runtime.server.openai_errors import (InvalidParam, error_response, model_not_found,
                                           openai_answer, routing_refusal)
-from runtime.server.openai_http import (GONE_STATUS, ClientGone, TimedAnswer, json_response,
-                                        model_routes, received_times, until_disconnected)
+from runtime.server.openai_http import (GONE_STATUS, ClientGone, TimedAnswer, begin_trace,
+                                        json_response, model_routes, until_disconnected)
 
 
 # -- the two answer shapes ----------------------------------------------------------------
@@ -203,16 +203,8 @@ def _begin_trace(engine: GenerationEngine, shape: "_Shape", request: Request) ->
     """The request's ``RequestTrace`` when the server's tracer (``engine.tracer``, set by
     the service) traces it, else None (see ``runtime.engine.tracing``); with its receive
     times, where the HTTP server gave them."""
-    tracer = getattr(engine, "tracer", None)
-    if tracer is None:
-        return None
-    traceparent = request.headers.get("traceparent")
-    if traceparent is None and not tracer.control.active:
-        return None
-    recv_start, recv_end = received_times(request)
-    return tracer.begin(engine.name, "http", None, traceparent,
-                        operation="chat" if shape.chat else "text_completion",
-                        recv_start=recv_start, recv_end=recv_end)
+    return begin_trace(getattr(engine, "tracer", None), engine.name,
+                       "chat" if shape.chat else "text_completion", request)
 
 
 def _end_trace(engine: GenerationEngine, trace: Any, streams: list[GenerationStream],

@@ -37,8 +37,8 @@ from starlette.routing import Route
 
 from runtime.api.errors import BatchScopeError, ClientError, RequestTooLarge
 from runtime.server.openai_errors import InvalidParam, error_response, model_not_found
-from runtime.server.openai_http import (GONE_STATUS, ClientGone, json_response, read_object,
-                                        until_disconnected)
+from runtime.server.openai_http import (GONE_STATUS, ClientGone, TimedAnswer, begin_trace,
+                                        json_response, read_object, until_disconnected)
 
 MAX_INPUTS = 2048
 #: the longest text one input may be (tokenizing holds the interpreter lock: ~1 ms a
@@ -154,6 +154,26 @@ def _known_adapter(engine: Any, model: str, adapter: str) -> str:
     return adapter
 
 
+def _begin_trace(engine: Any, name: str, request: Request, tokens: int) -> Any:
+    """The request's trace when the server traces it (``runtime.engine.tracing``: its
+    settings sample it, or it carried a sampled ``traceparent``), else None; one trace
+    for all its inputs, as a KServe request of several items has."""
+    trace = begin_trace(getattr(engine, "tracer", None), name, "embeddings", request)
+    if trace is not None:
+        trace.input_tokens = tokens
+    return trace
+
+
+def _sent(engine: Any, trace: Any, response: Response,
+          error: BaseException | None = None) -> Any:
+    """``response``, and for a traced request its trace stamped with the send times of
+    its write and recorded once written (``TimedAnswer``)."""
+    if trace is None:
+        return response
+    tracer = engine.tracer
+    return TimedAnswer(response, trace, tracer.clock.now, lambda: tracer.finish(trace, error))
+
+
 def embedding_routes(engine: Any) -> list[Route]:
     """``POST /v1/embeddings`` for ``engine``'s embedding models (``embedding_models``)."""
 
@@ -183,21 +203,27 @@ def embedding_routes(engine: Any) -> list[Route]:
                 prepared = _prepared(model, name, values)
         except Exception as exc:
             return error_response(exc, _WHERE)
+        tokens = sum(n for _, n in prepared)
+        trace = _begin_trace(engine, name, request, tokens)
         try:
             extra = {} if adapter is None else {"adapter": adapter}
             results = await until_disconnected(request, engine.infer_items(
                 name, [inputs for inputs, _ in prepared], priority=priority,
-                timeout_ms=timeout_ms, **extra))
-        except ClientGone:
+                timeout_ms=timeout_ms, trace=trace, **extra))
+        except ClientGone as exc:
+            if trace is not None:  # nothing is sent to a client that has gone
+                engine.tracer.finish(trace, exc)
             return Response(status_code=GONE_STATUS)
         except Exception as exc:
-            return error_response(exc, _WHERE)
-        tokens = sum(n for _, n in prepared)
-        return json_response({
+            return _sent(engine, trace, error_response(exc, _WHERE), exc)
+        answer = json_response({
             "object": "list", "model": asked,
             "data": [{"object": "embedding", "index": i,
                       "embedding": _encode(r[model.embedding_output], fmt)}
                      for i, r in enumerate(results)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        if trace is not None:
+            answer.headers.update(dict(trace.answer_headers()))
+        return _sent(engine, trace, answer)
 
     return [Route("/v1/embeddings", embeddings, methods=["POST"])]

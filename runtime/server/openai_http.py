@@ -8,8 +8,9 @@ model list, and noticing a client that went away.
   resources freed) and ``ClientGone`` raised. Streamed answers need no such wrapper
   once they started: the response notices the client leaving itself.
 * ``model_routes(names)``: ``GET /v1/models`` and ``GET /v1/models/{model}``.
-* ``received_times(request)`` and ``TimedAnswer``: a traced request's receive times
-  (from the HTTP/1 server's scope) and send times (around the write of its answer).
+* ``begin_trace``, ``received_times(request)`` and ``TimedAnswer``: a traced request's
+  trace, its receive times (from the HTTP/1 server's scope) and send times (around the
+  write of its answer).
 """
 
 from __future__ import annotations
@@ -90,6 +91,20 @@ def received_times(request: Request) -> tuple[float | None, float | None]:
         return None, None
     start, end = received
     return start or None, end or None
+
+
+def begin_trace(tracer: Any, model: str, operation: str, request: Request) -> Any:
+    """The request's trace when ``tracer`` (None: the server traces nothing) traces it:
+    its settings sample it, or it carried a sampled ``traceparent``
+    (``runtime.engine.tracing``); with its receive times where the server gave them."""
+    if tracer is None:
+        return None
+    traceparent = request.headers.get("traceparent")
+    if traceparent is None and not tracer.control.active:
+        return None
+    recv_start, recv_end = received_times(request)
+    return tracer.begin(model, "http", None, traceparent, operation=operation,
+                        recv_start=recv_start, recv_end=recv_end)
 
 
 class TimedAnswer:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import deque
+from time import monotonic
 import httptools
 
 from runtime.api.errors import (BatchScopeError, ClientError, HeadersTooLarge,
@@ -127,7 +128,9 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
-        self.last_active_s = self.loop.time()
+        # the moment the bytes came (a traced request's receive times): uvloop's loop.time()
+        # is the loop's cached millisecond, on the same monotonic clock
+        self.last_active_s = monotonic()
         server = self.server
         if server.shedding and self.current is None and not self.queue and not self.held:
             answer = server.shed(data)
