@@ -147,6 +147,25 @@ def test_a_transfer_coding_other_than_chunked_is_refused_saying_what_to_send(ser
         assert status == 400 and "Content-Encoding" in orjson.loads(answer)["error"]
 
 
+@pytest.mark.parametrize("version, hosts", [("1.1", 0), ("1.1", 2), ("1.0", 2)])
+def test_a_request_without_exactly_one_host_is_refused(service, version, hosts):
+    sock, rd = connect(service["url"])
+    head = (f"GET /v2/health/live HTTP/{version}\r\n" + "Host: 127.0.0.1\r\n" * hosts
+            + "\r\n").encode()
+    with sock:
+        sock.sendall(head)
+        status, _, answer = rd.response()
+        assert status == 400 and "one Host header" in orjson.loads(answer)["error"]
+
+
+def test_an_http_1_0_request_may_leave_host_out(service):
+    sock, rd = connect(service["url"])
+    with sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.0\r\n\r\n")
+        status, _, answer = rd.response()
+        assert status == 200 and orjson.loads(answer) == {"live": True}
+
+
 def test_head_answers_headers_only(service):
     sock, rd = connect(service["url"])
     with sock:

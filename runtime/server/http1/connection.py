@@ -187,6 +187,8 @@ class Connection(asyncio.Protocol):
                     f"the request body of {declared} bytes is larger than this server "
                     f"accepts ({self.server.max_body_bytes} bytes); send a smaller request"))
             self.declared = declared if declared > 0 else 0
+        elif name == b"host":
+            ex.hosts += 1
         elif name == b"expect" and value.lower() == b"100-continue":
             ex.expect_continue = True
         elif name == b"transfer-encoding" and value.strip().lower() != b"chunked":
@@ -215,6 +217,10 @@ class Connection(asyncio.Protocol):
         if ex.version not in ("1.1", "1.0"):
             self.refuse(HttpVersionNotSupported(f"HTTP/{ex.version} is not supported; use "
                                                 "HTTP/1.1"))
+        if ex.hosts != 1 and (ex.hosts or ex.version == "1.1"):  # RFC 9112, section 3.2
+            self.refuse(ClientError(f"an HTTP/{ex.version} request must carry one Host header "
+                                    f"field, this one has {ex.hosts}; send 'Host: "
+                                    "<host>:<port>' once"))
         self.head_since = 0.0
         self.body_since = self.last_active_s
         server = self.server

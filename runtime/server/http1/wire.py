@@ -72,7 +72,7 @@ class Exchange:
 
     __slots__ = ("method", "url", "headers", "body", "version", "keep_alive", "expect_continue",
                  "complete", "head_sent", "finished", "buffered", "chunked", "is_head",
-                 "disconnect", "continue_sent", "reserved")
+                 "disconnect", "continue_sent", "reserved", "hosts")
 
     def __init__(self) -> None:
         self.url = b""
@@ -94,6 +94,8 @@ class Exchange:
         self.disconnect: asyncio.Future | None = None
         #: body bytes counted against the server's in-flight budget until it finishes
         self.reserved = 0
+        #: Host header fields seen (HTTP/1.1 wants exactly one)
+        self.hosts = 0
 
 
 class Refused(Exception):
