@@ -240,6 +240,29 @@ def test_a_pt2_program_compiles_and_answers_as_it_does_eagerly(files):
         np.testing.assert_allclose(g["OUTPUT0"], e["OUTPUT0"], atol=1e-5)
 
 
+def test_a_pt2_program_compiled_outside_inference_mode_runs_outside_it(files):
+    """The retry ``compile`` makes when inference tensors trouble torch: the program's
+    module gets ordinary tensors, and runs with inference mode off, whatever the caller
+    holds."""
+    model = load_model(f"pt2:{files['mlp.pt2']}")
+    model.setup("cpu")
+    seen = []
+
+    def watched(module):
+        def forward(*args):
+            seen.append((torch.is_inference_mode_enabled(),
+                         any(a.is_inference() for a in args)))
+            return module(*args)
+        return forward
+
+    items = [model.decode({"INPUT0": np.ones(256, dtype=np.float32)})]
+    with torch.inference_mode():
+        for outside, expected in ((False, (True, True)), (True, (False, False))):
+            seen.clear()
+            model.predict_compiled_with(watched, outside)(model.collate(items, None))
+            assert seen == [expected]
+
+
 class Flatten(torch.nn.Module):
     def forward(self, x):
         return x.contiguous().view(-1) * 2

@@ -259,6 +259,20 @@ def test_window_too_large_is_refused_before_writing(filled, tmp_path):
     assert not path.exists()
 
 
+def test_an_export_replaces_a_file_whole_keeping_its_mode_and_writes_through_a_link(
+        filled, tmp_path):
+    engine, _ = filled
+    target = tmp_path / "kept.pftrace"
+    target.write_bytes(b"old")
+    target.chmod(0o600)
+    link = tmp_path / "link.pftrace"
+    link.symlink_to(target)
+    summary = export_trace(engine, WINDOW, link, "perfetto")
+    assert link.is_symlink() and target.stat().st_size == summary.bytes_written
+    assert (target.stat().st_mode & 0o777) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.pftrace", "link.pftrace"]
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(CLI + ["trace", *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -13,6 +13,7 @@ database is read once the recorder has written what the counts say it must.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 
 import httpx
@@ -194,6 +195,24 @@ def row(trace_id: int, protocol: str = "http") -> TraceRow:
 def writer() -> TraceFileWriter:
     return TraceFileWriter(list(zip(HTTP_NAMES, COLUMNS)),
                            grpc_names=list(zip(GRPC_NAMES, COLUMNS)))
+
+
+def test_the_trace_file_probe_creates_removes_and_blocks_on_nothing(tmp_path):
+    from runtime.engine.tracefile import check_writable
+
+    new = tmp_path / "new.json"
+    assert check_writable(str(new)) is None and not new.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # its probe file went too
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)  # opened for writing with no reader, a pipe would block the caller
+    assert check_writable(str(pipe)) == "it is not a regular file"
+    dangling = tmp_path / "link.json"
+    dangling.symlink_to(tmp_path / "elsewhere.json")
+    assert check_writable(str(dangling)) is None
+    assert dangling.is_symlink() and not (tmp_path / "elsewhere.json").exists()
+    kept = tmp_path / "kept.json"
+    kept.write_bytes(b"[]\n")
+    assert check_writable(str(kept)) is None and kept.read_bytes() == b"[]\n"
 
 
 def test_the_trace_file_is_a_json_array_after_every_write(tmp_path):

@@ -21,8 +21,10 @@ batch. An empty window still gives a valid trace, holding a note that says so.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -91,24 +93,43 @@ class _Counting:
 
 def _write_whole(path: Path, write) -> _Counting:
     """``write`` into a new file beside ``path``, which then replaces ``path``: a failed
-    export leaves no half-written file, and an older file of that name as it was. What
-    is not a regular file (a device, a pipe) is written to as it is."""
-    if path.exists() and not path.is_file():
-        with open(path, "wb") as fh:
-            counting = _Counting(fh)
-            write(counting)
-        return counting
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.part")
+    export leaves no half-written file, and an older file of that name as it was (its
+    mode kept; a link is written through). What is not a regular file (a device, a
+    pipe), and a file in a folder that takes no new one, is written in place."""
+    path = Path(os.path.realpath(path))
     try:
-        # the mode the umask leaves, as open() would give the file itself
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as fh:
+        st = path.stat()
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        return _write_in_place(path, write)
+    tmp = path.with_name(f".{path.name[:64]}.{os.getpid()}.{secrets.token_hex(4)}.part")
+    try:
+        # a new file gets the mode the umask leaves, as open() gives; one replacing a
+        # file gets that file's mode, the part file owner-only until then
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if st is None else 0o600)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG):
+            return _write_in_place(path, write)
+        raise
+    try:
+        with os.fdopen(fd, "wb") as fh:
             counting = _Counting(fh)
             write(counting)
+            if st is not None:
+                os.fchmod(fh.fileno(), stat.S_IMODE(st.st_mode))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return counting
+
+
+def _write_in_place(path: Path, write) -> _Counting:
+    with open(path, "wb") as fh:
+        counting = _Counting(fh)
+        write(counting)
     return counting
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
+import tempfile
 import threading
 from collections import deque
 from typing import Any
@@ -90,21 +92,40 @@ def append_to_array(path: str, items: list[bytes]) -> None:
 
 
 def check_writable(path: str) -> str | None:
-    """Why traces could not be appended to ``path`` (its folder must exist), or None:
-    the file is opened for appending as the writer will, and removed again when this
-    made it (a setting that names a file the server cannot write is refused, rather
-    than every trace being dropped later)."""
-    existed = os.path.exists(path)
+    """Why traces could not be appended to ``path`` (its folder must exist), or None
+    (a setting that names a file the server cannot write is refused, rather than every
+    trace being dropped later). Nothing is created or removed: an existing file must be
+    a regular one this process may read and write (as ``append_to_array`` opens it;
+    opened without blocking, so a pipe cannot hold the caller); for a new one, the
+    folder must take a file of this process and a name this long."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
     except OSError as exc:
         return exc.strerror or type(exc).__name__
-    os.close(fd)
-    if not existed:
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            return "it is not a regular file"
         try:
-            os.unlink(path)
-        except OSError:
+            os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW))
+        except OSError as exc:
+            return exc.strerror or type(exc).__name__
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        most = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        most = 255
+    if len(os.fsencode(os.path.basename(path))) > most:
+        return f"the file name is longer than the {most} bytes the folder takes"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "the folder is not writable"
+    try:  # what the folder really takes (a read-only mount, a pseudo file system)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".batchscope-probe-"):
             pass
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
     return None
 
 

@@ -210,18 +210,22 @@ def embedding_routes(engine: Any) -> list[Route]:
             results = await until_disconnected(request, engine.infer_items(
                 name, [inputs for inputs, _ in prepared], priority=priority,
                 timeout_ms=timeout_ms, trace=trace, **extra))
+            answer = json_response({
+                "object": "list", "model": asked,
+                "data": [{"object": "embedding", "index": i,
+                          "embedding": _encode(r[model.embedding_output], fmt)}
+                         for i, r in enumerate(results)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
         except ClientGone as exc:
             if trace is not None:  # nothing is sent to a client that has gone
                 engine.tracer.finish(trace, exc)
             return Response(status_code=GONE_STATUS)
         except Exception as exc:
             return _sent(engine, trace, error_response(exc, _WHERE), exc)
-        answer = json_response({
-            "object": "list", "model": asked,
-            "data": [{"object": "embedding", "index": i,
-                      "embedding": _encode(r[model.embedding_output], fmt)}
-                     for i, r in enumerate(results)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        except BaseException as exc:  # cancelled (the server stopping): recorded, not sent
+            if trace is not None:
+                engine.tracer.finish(trace, exc)
+            raise
         if trace is not None:
             answer.headers.update(dict(trace.answer_headers()))
         return _sent(engine, trace, answer)

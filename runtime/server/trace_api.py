@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -160,8 +161,9 @@ async def export_trace(request: Request) -> Response:
                         retry_after_s=2.0)
     _Exports.busy = True
     suffix, media = _FORMATS[fmt]
-    fd, path = tempfile.mkstemp(suffix=f".{suffix}", prefix="batchscope-export-")
-    os.close(fd)
+    # a folder of its own (owner-only), removed whole: what a killed export leaves goes too
+    folder = tempfile.mkdtemp(prefix="batchscope-export-")
+    path = os.path.join(folder, f"trace.{suffix}")
     try:
         cmd = [sys.executable, "-m", "runtime.tools.cli", "trace", "--db", url,
                f"--start={end - last!r}", f"--end={end!r}", "--format", fmt,
@@ -186,7 +188,7 @@ async def export_trace(request: Request) -> Response:
             data = fh.read()
     finally:
         _Exports.busy = False
-        os.unlink(path)
+        shutil.rmtree(folder, ignore_errors=True)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(end - last))
     return Response(data, media_type=media, headers={
         "Content-Disposition": f'attachment; filename="batchscope-{stamp}.{suffix}"'})

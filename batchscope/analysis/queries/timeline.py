@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from batchscope.analysis.queries.catalog import events
 from batchscope.analysis.queries.window import Window, connection, filtered, read_frame
@@ -77,7 +78,7 @@ class WindowTooLarge(ValueError):
     rows bunched in part of a long window get the length that part allows."""
 
     def __init__(self, rows: int, max_rows: int, window: Window,
-                 span: tuple[float, float] | None = None) -> None:
+                 span: tuple[float, float] | None = None, *, at_least: bool = False) -> None:
         self.rows = rows
         self.max_rows = max_rows
         first, last = span if span is not None else (window.start_s, window.end_s)
@@ -90,15 +91,16 @@ class WindowTooLarge(ValueError):
         where = "" if span is None else (
             f"; they lie within {_seconds(last - first)} s from "
             f"{datetime.fromtimestamp(first, timezone.utc):%Y-%m-%d %H:%M:%S} UTC")
+        held = f"more than {max_rows:,}" if at_least else f"{rows:,}"
         super().__init__(
-            f"the window holds {rows:,} batches and requests, more than {max_rows:,} can be "
+            f"the window holds {held} batches and requests, more than {max_rows:,} can be "
             f"read at once{where}; pick a window of at most {_seconds(self.fits_s)} s (or one model "
             "or instance)")
 
 
 def _round_down(x: float) -> float:
-    """``x`` rounded down to two significant digits (a hint never names a length that
-    the same rows would refuse again)."""
+    """``x`` rounded down to two significant digits (a hint does not name the length it
+    was worked out from, which rows spread evenly would refuse again)."""
     if not x > 0:
         return 0.0
     step = 10.0 ** (math.floor(math.log10(x)) - 1)
@@ -110,18 +112,27 @@ def _seconds(x: float) -> str:
     return f"{x:,.0f}" if x >= 10 else f"{x:.2g}"
 
 
-def _refusal(conn: Any, w: Window, rows: int, max_rows: int) -> WindowTooLarge:
-    """``WindowTooLarge`` with the span of the window's batches and requests."""
-    wb, pb = _overlapping(w, "started_at", "ended_at")
-    wr, pr = _overlapping(w, "arrived_at", "finished_at")
-    b = read_frame(conn, f"SELECT MIN(started_at) AS a, MAX(ended_at) AS z FROM batches "
-                         f"WHERE {wb}", pb)
-    r = read_frame(conn, f"SELECT MIN(arrived_at) AS a, MAX(finished_at) AS z FROM requests "
-                         f"WHERE {wr}", pr)
-    firsts = [float(v) for v in (b["a"].iloc[0], r["a"].iloc[0]) if pd.notna(v)]
-    lasts = [float(v) for v in (b["z"].iloc[0], r["z"].iloc[0]) if pd.notna(v)]
+def _refusal(conn: Any, w: Window, rows: int, max_rows: int, *,
+             requests: bool = True, at_least: bool = False) -> WindowTooLarge:
+    """``WindowTooLarge`` with the span of the rows counted: the window's batches, and its
+    requests when they were counted (``requests``); without a span when it cannot be
+    read. ``at_least``: ``rows`` is a lower bound (a count cut short)."""
+    parts = [("batches", "started_at", "ended_at")]
+    if requests:
+        parts.append(("requests", "arrived_at", "finished_at"))
+    firsts: list[float] = []
+    lasts: list[float] = []
+    try:
+        for table, start, end in parts:
+            where, params = _overlapping(w, start, end)
+            got = read_frame(conn, f"SELECT MIN({start}) AS a, MAX({end}) AS z FROM {table} "
+                                   f"WHERE {where}", params)
+            firsts += [float(v) for v in got["a"] if pd.notna(v)]
+            lasts += [float(v) for v in got["z"] if pd.notna(v)]
+    except SQLAlchemyError:  # a hint without the span, rather than a database error
+        firsts = lasts = []
     span = (min(firsts), max(lasts)) if firsts and lasts else None
-    return WindowTooLarge(rows, max_rows, w, span)
+    return WindowTooLarge(rows, max_rows, w, span, at_least=at_least)
 
 
 @dataclass
@@ -182,7 +193,7 @@ def timeline_rows(engine: Engine, w: Window, max_rows: int = MAX_ROWS, *,
     rows = count_rows(engine, w, requests=every)
     if rows > max_rows:
         with connection(engine) as conn:
-            raise _refusal(conn, w, rows, max_rows)
+            raise _refusal(conn, w, rows, max_rows, requests=every)
     wb, pb = _overlapping(w, "started_at", "ended_at")
     wr, pr = _overlapping(w, "arrived_at", "finished_at")
     ws, ps = _overlapping(w, "at - step_s", "at")
@@ -198,7 +209,10 @@ def timeline_rows(engine: Engine, w: Window, max_rows: int = MAX_ROWS, *,
                                      f"(outcome <> 'ok' OR bypass = :yes) ORDER BY arrived_at, id "
                                      "LIMIT :lim", {**pr, "yes": True, "lim": max_rows - rows + 1})
             if rows + len(marks) > max_rows:
-                raise _refusal(conn, w, rows + len(marks), max_rows)
+                # the marks were read up to the limit: the count is a lower bound, and
+                # the span that of the batches
+                raise _refusal(conn, w, rows + len(marks), max_rows, requests=False,
+                               at_least=True)
             slow = read_frame(conn, f"SELECT {cols} FROM requests WHERE {wr} "
                                     "ORDER BY latency_s DESC LIMIT :n", {**pr, "n": slowest})
             reqs = _merged(marks, slow)

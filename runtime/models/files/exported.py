@@ -10,6 +10,7 @@ program runs with ``ExportedProgram.module()`` on ``--device`` under
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import zipfile
@@ -139,10 +140,14 @@ class ExportedModel(GraphModel):
 
     def run(self, feeds: dict[str, np.ndarray], forward: Any = None,
             outside_inference: bool = False) -> list[torch.Tensor]:
-        args = [torch.from_numpy(feeds[name]).to(self.device, non_blocking=True)
-                for name in self._order]
-        mode = torch.no_grad() if outside_inference else inference()
-        with mode:
+        with contextlib.ExitStack() as modes:
+            if outside_inference:  # ordinary tensors, made and used outside inference mode
+                modes.enter_context(torch.inference_mode(False))
+                modes.enter_context(torch.no_grad())
+            args = [torch.from_numpy(feeds[name]).to(self.device, non_blocking=True)
+                    for name in self._order]
+            if not outside_inference:
+                modes.enter_context(inference())
             out = (self.module if forward is None else forward)(*args)
         if isinstance(out, dict):
             return list(out.values())

@@ -81,7 +81,7 @@ class Connection(asyncio.Protocol):
         here = transport.get_extra_info("sockname")
         self.client = tuple(peer[:2]) if isinstance(peer, tuple) else None
         self.local = tuple(here[:2]) if isinstance(here, tuple) else None
-        self.last_active_s = self.loop.time()
+        self.last_active_s = monotonic()
         server = self.server
         if len(server.connections) >= server.max_connections and not server.make_room():
             self.closing = True
@@ -338,7 +338,7 @@ class Connection(asyncio.Protocol):
             ex.continue_sent = True
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             if ex is self.current:  # the body is asked for only now: time it from here
-                self.body_since = self.last_active_s = self.loop.time()
+                self.body_since = self.last_active_s = monotonic()
 
     def write(self, ex: Exchange, data: bytes) -> None:
         if self.closed:
@@ -377,7 +377,7 @@ class Connection(asyncio.Protocol):
             if self.writable is None and not self.held:
                 self.transport.resume_reading()
         if not queue:
-            self.last_active_s = self.loop.time()
+            self.last_active_s = monotonic()
             if self.server.stopping:
                 self.close()
 

@@ -78,7 +78,7 @@ def _trace(args: argparse.Namespace) -> int:
         return _fail(f"batchscope trace: {exc}")
     except SQLAlchemyError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "no such table" in first or "does not exist" in first:
+        if "no such table" in first or ("relation" in first and "does not exist" in first):
             return _fail(f"batchscope trace: the database holds no BatchScope tables ({first}); "
                          "give the URL a runtime records to (batchscope serve --db)")
         return _fail(f"batchscope trace: cannot read the database: {first}")
