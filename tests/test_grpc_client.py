@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 from typing import Any
@@ -271,6 +272,34 @@ def test_typed_contents_from_a_plain_grpc_stub(served):
         want = served.service.engine.model("mlp").net(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert list(response.outputs[0].shape) == [2, OUT_FEATURES]
+
+
+def test_bytes_that_are_no_request_message_are_invalid_argument(served, caplog):
+    """Not a ModelInferRequest: INVALID_ARGUMENT saying so (not gRPC's UNKNOWN and a
+    traceback in the log); in a stream, that request's error, the others answered."""
+    def raw_bytes(message):
+        return message if isinstance(message, bytes) else message.SerializeToString()
+
+    good = service_pb2.ModelInferRequest(model_name="mlp")
+    good.inputs.add(name="INPUT0", datatype="FP32", shape=[1, IN_FEATURES])
+    good.raw_input_contents.append(rows(1).tobytes())
+    with grpc.insecure_channel(served.address) as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer", request_serializer=raw_bytes,
+            response_deserializer=service_pb2.ModelInferResponse.FromString)
+        with pytest.raises(grpc.RpcError) as info:
+            infer(b"\xff\xff\xff", timeout=TIMEOUT_S)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid inference.ModelInferRequest" in info.value.details()
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer", request_serializer=raw_bytes,
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
+        replies = list(stream(iter([good, b"\xff\xff\xff", good]), timeout=TIMEOUT_S))
+    errors = sorted(r.error_message for r in replies)
+    assert len(replies) == 3 and errors[:2] == ["", ""]
+    assert "not a valid inference.ModelInferRequest" in errors[2]
+    assert not [r for r in caplog.records if "Traceback" in r.getMessage()
+                or r.levelno >= logging.ERROR]
 
 
 def test_compressed_requests(client):

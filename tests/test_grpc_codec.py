@@ -171,6 +171,12 @@ def test_bytes_inputs_raw_and_typed():
      "parameter timeout=-5 must be a non-negative number of microseconds"),
     (lambda r: (tensor(r, "INPUT0", "FP32", [4]).contents.fp32_contents.extend([0] * 4),
                 r.outputs.add(name="NOPE")), "unknown output 'NOPE'"),
+    (lambda r: (tensor(r, "INPUT0", "FP32", [4]).contents.fp32_contents.extend([0] * 4),
+                r.inputs[0].contents.int64_contents.extend([7] * 3)),
+     "FP32 values go in contents.fp32_contents; contents.int64_contents must be empty"),
+    (lambda r: (tensor(r, "INPUT0", "FP32", [4]).contents.fp32_contents.extend([0] * 4),
+                r.outputs.add(name="OUTPUT0"), r.outputs.add(name="OUTPUT0")),
+     "output 'OUTPUT0' is asked for more than once"),
     (lambda r: tensor(r, "INPUT0", "FP32", [4]).parameters["shared_memory_region"]
      .MergeFrom(service_pb2.InferParameter(string_param="region")),
      "shared-memory tensors ('shared_memory_region') are not supported"),

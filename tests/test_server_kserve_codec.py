@@ -61,6 +61,8 @@ def test_variable_dimension_accepts_any_length():
     (body([fp32([1, 2, 3, 4])], parameters={"timeout": -5}), "timeout=-5"),
     (body([fp32([1, 2, 3, 4])], parameters={"realtime": "yes"}), "realtime='yes'"),
     (body([fp32([1, 2, 3, 4])], outputs=[{"name": "NOPE"}]), "unknown output 'NOPE'"),
+    (body([fp32([1, 2, 3, 4])], outputs=[{"name": "OUTPUT0"}, {"name": "OUTPUT0"}]),
+     "output 'OUTPUT0' is asked for more than once"),
 ])
 def test_malformed_requests_are_client_errors_naming_the_problem(raw, fragment):
     with pytest.raises(ClientError) as info:

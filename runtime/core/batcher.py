@@ -420,8 +420,8 @@ class Batcher:
             f"ms to drain, longer than "
             + ("the longest timeout of recent requests and the model's default_timeout_ms, "
                if judged_by_recent else "this request's timeout of ")
-            + f"{remaining_s * 1000.0:.0f} ms; retry after about {retry:.2f}s, send a longer "
-            "timeout_ms or less load",
+            + f"{ms_text(remaining_s * 1000.0)} ms; retry after about {retry:.2f}s, send a longer "
+            f"timeout ({TIMEOUT_HOW}) or less load",
             retry_after_s=retry)
         self._slow = (key, error)
         return error
@@ -680,3 +680,14 @@ class Batcher:
 
     def depth_by_bucket(self) -> dict[int | None, int]:
         return {key: self._queues[key].count + self._bypass[key].count for key in self._queues}
+
+
+#: how a client sets a request's timeout, whichever protocol it speaks
+TIMEOUT_HOW = ("KServe's timeout parameter, in microseconds; timeout_ms on the OpenAI "
+               "routes")
+
+
+def ms_text(value: float) -> str:
+    """Milliseconds for a message: whole ones, or three digits below 10 (a timeout of a
+    few microseconds does not read as 0 ms)."""
+    return f"{value:.0f}" if value >= 10 else f"{value:.3g}"

@@ -55,7 +55,7 @@ from batchscope.storage.records import (BatchRow, EventRow, ListRecorder, Record
                                         shapes_json, timeout_of)
 from runtime.api.errors import (BatchLost, BatchScopeError, ModelError, ModelNotReady, ModelTimedOut,
                                 OutOfMemory, RequestExpired)
-from runtime.core.batcher import Batch, pad_length
+from runtime.core.batcher import TIMEOUT_HOW, Batch, ms_text, pad_length
 from runtime.core.request import PendingRequest
 from runtime.core.tracing import PlainTrace
 from runtime.device.oom import Attempt
@@ -519,11 +519,13 @@ class Booking:
             waited_ms = (now - req.arrived_s) * 1000.0
             deadline = req.deadline_s if req.deadline_s is not None else now
             timeout_ms = (deadline - req.arrived_s) * 1000.0
-            why = (f"past its timeout of {timeout_ms:.0f} ms" if now >= deadline else
-                   f"and its batch could not have ended within its timeout of {timeout_ms:.0f} ms")
+            why = (f"past its timeout of {ms_text(timeout_ms)} ms" if now >= deadline else
+                   "and its batch could not have ended within its timeout of "
+                   f"{ms_text(timeout_ms)} ms")
             self.settle(model, req, now, "expired", error=RequestExpired(
-                f"the request waited {waited_ms:.0f} ms in the queue of model {model.name!r}, "
-                f"{why}, and was not run; raise timeout_ms or send less load"))
+                f"the request waited {ms_text(waited_ms)} ms in the queue of model "
+                f"{model.name!r}, {why}, and was not run; give it a longer timeout "
+                f"({TIMEOUT_HOW}) or send less load"))
         count = model.counts.expiries.hit(now, len(reqs))
         if count:
             self.event(model.name, now, "expired",

@@ -43,9 +43,9 @@ from urllib.parse import unquote
 
 import grpc
 from google.protobuf import json_format
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
-from runtime.api.errors import ModelNotFound, ModelNotReady, ShuttingDown
+from runtime.api.errors import ClientError, ModelNotFound, ModelNotReady, ShuttingDown
 from runtime.core.tracing import parse_changes
 from runtime.server import triton
 from runtime.server.auth import AuthConfig
@@ -127,6 +127,31 @@ class InFlight:
         return not self.calls
 
 
+class Undecodable:
+    """What a request message that does not parse becomes (``lenient``): answered
+    INVALID_ARGUMENT (a stream's request, with its ``error_message``) rather than by
+    gRPC's own handler of an unexpected exception (UNKNOWN, a traceback in the log)."""
+
+    model_name = model_version = id = ""
+
+    def __init__(self, type_name: str, exc: Exception) -> None:
+        self.error = ClientError(f"the request is not a valid {type_name} message ({exc}); "
+                                 f"send a serialized {type_name}")
+
+
+def lenient(request: type) -> Callable[[bytes], Any]:
+    """``request.FromString``, or an ``Undecodable`` where the bytes do not parse."""
+    name = request.DESCRIPTOR.full_name
+
+    def parse(data: bytes) -> Any:
+        try:
+            return request.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(name, exc)
+
+    return parse
+
+
 def _answered(method: str, fn: Unary, flight: InFlight) -> Unary:
     """``fn`` with every failure answered as a gRPC status (``status.refusal``), counted
     in ``flight``, and refused while the server stops (but a liveness call: the process
@@ -140,6 +165,8 @@ def _answered(method: str, fn: Unary, flight: InFlight) -> Unary:
             await _abort(context, ShuttingDown(STOPPING), where)
         flight.enter()
         try:
+            if type(request) is Undecodable:
+                raise request.error
             return await fn(request, context)
         except grpc.aio.AbortError:
             raise
@@ -198,12 +225,12 @@ class InferenceHandlers:
             response = message(method.output_type.name)
             if method.name == "ModelStreamInfer":
                 handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                    self.model_stream_infer, request_deserializer=request.FromString,
+                    self.model_stream_infer, request_deserializer=lenient(request),
                     response_serializer=response.SerializeToString)
                 continue
             fn = self._unary.get(method.name) or self._unimplemented(method.name)
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _answered(method.name, fn, self.flight), request_deserializer=request.FromString,
+                _answered(method.name, fn, self.flight), request_deserializer=lenient(request),
                 response_serializer=response.SerializeToString)
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
@@ -368,6 +395,8 @@ class InferenceHandlers:
             try:
                 if self.flight.stopping:
                     raise ShuttingDown(STOPPING)
+                if type(request) is Undecodable:
+                    raise request.error
                 reply = stream_response(infer_response=await self._infer(request, traceparent))
             except Exception as exc:
                 reply = stream_response(

@@ -97,6 +97,10 @@ def _from_contents(name: str, datatype: str, tensor: Message, count: int) -> np.
         raise ClientError(f"input {name!r}: its shape needs {count} values, contents."
                           f"{field} holds {len(values)} (a {datatype} input's values go in "
                           f"contents.{field}, or every input's in raw_input_contents)")
+    stray = [f.name for f, _ in tensor.contents.ListFields() if f.name != field]
+    if stray:  # values beside the right ones: not silently dropped
+        raise ClientError(f"input {name!r}: {datatype} values go in contents.{field}; "
+                          f"contents.{stray[0]} must be empty")
     if datatype == "BYTES":
         arr = np.empty(count, dtype=object)
         arr[:] = list(values)

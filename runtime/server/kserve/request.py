@@ -121,6 +121,9 @@ def apply_requested_outputs(outputs: Any, specs: Sequence[TensorSpec],
             raise ClientError("each entry of 'outputs' needs a 'name' string")
         if name not in known:
             raise ClientError(f"unknown output {name!r}; this model's outputs are {sorted(known)}")
+        if name in names:
+            raise ClientError(f"output {name!r} is asked for more than once; name each output "
+                              "once")
         params = o.get("parameters")
         if params is not None and type(params) is not dict:
             raise ClientError(f"output {name!r}: 'parameters' must be a JSON object, got "
