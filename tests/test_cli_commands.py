@@ -64,6 +64,21 @@ def _has_cuda() -> bool:
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["serve", "--no-record", "--device", "gpu0"], "--device 'gpu0' is not a device name"),
     (["serve", "--no-record", "--device", "mps"], "only cpu and cuda devices"),
+    # a database that cannot be opened, a settings "file" that is a device, bad flags
+    (["serve", "--port", "0", "--db", "sqlite:////etc/passwd"],
+     "cannot open the database at sqlite:////etc/passwd"),
+    (["serve", "--port", "0", "--db", "postgresql+psycopg://u@127.0.0.1:1/db"],
+     "serve with --no-record"),
+    (["serve", "--no-record", "--port", "0", "--model-config", "mlp=/dev/zero"],
+     "it is not a regular file"),
+    (["serve", "--no-record", "--port", "0", "--model", "a=mlp", "--model", "a=encoder"],
+     "e.g. --model a2=encoder"),
+    (["load", "--timeout-ms", "nan"], "--timeout-ms nan must be a positive"),
+    (["--log-level", "BOGUS", "trace", "-o", "x.json"], "invalid choice: 'BOGUS'"),
+    (["snapshot", "export", "--out", "x.zip", "--db", "sqlite:////no/such/folder/x.db"],
+     "there is no SQLite database file"),
+    (["snapshot", "export", "--out", "x.zip", "--db", "sqlite:////etc/passwd"],
+     "cannot read the database"),
 ] + ([] if _has_cuda() else [
     (["serve", "--no-record", "--device", "cuda"], "no CUDA device is available here"),
 ])))

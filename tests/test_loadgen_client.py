@@ -98,3 +98,26 @@ def test_open_loop_through_an_awkward_server(awkward_url):
                       payloads=[b"{}"], path="/")
     assert report.mode == "open" and report.sent == 60
     assert report.ok == 60, report.errors_by_status
+
+
+def test_a_server_that_is_no_kserve_server_is_named_so_in_one_line():
+    """An HTTP server that answers its own 404 page: the error says so in one line,
+    without the page."""
+    import http.server
+
+    from batchscope.load.payloads import LoadError
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                            http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(LoadError) as info:
+            run_load(f"http://127.0.0.1:{httpd.server_address[1]}", "mlp", concurrency=1,
+                     duration_s=1.0)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    message = str(info.value)
+    assert "is it a `batchscope serve`" in message and "\n" not in message
+    assert "<html" not in message.lower()

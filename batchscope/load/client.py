@@ -173,10 +173,21 @@ async def fetch_metadata(url: str, model: str) -> dict:
         raise LoadError(f"cannot reach {url} ({type(exc).__name__}: {exc}); is "
                         "`batchscope serve` running there?") from None
     if status != 200:
-        raise LoadError(f"model {model!r} is not served at {url} (HTTP {status}: "
-                        f"{body.decode(errors='replace')[:200]})")
+        try:  # a KServe server says why in JSON; another server's page is not repeated
+            why = str(orjson.loads(body)["error"])[:200]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise LoadError(f"{url} answered HTTP {status} to GET /v2/models/{model}, and not "
+                            "in KServe's JSON: is it a `batchscope serve` (or another KServe "
+                            "v2) server?") from None
+        raise LoadError(f"model {model!r} is not served at {url} (HTTP {status}: {why})")
     try:
         config_doc = orjson.loads(config) if config_status == 200 else None
     except orjson.JSONDecodeError:
         config_doc = None
-    return item_metadata(orjson.loads(body), config_doc if isinstance(config_doc, dict) else None)
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise LoadError(f"{url} answered GET /v2/models/{model} with something other than "
+                        "JSON: is it a `batchscope serve` (or another KServe v2) server?"
+                        ) from None
+    return item_metadata(doc, config_doc if isinstance(config_doc, dict) else None)

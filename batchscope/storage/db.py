@@ -164,6 +164,11 @@ def _rounded(to_int):
     return rounded
 
 
+class DatabaseUnavailable(RuntimeError):
+    """The database could not be opened or brought to this schema (the reason is in the
+    message): a URL that names no reachable database, or a file that is not one."""
+
+
 class SchemaTooNew(RuntimeError):
     """The database was written by a newer BatchScope than this one; nothing was changed."""
 

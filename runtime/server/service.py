@@ -64,9 +64,10 @@ def open_database_child(url: str) -> Any:
         calls.start()
     except RemoteCallError as exc:
         known = getattr(db, exc.name, None)
-        if isinstance(known, type) and issubclass(known, Exception):
+        if (isinstance(known, type) and issubclass(known, Exception)
+                and known.__module__ == db.__name__):  # BatchScope's own, built from a message
             raise known(exc.message) from None
-        raise RuntimeError(f"the database at {url} could not be opened: {exc}") from None
+        raise db.DatabaseUnavailable(exc.message) from None
     return calls
 
 

@@ -33,7 +33,7 @@ def cli_export(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.minutes > 0 and math.isfinite(args.minutes)):
         parser.error(f"--minutes={args.minutes} must be a positive number")
-    engine = make_engine(args.db)
+    engine = make_engine(args.db, create=False)  # a snapshot reads; it creates nothing
     end = args.end if args.end is not None else time.time()
     w = Window.last(args.minutes, now=end, model=args.model, instance_id=args.instance)
     manifest = export_snapshot(engine, w, args.out, slo_ms=args.slo_ms)

@@ -38,7 +38,9 @@ __all__ = ["EXIT_USAGE", "UsageError", "adapter_args", "build_parser", "check_da
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="batchscope", description="BatchScope: batching inference runtime "
                                                     "with a live observability dashboard")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="DEBUG, INFO, WARNING (the default) or ERROR")
     parser.add_argument("--version", action="version", version=version_line(),
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

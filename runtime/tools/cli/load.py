@@ -33,8 +33,16 @@ def _add_load(sub: Any) -> None:
 
 
 def _load(args: argparse.Namespace) -> int:
-    from batchscope.load.loadgen import measure_ceiling, run_load
+    import math
+    import sys
 
+    from batchscope.load.loadgen import measure_ceiling, run_load
+    from runtime.tools.cli.common import UsageError
+
+    if args.timeout_ms is not None and not (math.isfinite(args.timeout_ms)
+                                            and args.timeout_ms > 0):
+        raise UsageError(f"batchscope load: --timeout-ms {args.timeout_ms} must be a positive "
+                         "number of milliseconds")
     if args.ceiling:
         report = measure_ceiling(duration_s=args.duration_s, concurrency=args.concurrency)
     else:
@@ -44,4 +52,8 @@ def _load(args: argparse.Namespace) -> int:
                           timeout_ms=args.timeout_ms, bypass=args.bypass, seed=args.seed,
                           adapters=[None if a == "base" else a for a in args.adapters])
     print(json.dumps(report.to_dict()) if args.json else report.summary(), flush=True)
+    if report.sent and not report.ok:  # every request refused: the run measured nothing
+        print("batchscope load: no request was answered ok; see the errors by status above",
+              file=sys.stderr)
+        return 1
     return 0

@@ -4,6 +4,7 @@ in the foreground (``run_service``), or on Ray Serve replicas (``--replicas``)."
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -102,6 +103,9 @@ def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu"
         print(f"batchscope serving on {service.url}{grpc}  models: {', '.join(names)}  "
               f"device: {device}  database: {where}  {service.auth.describe()}", flush=True)
 
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from batchscope.storage.db import DatabaseNotFound, DatabaseUnavailable, SchemaTooNew
     from runtime.api.errors import BatchScopeError
 
     try:
@@ -110,12 +114,20 @@ def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu"
                           adapters=adapters, own_process=True)
     except BatchScopeError as exc:
         raise UsageError(f"--adapter: {exc.message}") from None
+    except (DatabaseUnavailable, DatabaseNotFound, SchemaTooNew, SQLAlchemyError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"cannot open the database at {server.database_url}: {first[:300]}; "
+                         "check --db (or $BATCHSCOPE_DB_URL), or serve with --no-record"
+                         ) from None
     loop = new_event_loop()
     try:
         loop.run_until_complete(service.serve())
     except OSError as exc:
+        what = ("pick another --port or stop what uses it" if exc.errno == errno.EADDRINUSE
+                else "check --host: an address of this machine (127.0.0.1, 0.0.0.0, or one "
+                     "of its interfaces)")
         raise UsageError(f"cannot listen on {server.host}:{server.port} ({exc.strerror or exc}); "
-                         "pick another --port or stop what uses it") from None
+                         f"{what}") from None
     except RuntimeError as exc:  # startup failed; the reason was logged above
         print(f"batchscope: {exc}", file=sys.stderr)
         return 1

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -128,7 +130,7 @@ def _per_model_changes(args: argparse.Namespace, names: Sequence[str],
             raise UsageError(f"--model-config {item!r}: write NAME=PATH.json with NAME one of "
                              f"{list(names)}")
         try:
-            doc = json.loads(Path(path).read_text())
+            doc = json.loads(_settings_file(path))
         except (OSError, ValueError) as exc:
             raise UsageError(f"--model-config {item!r}: cannot read a JSON object from {path} "
                              f"({exc})") from None
@@ -182,7 +184,7 @@ def load_models(specs: Sequence[str]) -> tuple[dict, dict]:
         model = load_model(spec)
         if model.name in models or model.name in generation:
             raise UsageError(f"two models are named {model.name!r}; serve one under another name "
-                             f"with NAME=SPEC, e.g. --model {model.name}2={spec}")
+                             f"with NAME=SPEC, e.g. --model {model.name}2={_bare(spec)}")
         model.source_spec = spec  # the device process loads request models again from it
         (generation if is_generation_model(model) else models)[model.name] = model
     return models, generation
@@ -269,3 +271,26 @@ def adapter_args(items: list[str], models: dict) -> list[tuple[str, str, str]]:
                              f"that do: {takers or 'none'}")
         out.append((model, name, path))
     return out
+
+
+#: the largest settings file ``--model-config`` reads
+MAX_SETTINGS_FILE_BYTES = 1 << 20
+
+
+def _settings_file(path: str) -> str:
+    """The text of a settings file: a regular file of at most ``MAX_SETTINGS_FILE_BYTES``
+    (a device or a pipe would be read without end), else ``ValueError`` saying so."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("it is not a regular file")
+    if st.st_size > MAX_SETTINGS_FILE_BYTES:
+        raise ValueError(f"it holds {st.st_size:,} bytes, more than a settings file may "
+                         f"({MAX_SETTINGS_FILE_BYTES:,})")
+    return Path(path).read_text()
+
+
+def _bare(spec: str) -> str:
+    """``spec`` without the ``NAME=`` it may start with (a kind such as ``hf:`` or a
+    path holds no ``=`` before its first ``:`` or ``/``)."""
+    name, sep, rest = spec.partition("=")
+    return rest if sep and not any(c in name for c in ":/,") else spec

@@ -3,7 +3,7 @@ which needs the dashboard packages."""
 
 from __future__ import annotations
 
-from runtime.tools.cli.common import UsageError
+from runtime.tools.cli.common import UsageError, _fail
 
 
 def _snapshot(argv: list[str]) -> int:
@@ -17,4 +17,21 @@ def _snapshot(argv: list[str]) -> int:
     if argv[:1] != ["export"]:
         raise UsageError("usage: batchscope snapshot export [options]; see "
                          "batchscope snapshot export --help")
-    return int(export(argv[1:]) or 0)
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+    from batchscope.storage.db import DatabaseNotFound
+
+    try:
+        return int(export(argv[1:]) or 0)
+    except DatabaseNotFound as exc:
+        return _fail(f"batchscope snapshot export: {exc}")
+    except ArgumentError as exc:
+        return _fail(f"batchscope snapshot export: --db is not a database URL ({exc}); give "
+                     "one such as sqlite:///data/batchscope.db")
+    except SQLAlchemyError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return _fail(f"batchscope snapshot export: cannot read the database: {first[:300]}")
+    except OSError as exc:
+        return _fail(f"batchscope snapshot export: cannot write the snapshot "
+                     f"({exc.strerror or exc}: {exc.filename or ''}); give --out a .zip path "
+                     "in a folder that exists")
