@@ -219,3 +219,18 @@ def test_serve_a_generation_model_alone():
         assert done.status_code == 200, done.text
         assert done.json()["usage"]["completion_tokens"] == 4
         assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
+
+
+def test_a_grpc_port_in_use_is_said_in_one_line_exit_2():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run(CLI + ["serve", "--no-record", "--model", "mlp", "--port", "0",
+                                  "--grpc-port", str(port)],
+                           capture_output=True, text=True, timeout=120, env=ENV)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]  # grpc's own core may log a line before it
+    assert f"could not listen on 127.0.0.1:{port}" in last and "--grpc-port" in last

@@ -283,3 +283,8 @@ def error_answer(exc: BaseException, where: str,
             headers.append((b"allow", ", ".join(allow).encode("latin-1")))
     doc = error.to_dict() if document is None else document(error)
     return error.http_status, headers, orjson.dumps(doc)
+
+
+class ListenError(OSError):
+    """A port of the server could not be taken (in use, or not an address of this
+    machine): the message names which; the command line says it in one line."""

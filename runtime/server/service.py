@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 from batchscope import gctune
 from batchscope.version import version
 from runtime.api.config import BatchingConfig, ServerConfig
+from runtime.api.errors import ListenError
 from runtime.api.model import ModelAPI
 from runtime.server.auth import AuthConfig, auth_for_listening
 from runtime.server.drain import DRAIN_TIMEOUT_S, STOP_FINAL_S, DrainClock, refusal
@@ -388,6 +389,10 @@ class Service:
             with _exit_on_signals(loop, self.request_exit):
                 try:
                     await self.startup()
+                except ListenError:  # the caller's to say, in one line
+                    with contextlib.suppress(Exception):
+                        await self.shutdown()
+                    raise
                 except Exception as exc:
                     log.exception("startup failed")
                     with contextlib.suppress(Exception):

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 import grpc
 
-from runtime.api.errors import ConfigError
+from runtime.api.errors import ConfigError, ListenError
 from runtime.server.auth import AuthConfig
 from runtime.server.bounds import MemoryBudget
 from runtime.server.grpc.handlers import InferenceHandlers
@@ -92,11 +92,11 @@ class GrpcServer:
         try:
             bound = server.add_insecure_port(_address(host, port))
         except RuntimeError as exc:
-            raise OSError(f"the gRPC server could not listen on {_address(host, port)} "
-                          f"({exc}); is the port in use?") from None
+            raise ListenError(f"the gRPC server could not listen on "
+                                  f"{_address(host, port)} ({exc}); is the port in use?") from None
         if not bound:
-            raise OSError(f"the gRPC server could not listen on {_address(host, port)}; is "
-                          "the port in use?")
+            raise ListenError(f"the gRPC server could not listen on {_address(host, port)}; "
+                                  "is the port in use?")
         await server.start()
         self._server = server
         self.port = bound

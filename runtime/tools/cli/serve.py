@@ -106,7 +106,7 @@ def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu"
     from sqlalchemy.exc import SQLAlchemyError
 
     from batchscope.storage.db import DatabaseNotFound, DatabaseUnavailable, SchemaTooNew
-    from runtime.api.errors import BatchScopeError
+    from runtime.api.errors import BatchScopeError, ListenError
 
     try:
         service = Service(models, configs, server, device=device, instance_id=instance_id,
@@ -122,6 +122,9 @@ def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu"
     loop = new_event_loop()
     try:
         loop.run_until_complete(service.serve())
+    except ListenError as exc:
+        said = str(exc).removesuffix("; is the port in use?")
+        raise UsageError(f"{said}; pick another --grpc-port or stop what uses it") from None
     except OSError as exc:
         what = ("pick another --port or stop what uses it" if exc.errno == errno.EADDRINUSE
                 else "check --host: an address of this machine (127.0.0.1, 0.0.0.0, or one "
