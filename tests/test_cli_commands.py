@@ -79,6 +79,8 @@ def _has_cuda() -> bool:
      "there is no SQLite database file"),
     (["snapshot", "export", "--out", "x.zip", "--db", "sqlite:////etc/passwd"],
      "cannot read the database"),
+    (["snapshot", "export", "--out", "x.zip", "--minutes", "abc"],
+     "argument --minutes: invalid float value: 'abc'"),
 ] + ([] if _has_cuda() else [
     (["serve", "--no-record", "--device", "cuda"], "no CUDA device is available here"),
 ])))

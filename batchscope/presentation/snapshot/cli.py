@@ -5,16 +5,25 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from typing import NoReturn
 
 from batchscope.analysis.queries import Window
 from batchscope.presentation.snapshot.export import export_snapshot
 from batchscope.storage.db import make_engine
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistake in the options is one line on stderr and exit status 2, as every
+    ``batchscope`` command answers one (not argparse's usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def export_parser() -> argparse.ArgumentParser:
     """The options of ``batchscope snapshot export``."""
-    parser = argparse.ArgumentParser(prog="batchscope snapshot export",
-                                     description="Export a window of recorded data to one file.")
+    parser = _Parser(prog="batchscope snapshot export",
+                     description="Export a window of recorded data to one file.")
     parser.add_argument("--db", default=None, help="database URL (default: $BATCHSCOPE_DB_URL "
                                                    "or sqlite:///data/batchscope.db)")
     parser.add_argument("--model", default=None, help="only this model (default: all)")

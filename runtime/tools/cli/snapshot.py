@@ -14,6 +14,10 @@ def _snapshot(argv: list[str]) -> int:
                          "installed); install them with: pip install 'batchscope[dashboard]'"
                          ) from None
     export = snapshot.cli_export
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: batchscope snapshot export [options]; its options: "
+              "batchscope snapshot export --help")
+        return 0
     if argv[:1] != ["export"]:
         raise UsageError("usage: batchscope snapshot export [options]; see "
                          "batchscope snapshot export --help")
