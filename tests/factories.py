@@ -31,6 +31,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# -- traces as written ----------------------------------------------------------------------
+def trace_rows_written(db, after: int, expected: int) -> list:
+    """The ``request_traces`` rows (``TraceRow``s) numbered after ``after``, oldest first,
+    once ``expected`` of them are written (bounded wait)."""
+    from batchscope.storage.records import TraceRow
+    from batchscope.storage.schema import RequestTraceRecord
+
+    names = TraceRow.__slots__
+
+    def read() -> list:
+        with db.connect() as conn:
+            found = conn.execute(
+                select(*[getattr(RequestTraceRecord, n) for n in names])
+                .where(RequestTraceRecord.trace_id > after)
+                .order_by(RequestTraceRecord.trace_id)).all()
+        return [TraceRow(**dict(zip(names, r))) for r in found]
+
+    assert wait_until(lambda: len(read()) >= expected, limit=4000), \
+        f"fewer than {expected} traces were written"
+    return read()
+
+
 # -- waiting, always bounded -------------------------------------------------------------
 def wait_until(predicate, limit: int = 2000, interval_s: float = 0.005) -> bool:
     """Poll ``predicate`` up to ``limit`` times; its last value (truthy when reached)."""

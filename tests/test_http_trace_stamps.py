@@ -18,17 +18,15 @@ import threading
 
 import httpx
 import pytest
-from sqlalchemy import select
 
 from batchscope.storage.db import make_engine
 from batchscope.storage.records import TraceRow
-from batchscope.storage.schema import RequestTraceRecord
 from runtime.api.config import ServerConfig
 from runtime.models.decoder import TinyDecoder
 from runtime.models.encoder import EncoderModel
 from runtime.models.toys import DoubleModel
 from runtime.server.service import Service, ServiceThread
-from tests.factories import wait_until
+from tests.factories import trace_rows_written, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -83,20 +81,8 @@ class Served:
             return self.finished[trace_id]
 
     def rows(self, after: int, expected: int) -> list[TraceRow]:
-        """The rows of the traces numbered after ``after``, once ``expected`` are written."""
-        names = TraceRow.__slots__
-
-        def read() -> list[TraceRow]:
-            with self.db.connect() as conn:
-                found = conn.execute(
-                    select(*[getattr(RequestTraceRecord, n) for n in names])
-                    .where(RequestTraceRecord.trace_id > after)
-                    .order_by(RequestTraceRecord.trace_id)).all()
-            return [TraceRow(**dict(zip(names, r))) for r in found]
-
-        assert wait_until(lambda: len(read()) >= expected, limit=4000), \
-            f"fewer than {expected} traces were written"
-        return read()
+        """The traces numbered after ``after``, once the ``expected`` ones are written."""
+        return trace_rows_written(self.db, after, expected)
 
     def close(self) -> None:
         self.runner.stop()

@@ -22,7 +22,6 @@ import orjson
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from sqlalchemy import select
 from tritonclient.utils import InferenceServerException
 
 from batchscope.storage.db import make_engine
@@ -38,7 +37,7 @@ from runtime.models.toys import DoubleModel, FailingModel
 from runtime.server.fastpath import LARGE_BODY_BYTES
 from runtime.server.auth import AuthConfig, Forbidden, Unauthorized, auth_for_listening
 from runtime.server.service import Service, ServiceThread
-from tests.factories import wait_until
+from tests.factories import trace_rows_written, wait_until
 
 TIMEOUT_S = 30.0
 TOKEN = "trace-token-for-tests-0123456789"
@@ -320,18 +319,7 @@ class Served:
 
     def rows(self, after: int, expected: int) -> list[TraceRow]:
         """The traces numbered after ``after``, once the ``expected`` ones are written."""
-        def read() -> list[TraceRow]:
-            names = TraceRow.__slots__
-            with self.db.connect() as conn:
-                found = conn.execute(
-                    select(*[getattr(RequestTraceRecord, n) for n in names])
-                    .where(RequestTraceRecord.trace_id > after)
-                    .order_by(RequestTraceRecord.trace_id)).all()
-            return [TraceRow(**dict(zip(names, r))) for r in found]
-
-        assert wait_until(lambda: len(read()) >= expected, limit=4000), \
-            f"fewer than {expected} traces were written"
-        return read()
+        return trace_rows_written(self.db, after, expected)
 
     def close(self) -> None:
         self.runner.stop()
