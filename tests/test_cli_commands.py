@@ -75,6 +75,8 @@ def _has_cuda() -> bool:
      "e.g. --model a2=encoder"),
     (["load", "--timeout-ms", "nan"], "--timeout-ms nan must be a positive"),
     (["--log-level", "BOGUS", "trace", "-o", "x.json"], "invalid choice: 'BOGUS'"),
+    (["--log-level", "BOGUS", "snapshot", "export", "--out", "x.zip"], "invalid choice: 'BOGUS'"),
+    (["--log-level=bogus", "k8s", "--model", "mlp"], "invalid choice: 'bogus'"),
     (["snapshot", "export", "--out", "x.zip", "--db", "sqlite:////no/such/folder/x.db"],
      "there is no SQLite database file"),
     (["snapshot", "export", "--out", "x.zip", "--db", "sqlite:////etc/passwd"],
@@ -90,6 +92,19 @@ def test_input_mistakes_exit_2_with_one_line(args, fragment):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, r.stderr
     assert fragment in lines[0] and "Traceback" not in r.stderr
+
+
+def test_the_log_level_before_snapshot_and_k8s_is_the_global_option(tmp_path):
+    # snapshot and k8s parse their own words; the global option in front of them still works
+    manifests = subprocess.run(CLI + ["--log-level", "DEBUG", "k8s", "--model", "mlp"],
+                               capture_output=True, text=True, timeout=120, env=ENV)
+    assert manifests.returncode == 0, manifests.stderr
+    assert "kind: Deployment" in manifests.stdout
+    missing = subprocess.run(CLI + ["--log-level=info", "snapshot", "export", "--out",
+                                    str(tmp_path / "x.zip"), "--db",
+                                    f"sqlite:///{tmp_path}/none.db"],
+                             capture_output=True, text=True, timeout=120, env=ENV)
+    assert missing.returncode == 2 and "there is no SQLite database file" in missing.stderr
 
 
 def test_incomplete_user_model_shows_the_code_to_write(tmp_path):

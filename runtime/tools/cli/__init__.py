@@ -35,11 +35,14 @@ __all__ = ["EXIT_USAGE", "UsageError", "adapter_args", "build_parser", "check_da
            "version_line"]
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="batchscope", description="BatchScope: batching inference runtime "
                                                     "with a live observability dashboard")
     parser.add_argument("--log-level", default="WARNING", type=str.upper,
-                        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        choices=_LOG_LEVELS,
                         help="DEBUG, INFO, WARNING (the default) or ERROR")
     parser.add_argument("--version", action="version", version=version_line(),
                         help="print the version and exit")
@@ -62,18 +65,46 @@ def version_line() -> str:
     return f"batchscope {version()}"
 
 
+def _leading_log_level(argv: list[str]) -> tuple[str, list[str]]:
+    """The ``--log-level`` given before the command, and the words after it.
+
+    ``snapshot`` and ``k8s`` parse their own words, so the global option in front of them
+    is taken off here (``batchscope --log-level DEBUG snapshot export ...``); an unknown
+    level is refused as argparse refuses it for the other commands."""
+    level, i = "WARNING", 0
+    while i < len(argv) and argv[i].startswith("--log-level"):
+        word = argv[i]
+        if word == "--log-level" and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif word.startswith("--log-level="):
+            value, i = word.split("=", 1)[1], i + 1
+        else:
+            break
+        level = value.upper()
+        if level not in _LOG_LEVELS and argv[i:i + 1] in (["snapshot"], ["k8s"]):
+            choices = ", ".join(repr(name) for name in _LOG_LEVELS)
+            raise UsageError(f"batchscope: argument --log-level: invalid choice: {value!r} "
+                             f"(choose from {choices}) (see batchscope --help)")
+    if level not in _LOG_LEVELS:
+        level = "WARNING"  # the parser below says what is wrong for the other commands
+    return level, argv[i:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv == ["--version"]:
         print(version_line())
         return 0
     try:
-        if argv[:1] == ["snapshot"]:
-            return _snapshot(argv[1:])
-        if argv[:1] == ["k8s"]:
+        level, rest = _leading_log_level(argv)
+        if rest[:1] in (["snapshot"], ["k8s"]):
+            logging.basicConfig(level=getattr(logging, level),
+                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            if rest[0] == "snapshot":
+                return _snapshot(rest[1:])
             from batchscope.deploy import k8s
 
-            return k8s.main(argv[1:])
+            return k8s.main(rest[1:])
         if "trace" in argv:
             argv = _glued(argv)
         args = build_parser().parse_args(argv)
