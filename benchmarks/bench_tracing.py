@@ -24,7 +24,9 @@ throughput and p99 and their ratios to ``off`` measured in the same run, the spa
 spans it reported dropped (``trace_export_drops`` events), and each mode's CPU time per
 request in the serving process, its child processes (device process, database writer,
 span process) and the load generator (``benchmarks.cpu_share``), so a cost can be told
-from noise and placed.
+from noise and placed. Each mode's ratio is also given paired round by round with its
+bootstrap 95 % interval (``benchmarks.intervals``): a target is met when the whole
+interval is.
 
     python -m benchmarks.bench_tracing                      # 4 rounds of 10-s slices
     python -m benchmarks.bench_tracing --rounds 2 --slice-s 5
@@ -52,6 +54,7 @@ from sqlalchemy import create_engine, text
 
 from batchscope.load.loadgen import run_load
 from benchmarks.cpu_share import CpuShare
+from benchmarks.intervals import paired_ratio
 from benchmarks.reliability.server import Server
 
 MODES = {
@@ -218,14 +221,21 @@ def side_by_side(mode: str, rounds: int, slice_s: float, clients: int, model: st
         for srv in servers:
             srv.stop()
     ratio = statistics.median(b / a for a, b in zip(got["off"], got[mode]))
+    paired = paired_ratio(got["off"], got[mode])
     per = {name: statistics.median(c["total_cpu_us_per_request"] for c in cpu[name])
            for name in cpu}
     print(f"\n{model}, {clients} clients, two servers side by side, {rounds} rounds of "
-          f"{slice_s:g} s each: {mode} / off {ratio:.3f} (medians {statistics.median(got['off']):.0f}"
+          f"{slice_s:g} s each: {mode} / off {ratio:.3f}, paired {paired.text()} (medians {statistics.median(got['off']):.0f}"
           f" and {statistics.median(got[mode]):.0f} req/s); CPU per request (server, its "
           f"children, load generator): off {per['off']:.1f} us, {mode} {per[mode]:.1f} us; "
           f"spans received {count.value:,}")
-    return {"ratio": ratio, "rps": got, "cpu": per}
+    return {"ratio": ratio, "paired": paired, "rps": got, "cpu": per}
+
+
+def _paired(results: dict[str, list], mode: str, figure: str) -> str:
+    """``mode`` against ``off`` round by round (``benchmarks.intervals.paired_ratio``)."""
+    return paired_ratio([getattr(r, figure) or 0.0 for r in results["off"]],
+                        [getattr(r, figure) or 0.0 for r in results[mode]]).text()
 
 
 def main() -> None:
@@ -311,12 +321,19 @@ def main() -> None:
     base_p99 = statistics.median(r.latency_p99_ms for r in results["off"])
     print(f"\n{args.model}, {args.clients} clients, {args.rounds} rounds of {args.slice_s:g} s "
           "per mode (medians; ratios to 'off' in this run)")
-    print(f"{'mode':16s}{'req/s':>9s}{'ratio':>8s}{'p99 ms':>9s}{'ratio':>8s}{'mean batch':>12s}")
+    print(f"{'mode':16s}{'req/s':>9s}{'ratio':>8s}{'p99 ms':>9s}{'ratio':>8s}{'mean batch':>12s}"
+          f"{'paired req/s ratio (95 %)':>28s}{'paired p99 ratio (95 %)':>26s}")
     for mode, reps in results.items():
         rps = statistics.median(r.throughput_rps for r in reps)
         p99 = statistics.median(r.latency_p99_ms for r in reps)
+        paired = ""
+        if mode != "off":
+            paired = (f"{_paired(results, mode, 'throughput_rps'):>28s}"
+                      f"{_paired(results, mode, 'latency_p99_ms'):>26s}")
         print(f"{mode:16s}{rps:9.0f}{rps / base_rps:8.3f}{p99:9.2f}{p99 / base_p99:8.3f}"
-              f"{statistics.median(sizes[mode]):12.1f}")
+              f"{statistics.median(sizes[mode]):12.1f}{paired}")
+    print("(paired: the geometric mean over the rounds of each round's mode / off, and its "
+          "bootstrap 95 % interval: a target is met when the whole interval is)")
     print("\nCPU per request (medians, microseconds): where each mode's cost goes")
     parts = list(cpus["off"][0]["cpu_us_per_request"])
     print(f"{'mode':16s}" + "".join(f"{p:>22s}" for p in parts) + f"{'in all':>9s}"
