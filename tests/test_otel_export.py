@@ -192,6 +192,30 @@ def test_one_batch_span_serves_all_its_members_and_generation_has_prefill_and_de
     assert gen[0].links == () or len(gen[0].links) == 0
 
 
+def test_a_step_span_is_its_own_and_generation_phases_follow_what_ran():
+    from opentelemetry.sdk.resources import Resource
+    builder = SpanBuilder(Resource.create({}), "i")
+    step = BatchInfo(1, "g", 10.1, 10.2, 3, 8, 40, 40, None, "continuous", 2, "ok", 37, 3)
+    gen = FinishedTrace("g", "text_completion", 7, 200, None, 10.0, 10.5, 10.0, 10.1, 10.4,
+                        "ok", 1, first_token_at=10.2, input_tokens=37, output_tokens=5,
+                        finish_reasons=("stop",))
+    spans = builder.spans(gen, step)
+    assert [s.name for s in spans] == ["step g", "text_completion g", "queue", "prefill",
+                                       "decode"]
+    assert spans[0].attributes["batchscope.step.prefill_tokens"] == 37
+    assert spans[1].links[0].context.span_id == spans[0].context.span_id
+    # a request model's batch 1 is another batch than the generation model's step 1
+    assert [s.name for s in builder.spans(trace(1), batch(1))][0] == "batch m"
+    # one token: no decode; ended before its first token: its compute was prefill
+    one = FinishedTrace("g", "chat", 7, 201, None, 10.0, 10.3, 10.0, 10.1, 10.2, "ok", 1,
+                        first_token_at=10.2, input_tokens=4, output_tokens=1,
+                        finish_reasons=("length",))
+    assert [s.name for s in builder.spans(one, step)] == ["chat g", "queue", "prefill"]
+    gone = FinishedTrace("g", "chat", 7, 202, None, 10.0, 10.3, 10.0, 10.1, None,
+                         "cancelled", 1, input_tokens=900, output_tokens=0)
+    assert [s.name for s in builder.spans(gone, step)] == ["chat g", "queue", "prefill"]
+
+
 @pytest.mark.parametrize("wire", [False, True])
 def test_a_trace_s_span_count_is_the_spans_made_of_it(wire):
     from opentelemetry.sdk.resources import Resource
@@ -199,9 +223,12 @@ def test_a_trace_s_span_count_is_the_spans_made_of_it(wire):
     for queued in (None, 10.05):
         for started in (None, 10.1):
             for first in (None, 10.2):
-                t = FinishedTrace("m", "infer", 7, 100, None, 10.0, 10.5, queued, started,
-                                  10.4 if started else None, "ok", None, first_token_at=first)
-                assert spans_of(t) == len(builder.spans(t, None))
+                for tokens, reasons in ((None, ()), (0, ()), (1, ("length",)), (5, ("stop",))):
+                    t = FinishedTrace("m", "infer", 7, 100, None, 10.0, 10.5, queued, started,
+                                      10.4 if started else None, "ok", None,
+                                      first_token_at=first, output_tokens=tokens,
+                                      finish_reasons=reasons)
+                    assert spans_of(t) == len(builder.spans(t, None))
 
 
 class SlowExporter:
@@ -277,7 +304,7 @@ def test_spans_lost_to_a_full_queue_are_counted_and_reported(monkeypatch):
     # every span of the 40 traces (3 each) and the batch span, once built, was exported or
     # counted as dropped: by our queue, before it was built (the processor's queue full
     # for longer than ROOM_WAIT_S), or by the processor
-    batch_span = int(1 in spans.builder.batch_spans)
+    batch_span = int(("m", 1) in spans.builder.batch_spans)
     assert exporter.exported + spans.dropped == 40 * 3 + batch_span
     assert spans.spans_out < 40 * 3 + batch_span  # the full processor queue saved building
     assert reports and reports[-1][1] == spans.dropped
@@ -333,6 +360,9 @@ def test_generation_requests_become_spans_with_prefill_decode_and_token_counts(t
     url = runner.start()
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
+            # model a's first batch is number 1, as the decoder's first step: spans of both
+            batch = http.post("/v2/models/a/infer", json=BODY)
+            assert batch.headers["batchscope-batch-id"] == "1"
             plain = http.post("/v1/completions", json={
                 "model": "decoder", "prompt": [1, 2, 3, 4], "max_tokens": 5, "n": 2,
                 "ignore_eos": True})
@@ -364,7 +394,27 @@ def test_generation_requests_become_spans_with_prefill_decode_and_token_counts(t
         assert [v.string_value for v in attrs["gen_ai.response.finish_reasons"].array_value.values]
         assert sorted(kids[span.span_id]) == ["decode", "prefill", "queue"]
     assert second.trace_id.hex() == CALLER_TRACE and second.parent_span_id.hex() == CALLER_SPAN
+    # each request links to the span of the step it joined, whose id its answer carries
+    steps = {s.span_id: s for s in spans if s.name == "step decoder"}
+    assert [s.name for s in spans].count("batch a") == 1
+    joined = []
+    for span, answer in ((first, plain), (second, streamed)):
+        [link] = span.links
+        step = steps[link.span_id]
+        attrs = {a.key: a.value for a in step.attributes}
+        seq = attrs["batchscope.batch.id"].int_value
+        assert str(seq) == answer.headers["batchscope-batch-id"]
+        assert attrs["batchscope.step.prefill_tokens"].int_value >= 3
+        assert step.start_time_unix_nano <= [k for k in spans if k.parent_span_id == span.span_id
+                                             and k.name == "prefill"][0].end_time_unix_nano
+        joined.append(seq)
+    assert len(steps) == len(set(joined)) == 2
     with create_engine(url_db).connect() as conn:
-        rows = conn.execute(text("SELECT COUNT(*) FROM request_traces WHERE model = 'decoder'")
-                            ).scalar()
-    assert rows == 2
+        rows = conn.execute(text("SELECT batch_seq FROM request_traces WHERE model = 'decoder' "
+                                 "ORDER BY request_start_at")).scalars().all()
+        recorded = conn.execute(text("SELECT batch_seq FROM requests WHERE model = 'decoder' "
+                                     "ORDER BY arrived_at, id")).scalars().all()
+        numbered = set(conn.execute(text("SELECT seq FROM generation_steps WHERE model = "
+                                         "'decoder'")).scalars())
+    assert rows == joined and recorded == [joined[0], joined[0], joined[1]]  # n=2: two rows
+    assert set(joined) <= numbered

@@ -159,7 +159,7 @@ def test_the_page_shows_a_batch_picked_by_number(app_db):
     assert any("Pick a batch" in i.value for i in at.info)
     caption = next(c.value for c in at.caption if "batches" in c.value)
     assert "requests" in caption and "drawn" in caption
-    seq = at.session_state["timeline_slowest_rows"]["batch"].dropna().iloc[0]
+    seq = at.session_state["timeline_slowest_rows"]["pick"].dropna().iloc[0]
     at.text_input(key="timeline_batch_number").input(str(int(seq))).run()
     assert not at.exception, [e.value for e in at.exception]
     assert at.session_state["timeline_selected"][1] == int(seq)

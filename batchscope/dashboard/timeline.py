@@ -107,14 +107,14 @@ def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -
     with slow:
         st.markdown("**Slowest requests in the window**")
         table = timeline_chart.slowest(rows)
-        st.dataframe(table.drop(columns=["instance_id"]), key="timeline_slowest",
+        st.dataframe(table.drop(columns=["instance_id", "pick"]), key="timeline_slowest",
                      on_select=_picked_in_table, selection_mode="single-row", hide_index=True,
                      column_config={"finished": st.column_config.NumberColumn(
                          "finished (s)", format="%.3f"),
                          "latency_ms": st.column_config.NumberColumn(format="%.2f"),
                          "queue_ms": st.column_config.NumberColumn(format="%.2f"),
                          "compute_ms": st.column_config.NumberColumn(format="%.2f")})
-        st.session_state["timeline_slowest_rows"] = table[["instance_id", "batch"]]
+        st.session_state["timeline_slowest_rows"] = table[["instance_id", "pick"]]
         st.text_input("Go to batch number", key="timeline_batch_number",
                       on_change=_picked_by_number, args=(engine, scope, length_s),
                       placeholder="e.g. 1234")

@@ -135,7 +135,7 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
         mr = r[(r["instance_id"] == inst) & (r["model"] == model)]
         refused = mr[mr["outcome"].isin(REFUSED) | mr["bypass"]]
         if len(refused):
-            y = lanes.add(f"{name} · refused / expired / bypass")
+            y = lanes.add(f"{name} · refused / expired / cancelled / bypass")
             traces.append(_marks(refused, y, t0, name))
     fig = charts._base("Batch timeline", height=height or max(220, 70 + 34 * len(lanes.labels)),
                        closest=True, dragmode="zoom", showlegend=True)
@@ -191,12 +191,24 @@ def _marks(df: pd.DataFrame, y: int, t0: float, name: str) -> go.Scattergl:
                   df["finished_at"]) - t0
     kind = np.where(df["outcome"].isin(REFUSED), df["outcome"], "bypass")
     return go.Scattergl(
-        x=at, y=np.full(len(df), y), mode="markers", name=f"{name} refused / expired / bypass",
+        x=at, y=np.full(len(df), y), mode="markers",
+        name=f"{name} refused / expired / cancelled / bypass",
         marker=dict(symbol=[symbol.get(k, "diamond-open") for k in kind], size=8,
                     color=[FAILED_BATCH if k != "bypass" else "#555" for k in kind]),
-        hovertext=[f"{k} · priority {int(p)} · waited {_ms(w)}"
-                   for k, p, w in zip(kind, df["priority"], df["latency_s"])],
+        hovertext=[f"{k} · priority {int(p)} · {_mark_times(k, q, lat)}"
+                   for k, p, q, lat in zip(kind, df["priority"], df["queue_wait_s"],
+                                           df["latency_s"])],
         hoverinfo="text")
+
+
+def _mark_times(kind: str, queued_s: float, latency_s: float) -> str:
+    """What a mark's hover says of its times: a refused or expired request's wait, a
+    cancelled one's life and wait (it may have run), a bypass's answer time."""
+    if kind == "cancelled":
+        return f"cancelled after {_ms(latency_s)} · waited {_ms(queued_s)}"
+    if kind == "bypass":
+        return f"answered in {_ms(latency_s)}"
+    return f"waited {_ms(queued_s)}"
 
 
 def _outline(rows: TimelineRows, key: tuple[str, int], lanes: Lanes, t0: float) -> list:
@@ -283,11 +295,9 @@ def slowest(rows: TimelineRows, n: int = 20) -> pd.DataFrame:
     if not len(r):
         return pd.DataFrame(columns=["finished", "model", "latency_ms", "queue_ms",
                                      "compute_ms", "batch", "priority", "length", "outcome",
-                                     "instance_id"])
+                                     "instance_id", "pick"])
     top = r.nlargest(n, "latency_s")
-    b = rows.batches.set_index(["instance_id", "seq"])["batch_size"]
-    size = [b.get((i, s)) if not pd.isna(s) else None
-            for i, s in zip(top["instance_id"], top["batch_seq"])]
+    size, pick = _joined(rows, top)
     return pd.DataFrame({
         "finished": top["finished_at"].to_numpy() - rows.window.start_s,
         "model": top["model"].to_numpy(),
@@ -296,4 +306,33 @@ def slowest(rows: TimelineRows, n: int = 20) -> pd.DataFrame:
         "compute_ms": 1000 * (top["latency_s"] - top["queue_wait_s"]).to_numpy(float),
         "batch": top["batch_seq"].to_numpy(), "batch_size": size,
         "priority": top["priority"].to_numpy(), "length": top["length"].to_numpy(),
-        "outcome": top["outcome"].to_numpy(), "instance_id": top["instance_id"].to_numpy()})
+        "outcome": top["outcome"].to_numpy(), "instance_id": top["instance_id"].to_numpy(),
+        "pick": pick})
+
+
+def _joined(rows: TimelineRows, top: pd.DataFrame) -> tuple[list, list]:
+    """For each request of ``top``: the size of the batch it joined (a generation
+    request's: the sequences running in the step it was first scheduled in) and the key
+    that selects it on the chart (a batch's seq; a step's ``-id``), None where that batch
+    or step is not in the window. A generation request (it has prompt tokens) is never
+    matched to a request model's batch: their numbers are counted apart."""
+    b, st = rows.batches, rows.steps
+    batches = {(i, m, int(q)): int(n) for i, m, q, n in
+               zip(b["instance_id"], b["model"], b["seq"], b["batch_size"]) if not pd.isna(q)}
+    steps: dict = {}
+    if "seq" in st:
+        steps = {(i, m, int(q)): (int(n), -int(k)) for i, m, q, n, k in
+                 zip(st["instance_id"], st["model"], st["seq"], st["running"], st["id"])
+                 if not pd.isna(q)}
+    generation = top["prompt_tokens"].notna() if "prompt_tokens" in top \
+        else pd.Series(False, index=top.index)
+    size, pick = [], []
+    for i, m, q, gen in zip(top["instance_id"], top["model"], top["batch_seq"], generation):
+        if pd.isna(q):
+            size.append(None), pick.append(None)
+        elif gen:
+            n, key = steps.get((i, m, int(q)), (None, None))
+            size.append(n), pick.append(key)
+        else:
+            size.append(batches.get((i, m, int(q)))), pick.append(int(q))
+    return size, pick

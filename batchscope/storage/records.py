@@ -227,6 +227,9 @@ class GenStepRow:
     #: distinct LoRA adapters among the step's sequences (0: base sequences only; None: the
     #: model takes no adapters)
     adapters: Optional[int] = None
+    #: the step's number in its model's engine: the ``batch_seq`` of the requests first
+    #: scheduled in it
+    seq: Optional[int] = None
 
 
 @dataclass(slots=True)

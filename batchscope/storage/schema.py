@@ -20,7 +20,7 @@ from typing import Optional
 from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 #: an autoincrementing row id: 64-bit everywhere (SQLite's rowid is 64-bit already)
 ID = BigInteger().with_variant(Integer(), "sqlite")
@@ -244,6 +244,9 @@ class GenerationStep(Base):
     #: distinct LoRA adapters the step's sequences named (0: base sequences only); NULL: a
     #: model without adapters, or recorded before schema version 10
     adapters: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    #: the step's number in its model's engine (1, 2, ...): what a request that was first
+    #: scheduled in it has as ``batch_seq``; NULL in rows older than schema version 12
+    seq: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
 
     __table_args__ = (Index("ix_gensteps_model_at", "model", "at"),)
 

@@ -307,11 +307,13 @@ def build(rows: TimelineRows) -> Layout:
     segmented = (r_sta >= 0) & ~requests["outcome"].isin(UNSERVED).to_numpy(dtype=bool)
     r_sta = np.clip(r_sta, r_arr, r_fin)
     stamps = _trace_stamps(requests, r_arr, r_sta, r_fin)
-    flow_of, flows_in = _link(bcols, b_start, rcols, r_arr, segmented, counts, notes)
-    scols = _columns(steps, ("mode", "running", "waiting", "prefill_tokens", "decode_tokens",
-                             "blocks_used", "blocks_free", "preemptions", "step_s"))
+    scols = _columns(steps, ("id", "instance_id", "model", "seq", "mode", "running", "waiting",
+                             "prefill_tokens", "decode_tokens", "blocks_used", "blocks_free",
+                             "preemptions", "step_s"))
     s_start = ns(steps["started_at"])
     s_end = np.maximum(ns(steps["at"]), s_start)
+    flow_of, flows_in, step_flows_in = _link(bcols, b_start, scols, s_start, rcols, r_arr,
+                                             segmented, counts, notes)
     if len(marks) >= EVENTS_READ:
         notes.append(f"only the window's newest {EVENTS_READ:,} events are shown")
     ecols = _columns(marks, ("instance_id", "model", "kind", "severity", "message", "details_json"))
@@ -338,7 +340,8 @@ def build(rows: TimelineRows) -> Layout:
             rank, n = b.lanes(process, rank, _of(steps, inst, model), s_start, s_end,
                               lambda lane: f"{model} · steps" + (f" · lane {lane + 1}"
                                                                  if lane else ""),
-                              "steps", lambda idx: _step_source(idx, scols, s_start, s_end))
+                              "steps", lambda idx: _step_source(idx, scols, s_start, s_end,
+                                                                 step_flows_in))
             counts.step_slices += n
             rank, n = b.lanes(process, rank, _of(requests, inst, model), stamps["lo"],
                               stamps["hi"], lambda lane: f"{model} · requests {lane + 1}",
@@ -371,39 +374,49 @@ def _of(df: pd.DataFrame, instance_id: str, model: str) -> np.ndarray:
                           & (df["model"] == model).to_numpy(dtype=bool))
 
 
-def _link(bcols: dict, b_start: np.ndarray, rcols: dict, r_arr: np.ndarray,
-          segmented: np.ndarray, counts: Counts, notes: list[str]):
-    """The flow of each request (0: none) and the flows each batch ends: a request's
-    batch is the batch of its instance and model whose ``seq`` is its ``batch_seq`` (the
-    first, should a seq repeat). A request without its batch in the window, or recorded
-    as arriving after its batch started, gets no flow (and a note says how many)."""
-    batch_of: dict[tuple[str, str, int], int] = {}
-    for i, key in enumerate(zip(bcols["instance_id"], bcols["model"], bcols["seq"])):
-        if key[2] is not None:
-            batch_of.setdefault((str(key[0]), str(key[1]), int(key[2])), i)
+def _link(bcols: dict, b_start: np.ndarray, scols: dict, s_start: np.ndarray, rcols: dict,
+          r_arr: np.ndarray, segmented: np.ndarray, counts: Counts, notes: list[str]):
+    """The flow of each request (0: none), the flows each batch ends and those each
+    generation step ends: a request's batch is the batch of its instance and model whose
+    ``seq`` is its ``batch_seq`` (the first, should a seq repeat); a generation request's
+    is the step it was first scheduled in, the step of its model with that ``seq``. A
+    request without its batch in the window, or recorded as arriving after its batch
+    started, gets no flow (and a note says how many)."""
+    def index(cols: dict) -> dict[tuple[str, str, int], int]:
+        found: dict[tuple[str, str, int], int] = {}
+        for i, key in enumerate(zip(cols["instance_id"], cols["model"], cols["seq"])):
+            if key[2] is not None:
+                found.setdefault((str(key[0]), str(key[1]), int(key[2])), i)
+        return found
+
+    batch_of, step_of = index(bcols), index(scols)
     flow_of = np.zeros(len(r_arr), dtype=np.int64)
     flows_in: dict[int, list[int]] = {}
+    step_flows_in: dict[int, list[int]] = {}
     late = missing = 0
     for i in np.flatnonzero(segmented).tolist():
         seq = rcols["batch_seq"][i]
         if seq is None:
             continue
-        j = batch_of.get((str(rcols["instance_id"][i]), str(rcols["model"][i]), int(seq)))
+        key = (str(rcols["instance_id"][i]), str(rcols["model"][i]), int(seq))
+        j, start, into = batch_of.get(key), b_start, flows_in
+        if j is None:
+            j, start, into = step_of.get(key), s_start, step_flows_in
         if j is None:
             missing += 1
-        elif r_arr[i] > b_start[j]:  # an arrow back in time would be dropped by a viewer
+        elif r_arr[i] > start[j]:  # an arrow back in time would be dropped by a viewer
             late += 1
         else:
             counts.flows += 1
             flow_of[i] = counts.flows
-            flows_in.setdefault(j, []).append(counts.flows)
+            into.setdefault(j, []).append(counts.flows)
     if late:
         notes.append(f"{late} request(s) are recorded as arriving after their batch started; "
                      "they have no flow arrow")
     if missing:
         notes.append(f"{missing} request(s) joined a batch outside the window (or not "
                      "recorded); they have no flow arrow")
-    return flow_of, flows_in
+    return flow_of, flows_in, step_flows_in
 
 
 def _ordered(idx: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -539,18 +552,22 @@ def _span_ms(start_ns, end_ns) -> float | None:
     return None if start_ns < 0 or end_ns < 0 else round((int(end_ns) - int(start_ns)) / 1e6, 6)
 
 
-def _step_source(idx, cols, start, end):
+def _step_source(idx, cols, start, end, flows_in):
     def walk(track: Track):
         for i in idx.tolist():
             prefill = cols["prefill_tokens"][i]
+            joined = tuple(flows_in.get(i, ()))
             args = _args((
+                ("step_id", cols["id"][i]), ("seq", cols["seq"][i]),
+                ("requests_joined_in_trace", len(joined) or None),
                 ("mode", cols["mode"][i]), ("running", cols["running"][i]),
                 ("waiting", cols["waiting"][i]), ("prefill_tokens", prefill),
                 ("decode_tokens", cols["decode_tokens"][i]),
                 ("blocks_used", cols["blocks_used"][i]), ("blocks_free", cols["blocks_free"][i]),
                 ("preemptions", cols["preemptions"][i]), ("step_ms", _ms(cols["step_s"][i]))))
             name = "prefill+decode" if prefill else "decode"
-            yield from _walk(Slice(track, int(start[i]), int(end[i]), name, "step", args))
+            yield from _walk(Slice(track, int(start[i]), int(end[i]), name, "step", args,
+                                   flows_in=joined))
     return walk
 
 

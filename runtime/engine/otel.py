@@ -86,6 +86,10 @@ class BatchInfo:
     policy: str
     settings_version: int
     outcome: str
+    #: a generation step's (its span is ``step <model>``): the prompt tokens it computed
+    #: and the tokens it decoded (None: a request model's batch)
+    prefill_tokens: int | None = None
+    decode_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -172,9 +176,12 @@ class SpanBuilder:
             #: the ``BatchInfo`` and batch span ids they were written from)
             self._heads: dict[tuple[str, str], bytes] = {}
             self._outcomes: dict[str, bytes] = {}
-            self._blocks: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+            self._blocks: collections.OrderedDict[tuple[str, int], tuple] = \
+                collections.OrderedDict()
         #: seq -> (trace id, span id) of the batch's span, for batches whose span was made
-        self.batch_spans: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
+        #: by (model, seq): a generation model's steps are numbered apart from the batches
+        self.batch_spans: collections.OrderedDict[tuple[str, int], tuple[int, int]] = \
+            collections.OrderedDict()
 
     def _span(self, name: str, trace_id: int, span_id: int, parent_id: int | None,
               parent_remote: bool, start: float, end: float, *, kind: Any = None,
@@ -204,8 +211,11 @@ class SpanBuilder:
     def batch_span(self, b: BatchInfo) -> tuple[Any, tuple[int, int]]:
         """(the span, its (trace id, span id)) of batch ``b``."""
         ids = (random.getrandbits(128) or 1, random.getrandbits(64) or 1)
-        span = self._span(f"batch {b.model}", *ids, None, False, b.started_at, b.ended_at,
-                          attributes={
+        step = b.prefill_tokens is not None
+        extra = {"batchscope.step.prefill_tokens": b.prefill_tokens,
+                 "batchscope.step.decode_tokens": b.decode_tokens} if step else {}
+        span = self._span(f"{'step' if step else 'batch'} {b.model}", *ids, None, False,
+                          b.started_at, b.ended_at, attributes={**extra,
                               "batchscope.batch.id": b.seq, "batchscope.batch.size": b.size,
                               "batchscope.batch.max_size": b.max_batch_size,
                               "batchscope.batch.padded_size": b.padded_elements,
@@ -228,11 +238,12 @@ class SpanBuilder:
         out = []
         links: tuple = ()
         if batch is not None:
-            ids = self.batch_spans.get(batch.seq)
+            key = (batch.model, batch.seq)
+            ids = self.batch_spans.get(key)
             if ids is None:
                 span, ids = self.batch_span(batch)
                 out.append(span)
-                self.batch_spans[batch.seq] = ids
+                self.batch_spans[key] = ids
                 while len(self.batch_spans) > BATCHES_KEPT:
                     self.batch_spans.popitem(last=False)
             links = ((*ids, {"batchscope.batch.id": batch.seq}),)
@@ -280,14 +291,15 @@ class SpanBuilder:
         links = battrs = b""
         if batch is not None:
             seq = batch.seq
-            ids = self.batch_spans.get(seq)
+            key = (batch.model, seq)
+            ids = self.batch_spans.get(key)
             if ids is None:
                 span, ids = self.batch_span(batch)
                 out.append(span)
-                self.batch_spans[seq] = ids
+                self.batch_spans[key] = ids
                 while len(self.batch_spans) > BATCHES_KEPT:
                     self.batch_spans.popitem(last=False)
-            held = self._blocks.get(seq)
+            held = self._blocks.get(key)
             if held is None or held[2] is not batch or held[3] != ids:
                 held = (ow.link_block(*ids, {"batchscope.batch.id": seq}), ow.attributes_block({
                     "batchscope.batch.id": seq, "batchscope.batch.size": batch.size,
@@ -295,7 +307,7 @@ class SpanBuilder:
                     "batchscope.batch.bucket": -2 if batch.bucket is None else batch.bucket,
                     "batchscope.batch.policy": batch.policy,
                     "batchscope.batch.settings_version": batch.settings_version}), batch, ids)
-                self._blocks[seq] = held
+                self._blocks[key] = held
                 while len(self._blocks) > BATCHES_KEPT:
                     self._blocks.popitem(last=False)
             links, battrs = held[0], held[1]
@@ -340,22 +352,38 @@ class SpanBuilder:
 
     def count(self, t: FinishedTrace, batch: BatchInfo | None) -> int:
         """How many spans ``spans(t, batch)`` would make."""
-        return int(batch is not None and batch.seq not in self.batch_spans) + spans_of(t)
+        return int(batch is not None and (batch.model, batch.seq) not in self.batch_spans) \
+            + spans_of(t)
 
     @staticmethod
     def _phases(t: FinishedTrace) -> list[tuple[str, float, float]]:
+        """The request span's children: ``queue``, then ``compute`` (a request model's),
+        or ``prefill`` and ``decode`` (a generation request's: ``prefill`` alone when it
+        ended before its first token, no ``decode`` when no token followed the first)."""
         queued, started, ended = t.queue_start_at, t.compute_start_at, t.compute_end_at
         out = []
         if queued is not None:
             out.append(("queue", queued, started if started is not None else t.end_at))
         if started is not None:
             end = ended if ended is not None else t.end_at
-            if t.first_token_at is not None:
-                out.append(("prefill", started, t.first_token_at))
-                out.append(("decode", t.first_token_at, end))
+            first = t.first_token_at
+            if first is not None:
+                out.append(("prefill", started, first))
+                if _decoded(t):
+                    out.append(("decode", first, end))
+            elif t.output_tokens is not None:  # generation that ended in its prefill
+                out.append(("prefill", started, end))
             else:
                 out.append(("compute", started, end))
         return out
+
+
+def _decoded(t: FinishedTrace) -> bool:
+    """Whether a generation request that had its first token had any after it: more
+    tokens than its choices' first ones (its finish reasons count its ended choices)."""
+    return (t.output_tokens is None or t.output_tokens > max(1, len(t.finish_reasons))) \
+        and (t.compute_end_at is None or t.first_token_at is None
+             or t.compute_end_at > t.first_token_at)
 
 
 def spans_of(t: FinishedTrace) -> int:
@@ -363,7 +391,7 @@ def spans_of(t: FinishedTrace) -> int:
     As many as ``SpanBuilder._phases`` makes, counted without making them."""
     n = 2 if t.queue_start_at is not None else 1
     if t.compute_start_at is not None:
-        n += 2 if t.first_token_at is not None else 1
+        n += 1 + (t.first_token_at is not None and _decoded(t))
     return n
 
 
@@ -451,7 +479,9 @@ class OtlpSpans:
         self.on_drops = on_drops
         self.queue: collections.deque = collections.deque()
         self.queue_max = queue_max
-        self.batches: collections.OrderedDict[int, BatchInfo] = collections.OrderedDict()
+        #: by (model, seq), as ``SpanBuilder.batch_spans``
+        self.batches: collections.OrderedDict[tuple[str, int], BatchInfo] = \
+            collections.OrderedDict()
         self.lock = threading.Lock()
         #: spans (and traces refused by our queue) lost, and spans handed to the processor
         self.dropped = 0
@@ -468,7 +498,7 @@ class OtlpSpans:
     def batch(self, info: BatchInfo) -> None:
         """Remember a batch that has a traced member (its span is made with the first)."""
         with self.lock:
-            self.batches[info.seq] = info
+            self.batches[(info.model, info.seq)] = info
             while len(self.batches) > BATCHES_KEPT:
                 self.batches.popitem(last=False)
 
@@ -503,7 +533,8 @@ class OtlpSpans:
         while self.queue:
             t = self.queue.popleft()
             with self.lock:
-                batch = self.batches.get(t.batch_seq) if t.batch_seq is not None else None
+                batch = self.batches.get((t.model, t.batch_seq)) \
+                    if t.batch_seq is not None else None
             if room is not None:
                 wanted = self.builder.count(t, batch)
                 if room() < wanted and not self._wait_for_room(room, wanted):

@@ -33,6 +33,7 @@ from batchscope.storage.records import RecorderLike
 from runtime.core.clock import MonotonicClock
 from runtime.api.errors import (BatchScopeError, ClientError, ModelError, ModelNotReady,
                                 RequestExpired, RequestTooLarge, ShuttingDown, ValidationError)
+from runtime.engine.otel import BatchInfo
 from runtime.generation.config import GenerationConfig
 from runtime.generation.model import GenerationModel
 from runtime.generation.runner import StepRunner
@@ -114,6 +115,8 @@ class GenerationStream:
         if self._stops is not None:
             text, stopped = self._stops.feed(text)
             if stopped:
+                if final:  # it ended on this token too: the stop string is what the
+                    self.seq.finish_reason = "stop"  # client is told, so its trace says it
                 final, reason = True, "stop"
             elif final:
                 text += self._stops.flush()
@@ -150,6 +153,7 @@ class GenerationEngine:
         #: the server's tracer (``runtime.engine.tracing``) when it traces this model's
         #: requests (set by the service; the HTTP layer begins and ends the traces)
         self.tracer: Any = None
+        self.runner.on_traced_step = self._traced_step
 
     @property
     def name(self) -> str:
@@ -373,6 +377,23 @@ class GenerationEngine:
         out = self.runner.stats()
         out["ready"] = self.is_ready()
         return out
+
+    def _traced_step(self, step: int, started_s: float, now: float, out: Any,
+                     failed: bool) -> None:
+        """A step that a request whose spans are exported joined: its span, made once
+        with the first of them (``runtime.engine.otel.BatchInfo``: a step's shape)."""
+        otel = getattr(self.tracer, "otel", None)
+        if otel is None:
+            return
+        runner = self.runner
+        cfg = runner.config
+        to_wall = runner.clock.to_wall
+        tokens = out.prefill_tokens + out.decode_tokens + out.draft_tokens
+        otel.batch(BatchInfo(step, self.name, to_wall(started_s), to_wall(now),
+                             out.num_live_chunks, cfg.max_num_seqs,
+                             tokens + out.padding_tokens, tokens, None, cfg.mode,
+                             runner.settings_version, "error" if failed else "ok",
+                             out.prefill_tokens, out.decode_tokens + out.draft_tokens))
 
     # -- the worker -----------------------------------------------------------------
     async def _run(self) -> None:

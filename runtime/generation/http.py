@@ -215,11 +215,13 @@ def _end_trace(engine: GenerationEngine, trace: Any, streams: list[GenerationStr
     if trace is None:
         return
     seqs = [s.seq for s in streams]
+    _joined(trace, seqs)
     if seqs:
         trace.queue_start = min(s.arrival_s for s in seqs)
         started = [s.first_scheduled_s for s in seqs if s.first_scheduled_s is not None]
         firsts = [s.first_token_s for s in seqs if s.first_token_s is not None]
-        ended = [s.finished_s for s in seqs if s.finished_s is not None]
+        ended = [s.finished_s for s in seqs  # a choice never scheduled never computed
+                 if s.finished_s is not None and s.first_scheduled_s is not None]
         trace.compute_start = min(started) if started else None
         trace.first_token = min(firsts) if firsts else None
         trace.compute_end = max(ended) if ended else None
@@ -228,11 +230,17 @@ def _end_trace(engine: GenerationEngine, trace: Any, streams: list[GenerationStr
         trace.finish_reasons = tuple(s.finish_reason for s in seqs if s.finish_reason)
         bad = [s.outcome for s in seqs if s.outcome not in (None, "ok")]
         trace.outcome = bad[0] if bad else ("ok" if error is None else None)
+    elif getattr(error, "refused_s", None) is not None:  # the queue was full: as its row
+        trace.queue_start = error.refused_s
     engine.tracer.finish(trace, error)
 
 
-def _trace_headers(trace: Any) -> dict[str, str]:
-    return dict(trace.answer_headers()) if trace is not None else {}
+def _joined(trace: Any, seqs: list[Any]) -> None:
+    """The step the request joined (its first choice's first): its ``batch_seq``, the
+    ``batchscope-batch-id`` its answer carries."""
+    steps = [s.first_step for s in seqs if s.first_step is not None]
+    if steps:
+        trace.batch_seq = min(steps)
 
 
 def _sent(response: Response, engine: GenerationEngine, trace: Any,
@@ -242,6 +250,10 @@ def _sent(response: Response, engine: GenerationEngine, trace: Any,
     once written (``_end_trace``)."""
     if trace is None:
         return response
+    _joined(trace, [s.seq for s in streams])
+    for name, value in trace.answer_headers():  # refusals and errors carry them too
+        if name not in response.headers:
+            response.headers[name] = value
     return TimedAnswer(response, trace, engine.tracer.clock.now,
                        lambda: _end_trace(engine, trace, streams, error))
 
@@ -308,6 +320,9 @@ def _answerer(engines: dict[str, GenerationEngine], shape: _Shape,
             return error_response(exc, shape.where)
         try:
             streams = _submit_all(engine, req, prompts, adapter)
+            if trace is not None and trace.span is not None:  # the step it joins: a span
+                for stream in streams:
+                    stream.seq.traced = True
         except Exception as exc:  # refused (queue full, a bad prompt): answered, then recorded
             return _sent(error_response(exc, shape.where), engine, trace, [], exc)
         except BaseException as exc:
@@ -321,7 +336,7 @@ def _answerer(engines: dict[str, GenerationEngine], shape: _Shape,
                 first = await until_disconnected(request, _first_of_each(events, len(streams)))
                 return _sent(_EventStream(_sse(shape, head, first, events, streams,
                                                req.include_usage),
-                                          streams, _trace_headers(trace)),
+                                          streams),
                              engine, trace, streams)
             texts, reasons = await until_disconnected(request, _gather_all(events, len(streams)))
         except ClientGone as exc:  # nobody reads the answer: recorded with no send times
@@ -336,7 +351,7 @@ def _answerer(engines: dict[str, GenerationEngine], shape: _Shape,
             trace.request_end = engine.tracer.clock.now()
         choices = [shape.choice(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons))]
         return _sent(json_response({**head, "object": shape.object, "choices": choices,
-                                    "usage": _usage(streams)}, headers=_trace_headers(trace)),
+                                    "usage": _usage(streams)}),
                      engine, trace, streams)
 
     return answer

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import Any
+from typing import Any, Callable
 
 from batchscope.storage.records import EventRow, GenStepRow, RecorderLike, RequestRow
 from runtime.adapters.registry import AdapterRegistry
@@ -81,6 +81,13 @@ class StepRunner:
         self._last_preemption_event_s: float | None = None
         self.counts: dict[str, int] = {k: 0 for k in OUTCOMES}
         self.steps = 0
+        #: the number of the last step planned (run, or failed): a step's id, as a
+        #: request model's batch has its ``seq`` (``GenStepRow.seq``)
+        self.step_seq = 0
+        #: called as ``(step, started_s, now, out, failed)`` after recording a step that a
+        #: traced sequence (``Sequence.traced``) joined: its span (set by the engine)
+        self.on_traced_step: Callable[[int, float, float, SchedulerOutput, bool], None] | None = None
+        self._traced_joined = False
         self.tokens_generated = 0
         #: prompt tokens of the requests whose prefill completed (recomputation not counted)
         self.prompt_tokens = 0
@@ -147,9 +154,11 @@ class StepRunner:
                 finished_at=self.clock.to_wall(now), queue_wait_s=0.0, latency_s=0.0,
                 outcome="rejected", length=len(prompt_ids), prompt_tokens=len(prompt_ids),
                 output_tokens=0, adapter=adapter))
-            raise QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting for "
-                            f"{self.model_name!r} (max_queue_size={cfg.max_queue_size}); "
-                            "retry later", retry_after_s=1.0)
+            refused = QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting "
+                                f"for {self.model_name!r} (max_queue_size="
+                                f"{cfg.max_queue_size}); retry later", retry_after_s=1.0)
+            refused.refused_s = now  # its row's arrival: a trace of it pairs with the row
+            raise refused
         seq = Sequence(seq_id=next(self._ids), prompt_ids=list(prompt_ids),
                        max_new_tokens=max_new, priority=priority, arrival_s=now,
                        deadline_s=deadline_s,
@@ -202,6 +211,15 @@ class StepRunner:
         if self.proposer is not None:
             k = self.spec.num_spec_tokens(self.config, len(self.scheduler.running))
         out = self.scheduler.schedule(self.clock.now(), k)
+        if not out.is_empty:
+            self.step_seq += 1
+            step, get = self.step_seq, self.scheduler.get
+            for seq_id in out.admitted:
+                seq = get(seq_id)
+                if seq is not None and seq.first_step is None:
+                    seq.first_step = step
+                    if seq.traced:
+                        self._traced_joined = True
         self._record_slot_changes(out)
         for seq in out.expired:
             self._record_end(seq)
@@ -218,7 +236,7 @@ class StepRunner:
             if bank is None:
                 raise ConfigError(f"model {self.model_name!r} made no adapter_bank in setup")
             bank.prepare(out.adapters.slots)
-        with nvtx.step_range(self.steps + 1, self.model_name, out.num_live_chunks,
+        with nvtx.step_range(self.step_seq, self.model_name, out.num_live_chunks,
                              out.prefill_tokens, out.decode_tokens + out.draft_tokens):
             logits = self.model.step(self._model_chunks(out))
         rows, ids, picked = [], [], {}
@@ -324,7 +342,7 @@ class StepRunner:
     def fail(self, out: SchedulerOutput, error: BaseException, started_s: float) -> list[Sequence]:
         now = self.clock.now()
         failed = self.scheduler.fail_step(out, now, error)
-        self._record_step(out, now, now - started_s)
+        self._record_step(out, now, now - started_s, failed=True)
         self._put(EventRow(instance_id=self.instance_id, model=self.model_name,
                            at=self.clock.to_wall(now), kind="model_error", severity="error",
                            message=f"generation step failed: {type(error).__name__}: {error}",
@@ -423,9 +441,11 @@ class StepRunner:
         if self.recorder is not None:
             self.recorder.put(record)
 
-    def _record_step(self, out: SchedulerOutput, now: float, step_s: float) -> None:
+    def _record_step(self, out: SchedulerOutput, now: float, step_s: float,
+                     failed: bool = False) -> None:
         self._put(GenStepRow(
             instance_id=self.instance_id, model=self.model_name, at=self.clock.to_wall(now),
+            seq=self.step_seq,
             mode=out.mode, running=out.num_live_chunks, waiting=out.num_waiting,
             prefill_tokens=out.prefill_tokens, decode_tokens=out.decode_tokens + out.draft_tokens,
             blocks_used=out.blocks_used, blocks_free=out.blocks_free,
@@ -438,6 +458,11 @@ class StepRunner:
                           if c.adapter_slot >= 0 and not c.is_padding})
             if self.adapters is not None else None))
         self._step_spec = (0, 0)
+        if self._traced_joined:
+            self._traced_joined = False
+            hook = self.on_traced_step
+            if hook is not None:
+                hook(self.step_seq, now - step_s, now, out, failed)
         if out.preempted:
             self._preempted_pending.extend(out.preempted)
             last = self._last_preemption_event_s
@@ -505,7 +530,7 @@ class StepRunner:
         tpot = (end - seq.first_token_s) / (n_out - 1) \
             if seq.first_token_s is not None and n_out > 1 else None
         self._put(RequestRow(
-            instance_id=self.instance_id, model=self.model_name, batch_seq=None,
+            instance_id=self.instance_id, model=self.model_name, batch_seq=seq.first_step,
             priority=seq.priority, arrived_at=self.clock.to_wall(seq.arrival_s),
             finished_at=self.clock.to_wall(end), queue_wait_s=started - seq.arrival_s,
             latency_s=end - seq.arrival_s, outcome=seq.outcome or "error",

@@ -91,6 +91,11 @@ class Sequence:
     speculate: bool = True
     #: the LoRA adapter the request named (None: the base model)
     adapter: str | None = None
+    #: the number of the step it was first scheduled in: the batch it joined
+    #: (``StepRunner.step_seq``; its request row's and trace's ``batch_seq``)
+    first_step: int | None = None
+    #: its request's spans are exported: the step it joins gets a span of its own
+    traced: bool = False
 
     @property
     def num_tokens(self) -> int:

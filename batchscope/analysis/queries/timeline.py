@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import Engine
+from sqlalchemy import Engine, inspect
 from sqlalchemy.exc import SQLAlchemyError
 
 from batchscope.analysis.queries.catalog import events
@@ -69,7 +69,15 @@ TRACED_COLUMNS = (
 MATCH_S = 1e-6
 STEP_COLUMNS = ("id", "instance_id", "model", "at", "mode", "running", "waiting",
                 "prefill_tokens", "decode_tokens", "blocks_used", "blocks_free", "preemptions",
-                "step_s")
+                "step_s", "seq")
+
+
+def _step_columns(conn: Any) -> tuple[str, ...]:
+    """``STEP_COLUMNS`` that ``generation_steps`` has: a database not yet upgraded to
+    schema version 12 (read where nothing is changed, as ``batchscope trace`` reads)
+    has no ``seq``, and its steps none."""
+    have = {c["name"] for c in inspect(conn).get_columns("generation_steps")}
+    return tuple(c for c in STEP_COLUMNS if c in have)
 
 
 class WindowTooLarge(ValueError):
@@ -158,9 +166,14 @@ class TimelineRows:
                     or len(self.steps))
 
     def members(self, instance_id: str, seq: int) -> pd.DataFrame:
-        """The requests answered by batch ``seq`` of ``instance_id``."""
-        r = self.requests
-        return r[(r["instance_id"] == instance_id) & (r["batch_seq"] == seq)]
+        """The requests answered by batch ``seq`` of ``instance_id`` (of its model: a
+        generation request's ``batch_seq`` numbers its model's steps, counted apart)."""
+        r, b = self.requests, self.batches
+        model = b.loc[(b["instance_id"] == instance_id) & (b["seq"] == seq), "model"]
+        mask = (r["instance_id"] == instance_id) & (r["batch_seq"] == seq)
+        if len(model):
+            mask &= r["model"] == model.iloc[0]
+        return r[mask]
 
 
 def _overlapping(w: Window, start_col: str, end_col: str) -> tuple[str, dict]:
@@ -224,8 +237,8 @@ def timeline_rows(engine: Engine, w: Window, max_rows: int = MAX_ROWS, *,
             traces = read_frame(conn, f"SELECT {', '.join(TRACE_COLUMNS)} FROM request_traces "
                                       f"WHERE {wt} LIMIT :lim",
                                 {**pt, "lim": max_rows - rows + 1})
-        steps = read_frame(conn, f"SELECT {', '.join(STEP_COLUMNS)} FROM generation_steps "
-                                 f"WHERE {ws} ORDER BY at, id", ps)
+        steps = read_frame(conn, f"SELECT {', '.join(_step_columns(conn))} FROM "
+                                 f"generation_steps WHERE {ws} ORDER BY at, id", ps)
         marks_ev = events(conn, w, limit=5_000)
         ids = sorted(set(batches["instance_id"]) | set(reqs["instance_id"].unique())
                      | set(steps["instance_id"]) | set(marks_ev["instance_id"].dropna()))
