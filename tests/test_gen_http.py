@@ -16,7 +16,7 @@ import orjson
 import pytest
 import uvicorn
 
-from batchscope.storage.records import GenStepRow, ListRecorder, RequestRow
+from batchscope.storage.records import EventRow, GenStepRow, ListRecorder, RequestRow
 from runtime.core.clock import FakeClock
 from runtime.generation.config import GenerationConfig
 from runtime.generation.engine import GenerationEngine
@@ -269,6 +269,38 @@ def test_queue_full_is_a_429_with_retry_after(served, client):
         assert error["code"] == "rate_limit_exceeded" and "max_queue_size=1" in error["message"]
 
 
+def test_a_request_of_several_choices_is_refused_whole_before_any_is_queued(served, client):
+    model, engine, rec = served.model, served.engine, served.recorder
+    engine.update_settings({"max_num_seqs": 1, "max_queue_size": 4})
+    body = {"model": "decoder", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
+    before = len(rec.of(RequestRow))
+    try:
+        too_many = client.post("/v1/completions", json={**body, "n": 5})  # no retry mends it
+        assert too_many.status_code == 400 and "max_queue_size=4" in too_many.json()["error"][
+            "message"]
+        assert len(rec.of(RequestRow)) == before  # a mistake, not a refusal: nothing recorded
+        model.hold()
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(client.post, "/v1/completions", json=body)
+            served.wait_for(lambda: engine.stats()["running"] == 1)
+            waiting = pool.submit(client.post, "/v1/completions", json=body)
+            served.wait_for(lambda: engine.stats()["waiting"] == 1)
+            refused = client.post("/v1/completions", json={**body, "prompt": ["a", "b"],
+                                                           "n": 2})
+            model.release()
+            assert running.result(timeout=60).status_code == 200
+            assert waiting.result(timeout=60).status_code == 200
+    finally:
+        model.release()
+        engine.update_settings({"max_num_seqs": 32, "max_queue_size": 1024})
+    assert refused.status_code == 429
+    assert "room for 3 more, this request holds 4" in refused.json()["error"]["message"]
+    served.wait_for(lambda: len(rec.of(RequestRow)) == before + 6)
+    outcomes = sorted(r.outcome for r in rec.of(RequestRow)[before:])
+    assert outcomes == ["ok", "ok", "rejected", "rejected", "rejected", "rejected"]
+    assert any(e.kind == "rejected" and e.severity == "warning" for e in rec.of(EventRow))
+
+
 def test_a_stream_that_expires_in_the_queue_gets_503_before_it_starts(served, client):
     """The status line waits for the first token: an expiry before it is a plain 503."""
     model, engine = served.model, served.engine
@@ -293,6 +325,8 @@ def test_a_stream_that_expires_in_the_queue_gets_503_before_it_starts(served, cl
     assert expired.status_code == 503
     assert expired.headers["content-type"] == "application/json"
     assert expired.json()["error"]["code"] == "expired"
+    assert any(e.kind == "expired" and "expired in the queue of 'decoder'" in e.message
+               for e in served.recorder.of(EventRow))
 
 
 def test_a_client_that_goes_away_cancels_its_stream(served, client):

@@ -257,6 +257,13 @@ class GenerationEngine:
         self._wake.set()
         return stream
 
+    def check_room(self, count: int, priority: int | None = None,
+                   adapter: str | None = None) -> None:
+        """Refuse a request of ``count`` sequences the queue cannot take whole
+        (``StepRunner.check_room``) before any of them is submitted."""
+        if self._accepting:
+            self.runner.check_room(count, priority, adapter)
+
     async def generate(self, prompt_token_ids: list[int] | None = None,
                        prompt_text: str | None = None, *, max_new_tokens: int | None = None,
                        priority: int | None = None, timeout_ms: float | None = None,

@@ -123,6 +123,7 @@ def _submit_all(engine: GenerationEngine, req: GenerationRequest,
                 prompts: list[tuple[list[int] | None, str | None]],
                 adapter: str | None = None) -> list[GenerationStream]:
     """One stream per choice, in choice-index order; all or none are queued."""
+    engine.check_room(len(prompts) * req.n, req.priority, adapter)
     streams: list[GenerationStream] = []
     try:
         for ids, text in prompts:

@@ -42,9 +42,10 @@ from typing import Any, Callable
 from batchscope.storage.records import EventRow, GenStepRow, RecorderLike, RequestRow
 from runtime.adapters.registry import AdapterRegistry
 from runtime.core.clock import MonotonicClock
-from runtime.api.errors import ConfigError, ModelNotFound, QueueFull, ValidationError
+from runtime.api.errors import ClientError, ConfigError, ModelNotFound, QueueFull, ValidationError
 from runtime.device import nvtx
 from runtime.engine.admission import deadline_of, priority_of
+from runtime.engine.served import Throttle
 from runtime.generation.config import GenerationConfig
 from runtime.generation.model import GenerationModel, make_sampler_state, sample
 from runtime.generation.scheduler import (ScheduledChunk, Scheduler, SchedulerOutput, Sequence,
@@ -54,6 +55,9 @@ from runtime.generation.spec import (DraftRequest, SpecController, SpecCounts, S
                                      verify_greedy)
 
 OUTCOMES = ("ok", "expired", "cancelled", "error", "rejected")
+#: refusals and expiries of a model are folded into at most one event of each a second
+#: (a request model's too: ``runtime.engine.engine.EVENT_INTERVAL_S``)
+REFUSAL_EVENT_INTERVAL_S = 1.0
 
 
 class StepRunner:
@@ -88,6 +92,10 @@ class StepRunner:
         #: traced sequence (``Sequence.traced``) joined: its span (set by the engine)
         self.on_traced_step: Callable[[int, float, float, SchedulerOutput, bool], None] | None = None
         self._traced_joined = False
+        #: refusals and expiries are events, folded into one a second (as a request
+        #: model's, ``runtime.engine.booking``)
+        self._rejections = Throttle(REFUSAL_EVENT_INTERVAL_S)
+        self._expiries = Throttle(REFUSAL_EVENT_INTERVAL_S)
         self.tokens_generated = 0
         #: prompt tokens of the requests whose prefill completed (recomputation not counted)
         self.prompt_tokens = 0
@@ -147,18 +155,7 @@ class StepRunner:
         max_new = cfg.default_max_new_tokens if max_new_tokens is None else max_new_tokens
         self.scheduler.check(prompt_ids, max_new)
         if len(self.scheduler.waiting) >= cfg.max_queue_size:
-            self.counts["rejected"] += 1
-            self._put(RequestRow(
-                instance_id=self.instance_id, model=self.model_name, batch_seq=None,
-                priority=priority, arrived_at=self.clock.to_wall(now),
-                finished_at=self.clock.to_wall(now), queue_wait_s=0.0, latency_s=0.0,
-                outcome="rejected", length=len(prompt_ids), prompt_tokens=len(prompt_ids),
-                output_tokens=0, adapter=adapter))
-            refused = QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting "
-                                f"for {self.model_name!r} (max_queue_size="
-                                f"{cfg.max_queue_size}); retry later", retry_after_s=1.0)
-            refused.refused_s = now  # its row's arrival: a trace of it pairs with the row
-            raise refused
+            raise self._refused(now, priority, adapter, [len(prompt_ids)])
         seq = Sequence(seq_id=next(self._ids), prompt_ids=list(prompt_ids),
                        max_new_tokens=max_new, priority=priority, arrival_s=now,
                        deadline_s=deadline_s,
@@ -171,6 +168,52 @@ class StepRunner:
         elif speculative and not (self.proposer is not None and cfg.speculating):
             self.spec_counts.requests_without_proposer += 1
         return seq
+
+    def check_room(self, count: int, priority: int | None = None,
+                   adapter: str | None = None) -> None:
+        """Refuse at once a request of ``count`` sequences (its prompts times its choices)
+        that the queue cannot take whole, before any of them is queued: more than
+        ``max_queue_size`` is a mistake no retry mends (``ClientError``); more than the
+        room left is ``QueueFull``, each sequence recorded as rejected."""
+        cfg = self.config
+        if count > cfg.max_queue_size:
+            raise ClientError(f"this request asks for {count} sequences (its prompts times n) "
+                              f"and the queue of {self.model_name!r} holds at most "
+                              f"max_queue_size={cfg.max_queue_size}; ask for fewer choices or "
+                              "prompts in one request, or raise max_queue_size")
+        if count > 1 and len(self.scheduler.waiting) + count > cfg.max_queue_size:
+            raise self._refused(self.clock.now(), priority_of(priority, cfg),
+                                self.adapter_of(adapter), [None] * count)
+
+    def _refused(self, now: float, priority: int, adapter: str | None,
+                 lengths: list[int | None]) -> QueueFull:
+        """Record ``len(lengths)`` sequences refused for a full queue (their prompt lengths,
+        None where not yet tokenized) and say why: the ``QueueFull`` to raise, carrying
+        ``refused_s`` (its rows' arrival, so a trace of it pairs with them)."""
+        cfg = self.config
+        waiting = len(self.scheduler.waiting)
+        self.counts["rejected"] += len(lengths)
+        at = self.clock.to_wall(now)
+        for length in lengths:
+            self._put(RequestRow(
+                instance_id=self.instance_id, model=self.model_name, batch_seq=None,
+                priority=priority, arrived_at=at, finished_at=at, queue_wait_s=0.0,
+                latency_s=0.0, outcome="rejected", length=length, prompt_tokens=length,
+                output_tokens=0, adapter=adapter))
+        count = self._rejections.hit(now, len(lengths))
+        if count:
+            self.event(now, "rejected", f"{count} request(s) refused: queue of "
+                       f"{self.model_name!r} is full (max_queue_size={cfg.max_queue_size})",
+                       severity="warning", count=count, queue_depth=waiting,
+                       max_queue_size=cfg.max_queue_size)
+        room = max(0, cfg.max_queue_size - waiting)
+        holds = (f"; room for {room} more, this request holds {len(lengths)}"
+                 if len(lengths) > 1 else "")
+        refused = QueueFull(f"{waiting} requests are already waiting for {self.model_name!r} "
+                            f"(max_queue_size={cfg.max_queue_size}){holds}; retry later",
+                            retry_after_s=1.0)
+        refused.refused_s = now  # type: ignore[attr-defined]
+        return refused
 
     def adapter_of(self, adapter: str | None) -> str | None:
         """The adapter a request names, checked (404 naming the loaded ones)."""
@@ -210,7 +253,8 @@ class StepRunner:
         k = 0
         if self.proposer is not None:
             k = self.spec.num_spec_tokens(self.config, len(self.scheduler.running))
-        out = self.scheduler.schedule(self.clock.now(), k)
+        now = self.clock.now()
+        out = self.scheduler.schedule(now, k)
         if not out.is_empty:
             self.step_seq += 1
             step, get = self.step_seq, self.scheduler.get
@@ -223,6 +267,12 @@ class StepRunner:
         self._record_slot_changes(out)
         for seq in out.expired:
             self._record_end(seq)
+        if out.expired:
+            count = self._expiries.hit(now, len(out.expired))
+            if count:
+                self.event(now, "expired", f"{count} request(s) expired in the queue of "
+                           f"{self.model_name!r}", severity="warning", count=count,
+                           queue_depth=len(self.scheduler.waiting))
         for seq_id in out.preempted:  # recomputed from scratch when it resumes
             self._release(seq_id)
         return out
@@ -469,10 +519,11 @@ class StepRunner:
             if last is None or now - last >= self.config.preemption_event_interval_s:
                 self._emit_preemptions(now)
 
-    def event(self, now: float, kind: str, message: str, **details: Any) -> None:
-        """An info event of this model (the adapter events)."""
+    def event(self, now: float, kind: str, message: str, severity: str = "info",
+              **details: Any) -> None:
+        """An event of this model (adapters, refusals, expiries)."""
         self._put(EventRow(instance_id=self.instance_id, model=self.model_name,
-                           at=self.clock.to_wall(now), kind=kind, severity="info",
+                           at=self.clock.to_wall(now), kind=kind, severity=severity,
                            message=message, details_json=json.dumps(details, default=str)))
 
     def _record_slot_changes(self, out: SchedulerOutput) -> None:
