@@ -52,7 +52,8 @@ from runtime.generation.params import GenerationRequest, parse_chat, parse_compl
 from runtime.server.openai_errors import (InvalidParam, error_response, model_not_found,
                                           openai_answer, routing_refusal)
 from runtime.server.openai_http import (GONE_STATUS, ClientGone, TimedAnswer, begin_trace,
-                                        json_response, model_routes, until_disconnected)
+                                        content_encoding, json_response, model_routes,
+                                        until_disconnected)
 
 
 # -- the two answer shapes ----------------------------------------------------------------
@@ -310,10 +311,11 @@ async def _sse(shape: _Shape, head: dict[str, Any], first: list[tuple[int, Token
 
 # -- handlers -----------------------------------------------------------------------------
 def _answerer(engines: dict[str, GenerationEngine], shape: _Shape,
-              parse: Callable[[bytes], GenerationRequest]) -> Callable[[Request], Awaitable[Response]]:
+              parse: Callable[[bytes, str | None], GenerationRequest]
+              ) -> Callable[[Request], Awaitable[Response]]:
     async def answer(request: Request) -> Response:
         try:
-            req = parse(await request.body())
+            req = parse(await request.body(), content_encoding(request))
             engine, adapter = _engine_for(engines, req.model)
             prompts = _chat_prompt(engine, req) if shape.chat else req.prompts
             trace = _begin_trace(engine, shape, request)

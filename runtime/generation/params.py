@@ -1,6 +1,8 @@
 """What a ``/v1/completions`` or ``/v1/chat/completions`` body asks for, checked.
 
-``parse_completion(raw)`` and ``parse_chat(raw)`` turn a request body into a
+``parse_completion(raw, content_encoding)`` and ``parse_chat(raw, content_encoding)``
+turn a request body (and its ``Content-Encoding``: gzip and deflate are inflated,
+another coding is a 415, ``runtime.server.openai_http.read_object``) into a
 ``GenerationRequest`` or raise ``InvalidParam`` (400, naming the field). The fields
 both routes share:
 
@@ -13,6 +15,8 @@ both routes share:
     seed            a 64-bit signed integer; without one a sampled request gets a fresh seed
     stop            a string or a list of up to 4 non-empty strings of at most 256 characters
     stream          Server-Sent Events; stream_options.include_usage adds a usage chunk
+                    (stream_options only with stream true, as OpenAI)
+    user            a string, the end user's id (not used)
     priority*       0 (most urgent) ... priority_levels - 1, as in vLLM
     timeout_ms*     how long the request may wait for its first step
     ignore_eos*     keep generating past the end token (benchmarks)
@@ -21,7 +25,8 @@ both routes share:
 
 (* extensions.) Fields for features this server does not have (logprobs, tools,
 penalties, top_p other than 1, ...) are refused unless they hold their neutral
-value; unknown fields are ignored, as vLLM does.
+value (of the same JSON type: ``top_p: true`` or ``logprobs: false`` on completions is
+refused, never read as 1 or 0); unknown fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -98,6 +103,52 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _same(value: Any, neutral: Any) -> bool:
+    """``value == neutral`` as JSON means it: a boolean equals only the same boolean
+    (Python's ``True == 1`` and ``False == 0`` would let ``best_of: true`` pass for 1 and
+    ``echo: 0`` for false), lists and objects item by item; 1 and 1.0 are the same number."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(value, dict) and isinstance(neutral, dict):
+        return value.keys() == neutral.keys() and all(_same(value[k], neutral[k]) for k in value)
+    if isinstance(value, list) and isinstance(neutral, list):
+        return len(value) == len(neutral) and all(map(_same, value, neutral))
+    return value == neutral
+
+
+def _max_tokens(body: dict[str, Any], key: str) -> int | None:
+    """``body[key]`` (max_tokens or max_completion_tokens): None or a positive integer."""
+    value = body.get(key)
+    if value is not None and not (_is_int(value) and value >= 1):
+        raise InvalidParam(key, f"{key}={value!r} must be a positive integer")
+    return value
+
+
+def _flag(body: dict[str, Any], key: str, param: str | None = None) -> bool | None:
+    """``body[key]``: None, true or false (never 0 or 1)."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidParam(param or key, f"{key}={value!r} must be true or false")
+    return value
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """``stream_options``: an object like ``{"include_usage": true}``, given only with
+    ``stream: true`` (OpenAI refuses it otherwise: nothing would read it)."""
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise InvalidParam("stream_options", 'stream_options must be an object like '
+                                             '{"include_usage": true}')
+    _flag(options, "include_usage", "stream_options")
+    if not stream:
+        raise InvalidParam("stream_options", "stream_options is only allowed when stream is "
+                                             "true; set stream to true or leave "
+                                             "stream_options out")
+    return options
+
+
 def parse_prompts(prompt: Any) -> list[tuple[list[int] | None, str | None]]:
     """Normalise ``prompt`` to a list of (token ids, text) pairs, one of them None."""
     if isinstance(prompt, str):
@@ -137,15 +188,17 @@ def parse_stop(stop: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _common(body: dict[str, Any], neutral: dict, max_tokens: Any) -> dict[str, Any]:
+def _common(body: dict[str, Any], neutral: dict, max_tokens: int | None) -> dict[str, Any]:
     """The fields both routes share, checked, as ``GenerationRequest`` keywords."""
     for key, (allowed, message) in neutral.items():
-        if key in body and body[key] not in allowed:
+        if key in body and not any(_same(body[key], a) for a in allowed):
             raise InvalidParam(key, f"{key}={body[key]!r}: {message}")
     if not isinstance(body.get("model"), str):
         raise InvalidParam("model", "model is required: the name of one of GET /v1/models")
-    if max_tokens is not None and not (_is_int(max_tokens) and max_tokens >= 1):
-        raise InvalidParam("max_tokens", f"max_tokens={max_tokens!r} must be a positive integer")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidParam("user", f"user={user!r} must be a string (an id of the end user) "
+                                   "or left out")
     n = body.get("n")
     n = 1 if n is None else n
     if not (_is_int(n) and 1 <= n <= MAX_N):
@@ -158,14 +211,9 @@ def _common(body: dict[str, Any], neutral: dict, max_tokens: Any) -> dict[str, A
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and _SEED_RANGE[0] <= seed < _SEED_RANGE[1]):
         raise InvalidParam("seed", f"seed={seed!r} must be a 64-bit signed integer")
-    for key in ("stream", "ignore_eos", "speculative"):
-        if body.get(key) not in (None, True, False):
-            raise InvalidParam(key, f"{key}={body[key]!r} must be true or false")
-    options = body.get("stream_options")
-    options = {} if options is None else options
-    if not (isinstance(options, dict) and options.get("include_usage") in (None, True, False)):
-        raise InvalidParam("stream_options", 'stream_options must be an object like '
-                                             '{"include_usage": true}')
+    stream, ignore_eos, speculative = (_flag(body, "stream"), _flag(body, "ignore_eos"),
+                                       _flag(body, "speculative"))
+    options = _stream_options(body, bool(stream))
     priority = body.get("priority")
     if priority is not None and not _is_int(priority):
         raise InvalidParam("priority", f"priority={priority!r} must be an integer (0 is most "
@@ -176,15 +224,16 @@ def _common(body: dict[str, Any], neutral: dict, max_tokens: Any) -> dict[str, A
                                          "milliseconds")
     return {"model": body["model"], "max_tokens": max_tokens, "n": n,
             "temperature": float(temperature), "seed": seed, "stop": parse_stop(body.get("stop")),
-            "stream": bool(body.get("stream")), "include_usage": bool(options.get("include_usage")),
+            "stream": bool(stream), "include_usage": bool(options.get("include_usage")),
             "priority": priority, "timeout_ms": timeout_ms,
-            "ignore_eos": bool(body.get("ignore_eos")), "speculative": body.get("speculative")}
+            "ignore_eos": bool(ignore_eos), "speculative": speculative}
 
 
-def parse_completion(raw: bytes) -> GenerationRequest:
-    """A ``/v1/completions`` body: the shared fields and ``prompt``."""
-    body = read_object(raw)
-    common = _common(body, _COMPLETION_NEUTRAL, body.get("max_tokens"))
+def parse_completion(raw: bytes, content_encoding: str | None = None) -> GenerationRequest:
+    """A ``/v1/completions`` body (sent with ``content_encoding``): the shared fields and
+    ``prompt``."""
+    body = read_object(raw, content_encoding)
+    common = _common(body, _COMPLETION_NEUTRAL, _max_tokens(body, "max_tokens"))
     if "prompt" not in body:
         raise InvalidParam("prompt", "prompt is required: a string or a list of token ids")
     prompts = parse_prompts(body["prompt"])
@@ -196,11 +245,12 @@ def parse_completion(raw: bytes) -> GenerationRequest:
     return GenerationRequest(prompts=prompts, **common)
 
 
-def parse_chat(raw: bytes) -> GenerationRequest:
-    """A ``/v1/chat/completions`` body: the shared fields and ``messages``
-    (``max_completion_tokens`` is the newer name of ``max_tokens``)."""
-    body = read_object(raw)
-    max_tokens, newer = body.get("max_tokens"), body.get("max_completion_tokens")
+def parse_chat(raw: bytes, content_encoding: str | None = None) -> GenerationRequest:
+    """A ``/v1/chat/completions`` body (sent with ``content_encoding``): the shared fields
+    and ``messages`` (``max_completion_tokens`` is the newer name of ``max_tokens``)."""
+    body = read_object(raw, content_encoding)
+    max_tokens = _max_tokens(body, "max_tokens")
+    newer = _max_tokens(body, "max_completion_tokens")
     if max_tokens is not None and newer is not None and max_tokens != newer:
         raise InvalidParam("max_completion_tokens", "max_tokens and max_completion_tokens "
                                                     "differ; send one of them")

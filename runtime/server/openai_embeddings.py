@@ -13,9 +13,13 @@ each is queued on its own, so the inputs of one call, and those of concurrent ca
 are batched together like any other requests of the model (same queue, same batching
 settings, one record each).
 
-``encoding_format`` "float" (the default) answers lists of numbers, "base64" the
-little-endian float32 bytes in base64 (what the ``openai`` client asks for unless
-told otherwise, and decodes itself). ``dimensions`` may only repeat the model's own.
+``encoding_format`` "float" (the default: absent or null) answers lists of numbers,
+"base64" the little-endian float32 bytes in base64 (what the ``openai`` client asks
+for unless told otherwise, and decodes itself); anything else is refused.
+``dimensions`` may only repeat the model's own; ``user``, when given, is a string.
+An input the model reads as no tokens at all (an empty text) is refused naming its
+index. The body may be sent gzip- or deflate-compressed (``Content-Encoding``,
+``runtime.server.openai_http.read_object``).
 ``priority`` (0 = most urgent, as on ``/v1/completions``) and ``timeout_ms`` are
 extensions. ``model: "<base>:<adapter>"`` embeds with one of the base model's LoRA
 adapters (404 naming the loaded ones for an adapter it does not have); the answer's
@@ -35,10 +39,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from runtime.api.errors import BatchScopeError, ClientError, RequestTooLarge
+from runtime.api.errors import BatchScopeError, RequestTooLarge
 from runtime.server.openai_errors import InvalidParam, error_response, model_not_found
 from runtime.server.openai_http import (GONE_STATUS, ClientGone, TimedAnswer, begin_trace,
-                                        json_response, read_object, until_disconnected)
+                                        json_response, read_request, until_disconnected)
 
 MAX_INPUTS = 2048
 #: the longest text one input may be (tokenizing holds the interpreter lock: ~1 ms a
@@ -64,11 +68,17 @@ def _is_ids(value: Any) -> bool:
         for t in value))
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _text(value: str, index: int) -> str:
     if len(value) > MAX_INPUT_CHARS:
-        raise RequestTooLarge(f"input[{index}] has {len(value)} characters; send at most "
-                              f"{MAX_INPUT_CHARS} per input (the models here read a few "
-                              "hundred tokens of it); split longer texts into several inputs")
+        error = RequestTooLarge(f"input[{index}] has {len(value)} characters; send at most "
+                                f"{MAX_INPUT_CHARS} per input (the models here read a few "
+                                "hundred tokens of it); split longer texts into several inputs")
+        error.param = "input"  # type: ignore[attr-defined]
+        raise error
     return value
 
 
@@ -110,30 +120,52 @@ def _encode(vector: np.ndarray, fmt: str) -> Any:
 
 def _prepared(model: Any, name: str, values: list[str | list[int]]
               ) -> list[tuple[dict[str, np.ndarray], int]]:
+    """Each input as the model's inputs and its token count (``embedding_inputs``). An
+    input of no tokens is refused here, naming its index: the engine would refuse it
+    too, but in the words of the model's tensors, not saying which input it was."""
     out = []
     for i, value in enumerate(values):
         try:
-            out.append(model.embedding_inputs(value))
-        except BatchScopeError:
+            inputs, tokens = model.embedding_inputs(value)
+        except BatchScopeError as exc:
+            if getattr(exc, "param", None) is None:  # the model's words: say which input
+                exc.message = f"input[{i}]: {exc.message}"
+                exc.param = "input"  # type: ignore[attr-defined]
             raise
         except Exception as exc:  # a model's own check that is not one of ours
-            raise ClientError(f"input[{i}] could not be read by model {name!r}: "
-                              f"{type(exc).__name__}: {exc}"[:500]) from None
+            raise InvalidParam("input", f"input[{i}] could not be read by model {name!r}: "
+                                        f"{type(exc).__name__}: {exc}"[:500]) from None
+        if tokens == 0:
+            raise InvalidParam("input", f"input[{i}] is empty: model {name!r} reads no tokens "
+                                        "from it; send at least one character or token id "
+                                        "per input, or leave the empty ones out")
+        out.append((inputs, tokens))
     return out
 
 
 def _options(body: dict[str, Any], dim: int | None) -> tuple[str, int | None, float | None]:
-    fmt = body.get("encoding_format") or "float"
-    if fmt not in ("float", "base64"):
+    """(encoding_format, priority, timeout_ms) of ``body``, each checked, and its
+    ``dimensions`` and ``user`` checked; only an absent or null field takes the default
+    (a 0 or "" is a mistake, not a request for it)."""
+    fmt = body.get("encoding_format")
+    fmt = "float" if fmt is None else fmt
+    if not (isinstance(fmt, str) and fmt in ("float", "base64")):
         raise InvalidParam("encoding_format", f"encoding_format={fmt!r} must be \"float\" or "
-                                              "\"base64\"")
+                                              "\"base64\" (or left out for \"float\")")
     dimensions = body.get("dimensions")
+    if dimensions is not None and not _is_int(dimensions):
+        raise InvalidParam("dimensions", f"dimensions={dimensions!r} must be an integer: this "
+                                         f"model's embeddings have {dim}; leave dimensions out")
     if dimensions is not None and dimensions != dim:
         raise InvalidParam("dimensions", f"dimensions={dimensions!r}: this model's embeddings "
                                          f"have {dim} dimensions and cannot be shortened; leave "
                                          "dimensions out")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidParam("user", f"user={user!r} must be a string (an id of the end user) "
+                                   "or left out")
     priority = body.get("priority")
-    if priority is not None and not (isinstance(priority, int) and not isinstance(priority, bool)):
+    if priority is not None and not _is_int(priority):
         raise InvalidParam("priority", f"priority={priority!r} must be an integer (0 is most "
                                        "urgent)")
     timeout_ms = body.get("timeout_ms")
@@ -179,7 +211,7 @@ def embedding_routes(engine: Any) -> list[Route]:
 
     async def embeddings(request: Request) -> Response:
         try:
-            body = read_object(await request.body())
+            body = await read_request(request)
             name = body.get("model")
             served = embedding_models(engine)
             if not isinstance(name, str):

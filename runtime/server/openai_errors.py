@@ -27,9 +27,10 @@ from runtime.api.errors import (Answer, BatchScopeError, ClientError, ModelNotFo
 #: statuses the OpenAI API does not use, and the one it answers the same case with
 _OPENAI_STATUS = {422: 400}
 
+#: the ``type`` of each status's errors: a client's mistake is an ``invalid_request_error``
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error"}
+          415: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class InvalidParam(ClientError):

@@ -1,8 +1,13 @@
 """What every OpenAI-style route (``/v1/...``) shares: the JSON body, JSON answers, the
 model list, and noticing a client that went away.
 
-* ``read_object(raw)``: the request body as a JSON object, or ``InvalidParam`` (400);
-  more than ``runtime.server.bounds.MAX_JSON_BYTES`` is refused unparsed (413).
+* ``read_object(raw, content_encoding)``: the request body as a JSON object, or
+  ``InvalidParam`` (400); more than ``runtime.server.bounds.MAX_JSON_BYTES`` is refused
+  unparsed (413). A body sent with ``Content-Encoding`` gzip or deflate is inflated
+  first, as on the KServe routes (``runtime.server.kserve.compression``), to at most
+  ``MAX_JSON_BYTES`` (more: 413); any other coding is refused (415).
+  ``read_request(request)`` is the same for a Starlette request, whose codings
+  ``content_encoding(request)`` gives.
 * ``until_disconnected(request, work)``: awaits ``work`` unless the client closes its
   connection first; then ``work`` is cancelled (so what it queued is given up and its
   resources freed) and ``ClientGone`` raised. Streamed answers need no such wrapper
@@ -23,8 +28,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from runtime.server.bounds import check_json_size
+from runtime.server.bounds import MAX_JSON_BYTES, check_json_size
 from runtime.server.http1.asgi import RECEIVED
+from runtime.server.kserve.compression import decoded_body
 from runtime.server.openai_errors import InvalidParam, error_response, model_not_found
 
 T = TypeVar("T")
@@ -36,8 +42,15 @@ def json_response(data: Any, status: int = 200,
                     headers=headers or None)
 
 
-def read_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object (at most ``MAX_JSON_BYTES``, else 413)."""
+def read_object(raw: bytes, content_encoding: str | None = None) -> dict[str, Any]:
+    """The request body as a JSON object (at most ``MAX_JSON_BYTES``, else 413).
+
+    ``content_encoding`` (the request's ``Content-Encoding``) is undone first, as the
+    KServe routes do (``decoded_body``: gzip, deflate, identity; another coding is a
+    415 naming those): a body is JSON and nothing else here, so it may inflate to
+    ``MAX_JSON_BYTES`` and no more (413), and is never read as JSON still compressed."""
+    if content_encoding:
+        raw = decoded_body(raw, content_encoding, MAX_JSON_BYTES)
     check_json_size(len(raw), "the request body", "send fewer or shorter inputs per request")
     try:
         body = orjson.loads(raw)
@@ -46,6 +59,18 @@ def read_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidParam(None, "the request body must be a JSON object")
     return body
+
+
+def content_encoding(request: Request) -> str | None:
+    """``request``'s ``Content-Encoding``, every header line of it in order (several
+    lines are one list, RFC 9110), so that no coding is left undone; None: none sent."""
+    codings = request.headers.getlist("content-encoding")
+    return ", ".join(codings) if codings else None
+
+
+async def read_request(request: Request) -> dict[str, Any]:
+    """``read_object`` of ``request``'s body, with its ``Content-Encoding``."""
+    return read_object(await request.body(), content_encoding(request))
 
 
 class ClientGone(Exception):
