@@ -261,7 +261,9 @@ def members(rows: TimelineRows, key: tuple[str, int]) -> tuple[go.Figure, pd.Dat
                  & (r["arrived_at"] <= st1) & (r["finished_at"] >= st0)].sort_values("arrived_at")
         part = part.assign(first_token_at=part["arrived_at"] + part["ttft_s"].fillna(
             part["latency_s"]).astype(float))
-        title = (f"Step at {st1 - t0:.3f} s: {len(part)} sequences — waiting, prefill "
+        number = step["seq"].iloc[0] if "seq" in step else None
+        named = "Step" if number is None or pd.isna(number) else f"Step {int(number)}"
+        title = (f"{named} at {st1 - t0:.3f} s: {len(part)} sequences — waiting, prefill "
                  "(until the first token), decode")
         phases = [("waiting", "arrived_at", "started_at", QUEUE_COLOR),
                   ("prefill", "started_at", "first_token_at", "#ff7f0e"),
