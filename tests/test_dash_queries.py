@@ -76,6 +76,25 @@ def test_timeline_buckets_hold_exact_per_bucket_percentiles(filled):
     assert tl["ok"].iloc[1] == len(rows)
 
 
+def test_a_bucket_cut_by_the_window_is_a_rate_over_the_part_inside(filled):
+    # 30-s buckets and a window that starts and ends inside one: the edge buckets hold
+    # part of a bucket of rows each, and their rates are those rows over that part
+    engine, _, _ = filled
+    w = Window(END - 100, END - 10, "mlp")
+    tl = queries.request_timeline(engine, w, bucket_s=30)
+    t = tl["t"].to_numpy()
+    inside = np.minimum(t + 30, w.end_s) - np.maximum(t, w.start_s)
+    assert inside[0] < 30 and inside[-1] < 30 and (inside[1:-1] == 30).all()
+    assert list(tl["requests_per_s"]) == pytest.approx(list(tl["requests"] / inside))
+    batches = queries.batch_timeline(engine, w, bucket_s=30)
+    b_inside = np.minimum(batches["t"] + 30, w.end_s) - np.maximum(batches["t"], w.start_s)
+    assert list(batches["batches_per_s"]) == pytest.approx(list(batches["batches"] / b_inside))
+    # steady traffic reads about the same rate at the edges as inside
+    middle = tl["requests_per_s"].iloc[1:-1].mean()
+    assert tl["requests_per_s"].iloc[0] == pytest.approx(middle, rel=0.3)
+    assert tl["requests_per_s"].iloc[-1] == pytest.approx(middle, rel=0.3)
+
+
 def test_window_excludes_rows_outside(filled):
     engine, _, _ = filled
     empty = queries.headline(engine, Window(END + 10, END + 20, "mlp")).iloc[0]

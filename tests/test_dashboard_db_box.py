@@ -198,3 +198,15 @@ def test_the_demo_records_where_the_dashboard_reads_from_any_folder(tmp_path, mo
     assert seen == [f"sqlite:///{tmp_path / 'data' / 'batchscope.db'}"]
     assert runtime.url == "sqlite:///data/batchscope.db"  # what the dashboard compares
 
+
+
+def test_a_configured_database_that_cannot_be_reached_is_said_in_one_box(monkeypatch):
+    # a PostgreSQL URL at a port nothing listens on (1): no traceback, the box stays usable
+    monkeypatch.setenv("BATCHSCOPE_DB_URL", "postgresql+psycopg://u:secret@127.0.0.1:1/db")
+    monkeypatch.setenv("BATCHSCOPE_NO_DEMO", "1")
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception, [e.value for e in at.exception]
+    [box] = [e.value for e in at.error]
+    assert box.startswith("The database at postgresql+psycopg://u:***@127.0.0.1:1/db cannot "
+                          "be opened") and "secret" not in box
+    assert at.text_input(key="db_url").value.endswith("127.0.0.1:1/db")

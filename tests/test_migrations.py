@@ -272,6 +272,51 @@ def test_a_database_of_schema_version_10_drops_the_model_time_index_of_traces(db
         engine.dispose()
 
 
+def test_a_database_of_schema_version_11_is_read_as_it_is_then_numbers_its_steps(db_url,
+                                                                                  tmp_path):
+    """Revision 0010 -> 0011: ``generation_steps`` gains ``seq``. Before the upgrade, a
+    reader that changes nothing (``batchscope trace``, ``snapshot export``) reads its
+    steps without numbers; after it, old rows read NULL and new ones are numbered."""
+    from batchscope.analysis.queries.timeline import timeline_rows
+    from batchscope.analysis.queries.window import Window
+    from batchscope.presentation import snapshot
+    from batchscope.storage.records import GenStepRow
+
+    database_at(db_url, "0010", """
+        INSERT INTO generation_steps (instance_id, model, at, mode, running, waiting,
+          prefill_tokens, decode_tokens, blocks_used, blocks_free, preemptions, step_s)
+        VALUES ('rt-1', 'decoder', 12.0, 'continuous', 2, 0, 8, 2, 4, 60, 0, 0.01)
+        """)
+    reader = make_engine(db_url, create=False)
+    try:
+        rows = timeline_rows(reader, Window(11.0, 13.0))
+        assert len(rows.steps) == 1 and rows.steps["seq"].isna().all()
+        out = tmp_path / "old.zip"
+        assert snapshot.export_snapshot(reader, Window(11.0, 13.0), out) is not None
+        snap = snapshot.load_snapshot(out)
+        try:
+            with snap.engine.connect() as conn:
+                assert conn.execute(text("SELECT seq, running FROM generation_steps")
+                                    ).all() == [(None, 2)]
+        finally:
+            snap.close()
+        assert schema_version(reader) == 11  # read, not upgraded
+    finally:
+        reader.dispose()
+    engine = make_engine(db_url)
+    try:
+        assert schema_version(engine) == SCHEMA_VERSION >= 12
+        rec = Recorder(engine)
+        rec.put(GenStepRow("rt-1", "decoder", 13.0, "continuous", 1, 0, 0, 1, 4, 60, 0, 0.01,
+                           seq=7))
+        assert rec.flush() == 1
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT seq FROM generation_steps ORDER BY at")
+                                ).scalars().all() == [None, 7]
+    finally:
+        engine.dispose()
+
+
 def test_an_empty_database_gets_every_table(db):
     assert schema_version(db) == SCHEMA_VERSION and schema_revision(db) == storage_db._head()
     assert set(Base.metadata.tables) <= set(inspect(db).get_table_names())

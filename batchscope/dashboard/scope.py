@@ -31,7 +31,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 import streamlit as st
-from sqlalchemy import Engine
+from sqlalchemy import Engine, make_url
+from sqlalchemy.exc import SQLAlchemyError
 
 from batchscope.analysis import queries
 from batchscope.presentation import snapshot
@@ -102,6 +103,14 @@ def engine_for(url: str) -> Engine:
         return engine
     except db.SchemaTooNew as exc:  # written by a newer release: say so, touch nothing
         st.error(str(exc))
+        st.stop()
+        raise
+    except (db.DatabaseUnavailable, SQLAlchemyError, OSError) as exc:  # not reachable
+        where = make_url(url).render_as_string(hide_password=True)
+        reason = getattr(exc, "orig", None) or exc
+        st.error(f"The database at {where} cannot be opened: {str(reason).strip()}. Check "
+                 "that its server runs and the URL is right, or type another URL under "
+                 "Database URL in the sidebar.")
         st.stop()
         raise
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any, Callable
 
 import streamlit as st
 from sqlalchemy import Engine
@@ -18,6 +19,7 @@ from batchscope.dashboard.scope import Scope, browse_snapshot, data_engine, open
 from batchscope.presentation import charts, report, snapshot
 
 _ERRORS = "snap_errors"
+_SEEN = "snap_uploads"
 log = logging.getLogger(__name__)
 
 
@@ -44,26 +46,17 @@ def export(engine: Engine, scope: Scope) -> None:
 
 
 def open_files() -> None:
-    """Open uploaded snapshots once each; a file that fails keeps its error on show."""
+    """Open uploaded snapshots once each, told apart by upload, not by name: a second file
+    of a name already open (every export is ``batchscope-snapshot.zip``) opens as
+    ``name (2)``. A file that fails keeps its error on show while it stays uploaded."""
     st.subheader("Open")
     files = st.file_uploader("Open snapshot(s) — two to compare", type=["zip"],
                              accept_multiple_files=True, key="upload")
     snaps = opened_snapshots()
-    errors = st.session_state.setdefault(_ERRORS, {})
-    opened = None
-    for f in files or []:
-        if f.name in snaps or f.name in errors:
-            continue
-        try:
-            snaps[f.name] = snapshot.load_snapshot(f.getvalue())
-            opened = f.name
-        except snapshot.SnapshotError as exc:
-            errors[f.name] = str(exc)
-        except Exception as exc:  # a bug, or the machine (memory, disk): still say so here
-            errors[f.name] = (f"opening it failed unexpectedly ({type(exc).__name__}: {exc}); "
-                              "the dashboard's log has the details")
-            log.exception("opening the snapshot %s failed", f.name)
-    for name, err in errors.items():
+    seen = st.session_state.setdefault(_SEEN, {})  # upload id -> the name it opened as
+    errors = st.session_state.setdefault(_ERRORS, {})  # upload id -> (its name, why)
+    opened = take_uploads(files or [], snaps, seen, errors, snapshot.load_snapshot)
+    for name, err in errors.values():
         st.error(f"{name} was not opened: {err}")
     if opened is not None:
         browse_snapshot(opened)
@@ -73,6 +66,46 @@ def open_files() -> None:
                                           f"{snap.written_by or 'of an unknown version'})"
                                           for name, snap in snaps.items())
                    + " — pick one under Data in the sidebar.")
+
+
+def take_uploads(files: list, snaps: dict, seen: dict, errors: dict,
+                 load: Callable[[bytes], Any]) -> str | None:
+    """Open each upload of ``files`` not met before (``seen``: upload id -> the name it
+    opened as; ``errors``: upload id -> (file name, why it failed), an upload's error
+    dropped once it is no longer uploaded) into ``snaps`` with ``load``; the name the
+    last one opened as, None when none opened."""
+    present = {f.file_id for f in files}
+    for upload in [u for u in errors if u not in present]:
+        del errors[upload]
+    opened = None
+    for f in files:
+        if f.file_id in seen or f.file_id in errors:
+            continue
+        try:
+            snap = load(f.getvalue())
+        except snapshot.SnapshotError as exc:
+            errors[f.file_id] = (f.name, str(exc))
+            continue
+        except Exception as exc:  # a bug, or the machine (memory, disk): still say so here
+            errors[f.file_id] = (f.name, f"opening it failed unexpectedly "
+                                         f"({type(exc).__name__}: {exc}); the dashboard's "
+                                         "log has the details")
+            log.exception("opening the snapshot %s failed", f.name)
+            continue
+        name = _free_name(f.name, snaps)
+        snaps[name] = snap
+        seen[f.file_id] = opened = name
+    return opened
+
+
+def _free_name(name: str, taken: dict) -> str:
+    """``name``, or ``name (2)``, ``name (3)``, ... when a snapshot of that name is open."""
+    if name not in taken:
+        return name
+    n = 2
+    while f"{name} ({n})" in taken:
+        n += 1
+    return f"{name} ({n})"
 
 
 def compare(snaps: dict[str, snapshot.Snapshot], slo_ms: float) -> None:

@@ -1,25 +1,32 @@
 """The Batch timeline page: which requests were batched together, and why one waited.
 
-A window of the scope (10 s by default, 1 s to 5 min; live windows follow the clock
-until a batch is picked) is read row by row (``queries.timeline``) and drawn as lanes
-of batches (``presentation.timeline_chart``). A batch is picked by clicking its bar,
-by a row of the "slowest requests" table, or by its number; its requests are then drawn
-as queue wait and compute, with their table. The window downloads as a Perfetto trace
-or as Chrome trace JSON (made when the button is pressed, off the page's run), the same
-file a snapshot of the window holds.
+A window of the scope (10 s by default, 1 s to 5 min, never longer than the sidebar's
+window nor past now; live windows follow the clock until a batch is picked) is read row by
+row (``queries.timeline``) and drawn as lanes of batches (``presentation.timeline_chart``).
+A batch is picked by clicking its bar, by a row of the "slowest requests" table, or by
+its number; its requests are then drawn as queue wait and compute, with their table. The
+window downloads as a Perfetto trace or as Chrome trace JSON (made when the button is
+pressed, off the page's run), the same file a snapshot of the window holds.
 
 Until a batch is picked, only the requests the chart marks or the table lists are read
 (refused, expired, bypassed, the slowest), so the page's cost follows the batches, not the
 requests: 10 s at 10,000 requests a second is about 3,000 batches. A window holding more
 than ``PAGE_MAX_ROWS`` of those rows is refused with its row count and the length that
 would fit.
+
+Where the window ends is decided once per page run (:func:`window_end`, a pure function)
+and written to ``timeline_end`` before the region reads it, so a region that finds it moved
+(a pick did it) reruns the page once and never again for the same state. Times are the
+dashboard's local time (``scope.fmt_time``), their zone named wherever one is shown.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import time
 from datetime import datetime, timezone
+from typing import NamedTuple
 
 import pandas as pd
 import streamlit as st
@@ -39,6 +46,73 @@ PAGE_MAX_ROWS = 400_000
 SELECTED = "timeline_selected"
 FOLLOW = "timeline_follow"
 END = "timeline_end"
+#: the slowest-requests table's key, and the count that renews it to clear a stale tick
+TABLE = "timeline_slowest"
+TABLE_GEN = "timeline_slowest_gen"
+#: the largest batch number a database holds (a 64-bit integer)
+MAX_SEQ = 2**63 - 1
+
+
+class WindowEnd(NamedTuple):
+    """Where the timeline's window lies (see :func:`window_end`)."""
+
+    #: where it ends, never after now nor after the sidebar's window
+    end_s: float
+    #: its length: the one picked, or the sidebar's window's when that is shorter
+    length_s: float
+    #: the range the "Window ends at" slider offers; None when the window cannot move
+    bounds: tuple[float, float] | None
+
+
+def window_end(start_s: float, end_s: float, length_s: float, now: float,
+               wanted_s: float | None) -> WindowEnd:
+    """Where a window of ``length_s`` ends inside the sidebar's window ``start_s``..``end_s``
+    (a live one passes ``end_s=now``): at ``wanted_s`` kept inside it, at its end when
+    nothing is wanted. A window longer than the sidebar's is cut to it; one with under a
+    second of room has no slider and ends where the sidebar's does."""
+    hi = min(end_s, now)
+    length = max(0.0, min(length_s, hi - start_s))
+    lo = start_s + length
+    if hi - lo < 1.0:
+        return WindowEnd(hi, length, None)
+    end = hi if wanted_s is None else min(max(wanted_s, lo), hi)
+    return WindowEnd(end, length, (lo, hi))
+
+
+def stale_tick(picks: list[tuple[str, object]], ticked: list[int],
+               selected: tuple[str, int] | None) -> bool:
+    """Whether the slowest-requests table's ticked row (``ticked``: its row numbers) no
+    longer names the batch shown: the table holds no such row, the row's batch (``picks``:
+    each row's instance and batch key, None/NaN without one) is not ``selected``, or
+    nothing is. Such a tick is cleared, so a tick always marks the batch drawn."""
+    if not ticked:
+        return False
+    if ticked[0] >= len(picks):
+        return True
+    inst, pick = picks[ticked[0]]
+    if pick is None or pd.isna(pick) or selected is None:
+        return True
+    return (str(inst), int(pick)) != (str(selected[0]), int(selected[1]))
+
+
+def parse_batch_number(text: str) -> int | None:
+    """The batch number typed, or None when it is not a whole number >= 0 written with
+    the digits 0-9 (as ``-5``, ``abc``, ``1.5`` or ``²`` are not)."""
+    text = text.strip()
+    if not text or not (text.isascii() and text.isdigit()):
+        return None
+    return int(text)
+
+
+def zone(t: float) -> str:
+    """The name of the local time zone at ``t`` (e.g. ``EST``), the zone ``fmt_time`` uses."""
+    return datetime.fromtimestamp(t).astimezone().tzname() or "local time"
+
+
+def _as_end(t: float) -> datetime:
+    """``t`` as the "Window ends at" slider holds it: local wall-clock time (naive), so
+    that it shows the dashboard's clock."""
+    return datetime.fromtimestamp(t)
 
 
 def render(scope: Scope) -> None:
@@ -51,24 +125,34 @@ def render(scope: Scope) -> None:
     follow = right.toggle("Follow live", key=FOLLOW, disabled=not scope.live,
                           help="the window ends now and moves with the clock; picking a batch "
                                "stops it where it is")
-    end_s = None if scope.live and follow else _end_slider(mid, scope, length)
-    st.fragment(run_every=scope.refresh_s if end_s is None else None)(region)(
-        engine, scope, float(length), end_s)
-
-
-def _end_slider(where, scope: Scope, length: float) -> float:
-    """Where the window ends: a slider over the scope's time range (one-second steps)."""
-    lo = scope.start_s + length
-    hi = max(lo, time.time() if scope.live else scope.end_s)
-    if hi - lo < 1.0:
-        return hi
-    utc = timezone.utc
+    now = time.time()
+    w = scope.window(now)  # a live one moved to end now
     kept = st.session_state.get(END)
-    at = hi if kept is None else min(max(kept.timestamp(), lo), hi)
-    st.session_state[END] = datetime.fromtimestamp(at, utc)
-    picked = where.slider("Window ends at", min_value=datetime.fromtimestamp(lo, utc),
-                          max_value=datetime.fromtimestamp(hi, utc),
-                          step=pd.Timedelta(seconds=1), format="HH:mm:ss", key=END)
+    # a snapshot's window is its data's, whatever this machine's clock says
+    at = window_end(w.start_s, w.end_s, float(length), now if scope.snapshot is None else w.end_s,
+                    None if kept is None else kept.timestamp())
+    if at.length_s < length:
+        mid.caption(f"The sidebar's time window is {at.length_s:.0f} s, shorter than {length} s: "
+                    "the timeline shows all of it. Choose a longer time window in the sidebar "
+                    "to see more.")
+    if scope.live and follow:
+        end_s = None
+    elif at.bounds is None:  # no room to move: no slider, and the end is settled here
+        st.session_state[END] = _as_end(at.end_s)
+        end_s = at.end_s
+    else:
+        end_s = _end_slider(mid, at)
+    st.fragment(run_every=scope.refresh_s if end_s is None else None)(region)(
+        engine, scope, at.length_s, end_s)
+
+
+def _end_slider(where, at: WindowEnd) -> float:
+    """Where the window ends: a slider over ``at.bounds`` (one-second steps, local time)."""
+    lo, hi = at.bounds
+    st.session_state[END] = _as_end(at.end_s)  # the end settled on, before the slider
+    picked = where.slider(f"Window ends at ({zone(hi)})", min_value=_as_end(lo),
+                          max_value=_as_end(hi), step=pd.Timedelta(seconds=1),
+                          format="HH:mm:ss", key=END)
     return picked.timestamp()
 
 
@@ -76,6 +160,7 @@ def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -
     if end_s is None and not st.session_state.get(FOLLOW):  # a pick stopped following
         st.rerun(scope="app")
     wanted = st.session_state.get(END)
+    # render wrote the end it settled on to END, so only a pick since (a callback) differs
     if end_s is not None and wanted is not None and abs(wanted.timestamp() - end_s) >= 1.0:
         st.rerun(scope="app")  # a pick moved the window: the slider outside must follow
     end = time.time() if end_s is None else end_s
@@ -92,9 +177,10 @@ def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -
         return
     read_s = time.perf_counter() - t
     t = time.perf_counter()
-    fig = timeline_chart.timeline(rows, selected=selected)
+    fig = timeline_chart.timeline(rows, selected=selected, tz=None)
     build_s = time.perf_counter() - t
-    st.caption(f"{fmt_time(w.start_s)} → {fmt_time(w.end_s)} · model {w.model or 'all'} · "
+    st.caption(f"{fmt_time(w.start_s)} → {fmt_time(w.end_s)} {zone(w.end_s)} · model "
+               f"{w.model or 'all'} · "
                f"{len(rows.batches):,} batches, {rows.requests_in_window:,} requests, "
                f"{len(rows.steps):,} steps · read {1000 * read_s:.0f} ms, drawn "
                f"{1000 * build_s:.0f} ms")
@@ -107,8 +193,10 @@ def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -
     with slow:
         st.markdown("**Slowest requests in the window**")
         table = timeline_chart.slowest(rows)
-        st.dataframe(table.drop(columns=["instance_id", "pick"]), key="timeline_slowest",
-                     on_select=_picked_in_table, selection_mode="single-row", hide_index=True,
+        key = _table_key(table, selected)
+        st.dataframe(table.drop(columns=["instance_id", "pick"]), key=key,
+                     on_select=functools.partial(_picked_in_table, key),
+                     selection_mode="single-row", hide_index=True,
                      column_config={"finished": st.column_config.NumberColumn(
                          "finished (s)", format="%.3f"),
                          "latency_ms": st.column_config.NumberColumn(format="%.2f"),
@@ -120,7 +208,8 @@ def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -
                       placeholder="e.g. 1234")
     with chosen:
         if selected is None:
-            st.info("Pick a batch: click its bar (or drag a box around it), pick one of the "
+            st.info("Pick a batch: click its bar (or choose the box select tool above the "
+                    "chart and drag a box around it; a plain drag zooms), pick one of the "
                     "slowest requests, or type its number.")
         else:
             _show_selected(rows, selected)
@@ -141,13 +230,29 @@ def _selected(rows: TimelineRows) -> tuple[str, int] | None:
     return key if found else None
 
 
+def _table_key(table: pd.DataFrame, selected: tuple[str, int] | None) -> str:
+    """The slowest-requests table's key: renewed (which clears its tick) when the row
+    ticked no longer names the batch shown, as after a pick by the chart or by number."""
+    gen = st.session_state.get(TABLE_GEN, 0)
+    key = TABLE if gen == 0 else f"{TABLE}_{gen}"
+    state = st.session_state.get(key)
+    try:
+        ticked = list(state["selection"]["rows"]) if state is not None else []
+    except (KeyError, TypeError):
+        ticked = []
+    if stale_tick(list(zip(table["instance_id"], table["pick"])), ticked, selected):
+        st.session_state[TABLE_GEN] = gen = gen + 1
+        key = f"{TABLE}_{gen}"
+    return key
+
+
 def _pick(inst: str, seq: int) -> None:
     """Show batch ``seq`` of ``inst``; a window following the clock stops where it is."""
     st.session_state[SELECTED] = (str(inst), int(seq))
     if st.session_state.get(FOLLOW):
         st.session_state[FOLLOW] = False
         end = st.session_state.get("timeline_window_end", time.time())
-        st.session_state[END] = datetime.fromtimestamp(end, timezone.utc)
+        st.session_state[END] = _as_end(end)
 
 
 def _picked_on_chart() -> None:
@@ -159,21 +264,28 @@ def _picked_on_chart() -> None:
             return
 
 
-def _picked_in_table() -> None:
-    picked = st.session_state["timeline_slowest"].selection.get("rows", [])
+def _picked_in_table(key: str) -> None:
+    picked = st.session_state[key].selection.get("rows", [])
     table = st.session_state.get("timeline_slowest_rows")
     if picked and table is not None and picked[0] < len(table):
         inst, seq = table.iloc[picked[0]]
-        if not pd.isna(seq):
+        if pd.isna(seq):
+            st.toast("the batch this request ran in is not in the window")
+        else:
             _pick(inst, int(seq))
 
 
 def _picked_by_number(engine: Engine, scope: Scope, length_s: float) -> None:
     """Go to the batch typed: the window stops following and centres on it."""
     text = st.session_state.get("timeline_batch_number", "").strip()
-    if not text.isdigit():
+    if not text:  # the box was emptied
         return
-    found = find_batch(engine, int(text), model=scope.model, instance_id=scope.instance)
+    seq = parse_batch_number(text)
+    if seq is None:
+        st.toast(f"a batch number is a whole number ≥ 0, not {text[:40]!r}")
+        return
+    found = None if seq > MAX_SEQ else find_batch(engine, seq, model=scope.model,
+                                                  instance_id=scope.instance)
     if found is None:
         st.toast(f"there is no batch {text} in this database"
                  + (f" for {scope.model}" if scope.model else ""))
@@ -182,10 +294,13 @@ def _picked_by_number(engine: Engine, scope: Scope, length_s: float) -> None:
         st.toast(f"batch {text} ran before the time window the sidebar sets; choose a longer "
                  "window (or a custom one) to go to it")
         return
-    _pick(found["instance_id"], int(text))
+    if not scope.live and float(found["started_at"]) >= scope.end_s:
+        st.toast(f"batch {text} ran after the time window the sidebar sets; end that window "
+                 "later to go to it")
+        return
+    _pick(found["instance_id"], seq)
     st.session_state[FOLLOW] = False
-    st.session_state[END] = datetime.fromtimestamp(
-        float(found["ended_at"]) + length_s / 2, timezone.utc)
+    st.session_state[END] = _as_end(float(found["ended_at"]) + length_s / 2)
 
 
 def _show_selected(rows: TimelineRows, key: tuple[str, int]) -> None:

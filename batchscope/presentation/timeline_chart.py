@@ -18,7 +18,7 @@ date-times, and keep microseconds).
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timezone, tzinfo
 
 import numpy as np
 import pandas as pd
@@ -40,9 +40,11 @@ BAR_WIDTH_PX = 14
 PALETTE = plotly.colors.qualitative.Plotly
 
 
-def clock(t: float) -> str:
-    """``t`` (epoch seconds) as a UTC time of day to the millisecond."""
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+def clock(t: float, tz: tzinfo | None = timezone.utc) -> str:
+    """``t`` (epoch seconds) as a time of day to the millisecond in ``tz`` (None: the
+    machine's local zone, as the dashboard shows times), followed by the zone's name."""
+    at = datetime.fromtimestamp(t, tz) if tz is not None else datetime.fromtimestamp(t).astimezone()
+    return f"{at.strftime('%H:%M:%S.%f')[:-3]} {at.tzname() or 'local time'}"
 
 
 def model_colors(models) -> dict[str, str]:
@@ -98,9 +100,10 @@ class Lanes:
 
 
 def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
-             height: int | None = None) -> go.Figure:
+             height: int | None = None, tz: tzinfo | None = timezone.utc) -> go.Figure:
     """The batch timeline of ``rows`` (see the module doc); ``selected``: the (instance,
-    seq) of the batch drawn outlined."""
+    seq) of the batch drawn outlined; ``tz``: the zone the x axis names its start in
+    (None: local time)."""
     t0 = rows.window.start_s
     b, r, s = rows.batches, rows.requests, rows.steps
     pairs = pd.concat([df[["instance_id", "model"]].drop_duplicates() for df in (b, r, s)])
@@ -144,7 +147,7 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
         fig.add_traces(_outline(rows, selected, lanes, t0))
     n = max(1, len(lanes.labels))
     fig.update_layout(
-        xaxis=dict(title=f"seconds after {clock(t0)} UTC", range=[0, rows.window.duration_s],
+        xaxis=dict(title=f"seconds after {clock(t0, tz)}", range=[0, rows.window.duration_s],
                    zeroline=False),
         yaxis=dict(tickvals=list(range(n)), ticktext=lanes.labels, range=[n - 0.5, -0.5],
                    zeroline=False, showgrid=False),

@@ -174,7 +174,8 @@ def summary_frames(engine: Engine, w: Window, bucket_s: float, *,
         group_of = (req_t["b"] * bucket_s // group_s).astype("int64")
         for key, values in pcts.items():
             req_t[key] = group_of.map(pd.Series(values, index=groups))
-    out["requests_t"] = request_rates(bucket_times(req_t.reset_index(drop=True), bucket_s), bucket_s)
+    out["requests_t"] = request_rates(bucket_times(req_t.reset_index(drop=True), bucket_s),
+                                      bucket_s, w)
 
     bat = sec[sec["batches"] > 0]
     out["batches_t"] = batch_rates(bucket_times(pd.DataFrame({
@@ -184,7 +185,7 @@ def summary_frames(engine: Engine, w: Window, bucket_s: float, *,
         "compute_mean_s": bat["batch_compute_sum_s"] / bat["batches"],
         "queue_depth_mean": bat["queue_depth_sum"] / bat["queue_depth_count"].where(bat["queue_depth_count"] > 0),
         "queue_depth_max": bat["queue_depth_max"],
-    }).reset_index(drop=True), bucket_s), bucket_s)
+    }).reset_index(drop=True), bucket_s), bucket_s, w)
     out["device_t"] = device_timeline(engine, w, bucket_s)
 
     shapes = _shapes(engine, w, s0, s1)

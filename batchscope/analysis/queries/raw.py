@@ -11,7 +11,9 @@ and rates come from ``finish_headline``, and the settings of the newest batch fr
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
@@ -131,7 +133,7 @@ def request_timeline(engine: Engine, w: Window, bucket_s: float | None = None) -
                {count_if("outcome IN ('error', 'oom')")} AS errors
         FROM requests WHERE {where} GROUP BY 1 ORDER BY b""", params)
     return request_rates(bucket_times(counts.merge(exact_timeline_pcts(engine, w, bucket_s),
-                                                     on="b", how="left"), bucket_s), bucket_s)
+                                                     on="b", how="left"), bucket_s), bucket_s, w)
 
 
 def exact_timeline_pcts(engine: Engine, w: Window, bucket_s: float) -> pd.DataFrame:
@@ -145,11 +147,27 @@ def exact_timeline_pcts(engine: Engine, w: Window, bucket_s: float) -> pd.DataFr
               FROM requests WHERE {where} AND outcome = 'ok') AS ranked GROUP BY b""", params)
 
 
-def request_rates(df: pd.DataFrame, bucket_s: float) -> pd.DataFrame:
+def covered_s(df: pd.DataFrame, bucket_s: float, w: Window | None) -> Any:
+    """The seconds of each bucket (``df["t"]``, its start) that lie in window ``w``: the
+    first bucket may start before the window and the last end after it (a live window's
+    last is still filling), so a count over either is a rate over less than
+    ``bucket_s``. At least a second (or the bucket, if shorter): a rate over a sliver
+    is noise. ``w`` None: every bucket whole."""
+    if w is None or not len(df):
+        return bucket_s
+    t = df["t"].to_numpy(dtype=float)
+    span = np.minimum(t + bucket_s, w.end_s) - np.maximum(t, w.start_s)
+    return np.clip(span, min(1.0, bucket_s), bucket_s)
+
+
+def request_rates(df: pd.DataFrame, bucket_s: float, w: Window | None = None) -> pd.DataFrame:
+    """Per-second rates of a bucketed request frame, each bucket's count over the part of
+    it in ``w`` (``covered_s``)."""
     if len(df):
-        df["requests_per_s"] = df["requests"] / bucket_s
-        df["ok_per_s"] = df["ok"] / bucket_s
-        df["failed_per_s"] = (df["rejected"] + df["expired"] + df["errors"]) / bucket_s
+        per = covered_s(df, bucket_s, w)
+        df["requests_per_s"] = df["requests"] / per
+        df["ok_per_s"] = df["ok"] / per
+        df["failed_per_s"] = (df["rejected"] + df["expired"] + df["errors"]) / per
     return df
 
 
@@ -165,13 +183,15 @@ def batch_timeline(engine: Engine, w: Window, bucket_s: float | None = None) -> 
                AVG(compute_s) AS compute_mean_s, AVG(queue_depth) AS queue_depth_mean,
                MAX(queue_depth) AS queue_depth_max
         FROM batches WHERE {where} GROUP BY 1 ORDER BY b""", params)
-    return batch_rates(bucket_times(df, bucket_s), bucket_s)
+    return batch_rates(bucket_times(df, bucket_s), bucket_s, w)
 
 
-def batch_rates(df: pd.DataFrame, bucket_s: float) -> pd.DataFrame:
+def batch_rates(df: pd.DataFrame, bucket_s: float, w: Window | None = None) -> pd.DataFrame:
+    """Per-second rates of a bucketed batch frame (as ``request_rates``)."""
     if len(df):
-        df["batches_per_s"] = df["batches"] / bucket_s
-        df["items_per_s"] = df["items"] / bucket_s
+        per = covered_s(df, bucket_s, w)
+        df["batches_per_s"] = df["batches"] / per
+        df["items_per_s"] = df["items"] / per
     return df
 
 

@@ -107,13 +107,13 @@ def rollup_frames(engine: Engine, w: Window, *, headline_only: bool = False) -> 
     req_t = sums[["b", "requests", "ok", "rejected", "expired", "errors"]].copy()
     for p in PCTS:
         req_t[f"latency_p{p}"] = [_hist_pcts(hists[b])[f"latency_p{p}"] for b in sums["b"]]
-    out["requests_t"] = request_rates(bucket_times(req_t, bucket), bucket)
+    out["requests_t"] = request_rates(bucket_times(req_t, bucket), bucket, w)
     bat = sums[sums["batches"] > 0].reset_index(drop=True)
     out["batches_t"] = batch_rates(bucket_times(pd.DataFrame({
         "b": bat["b"], "batches": bat["batches"], "items": bat["items"],
         "mean_batch_size": bat["items"] / bat["batches"], "max_batch_size": math.nan,
         "queue_wait_mean_s": math.nan, "compute_mean_s": bat["compute_total_s"] / bat["batches"],
-        "queue_depth_mean": math.nan, "queue_depth_max": math.nan}), bucket), bucket)
+        "queue_depth_mean": math.nan, "queue_depth_max": math.nan}), bucket), bucket, w)
     out["device_t"] = device_timeline(engine, w, bucket)
     sizes = retention.merge_hists(*(it.totals.batch_size_hist for it in items))
     out["batch_sizes"] = pd.DataFrame(

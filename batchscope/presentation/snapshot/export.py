@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import BinaryIO
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, inspect, text
 
 from batchscope.analysis import diagnosis, fleet, fleet_rules, queries, recommend
 from batchscope.presentation import report
@@ -68,10 +68,15 @@ def _where(name: str, w: Window) -> tuple[str, dict]:
 
 
 def _table_rows(engine: Engine, name: str, w: Window) -> tuple[list[str], list[list]]:
+    """Table ``name``'s rows in ``w``, every column of this schema: a column that a
+    database of an older schema version lacks (it is read as it is, not upgraded) is
+    NULL, as it reads once upgraded."""
     columns = [c.name for c in Base.metadata.tables[name].columns]
     where, params = _where(name, w)
     with engine.connect() as conn:
-        rows = conn.execute(text(f"SELECT {', '.join(columns)} FROM {name}{where}"), params)
+        have = {c["name"] for c in inspect(conn).get_columns(name)}
+        picked = ", ".join(c if c in have else f"NULL AS {c}" for c in columns)
+        rows = conn.execute(text(f"SELECT {picked} FROM {name}{where}"), params)
         return columns, [list(r) for r in rows]
 
 

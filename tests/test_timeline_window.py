@@ -1,0 +1,219 @@
+"""The Batch timeline's window: where it ends (never past the sidebar's window, nor now;
+never a rerun loop), which clock it shows, the slowest-requests table's tick, the batch
+number box (pure functions, then the page through AppTest)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+
+import pandas as pd
+import pytest
+from sqlalchemy import text
+
+from batchscope.dashboard import timeline
+from batchscope.dashboard.scope import fmt_time
+from batchscope.dashboard.timeline import WindowEnd, parse_batch_number, stale_tick, window_end
+from batchscope.presentation import timeline_chart
+from tests.factories import run_app
+
+PAGE = "batchscope/dashboard/pages/timeline.py"
+
+
+# -- where the window ends (pure) ---------------------------------------------------------
+def test_a_window_longer_than_the_sidebar_s_is_cut_to_it_and_ends_now_not_later():
+    now = 1_000_000.0
+    # the probe's case: a live 30-s sidebar window, a 60-s timeline window
+    assert window_end(now - 30, now, 60, now, None) == WindowEnd(now, 30.0, None)
+    assert window_end(now - 30, now, 30, now, None) == WindowEnd(now, 30.0, None)  # equal
+    # whatever end was wanted before (a pick, an old slider value), it ends now
+    assert window_end(now - 30, now, 60, now, now - 500) == WindowEnd(now, 30.0, None)
+    assert window_end(now - 30, now, 60, now, now + 500) == WindowEnd(now, 30.0, None)
+    # a past custom window: it ends where the sidebar's does
+    assert window_end(now - 90, now - 60, 60, now, None) == WindowEnd(now - 60, 30.0, None)
+    # room to move: a slider from start + length to the end, the wanted end kept inside
+    assert window_end(now - 30, now, 10, now, None) == WindowEnd(now, 10.0, (now - 20, now))
+    assert window_end(now - 30, now, 10, now, now - 5).end_s == now - 5
+    assert window_end(now - 30, now, 10, now, now - 29).end_s == now - 20
+    assert window_end(now - 30, now, 10, now, now + 9).end_s == now
+    # under a second of room: no slider
+    assert window_end(now - 30, now, 29.5, now, now - 3) == WindowEnd(now, 29.5, None)
+
+
+def test_the_end_decided_is_a_fixed_point_so_no_state_reruns_the_page_again():
+    """The page writes the end it settles on back as the wanted end; deciding again from
+    it must give the same window, or every run would move it (and rerun) once more."""
+    now = 1_000_000.0
+    starts = (now - 30, now - 60, now - 300, now - 3600)
+    ends = (now, now - 60, now - 0.4, now + 120)  # a snapshot may end after this clock
+    lengths = (1, 2, 5, 10, 29.5, 30, 60, 300)
+    wanted = (None, now - 7200, now - 45, now - 10.3, now, now + 60)
+    for start, end, length, want in itertools.product(starts, ends, lengths, wanted):
+        if end <= start:
+            continue
+        at = window_end(start, end, length, now, want)
+        assert at.end_s <= min(end, now)  # never in the future, never after the sidebar's
+        assert at.end_s - at.length_s >= start - 1e-9  # never before the sidebar's start
+        assert at.length_s == min(length, min(end, now) - start)
+        if at.bounds is not None:
+            lo, hi = at.bounds
+            assert hi - lo >= 1.0 and lo <= at.end_s <= hi
+        assert window_end(start, end, length, now, at.end_s) == at, (start, end, length, want)
+
+
+def test_a_tick_in_the_slowest_table_is_stale_once_it_names_another_batch():
+    picks = [("a", 7.0), ("a", 9.0), ("b", float("nan")), ("b", None)]
+    assert not stale_tick(picks, [], ("a", 7))  # nothing ticked
+    assert not stale_tick(picks, [1], ("a", 9))  # the row picked the batch shown
+    assert stale_tick(picks, [1], ("a", 12))  # another control picked batch 12
+    assert stale_tick(picks, [1], ("b", 9))  # same number, another instance
+    assert stale_tick(picks, [1], None)  # the batch left the window
+    assert stale_tick(picks, [2], ("a", 7)) and stale_tick(picks, [3], ("a", 7))  # no batch
+    assert stale_tick(picks, [4], ("a", 7))  # the table got shorter
+
+
+def test_a_batch_number_is_a_whole_number_not_below_zero():
+    assert parse_batch_number(" 1234 ") == 1234 and parse_batch_number("0") == 0
+    for text in ("abc", "-5", "+5", "1.5", "1e3", "²", "", "  ", "12 3"):
+        assert parse_batch_number(text) is None, text
+
+
+# -- one clock ----------------------------------------------------------------------------
+@pytest.fixture()
+def new_york():
+    """The process's local time zone is America/New_York for the test."""
+    was = os.environ.get("TZ")
+    os.environ["TZ"] = "America/New_York"
+    time.tzset()
+    yield
+    if was is None:
+        os.environ.pop("TZ", None)
+    else:
+        os.environ["TZ"] = was
+    time.tzset()
+
+
+def test_the_chart_names_its_start_in_the_zone_it_is_given(new_york):
+    t = 1_800_000_000.5  # 2027-01-15 08:00:00.500 UTC, 03:00 in New York (EST)
+    assert timeline_chart.clock(t) == "08:00:00.500 UTC"  # the default stays UTC
+    assert timeline_chart.clock(t, None) == "03:00:00.500 EST"  # local, as fmt_time
+    assert fmt_time(t).endswith("03:00:00") and timeline.zone(t) == "EST"
+
+
+def test_caption_axis_and_slider_show_one_clock_and_name_it(app_db, new_york):
+    at = run_app("timeline")
+    at.toggle(key="timeline_follow").set_value(False).run()
+    assert not at.exception, [e.value for e in at.exception]
+    end = at.session_state["timeline_window_end"]
+    zone = timeline.zone(end)
+    caption = next(c.value for c in at.caption if "batches" in c.value)
+    assert caption.startswith(f"{fmt_time(end - 10)} → {fmt_time(end)} {zone} ·"), caption
+    spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+    axis = spec["layout"]["xaxis"]["title"]["text"]
+    assert axis == f"seconds after {timeline_chart.clock(end - 10, None)}", axis
+    assert axis.endswith(f" {zone}") and fmt_time(end - 10)[11:] in axis
+    slider = at.slider(key="timeline_end")
+    assert slider.label == f"Window ends at ({zone})"
+    # the slider holds local wall-clock time, the caption's
+    assert slider.value.strftime("%H:%M:%S") == fmt_time(end)[11:]
+
+
+# -- the page (AppTest) ---------------------------------------------------------------------
+def _custom_window(at, minutes: float, ago_min: float):
+    next(r for r in at.radio if r.label == "Time window").set_value("custom").run()
+    at.number_input(key="custom_min").set_value(minutes)
+    at.number_input(key="custom_end").set_value(ago_min).run()
+    at.switch_page(PAGE).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def _settled(at) -> float:
+    """The end the last run drew, checked to be the one left in session state."""
+    assert not at.exception, [e.value for e in at.exception]
+    end = at.session_state["timeline_window_end"]
+    assert at.session_state["timeline_end"].timestamp() == pytest.approx(end, abs=1e-3)
+    return end
+
+
+def test_a_timeline_window_as_long_as_the_sidebar_s_with_follow_off_settles(app_db):
+    """The probe's endless rerun: a live 0.5-min custom window, follow off, a 60-s (or 30-s)
+    timeline window. Each run must end (AppTest raises when the script keeps rerunning),
+    with the window cut to the sidebar's and no slider."""
+    at = _custom_window(run_app("timeline"), 0.5, 0.0)
+    at.toggle(key="timeline_follow").set_value(False).run()
+    assert len(at.slider) == 1  # 10 s in 30 s: room to move
+    for length in (60, 30):
+        before = time.time()
+        at.selectbox(key="timeline_length").set_value(length).run()
+        end = _settled(at)
+        assert before <= end <= time.time()  # ends now, not in the future
+        assert not len(at.slider)
+        scope = at.session_state["scope"]
+        assert abs((scope.end_s - scope.start_s) - 30.0) < 1e-6
+        caption = next(c.value for c in at.caption if "batches" in c.value)
+        assert caption.startswith(f"{fmt_time(end - 30)} → {fmt_time(end)}"), caption
+        cut = [c.value for c in at.caption if "shorter than" in c.value]
+        assert cut == ([f"The sidebar's time window is 30 s, shorter than 60 s: the timeline "
+                        "shows all of it. Choose a longer time window in the sidebar to see "
+                        "more."] if length == 60 else [])
+        at.run()  # and again from the state it left
+        _settled(at)
+    at.selectbox(key="timeline_length").set_value(10).run()
+    _settled(at)
+    assert len(at.slider) == 1
+
+
+def test_a_past_window_shorter_than_the_timeline_s_ends_where_it_does(app_db):
+    at = _custom_window(run_app("timeline"), 0.5, 1.0)  # 90 s ago to 60 s ago
+    assert not at.toggle(key="timeline_follow").value
+    at.selectbox(key="timeline_length").set_value(60).run()
+    end = _settled(at)
+    scope = at.session_state["scope"]
+    assert not scope.live and end == scope.end_s  # not 30 s past it
+    assert not len(at.slider) and any("shorter than 60 s" in c.value for c in at.caption)
+    at.run()
+    assert _settled(at) == at.session_state["scope"].end_s
+
+
+def test_a_pick_by_number_clears_a_tick_in_the_slowest_table(app_db):
+    at = run_app("timeline")
+    first = at.session_state["timeline_slowest_rows"]["pick"].dropna().iloc[0]
+    at.text_input(key="timeline_batch_number").input(str(int(first))).run()
+    assert not at.exception, [e.value for e in at.exception]
+    rows = at.session_state["timeline_slowest_rows"]
+    row, mine = next((i, int(p)) for i, p in enumerate(rows["pick"]) if not pd.isna(p))
+    with app_db.connect() as conn:  # another batch of the sidebar's window
+        other = conn.execute(text("SELECT seq FROM batches WHERE seq != :s AND ended_at < :t "
+                                  "ORDER BY ended_at DESC LIMIT 1"),
+                             {"s": mine, "t": time.time() - 60}).scalar()
+    key = next(d.key for d in at.dataframe if d.key and d.key.startswith("timeline_slowest"))
+    # row `row` ticked, as its click leaves it: its batch picked
+    at.session_state[key] = {"selection": {"rows": [row], "columns": [], "cells": []}}
+    at.session_state["timeline_selected"] = (rows["instance_id"].iloc[row], int(mine))
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert list(at.session_state[key]["selection"]["rows"]) == [row]  # kept: it is shown
+    assert any(f"**Batch {int(mine)}**" in m.value for m in at.markdown)
+    at.text_input(key="timeline_batch_number").input(str(int(other))).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.session_state["timeline_selected"][1] == int(other)
+    now_key = next(d.key for d in at.dataframe if d.key and d.key.startswith("timeline_slowest"))
+    assert now_key != key  # a new table, nothing ticked
+    assert not list(at.session_state[now_key]["selection"]["rows"])
+
+
+def test_a_batch_number_that_is_not_one_is_said_so(app_db):
+    at = run_app("timeline")
+    seq = int(at.session_state["timeline_slowest_rows"]["pick"].dropna().iloc[0])
+    at.text_input(key="timeline_batch_number").input(str(seq)).run()
+    for text, said in (("abc", "a batch number is a whole number ≥ 0, not 'abc'"),
+                       ("-5", "a batch number is a whole number ≥ 0, not '-5'"),
+                       ("9" * 25, f"there is no batch {'9' * 25} in this database")):
+        at.text_input(key="timeline_batch_number").input(text).run()
+        assert not at.exception, [e.value for e in at.exception]
+        toasts = [t.value for t in at.toast]
+        assert any(t.startswith(said) for t in toasts), (text, toasts)
+        assert at.session_state["timeline_selected"][1] == seq  # the pick is kept
