@@ -97,11 +97,14 @@ class GenerationMount:
     ``GenerationEngine`` per model, started and stopped with the server."""
 
     def __init__(self, models: dict[str, Any], *, recorder: Any, instance_id: str,
-                 device: str) -> None:
+                 device: str, clock: Any = None) -> None:
+        """``clock``: the server's (the tracer's), so that the generation models' rows
+        and their traces turn monotonic times into wall-clock ones with one offset (a
+        trace pairs with its request row by the same reading of the arrival)."""
         from runtime.generation.engine import GenerationEngine
 
         self.engines = {name: GenerationEngine(model, recorder=recorder, instance_id=instance_id,
-                                               device=device)
+                                               device=device, clock=clock)
                         for name, model in models.items()}
 
     async def start(self) -> None:
@@ -190,7 +193,8 @@ class Service:
         self.generation = None
         if generation:
             self.generation = GenerationMount(generation, recorder=recorder,
-                                              instance_id=self.instance_id, device=device)
+                                              instance_id=self.instance_id, device=device,
+                                              clock=self.engine.tracer.clock)
             # one set of trace settings and one exporter for every model of the server
             self.engine.tracer.control.add_models(self.generation.engines)
             for gen in self.generation.engines.values():
