@@ -133,8 +133,13 @@ def test_max_num_seqs_and_token_budget_bound_each_step():
 
 def test_requests_that_can_never_fit_are_refused_at_submission():
     sch = make(num_cache_blocks=4, max_model_len=64)  # cache: 16 tokens
-    with pytest.raises(ValidationError, match="max_model_len=64"):
+    with pytest.raises(ValidationError, match="max_model_len=64; shorten the prompt or ask "
+                                              "for at most 4 tokens"):
         sch.check([1] * 60, 10)
+    # a prompt that alone fills max_model_len: no max_tokens helps, so none is offered
+    with pytest.raises(ValidationError, match="leaves no room for one more within "
+                                              "max_model_len=64; shorten it to at most 63"):
+        sch.check([1] * 64, 1)
     with pytest.raises(ValidationError, match="KV-cache blocks"):
         sch.check([1] * 10, 10)
     with pytest.raises(ClientError, match="empty"):

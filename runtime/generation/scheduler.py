@@ -232,6 +232,11 @@ class Scheduler:
         if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
             raise ValidationError(f"max_tokens={max_new_tokens!r} must be a positive integer")
         total = len(prompt_ids) + max_new_tokens
+        if len(prompt_ids) >= cfg.max_model_len:  # no max_tokens could fit: say what can
+            raise ValidationError(
+                f"the prompt has {len(prompt_ids)} tokens and leaves no room for one more "
+                f"within max_model_len={cfg.max_model_len}; shorten it to at most "
+                f"{cfg.max_model_len - 1} tokens")
         if total > cfg.max_model_len:
             raise ValidationError(
                 f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new_tokens}) is "
