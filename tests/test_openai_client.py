@@ -139,13 +139,13 @@ def test_n_seeded_choices_repeat(client):
 @pytest.mark.parametrize("kwargs, param, fragment", [
     ({"messages": []}, "messages", "messages is required"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", "role='wizard'"),
-    ({"max_tokens": 500}, None, "max_model_len"),
+    ({"max_tokens": 500}, "max_tokens", "max_model_len"),
     ({"temperature": 2.5}, "temperature", "from 0 to 2"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"n": 0}, "n", "from 1 to 128"),
     ({"logprobs": True}, "logprobs", "not supported"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    ({"extra_body": {"priority": 7}}, None, "priority"),
+    ({"extra_body": {"priority": 7}}, "priority", "priority"),
 ])
 def test_invalid_values_raise_bad_request_with_our_message(client, kwargs, param, fragment):
     body = {"model": "decoder", "messages": HELLO, **kwargs}

@@ -200,3 +200,20 @@ def test_a_text_too_long_names_input_as_the_param(http):
     r = http.post("/v1/embeddings", json={"model": "encoder", "input": ["a", "x" * 60_000]})
     error = error_of(r, 413)
     assert error["param"] == "input" and "input[1] has 60000 characters" in error["message"]
+
+
+@pytest.mark.parametrize("route, body, param, fragment", [
+    ("/v1/completions", {**COMPLETION, "prompt": [1] * 4000, "max_tokens": 1}, "prompt",
+     "shorten it to at most"),
+    ("/v1/completions", {**COMPLETION, "prompt": [1, 2], "max_tokens": 100_000}, "max_tokens",
+     "ask for at most"),
+    ("/v1/completions", {**COMPLETION, "prompt": [10 ** 9]}, "prompt", "outside the vocabulary"),
+    ("/v1/completions", {**COMPLETION, "priority": 99}, "priority", "priority=99"),
+    ("/v1/completions", {**COMPLETION, "timeout_ms": -5}, "timeout_ms", "timeout_ms=-5"),
+    ("/v1/embeddings", {**EMBEDDING, "priority": 99}, "priority", "priority=99"),
+])
+def test_a_value_the_engine_refuses_names_its_field(http, route, body, param, fragment):
+    r = http.post(route, json=body)
+    assert r.status_code in (400, 422), r.text
+    error = r.json()["error"]
+    assert error["param"] == param and fragment in error["message"]

@@ -45,11 +45,17 @@ class BatchScopeError(Exception):
     http_status: int = 500
     #: short machine-readable reason, also used as the outcome label in metrics
     reason: str = "internal"
+    #: the request field the error is about, where one is (an OpenAI error body's
+    #: ``param``); a subclass may name its own, a raise site the one it checked
+    param: str | None = None
 
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+    def __init__(self, message: str, *, retry_after_s: float | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after_s = retry_after_s
+        if param is not None:
+            self.param = param
 
     def to_dict(self) -> dict[str, str]:
         return {"error": self.message}

@@ -40,7 +40,7 @@ def priority_of(priority: int | None, settings: AdmissionSettings) -> int:
             and 0 <= priority < settings.priority_levels):
         return priority
     raise ValidationError(f"priority={priority!r} must be an integer from 0 (most urgent) "
-                          f"to {settings.priority_levels - 1}")
+                          f"to {settings.priority_levels - 1}", param="priority")
 
 
 def deadline_of(timeout_ms: float | None, settings: AdmissionSettings,
@@ -56,5 +56,5 @@ def deadline_of(timeout_ms: float | None, settings: AdmissionSettings,
           or not timeout_ms > 0 or not math.isfinite(timeout_ms)):
         raise ValidationError(f"timeout_ms={timeout_ms!r} must be a finite number of "
                               "milliseconds above 0; leave it out to use the model's "
-                              "default_timeout_ms")
+                              "default_timeout_ms", param="timeout_ms")
     return now + timeout_ms / 1000.0

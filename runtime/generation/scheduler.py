@@ -223,30 +223,33 @@ class Scheduler:
         """Refuse a request that can never run, saying why and what would fit."""
         cfg = self.config
         if not prompt_ids:
-            raise ClientError("the prompt is empty; send at least one token")
+            raise ClientError("the prompt is empty; send at least one token", param="prompt")
         if self.vocab_size is not None:
             bad = [t for t in prompt_ids if not (0 <= t < self.vocab_size)]
             if bad:
                 raise ClientError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                                  f"[0, {self.vocab_size})")
+                                  f"[0, {self.vocab_size})", param="prompt")
         if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-            raise ValidationError(f"max_tokens={max_new_tokens!r} must be a positive integer")
+            raise ValidationError(f"max_tokens={max_new_tokens!r} must be a positive integer",
+                                  param="max_tokens")
         total = len(prompt_ids) + max_new_tokens
         if len(prompt_ids) >= cfg.max_model_len:  # no max_tokens could fit: say what can
             raise ValidationError(
                 f"the prompt has {len(prompt_ids)} tokens and leaves no room for one more "
                 f"within max_model_len={cfg.max_model_len}; shorten it to at most "
-                f"{cfg.max_model_len - 1} tokens")
+                f"{cfg.max_model_len - 1} tokens", param="prompt")
         if total > cfg.max_model_len:
             raise ValidationError(
                 f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new_tokens}) is "
                 f"{total} tokens, beyond max_model_len={cfg.max_model_len}; shorten the prompt "
-                f"or ask for at most {max(0, cfg.max_model_len - len(prompt_ids))} tokens")
+                f"or ask for at most {max(0, cfg.max_model_len - len(prompt_ids))} tokens",
+                param="max_tokens")
         if total > cfg.cache_tokens:
             raise ValidationError(
                 f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new_tokens}) needs "
                 f"{self.blocks.blocks_for(total)} KV-cache blocks but the whole cache has "
-                f"{cfg.num_cache_blocks} ({cfg.cache_tokens} tokens); ask for fewer tokens")
+                f"{cfg.num_cache_blocks} ({cfg.cache_tokens} tokens); ask for fewer tokens",
+                param="max_tokens")
 
     def add_request(self, seq: Sequence) -> None:
         if seq.seq_id in self._live:
