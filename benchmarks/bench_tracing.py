@@ -234,8 +234,11 @@ def side_by_side(mode: str, rounds: int, slice_s: float, clients: int, model: st
 
 def _paired(results: dict[str, list], mode: str, figure: str) -> str:
     """``mode`` against ``off`` round by round (``benchmarks.intervals.paired_ratio``)."""
-    return paired_ratio([getattr(r, figure) or 0.0 for r in results["off"]],
-                        [getattr(r, figure) or 0.0 for r in results[mode]]).text()
+    try:
+        return paired_ratio([getattr(r, figure) or 0.0 for r in results["off"]],
+                            [getattr(r, figure) or 0.0 for r in results[mode]]).text()
+    except ValueError:  # no round with both figures (no request answered): nothing to say
+        return "-"
 
 
 def main() -> None:

@@ -160,6 +160,10 @@ def test_windows_older_than_the_raw_rows_read_the_rollups(db):
     assert head["latency_p99"] >= exact > max(b for b in LATENCY_BOUNDS_S if b < head["latency_p99"])
     assert bundle["requests_t"]["requests"].sum() == gen.requests
     assert (bundle["requests_t"]["t"] % 60 == 0).all()
+    # a roll-up interval counts whole, so its rate is over the whole interval: a window
+    # starting 50 s into one reads no higher at its first bucket than steady traffic
+    cut = queries.live_bundle(db, Window(end - 1150, end - 610, "mlp"))["requests_t"]
+    assert cut["requests_per_s"].iloc[0] == pytest.approx(cut["requests"].iloc[0] / 60)
     assert bundle["batch_sizes"]["batches"].sum() == gen.batches
     old_head = queries.headline(db, old).iloc[0]
     assert old_head["source"] == "rollups"

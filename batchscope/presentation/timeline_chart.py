@@ -322,13 +322,16 @@ def _joined(rows: TimelineRows, top: pd.DataFrame) -> tuple[list, list]:
     or step is not in the window. A generation request (it has prompt tokens) is never
     matched to a request model's batch: their numbers are counted apart."""
     b, st = rows.batches, rows.steps
-    batches = {(i, m, int(q)): int(n) for i, m, q, n in
-               zip(b["instance_id"], b["model"], b["seq"], b["batch_size"]) if not pd.isna(q)}
+    batches: dict = {}  # the first of a repeated number, as the trace export takes it
+    for i, m, q, n in zip(b["instance_id"], b["model"], b["seq"], b["batch_size"]):
+        if not pd.isna(q):
+            batches.setdefault((i, m, int(q)), int(n))
     steps: dict = {}
     if "seq" in st:
-        steps = {(i, m, int(q)): (int(n), -int(k)) for i, m, q, n, k in
-                 zip(st["instance_id"], st["model"], st["seq"], st["running"], st["id"])
-                 if not pd.isna(q)}
+        for i, m, q, n, k in zip(st["instance_id"], st["model"], st["seq"], st["running"],
+                                 st["id"]):
+            if not pd.isna(q):
+                steps.setdefault((i, m, int(q)), (int(n), -int(k)))
     generation = top["prompt_tokens"].notna() if "prompt_tokens" in top \
         else pd.Series(False, index=top.index)
     size, pick = [], []
@@ -339,5 +342,6 @@ def _joined(rows: TimelineRows, top: pd.DataFrame) -> tuple[list, list]:
             n, key = steps.get((i, m, int(q)), (None, None))
             size.append(n), pick.append(key)
         else:
-            size.append(batches.get((i, m, int(q)))), pick.append(int(q))
+            n = batches.get((i, m, int(q)))
+            size.append(n), pick.append(None if n is None else int(q))
     return size, pick

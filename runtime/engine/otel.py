@@ -9,10 +9,14 @@ sampled W3C ``traceparent``) becomes:
   a ``traceparent`` came (so it joins the caller's trace), else the root of a new trace;
 * under it a ``queue`` span (queued until its batch started) and a ``compute`` span
   (the batch's run; for a generation request ``prefill`` until its first token, then
-  ``decode``);
+  ``decode`` when more tokens followed; ``prefill`` alone when it ended before its
+  first token);
 * a link to the span of the batch it ran in: one ``INTERNAL`` span ``batch <model>``
   per batch with a traced member, in a trace of its own (a batch serves many traces),
-  with ``batchscope.batch.*`` attributes.
+  with ``batchscope.batch.*`` attributes; a generation request's is ``step <model>``,
+  the engine step it was first scheduled in (``BatchInfo`` with its prefill and decode
+  tokens). Batches are told apart by (model, number): a generation model numbers its
+  steps on its own.
 
 Attributes follow the GenAI semantic conventions where they apply
 (``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.usage.*``,

@@ -8,6 +8,7 @@ roll-ups' intervals, with histogram-bound percentiles.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pandas as pd
@@ -107,13 +108,17 @@ def rollup_frames(engine: Engine, w: Window, *, headline_only: bool = False) -> 
     req_t = sums[["b", "requests", "ok", "rejected", "expired", "errors"]].copy()
     for p in PCTS:
         req_t[f"latency_p{p}"] = [_hist_pcts(hists[b])[f"latency_p{p}"] for b in sums["b"]]
-    out["requests_t"] = request_rates(bucket_times(req_t, bucket), bucket, w)
+    # a roll-up interval that overlaps the window counts whole, so the rates are over the
+    # whole intervals: the window widened to their edges
+    whole = dataclasses.replace(w, start_s=math.floor(w.start_s / interval_s) * interval_s,
+                                end_s=math.ceil(w.end_s / interval_s) * interval_s)
+    out["requests_t"] = request_rates(bucket_times(req_t, bucket), bucket, whole)
     bat = sums[sums["batches"] > 0].reset_index(drop=True)
     out["batches_t"] = batch_rates(bucket_times(pd.DataFrame({
         "b": bat["b"], "batches": bat["batches"], "items": bat["items"],
         "mean_batch_size": bat["items"] / bat["batches"], "max_batch_size": math.nan,
         "queue_wait_mean_s": math.nan, "compute_mean_s": bat["compute_total_s"] / bat["batches"],
-        "queue_depth_mean": math.nan, "queue_depth_max": math.nan}), bucket), bucket, w)
+        "queue_depth_mean": math.nan, "queue_depth_max": math.nan}), bucket), bucket, whole)
     out["device_t"] = device_timeline(engine, w, bucket)
     sizes = retention.merge_hists(*(it.totals.batch_size_hist for it in items))
     out["batch_sizes"] = pd.DataFrame(
