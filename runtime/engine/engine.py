@@ -58,7 +58,7 @@ from runtime.engine.dispatch import Dispatcher
 from runtime.engine.executors import (HANDOFF_WAIT_S, MAX_AHEAD_BATCHES, DeviceThread,
                                       ProcessExecutor)
 from runtime.engine.outcomes import CallbackOutcome, ItemsOutcome
-from runtime.engine.served import InferenceTotals, ServedModel
+from runtime.engine.served import EVENT_INTERVAL_S, InferenceTotals, ServedModel
 from runtime.engine.tracing import Tracer
 from runtime.engine.turns import DeviceTurns
 
@@ -67,8 +67,6 @@ __all__ = ["Engine", "CallbackOutcome", "ItemsOutcome", "EVENT_INTERVAL_S",
 
 log = logging.getLogger("batchscope.engine")
 
-#: rejection and expiry events are folded into at most one per this many seconds
-EVENT_INTERVAL_S = 1.0
 #: CPU batches expected to take at most this long run on the event loop's thread (0: never).
 #: Off by default: a model slower than its history would then block the loop.
 INLINE_MAX_COMPUTE_MS = 0.0

@@ -35,6 +35,11 @@ from runtime.device.oom import SizeGovernor
 from runtime.device.timeouts import BatchTimes
 
 
+#: rejection and expiry events of a model are folded into at most one of each per this
+#: many seconds (a request model's, ``runtime.engine.engine``, and a generation model's)
+EVENT_INTERVAL_S = 1.0
+
+
 class Throttle:
     """Counts occurrences and says when to report them (at most once per interval)."""
 

@@ -45,7 +45,7 @@ from runtime.core.clock import MonotonicClock
 from runtime.api.errors import ClientError, ConfigError, ModelNotFound, QueueFull, ValidationError
 from runtime.device import nvtx
 from runtime.engine.admission import deadline_of, priority_of
-from runtime.engine.served import Throttle
+from runtime.engine.served import EVENT_INTERVAL_S, Throttle
 from runtime.generation.config import GenerationConfig
 from runtime.generation.model import GenerationModel, make_sampler_state, sample
 from runtime.generation.scheduler import (ScheduledChunk, Scheduler, SchedulerOutput, Sequence,
@@ -55,9 +55,6 @@ from runtime.generation.spec import (DraftRequest, SpecController, SpecCounts, S
                                      verify_greedy)
 
 OUTCOMES = ("ok", "expired", "cancelled", "error", "rejected")
-#: refusals and expiries of a model are folded into at most one event of each a second
-#: (a request model's too: ``runtime.engine.engine.EVENT_INTERVAL_S``)
-REFUSAL_EVENT_INTERVAL_S = 1.0
 
 
 class StepRunner:
@@ -94,8 +91,8 @@ class StepRunner:
         self._traced_joined = False
         #: refusals and expiries are events, folded into one a second (as a request
         #: model's, ``runtime.engine.booking``)
-        self._rejections = Throttle(REFUSAL_EVENT_INTERVAL_S)
-        self._expiries = Throttle(REFUSAL_EVENT_INTERVAL_S)
+        self._rejections = Throttle(EVENT_INTERVAL_S)
+        self._expiries = Throttle(EVENT_INTERVAL_S)
         self.tokens_generated = 0
         #: prompt tokens of the requests whose prefill completed (recomputation not counted)
         self.prompt_tokens = 0
