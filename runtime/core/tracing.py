@@ -55,7 +55,7 @@ Synchronous and clock-free: the caller passes the times in.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from runtime.api.errors import ClientError
 
@@ -210,11 +210,20 @@ def to_json(values: Mapping[str, Any]) -> dict[str, Any]:
 
 class TraceSampler:
     """Whether to trace the next request: the first, then every ``rate``-th, while the
-    count lasts (``left``: traces left, -1 for no limit). Pure counts."""
+    count lasts (``left``: traces left, -1 for no limit). Pure counts.
 
-    __slots__ = ("on", "rate", "left", "_until")
+    ``sample`` is a countdown: one attribute read and store for a request it skips (the
+    path every untraced request takes while tracing is on). A sampler that may not
+    trace (``on`` False) keeps a countdown no server reaches, so ``sample`` needs no
+    check of ``on``; ``spent`` is called once when the count runs out."""
 
-    def __init__(self, tracing: bool, rate: int, left: int) -> None:
+    __slots__ = ("on", "rate", "left", "_until", "spent")
+
+    #: the countdown of a sampler that may not trace: 2**62 requests, never reached
+    NEVER = 1 << 62
+
+    def __init__(self, tracing: bool, rate: int, left: int,
+                 spent: Callable[[], None] | None = None) -> None:
         if rate < 1:
             raise ValueError(f"rate={rate!r} must be at least 1")
         self.rate = rate
@@ -222,15 +231,21 @@ class TraceSampler:
         #: whether it may still trace: a level other than OFF and traces left
         self.on = tracing and left != 0
         #: requests until the next one traced (1: the next one)
-        self._until = 1
+        self._until = 1 if self.on else self.NEVER
+        self.spent = spent
 
-    def sample(self) -> bool:
-        """Count one request; True when it is to be traced."""
-        if not self.on:
-            return False
+    def sample(self, model: str | None = None) -> bool:
+        """Count one request (of ``model``: unused, so a caller may hold this bound
+        method in place of ``TraceControl.sample``); True when it is to be traced."""
         until = self._until - 1
         if until:
             self._until = until
+            return False
+        return self._take()
+
+    def _take(self) -> bool:
+        if not self.on:  # a countdown of NEVER ran out: not on a real server
+            self._until = self.NEVER
             return False
         self._until = self.rate
         left = self.left
@@ -238,6 +253,9 @@ class TraceSampler:
             self.left = left - 1
             if left == 1:
                 self.on = False
+                self._until = self.NEVER
+                if self.spent is not None:
+                    self.spent()
         return True
 
 
@@ -263,14 +281,24 @@ class TraceControl:
         #: model -> its own sampler (models with overrides only)
         self._own: dict[str, TraceSampler] = {}
         self.active = self._global.on
+        self._refresh()
 
     def add_models(self, names: Iterable[str]) -> None:
         """Trace ``names`` too (the generation models of the same server)."""
         self.models = self.models | frozenset(names)
 
-    @staticmethod
-    def _sampler(values: Mapping[str, Any], left: int) -> TraceSampler:
-        return TraceSampler(values["trace_level"] != (OFF,), values["trace_rate"], left)
+    def _sampler(self, values: Mapping[str, Any], left: int) -> TraceSampler:
+        return TraceSampler(values["trace_level"] != (OFF,), values["trace_rate"], left,
+                            self._refresh)
+
+    def _refresh(self) -> None:
+        """``active`` and ``sample`` after the samplers changed (or one's count ran out)."""
+        self.active = self._global.on or any(s.on for s in self._own.values())
+        #: ``sample(model)``: count one request of ``model``; True when it is to be
+        #: traced. While no model has a sampler of its own, the global sampler's own
+        #: bound method: one call for a request, not two.
+        self.sample: Callable[[str], bool] = (
+            self._sample_own if self._own else self._global.sample)
 
     def _check(self, model: str | None) -> None:
         if model is not None and model not in self.models:
@@ -303,7 +331,7 @@ class TraceControl:
             self._update_global(changes)
         else:
             self._update_model(model, changes)
-        self.active = self._global.on or any(s.on for s in self._own.values())
+        self._refresh()
         return self.effective(model)
 
     def _update_global(self, changes: Mapping[str, Any]) -> None:
@@ -339,14 +367,9 @@ class TraceControl:
             self._own[model] = self._sampler(values, values["trace_count"] if (
                 before is None or "trace_count" in changes) else before.left)
 
-    def sample(self, model: str) -> bool:
-        """Count one request of ``model``; True when it is to be traced."""
-        sampler = self._own.get(model, self._global)
-        if sampler.sample():
-            if not sampler.on:  # its count ran out
-                self.active = self._global.on or any(s.on for s in self._own.values())
-            return True
-        return False
+    def _sample_own(self, model: str) -> bool:
+        """``sample`` while some model has a sampler of its own."""
+        return self._own.get(model, self._global).sample()
 
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
