@@ -19,14 +19,20 @@ modes in turn, ``--rounds`` times:
   costs nothing reads from ``off`` in this run (named in ``--modes`` only).
 
 After each slice it waits until the receiver has had no span and the database no new row
-for a second, so a slice does not pay for the spans and rows the one before it left. Prints each mode's median
-throughput and p99 and their ratios to ``off`` measured in the same run, the spans received against those the server says it traced, and the
-spans it reported dropped (``trace_export_drops`` events), and each mode's CPU time per
-request in the serving process, its child processes (device process, database writer,
-span process) and the load generator (``benchmarks.cpu_share``), so a cost can be told
-from noise and placed. Each mode's ratio is also given paired round by round with its
-bootstrap 95 % interval (``benchmarks.intervals``): a target is met when the whole
-interval is.
+for a second, so a slice does not pay for the spans and rows the one before it left.
+Prints each mode's median throughput and p99 and their ratios to ``off`` measured in the
+same run, the spans received against the requests the server says it traced, the spans
+it reported dropped (its counter and its ``trace_export_drops`` events), and each mode's
+CPU time per request in the serving process, its child processes (device process,
+database writer, span process) and the load generator (``benchmarks.cpu_share``), so a
+cost can be told from noise and placed. Each mode's ratio is also given paired round by
+round with its bootstrap 95 % interval (``benchmarks.intervals``): a target is met when
+the whole interval is.
+
+``measure`` is the measuring loop, given a running server and a ``Receiver``; the GPU
+script's ``tracing`` section (``benchmarks/gpu/tracing_cost.py``) calls it too. The
+receiver is a gRPC generic handler that counts the spans of each request by walking its
+protobuf bytes (``span_count``), so it needs ``grpcio`` alone, not ``opentelemetry-proto``.
 
     python -m benchmarks.bench_tracing                      # 4 rounds of 10-s slices
     python -m benchmarks.bench_tracing --rounds 2 --slice-s 5
@@ -40,21 +46,22 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx
 from sqlalchemy import create_engine, text
 
 from batchscope.load.loadgen import run_load
 from benchmarks.cpu_share import CpuShare
-from benchmarks.intervals import paired_ratio
+from benchmarks.intervals import Interval, paired_ratio
 from benchmarks.reliability.server import Server
 
 MODES = {
@@ -73,25 +80,132 @@ MODES = {
 DEFAULT_MODES = ("off", "timestamps", "otel", "otel_1_in_100")
 
 
-def _receiver(conn, count) -> None:
-    """An OTLP gRPC trace receiver that counts spans (child process)."""
+#: the gRPC service an OTLP trace exporter calls (its method ``Export``)
+TRACE_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+#: the spans each traced ``mlp`` request makes at least: the request's, ``queue`` and
+#: ``compute`` (a batch's own span comes on top, once per batch with a traced member)
+SPANS_PER_REQUEST = 3
+#: the modes whose traced requests are sent as spans
+SPAN_MODES = frozenset(m for m, s in MODES.items() if s.get("trace_mode") == "opentelemetry")
+#: the server's counters of traced requests and of spans it dropped
+TRACED = "batchscope_traced_requests_total"
+DROPPED = "batchscope_trace_spans_dropped_total"
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    """The varint at ``buf[i]`` and the index after it."""
+    value = shift = 0
+    while True:
+        byte = buf[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+def _fields(buf: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """(field number, start, end) of each length-delimited field of the protobuf message
+    in ``buf[start:end]``; fields of the other wire types are stepped over."""
+    i = start
+    while i < end:
+        key, i = _varint(buf, i)
+        wire = key & 7
+        if wire == 2:
+            size, i = _varint(buf, i)
+            yield key >> 3, i, i + size
+            i += size
+        elif wire == 0:
+            _, i = _varint(buf, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        else:
+            raise ValueError(f"protobuf wire type {wire} at byte {i}: not an OTLP request")
+    if i != end:
+        raise ValueError("a protobuf field runs past its message: the request is truncated")
+
+
+def span_count(request: bytes) -> int:
+    """The spans in an encoded ``ExportTraceServiceRequest``, counted without parsing it
+    into messages (so without ``opentelemetry-proto``): its ``resource_spans`` (field 1),
+    their ``scope_spans`` (field 2), their ``spans`` (field 2)."""
+    n = 0
+    for resource, a, z in _fields(request, 0, len(request)):
+        if resource == 1:
+            for scope, b, y in _fields(request, a, z):
+                if scope == 2:
+                    n += sum(1 for field, _, _ in _fields(request, b, y) if field == 2)
+    return n
+
+
+def _same(data: bytes) -> bytes:
+    return data
+
+
+def _receive(conn: Any, count: Any) -> None:
+    """The receiver's child process: a gRPC server whose ``TraceService.Export`` adds the
+    request's spans to ``count`` and answers an empty ``ExportTraceServiceResponse``."""
     from concurrent import futures
 
     import grpc
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-    class Counting(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):  # noqa: N802
-            n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-            with count.get_lock():
-                count.value += n
-            return trace_service_pb2.ExportTraceServiceResponse()
+    def export(request: bytes, context: Any) -> bytes:
+        n = span_count(request)
+        with count.get_lock():
+            count.value += n
+        return b""
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Counting(), server)
-    conn.send(server.add_insecure_port("127.0.0.1:0"))
-    server.start()
+    try:
+        handler = grpc.method_handlers_generic_handler(TRACE_SERVICE, {
+            "Export": grpc.unary_unary_rpc_method_handler(
+                export, request_deserializer=_same, response_serializer=_same)})
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler])
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+    except Exception as exc:  # noqa: BLE001 - told to the parent, which raises it
+        conn.send(f"{type(exc).__name__}: {exc}")
+        return
+    conn.send(port)
     server.wait_for_termination()
+
+
+class Receiver:
+    """An OTLP gRPC trace receiver in a child process of its own that counts the spans it
+    gets (``spans``); it needs ``grpcio`` alone. ``port`` on 127.0.0.1."""
+
+    def __init__(self, start_s: float = 60.0) -> None:
+        ctx = mp.get_context("spawn")
+        self._count = ctx.Value("q", 0)
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_receive, args=(child, self._count), daemon=True,
+                                 name="otlp-receiver")
+        self._proc.start()
+        try:
+            got = parent.recv() if parent.poll(start_s) else f"no answer in {start_s:g} s"
+        except EOFError:
+            got = "its process ended"
+        if not isinstance(got, int):
+            self.close()
+            raise RuntimeError(f"the OTLP receiver did not start: {got}")
+        self.port: int = got
+        self.endpoint = f"http://127.0.0.1:{got}"
+        self.pid: int = self._proc.pid
+
+    @property
+    def spans(self) -> int:
+        return self._count.value
+
+    def close(self) -> None:
+        self._proc.terminate()
+        self._proc.join(10)
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def _cpu_s(pid: int) -> float:
@@ -114,7 +228,7 @@ def mean_batch_size(db: Path, began: float, ended: float) -> float:
     return float(got or 0.0)
 
 
-def settle(count, db: Path, quiet_s: float = 1.0, limit_s: float = 60.0) -> None:
+def settle(receiver: Receiver, db: Path, quiet_s: float = 1.0, limit_s: float = 60.0) -> None:
     """Wait until neither the receiver has had a span nor the database a row for
     ``quiet_s``: the exporter and the database writer have done what the slice left them,
     so the next slice does not pay for this one's spans and rows."""
@@ -126,11 +240,11 @@ def settle(count, db: Path, quiet_s: float = 1.0, limit_s: float = 60.0) -> None
                                      "(SELECT COUNT(*) FROM request_traces)")).scalar()
 
     deadline = time.monotonic() + limit_s
-    last, since = (count.value, rows()), time.monotonic()
+    last, since = (receiver.spans, rows()), time.monotonic()
     try:
         while time.monotonic() < deadline:
             time.sleep(0.2)
-            now = (count.value, rows())
+            now = (receiver.spans, rows())
             if now != last:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since >= quiet_s:
@@ -189,18 +303,20 @@ def encode_costs(requests: int = 3000, repeats: int = 5) -> dict[str, float]:
 
 
 def side_by_side(mode: str, rounds: int, slice_s: float, clients: int, model: str,
-                 port: int, count: Any) -> dict[str, Any]:
+                 receiver: Receiver) -> dict[str, Any]:
     """Two servers at once, one with ``mode``, the other with tracing off, each load
     window on one then the other (the order turning each round): no settings change
     between windows, so no window pays for a switch. The median of the rounds' ratios,
     and each server's CPU per request over its windows."""
+    import httpx
+
     servers = []
     try:
         for _ in range(2):
             db = Path(tempfile.mkdtemp()) / "side.db"
             servers.append(Server([sys.executable, "-m", "runtime", "serve", "--model", model,
                                    "--port", "0", "--db", f"sqlite:///{db}",
-                                   "--otlp-traces-endpoint", f"http://127.0.0.1:{port}"]))
+                                   "--otlp-traces-endpoint", receiver.endpoint]))
         off, on = servers
         for srv, settings in ((off, MODES["off"]), (on, MODES[mode])):
             assert httpx.post(f"{srv.url}/v2/trace/setting", json=settings,
@@ -228,17 +344,200 @@ def side_by_side(mode: str, rounds: int, slice_s: float, clients: int, model: st
           f"{slice_s:g} s each: {mode} / off {ratio:.3f}, paired {paired.text()} (medians {statistics.median(got['off']):.0f}"
           f" and {statistics.median(got[mode]):.0f} req/s); CPU per request (server, its "
           f"children, load generator): off {per['off']:.1f} us, {mode} {per[mode]:.1f} us; "
-          f"spans received {count.value:,}")
+          f"spans received {receiver.spans:,}")
     return {"ratio": ratio, "paired": paired, "rps": got, "cpu": per}
 
 
-def _paired(results: dict[str, list], mode: str, figure: str) -> str:
-    """``mode`` against ``off`` round by round (``benchmarks.intervals.paired_ratio``)."""
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+def _ratio(base: float | None, other: float | None) -> float | None:
+    return other / base if base and other is not None else None
+
+
+def _paired(base: list, other: list, figure: str) -> Interval | None:
+    """``other`` against ``base`` round by round (``benchmarks.intervals.paired_ratio``);
+    None when no round has both figures (no request answered)."""
     try:
-        return paired_ratio([getattr(r, figure) or 0.0 for r in results["off"]],
-                            [getattr(r, figure) or 0.0 for r in results[mode]]).text()
-    except ValueError:  # no round with both figures (no request answered): nothing to say
-        return "-"
+        return paired_ratio([getattr(r, figure) or 0.0 for r in base],
+                            [getattr(r, figure) or 0.0 for r in other])
+    except ValueError:
+        return None
+
+
+def _metrics(http: Any, *names: str) -> list[float]:
+    """Each named Prometheus series at ``/metrics``, summed over its labels."""
+    sums = dict.fromkeys(names, 0.0)
+    for line in http.get("/metrics").text.splitlines():
+        name = line.partition("{")[0].partition(" ")[0]
+        if name in sums:
+            sums[name] += float(line.split()[-1])
+    return [sums[name] for name in names]
+
+
+def _traces_in(db: Path) -> tuple[int, int]:
+    """``request_traces`` rows in the database, and the spans dropped so far as its last
+    ``trace_export_drops`` event says."""
+    eng = create_engine(f"sqlite:///{db}")
+    try:
+        with eng.connect() as conn:
+            rows = conn.execute(text("SELECT COUNT(*) FROM request_traces")).scalar()
+            drops = conn.execute(text("SELECT details_json FROM events WHERE kind = "
+                                      "'trace_export_drops'")).scalars().all()
+    finally:
+        eng.dispose()
+    return int(rows or 0), max([json.loads(d)["total"] for d in drops], default=0)
+
+
+def measure(url: str, db: Path, model: str, modes: Sequence[str], rounds: int, slice_s: float,
+            clients: int, receiver: Receiver, server_pid: int, *, until: float | None = None,
+            warm_s: float = 2.0, say: Callable[[str], Any] = _say) -> dict[str, Any]:
+    """What each trace mode costs a server already running at ``url`` (process
+    ``server_pid``, started with ``--db sqlite:///DB`` and ``--otlp-traces-endpoint``
+    ``receiver.endpoint``): ``clients`` closed-loop clients on ``model`` in slices of
+    ``slice_s`` seconds, the ``modes`` in turn (``off`` first, added when missing; the
+    order reversed every other round) ``rounds`` times, ``settle`` after each slice, a
+    line a slice to ``say``. With ``until`` (a ``time.monotonic()`` time) no round begins
+    that the round before says would end past it; the first always runs.
+
+    Returns the ``rounds`` run, the machine's ``cores`` and by mode (``modes``): the
+    median req/s and p99 and their ratios to ``off``'s; the ratios paired round by round
+    with their 95 % intervals (``paired_rps``, ``paired_p99``: an ``Interval``, None for
+    ``off`` or without figures); each round's figures; the mean batch size; CPU
+    microseconds a request by part (``benchmarks.cpu_share``), in all and as a share of
+    the machine's bound, and the cores each part kept busy; the OTLP receiver's CPU
+    microseconds a request; requests answered, errors, requests traced, spans received.
+    In all: requests traced, ``request_traces`` rows, spans received against
+    ``spans_expected`` (``SPANS_PER_REQUEST`` for each request traced in a mode of
+    ``SPAN_MODES``) and spans dropped (the server's counter, its events). The warm-up
+    before the first slice runs with tracing off and counts in none of them. A mode's
+    spans are those received during its slices and the waits after them; the span
+    process's exporter sends a batch every few seconds when few spans come, so some
+    arrive in the next slice. Once the server has stopped, ``after_stop`` adds the
+    spans and rows it sent while stopping."""
+    # imported here, not with the module: httpx loads the optional packages of its command
+    # line (click, rich) where they are installed, and the GPU script imports this module
+    import httpx
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
+    modes = ["off"] + [m for m in modes if m != "off"]
+    slices: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        assert http.post("/v2/trace/setting", json=MODES["off"]).status_code == 200
+        run_load(url, model, concurrency=clients, duration_s=warm_s)  # warm, tracing off
+        settle(receiver, db)
+        spans_at_start, (rows_at_start, _) = receiver.spans, _traces_in(db)
+        (traced,) = _metrics(http, TRACED)
+        done, round_s = 0, 0.0
+        for r in range(rounds):
+            began_round = time.monotonic()
+            if r and until is not None and began_round + round_s > until:
+                break
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                assert http.post("/v2/trace/setting", json=MODES[mode]).status_code == 200
+                spans, began, receiving = receiver.spans, time.time(), _cpu_s(receiver.pid)
+                with CpuShare(server_pid) as cpu:
+                    rep = run_load(url, model, concurrency=clients, duration_s=slice_s)
+                ended, receiving = time.time(), _cpu_s(receiver.pid) - receiving
+                settle(receiver, db)
+                (now,) = _metrics(http, TRACED)
+                slices[mode].append({
+                    "report": rep, "cpu": cpu.summary(rep.ok),
+                    "cores": {part: used / cpu.wall_s for part, used in cpu.used.items()},
+                    "receiver_us": receiving / max(rep.ok, 1) * 1e6,
+                    "batch": mean_batch_size(db, began, ended),
+                    "traced": now - traced, "spans": receiver.spans - spans})
+                traced = now
+                say(f"round {r + 1} {mode:14s} {rep.throughput_rps:8.0f} req/s  p99 "
+                    f"{_num(rep.latency_p99_ms, 6, 2)} ms")
+            done, round_s = r + 1, time.monotonic() - began_round
+        http.post("/v2/trace/setting", json=MODES["off"])
+        (dropped,) = _metrics(http, DROPPED)
+    base = [s["report"] for s in slices["off"]]
+    base_rps = _median(r.throughput_rps for r in base)
+    base_p99 = _median(r.latency_p99_ms for r in base)
+    figures = {}
+    for mode, got in slices.items():
+        reps = [s["report"] for s in got]
+        rps, p99 = _median(r.throughput_rps for r in reps), _median(r.latency_p99_ms for r in reps)
+        parts = list(got[0]["cpu"]["cpu_us_per_request"])
+        figures[mode] = {
+            "rps": rps, "p99_ms": p99,
+            "rps_ratio": _ratio(base_rps, rps), "p99_ratio": _ratio(base_p99, p99),
+            "paired_rps": None if mode == "off" else _paired(base, reps, "throughput_rps"),
+            "paired_p99": None if mode == "off" else _paired(base, reps, "latency_p99_ms"),
+            "rounds_rps": [r.throughput_rps for r in reps],
+            "rounds_p99_ms": [r.latency_p99_ms for r in reps],
+            "mean_batch": _median(s["batch"] for s in got),
+            "cpu_us": {p: _median(s["cpu"]["cpu_us_per_request"][p] for s in got) for p in parts},
+            "cpu_us_total": _median(s["cpu"]["total_cpu_us_per_request"] for s in got),
+            "share_of_bound": _median(s["cpu"]["share_of_cpu_bound"] for s in got),
+            "cores_used": {p: _median(s["cores"][p] for s in got) for p in parts},
+            "receiver_us": _median(s["receiver_us"] for s in got),
+            "requests": sum(r.ok for r in reps),
+            "errors": sum(sum(r.errors_by_status.values()) for r in reps),
+            "traced": int(sum(s["traced"] for s in got)), "spans": sum(s["spans"] for s in got)}
+    rows, drops = _traces_in(db)
+    return {"model": model, "clients": clients, "slice_s": slice_s, "rounds": done,
+            "cores": os.cpu_count(), "modes": figures,
+            "traced": sum(m["traced"] for m in figures.values()),
+            "trace_rows_at_start": rows_at_start, "trace_rows": rows - rows_at_start,
+            "spans_at_start": spans_at_start, "spans_received": receiver.spans - spans_at_start,
+            "spans_expected": SPANS_PER_REQUEST * sum(m["traced"] for k, m in figures.items()
+                                                      if k in SPAN_MODES),
+            "spans_dropped": max(int(dropped), drops)}
+
+
+def after_stop(result: dict[str, Any], receiver: Receiver, db: Path) -> None:
+    """Bring ``measure``'s span and row figures up to date once its server has stopped:
+    its span process sends what it held, and drops are reported as it closes."""
+    settle(receiver, db, limit_s=15.0)
+    rows, drops = _traces_in(db)
+    result["trace_rows"] = rows - result["trace_rows_at_start"]
+    result["spans_received"] = receiver.spans - result["spans_at_start"]
+    result["spans_dropped"] = max(result["spans_dropped"], drops)
+
+
+def _num(value: float | None, width: int, digits: int) -> str:
+    return "-".rjust(width) if value is None else f"{value:{width}.{digits}f}"
+
+
+def report(result: dict[str, Any]) -> None:
+    """Print ``measure``'s figures: a table of the modes, one of their CPU, the spans."""
+    modes = result["modes"]
+    print(f"\n{result['model']}, {result['clients']} clients, {result['rounds']} rounds of "
+          f"{result['slice_s']:g} s per mode (medians; ratios to 'off' in this run)")
+    print(f"{'mode':16s}{'req/s':>9s}{'ratio':>8s}{'p99 ms':>9s}{'ratio':>8s}{'mean batch':>12s}"
+          f"{'paired req/s ratio (95 %)':>28s}{'paired p99 ratio (95 %)':>26s}")
+    for mode, m in modes.items():
+        paired = ""
+        if mode != "off":
+            paired = "".join(f"{'-' if iv is None else iv.text():>{width}s}"
+                             for iv, width in ((m["paired_rps"], 28), (m["paired_p99"], 26)))
+        print(f"{mode:16s}{_num(m['rps'], 9, 0)}{_num(m['rps_ratio'], 8, 3)}"
+              f"{_num(m['p99_ms'], 9, 2)}{_num(m['p99_ratio'], 8, 3)}"
+              f"{_num(m['mean_batch'], 12, 1)}{paired}")
+    print("(paired: the geometric mean over the rounds of each round's mode / off, and its "
+          "bootstrap 95 % interval: a target is met when the whole interval is)")
+    print("\nCPU per request (medians, microseconds): where each mode's cost goes")
+    parts = list(modes["off"]["cpu_us"])
+    print(f"{'mode':16s}" + "".join(f"{p:>22s}" for p in parts) + f"{'in all':>9s}"
+          f"{'share of bound':>16s}{'OTLP receiver':>15s}")
+    for mode, m in modes.items():
+        print(f"{mode:16s}" + "".join(f"{m['cpu_us'][p]:22.1f}" for p in parts)
+              + f"{m['cpu_us_total']:9.1f}{m['share_of_bound']:16.0%}{m['receiver_us']:15.1f}")
+    print("(the OTLP receiver shares the machine's cores but is not in 'in all' nor in the "
+          "bound: a collector runs elsewhere in a deployment)")
+    print(f"traced requests {result['traced']:,} (request_traces rows {result['trace_rows']:,}), "
+          f"spans received {result['spans_received']:,}, spans dropped (reported) "
+          f"{result['spans_dropped']:,}")
 
 
 def main() -> None:
@@ -267,90 +566,22 @@ def main() -> None:
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}; the modes: {', '.join(MODES)}")
-    modes = ["off"] + [m for m in args.modes.split(",") if m != "off"]
-    ctx = mp.get_context("spawn")
-    count = ctx.Value("q", 0)
-    parent, child = ctx.Pipe()
-    receiver = ctx.Process(target=_receiver, args=(child, count), daemon=True)
-    receiver.start()
-    port = parent.recv()
-    if args.side_by_side:
-        side_by_side(args.side_by_side, args.rounds, args.slice_s, args.clients, args.model,
-                     port, count)
-        return
-    db = Path(tempfile.mkdtemp()) / "tracing.db"
-    server = Server([sys.executable, "-m", "runtime", "serve", "--model", args.model,
-                     "--port", "0", "--db", f"sqlite:///{db}",
-                     "--otlp-traces-endpoint", f"http://127.0.0.1:{port}"])
-    results: dict[str, list] = {m: [] for m in modes}
-    cpus: dict[str, list] = {m: [] for m in modes}
-    sizes: dict[str, list] = {m: [] for m in modes}
-    receiving: dict[str, list] = {m: [] for m in modes}
-    try:
-        with httpx.Client(base_url=server.url, timeout=30) as http:
-            run_load(server.url, args.model, concurrency=args.clients, duration_s=2.0)  # warm
-            for r in range(args.rounds):
-                order = list(modes) if r % 2 == 0 else list(reversed(modes))
-                for mode in order:
-                    assert http.post("/v2/trace/setting", json=MODES[mode]).status_code == 200
-                    began = time.time()
-                    before = _cpu_s(receiver.pid)
-                    with CpuShare(server.proc.pid) as cpu:
-                        rep = run_load(server.url, args.model, concurrency=args.clients,
-                                       duration_s=args.slice_s)
-                    ended = time.time()
-                    results[mode].append(rep)
-                    cpus[mode].append(cpu.summary(rep.ok))
-                    receiving[mode].append((_cpu_s(receiver.pid) - before) / max(rep.ok, 1) * 1e6)
-                    settle(count, db)
-                    sizes[mode].append(mean_batch_size(db, began, ended))
-                    print(f"round {r + 1} {mode:14s} {rep.throughput_rps:8.0f} req/s  p99 "
-                          f"{rep.latency_p99_ms:6.2f} ms", flush=True)
-            http.post("/v2/trace/setting", json=MODES["off"])
-            metrics = http.get("/metrics").text
-    finally:
-        server.stop()
-    traced = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                 if line.startswith("batchscope_traced_requests_total{"))
-    time.sleep(1.0)
-    eng = create_engine(f"sqlite:///{db}")
-    with eng.connect() as conn:
-        drops = conn.execute(text("SELECT details_json FROM events WHERE kind = "
-                                  "'trace_export_drops'")).scalars().all()
-        rows = conn.execute(text("SELECT COUNT(*) FROM request_traces")).scalar()
-    receiver.terminate()
-    dropped = max([json.loads(d)["total"] for d in drops], default=0)
-    base_rps = statistics.median(r.throughput_rps for r in results["off"])
-    base_p99 = statistics.median(r.latency_p99_ms for r in results["off"])
-    print(f"\n{args.model}, {args.clients} clients, {args.rounds} rounds of {args.slice_s:g} s "
-          "per mode (medians; ratios to 'off' in this run)")
-    print(f"{'mode':16s}{'req/s':>9s}{'ratio':>8s}{'p99 ms':>9s}{'ratio':>8s}{'mean batch':>12s}"
-          f"{'paired req/s ratio (95 %)':>28s}{'paired p99 ratio (95 %)':>26s}")
-    for mode, reps in results.items():
-        rps = statistics.median(r.throughput_rps for r in reps)
-        p99 = statistics.median(r.latency_p99_ms for r in reps)
-        paired = ""
-        if mode != "off":
-            paired = (f"{_paired(results, mode, 'throughput_rps'):>28s}"
-                      f"{_paired(results, mode, 'latency_p99_ms'):>26s}")
-        print(f"{mode:16s}{rps:9.0f}{rps / base_rps:8.3f}{p99:9.2f}{p99 / base_p99:8.3f}"
-              f"{statistics.median(sizes[mode]):12.1f}{paired}")
-    print("(paired: the geometric mean over the rounds of each round's mode / off, and its "
-          "bootstrap 95 % interval: a target is met when the whole interval is)")
-    print("\nCPU per request (medians, microseconds): where each mode's cost goes")
-    parts = list(cpus["off"][0]["cpu_us_per_request"])
-    print(f"{'mode':16s}" + "".join(f"{p:>22s}" for p in parts) + f"{'in all':>9s}"
-          f"{'share of bound':>16s}{'OTLP receiver':>15s}")
-    for mode, got in cpus.items():
-        per = [statistics.median(g["cpu_us_per_request"][p] for g in got) for p in parts]
-        total = statistics.median(g["total_cpu_us_per_request"] for g in got)
-        share = statistics.median(g["share_of_cpu_bound"] for g in got)
-        print(f"{mode:16s}" + "".join(f"{v:22.1f}" for v in per) + f"{total:9.1f}{share:16.0%}"
-              f"{statistics.median(receiving[mode]):15.1f}")
-    print("(the OTLP receiver shares the machine's cores but is not in 'in all' nor in the "
-          "bound: a collector runs elsewhere in a deployment)")
-    print(f"traced requests {traced:,.0f} (request_traces rows {rows:,}), spans received "
-          f"{count.value:,}, spans dropped (reported) {dropped:,}")
+    with Receiver() as receiver:
+        if args.side_by_side:
+            side_by_side(args.side_by_side, args.rounds, args.slice_s, args.clients, args.model,
+                         receiver)
+            return
+        db = Path(tempfile.mkdtemp()) / "tracing.db"
+        server = Server([sys.executable, "-m", "runtime", "serve", "--model", args.model,
+                         "--port", "0", "--db", f"sqlite:///{db}",
+                         "--otlp-traces-endpoint", receiver.endpoint])
+        try:
+            result = measure(server.url, db, args.model, args.modes.split(","), args.rounds,
+                             args.slice_s, args.clients, receiver, server.proc.pid)
+        finally:
+            server.stop()
+        after_stop(result, receiver, db)
+    report(result)
 
 
 if __name__ == "__main__":

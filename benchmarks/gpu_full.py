@@ -25,7 +25,7 @@ if __package__ in (None, ""):
     import common  # noqa: F401  (puts the repository root on sys.path)
 from benchmarks.gpu import device_checks as dc
 from benchmarks.gpu import env_checks, mps_check, workload_checks as wc
-from benchmarks.gpu import served
+from benchmarks.gpu import served, tracing_cost
 from benchmarks.gpu.harness import FAIL, Claim, Context, Run, Section
 
 #: the sections in order, each with its time limit and the GPU claims of the README and
@@ -36,6 +36,16 @@ SECTIONS = [
         "nvtx.ranges": "NVTX ranges around batches and steps show in Nsight Systems",
         "nvtx.tool": "each batch run on CUDA reaches an attached NVTX tool (the interface "
                      "Nsight Systems attaches through) as one range named with its id"}),
+    # second, so the overall budget never starves it: its rounds fill its limit
+    Section("tracing", tracing_cost.tracing, 150, claims={
+        "tracing.timestamps_cost": "Triton timestamps at every request cost at most 3 % of "
+                                   "the throughput and 5 % of the p99 (mlp, 64 clients)",
+        "tracing.otel_cost": "OpenTelemetry spans for every request cost at most 5 % of the "
+                             "throughput",
+        "tracing.sampled_cost": "OpenTelemetry spans for 1 request in 100 cost at most 1 % of "
+                                "the throughput",
+        "tracing.no_drops": "no span is dropped, and the OTLP receiver gets at least 3 spans "
+                            "for each request traced in the span modes"}),
     Section("graphs", dc.graphs, 60, claims={
         "graphs.equal": "CUDA graphs through run_batch equal eager at batch 1..8 and 32, "
                         "padded replays included",

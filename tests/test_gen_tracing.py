@@ -6,6 +6,7 @@ request's flow to the step it joined."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -146,3 +147,50 @@ def test_the_export_draws_each_generation_request_s_flow_to_the_step_it_joined(t
     joined = {int(a.headers["batchscope-batch-id"]) for a in answers}
     assert {into.args["seq"] for _, into in parsed.flows.values()
             if into.category == "step"} == joined
+
+
+
+def test_choices_cancelled_after_their_first_token_get_no_decode_span(traced):
+    """Two choices, each cancelled (its client went away) after its first token: their
+    totals (2 tokens, no finish reason) look like one choice that decoded a second token,
+    but the request's spans judge each choice, and neither decoded."""
+    url, model, engine, received, _ = traced
+    body = {**BODY, "n": 2, "max_tokens": 8, "stream": True}
+    started, leave = threading.Event(), threading.Event()
+
+    def read_then_leave() -> str:
+        with httpx.Client(base_url=url, timeout=60) as http, \
+                http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the answer begins once every choice has its first token
+            started.set()
+            assert leave.wait(60)
+            return r.headers["traceparent"].split("-")[1]
+
+    before = model.steps_done
+    model.hold()
+    with ThreadPoolExecutor(1) as pool:
+        reader = pool.submit(read_then_leave)
+        assert wait_until(lambda: engine.stats()["running"] == 2)
+        while not model.wait_for_steps(before + 1, 0.1):  # let exactly one step through
+            model.release()
+            model.hold()
+        assert started.wait(60)  # both first tokens sent; the next step waits at the gate
+        leave.set()
+        trace_id = reader.result(timeout=60)
+    assert wait_until(lambda: engine.stats()["running"] == 0)  # both cancelled
+    model.release()
+
+    def spans():
+        mine = [s for s, _ in received.spans if s.trace_id.hex() == trace_id]
+        request = [s for s in mine if s.name == "text_completion decoder"]
+        return (request[0], mine) if request and len(mine) >= 3 else None
+
+    assert wait_until(lambda: spans() is not None, limit=400)
+    request, mine = spans()
+    attrs = {a.key: a.value for a in request.attributes}
+    assert attrs["gen_ai.usage.output_tokens"].int_value == 2
+    assert "gen_ai.response.finish_reasons" not in attrs
+    assert attrs["batchscope.request.outcome"].string_value == "cancelled"
+    children = sorted(s.name for s in mine if s.parent_span_id == request.span_id)
+    assert children == ["prefill", "queue"]

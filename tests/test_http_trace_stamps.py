@@ -64,13 +64,13 @@ class Served:
         self._lock = threading.Lock()
         finish = self.tracer.finish
 
-        def watched(trace, error=None):
+        def watched(trace, error=None, decode=None):
             if hasattr(trace, "send_end") and hasattr(trace, "first_token"):
                 times = {c: getattr(trace, c.removesuffix("_at")) for c in HTTP_ORDER}
                 times["first_token"] = trace.first_token
                 with self._lock:
                     self.finished[trace.trace_id] = times
-            return finish(trace, error)
+            return finish(trace, error, decode)
 
         self.tracer.finish = watched  # an instance attribute: the routes call it through it
 

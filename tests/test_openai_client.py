@@ -194,8 +194,10 @@ def test_encoder_embeds_texts_and_token_ids_in_both_encodings(client, encoder_re
 
 def test_embedding_errors_are_bad_requests(client):
     with pytest.raises(openai.BadRequestError) as err:
-        client.embeddings.create(model="encoder", input="x" * 129)
-    assert "expected 1..128" in err.value.message
+        client.embeddings.create(model="encoder", input=["short", "x" * 129])
+    assert err.value.param == "input" and err.value.code == "bad_request"
+    assert ("input[1] has 129 tokens, more than the 128 model "
+            "'encoder' reads per input; shorten it") in err.value.message
     with pytest.raises(openai.BadRequestError) as err:
         client.embeddings.create(model="encoder", input="x", dimensions=64)
     assert err.value.param == "dimensions"

@@ -9,7 +9,10 @@ generation model ``decoder`` and the embedding model ``encoder``.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
+import secrets
+import tracemalloc
 import zlib
 
 import httpx
@@ -19,7 +22,9 @@ import pytest
 from runtime.api.config import ServerConfig
 from runtime.models.decoder import TinyDecoder
 from runtime.models.encoder import EncoderModel
+from runtime.server import fastpath, openai_http
 from runtime.server.bounds import MAX_JSON_BYTES
+from runtime.server.openai_http import COMPRESSED_ASIDE_BYTES, PLAIN_ASIDE_BYTES
 from runtime.server.service import Service, ServiceThread
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -114,6 +119,95 @@ def test_a_body_that_is_not_what_its_coding_says_is_400(http, route, body):
     assert "ends before its compressed stream does" in error["message"]
 
 
+# -- large compressed bodies: inflated and parsed off the event loop -----------------------
+@pytest.fixture
+def inflations(monkeypatch):
+    """Where the OpenAI routes inflate each compressed body, in order: True on an event
+    loop, False on a worker thread. The real ``decoded_body`` does the inflating."""
+    return where_called(monkeypatch, "decoded_body")
+
+
+def where_called(monkeypatch, name: str) -> list[bool]:
+    """Where ``runtime.server.openai_http.NAME`` is called, in order: True on an event
+    loop, False on a worker thread; the real function does the work."""
+    seen: list[bool] = []
+    real = getattr(openai_http, name)
+
+    def watched(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            seen.append(True)
+        except RuntimeError:
+            seen.append(False)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(openai_http, name, watched)
+    return seen
+
+
+def gzip_bomb(claimed: int) -> bytes:
+    """A gzip body of one JSON object of ``claimed`` bytes, compressed a MiB at a time."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    spaces = b" " * (1 << 20)
+    parts = [packer.compress(b'{"model": "x", "input": "')]
+    parts += [packer.compress(spaces) for _ in range(claimed >> 20)]
+    parts.append(packer.compress(b'"}') + packer.flush())
+    return b"".join(parts)
+
+
+@pytest.mark.parametrize("route, body", ROUTES)
+def test_a_large_compressed_body_is_inflated_on_a_worker_thread_and_answered_alike(
+        http, route, body, inflations):
+    assert COMPRESSED_ASIDE_BYTES == fastpath.LARGE_COMPRESSED_BYTES  # as KServe bodies are
+    small = gzip.compress(orjson.dumps(body))
+    # a field the routes ignore, of random hex: it compresses to about half its length
+    large = gzip.compress(orjson.dumps({**body, "padding": secrets.token_hex(32 * 1024)}))
+    assert len(small) <= COMPRESSED_ASIDE_BYTES < len(large)
+    plain = post(http, route, orjson.dumps(body))
+    answers = [post(http, route, small, "gzip"), post(http, route, large, "gzip")]
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    assert inflations == [True, False]  # the small body in place, the large one aside
+    if route == "/v1/embeddings":
+        assert answers[1].json()["data"] == plain.json()["data"]
+    else:
+        assert answers[1].json()["choices"] == plain.json()["choices"]
+
+
+@pytest.mark.parametrize("route, body", ROUTES)
+def test_a_large_plain_body_is_parsed_on_a_worker_thread_and_answered_alike(
+        http, route, body, monkeypatch):
+    assert PLAIN_ASIDE_BYTES == fastpath.LARGE_BODY_BYTES  # as KServe bodies are
+    seen = where_called(monkeypatch, "check_json_size")  # where each body was parsed
+    small = orjson.dumps(body)
+    large = orjson.dumps({**body, "padding": "x" * PLAIN_ASIDE_BYTES})
+    answers = [post(http, route, small), post(http, route, large)]
+    assert [r.status_code for r in answers] == [200, 200], [r.text[:300] for r in answers]
+    assert seen == [True, False]  # the small body in place, the large one aside
+    if route == "/v1/embeddings":
+        assert answers[1].json()["data"] == answers[0].json()["data"]
+    else:
+        assert answers[1].json()["choices"] == answers[0].json()["choices"]
+
+
+@pytest.mark.parametrize("route, body", ROUTES)
+def test_a_large_gzip_bomb_is_413_on_a_worker_thread_without_being_inflated_whole(
+        http, route, body, inflations):
+    claimed = 128 << 20
+    bomb = gzip_bomb(claimed)
+    assert COMPRESSED_ASIDE_BYTES < len(bomb) < claimed // 500
+    tracemalloc.start()
+    try:
+        r = post(http, route, bomb, "gzip")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    error = error_of(r, 413)
+    assert "inflates to more than" in error["message"] and str(MAX_JSON_BYTES) in error["message"]
+    assert inflations == [False]
+    # inflating stopped past the limit: what was held is about the limit, not what it claims
+    assert peak < 4 * MAX_JSON_BYTES < claimed
+
+
 # -- JSON types: a boolean is no number, a number no boolean ------------------------------
 @pytest.mark.parametrize("route, body, field, value", [
     ("/v1/completions", COMPLETION, "top_p", True),
@@ -194,6 +288,27 @@ def test_an_empty_input_is_400_naming_its_index(http, inputs, index):
     assert error["param"] == "input"
     assert f"input[{index}] is empty" in error["message"]
     assert "INPUT_IDS" not in error["message"]
+
+
+@pytest.mark.parametrize("inputs, index, tokens", [
+    (["a", "b", "c", "x" * 129], 3, 129),
+    ([[5, 6], [7] * 500], 1, 500),
+    ("\u00e9" * 100, 0, 200),  # a text's tokens, not its characters: two bytes each here
+])
+def test_an_input_longer_than_the_model_reads_is_400_naming_its_index_and_the_limit(
+        http, inputs, index, tokens):
+    error = error_of(http.post("/v1/embeddings", json={"model": "encoder", "input": inputs}), 400)
+    assert error["param"] == "input"
+    message = error["message"]
+    assert f"input[{index}] has {tokens} tokens, more than the 128 model 'encoder'" in message
+    assert "shorten it, or split it into several inputs" in message
+    assert "INPUT_IDS" not in message
+
+
+def test_an_input_of_exactly_the_model_s_length_is_embedded(http):
+    r = http.post("/v1/embeddings", json={"model": "encoder", "input": ["a", "x" * 128]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 129
 
 
 def test_a_text_too_long_names_input_as_the_param(http):

@@ -17,6 +17,8 @@ from runtime.api.config import ServerConfig
 from runtime.device import nvtx
 from runtime.engine import otel
 from runtime.engine.otel import BatchInfo, FinishedTrace, OtlpSpans, SpanBuilder, spans_of
+from runtime.generation.http import _decoding
+from runtime.generation.scheduler import Sequence
 from runtime.models.toys import DoubleModel
 from runtime.server.service import Service, ServiceThread
 from tests.factories import wait_until
@@ -167,9 +169,10 @@ def test_spans_reach_an_otlp_http_receiver(tmp_path, monkeypatch):
         server.shutdown()
 
 
-def trace(n: int, seq: int | None = 1, first_token: float | None = None) -> FinishedTrace:
+def trace(n: int, seq: int | None = 1, first_token: float | None = None,
+          decode_start: float | None = None) -> FinishedTrace:
     return FinishedTrace("m", "infer", 7, 100 + n, None, 10.0, 10.5, 10.0, 10.1, 10.4, "ok",
-                         seq, first_token_at=first_token)
+                         seq, first_token_at=first_token, decode_start_at=decode_start)
 
 
 def batch(seq: int) -> BatchInfo:
@@ -186,7 +189,7 @@ def test_one_batch_span_serves_all_its_members_and_generation_has_prefill_and_de
     assert first[1].links[0].context.span_id == again[0].links[0].context.span_id \
         == first[0].context.span_id
     assert first[0].attributes["batchscope.batch.padded_size"] == 32
-    gen = builder.spans(trace(3, seq=None, first_token=10.2), None)
+    gen = builder.spans(trace(3, seq=None, first_token=10.2, decode_start=10.2), None)
     assert [s.name for s in gen] == ["infer m", "queue", "prefill", "decode"]
     assert gen[0].attributes["gen_ai.latency.time_to_first_token"] == pytest.approx(0.2)
     assert gen[0].links == () or len(gen[0].links) == 0
@@ -198,7 +201,7 @@ def test_a_step_span_is_its_own_and_generation_phases_follow_what_ran():
     step = BatchInfo(1, "g", 10.1, 10.2, 3, 8, 40, 40, None, "continuous", 2, "ok", 37, 3)
     gen = FinishedTrace("g", "text_completion", 7, 200, None, 10.0, 10.5, 10.0, 10.1, 10.4,
                         "ok", 1, first_token_at=10.2, input_tokens=37, output_tokens=5,
-                        finish_reasons=("stop",))
+                        finish_reasons=("stop",), decode_start_at=10.2, decode_end_at=10.4)
     spans = builder.spans(gen, step)
     assert [s.name for s in spans] == ["step g", "text_completion g", "queue", "prefill",
                                        "decode"]
@@ -216,6 +219,48 @@ def test_a_step_span_is_its_own_and_generation_phases_follow_what_ran():
     assert [s.name for s in builder.spans(gone, step)] == ["chat g", "queue", "prefill"]
 
 
+def choice(i: int, tokens: int, first: float, ended: float, reason: str | None,
+           outcome: str) -> Sequence:
+    """One choice of a request, as the scheduler leaves it once it ended."""
+    seq = Sequence(i, [1, 2, 3], 8, 1, 10.0, output_ids=list(range(1, tokens + 1)),
+                   first_scheduled_s=10.1, first_token_s=first, finished_s=ended)
+    seq.finish_reason, seq.outcome = reason, outcome
+    return seq
+
+
+def test_decode_is_judged_choice_by_choice_and_spans_the_choices_that_decoded():
+    from opentelemetry.sdk.resources import Resource
+    builder = SpanBuilder(Resource.create({}), "i")
+    # one token each: one choice ended at its length, the other was cancelled later
+    one_each = [choice(0, 1, 10.2, 10.2, "length", "ok"),
+                choice(1, 1, 10.2, 10.4, None, "cancelled")]
+    assert _decoding(one_each) is None
+    t = FinishedTrace("g", "chat", 7, 300, None, 10.0, 10.5, 10.0, 10.1, 10.4, "ok", 1,
+                      first_token_at=10.2, input_tokens=6, output_tokens=2,
+                      finish_reasons=("length",))
+    assert [s.name for s in builder.spans(t, None)] == ["chat g", "queue", "prefill"]
+    assert spans_of(t) == 3
+    # the choice that decoded had its first token later and ended before the other was
+    # cancelled: its decoding is the span, not the first token to the compute's end
+    mixed = [choice(0, 1, 10.2, 10.45, None, "cancelled"),
+             choice(1, 3, 10.25, 10.35, "length", "ok")]
+    assert _decoding(mixed) == (10.25, 10.35)
+    t = FinishedTrace("g", "chat", 7, 301, None, 10.0, 10.5, 10.0, 10.1, 10.45, "ok", 1,
+                      first_token_at=10.2, input_tokens=6, output_tokens=4,
+                      finish_reasons=("length",), decode_start_at=10.25, decode_end_at=10.35)
+    spans = builder.spans(t, None)
+    assert [s.name for s in spans] == ["chat g", "queue", "prefill", "decode"]
+    prefill, decode = spans[2], spans[3]
+    assert prefill.end_time == pytest.approx(10.2e9, abs=1e3)
+    assert decode.start_time == pytest.approx(10.25e9, abs=1e3)
+    assert decode.end_time == pytest.approx(10.35e9, abs=1e3)
+    # a decoding choice still running when the request ended: the compute's end stands
+    running = [choice(0, 2, 10.2, 10.3, "length", "ok"), choice(1, 2, 10.2, None, None, "ok")]
+    assert _decoding(running) == (10.2, None)
+    t.decode_end_at = None
+    assert builder.spans(t, None)[3].end_time == pytest.approx(10.45e9, abs=1e3)
+
+
 @pytest.mark.parametrize("wire", [False, True])
 def test_a_trace_s_span_count_is_the_spans_made_of_it(wire):
     from opentelemetry.sdk.resources import Resource
@@ -223,11 +268,15 @@ def test_a_trace_s_span_count_is_the_spans_made_of_it(wire):
     for queued in (None, 10.05):
         for started in (None, 10.1):
             for first in (None, 10.2):
-                for tokens, reasons in ((None, ()), (0, ()), (1, ("length",)), (5, ("stop",))):
+                for tokens, reasons, decode in ((None, (), None), (0, (), None),
+                                                (1, ("length",), None),
+                                                (2, (), None),  # two choices cancelled
+                                                (5, ("stop",), 10.25)):
                     t = FinishedTrace("m", "infer", 7, 100, None, 10.0, 10.5, queued, started,
                                       10.4 if started else None, "ok", None,
                                       first_token_at=first, output_tokens=tokens,
-                                      finish_reasons=reasons)
+                                      finish_reasons=reasons,
+                                      decode_start_at=decode if first else None)
                     assert spans_of(t) == len(builder.spans(t, None))
 
 

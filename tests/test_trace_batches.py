@@ -146,17 +146,23 @@ def test_a_raw_trace_gives_the_spans_times_of_its_timeline():
     trace.operation, trace.first_token = "chat", clock.now() + 0.0035
     trace.input_tokens, trace.output_tokens, trace.finish_reasons = 5, 9, ("stop",)
     fields = tuple(getattr(trace, name) for name in TRACE_FIELDS)
-    got = finished_from((fields, 0xAB, 0x12, "chat", trace.first_token, 5, 9, ("stop",)),
-                        clock.to_wall(0.0))
+    decode = (trace.first_token + 0.001, trace.first_token + 0.002)
+    got = finished_from((fields, 0xAB, 0x12, "chat", trace.first_token, 5, 9, ("stop",),
+                         decode), clock.to_wall(0.0))
     at = [None if t is None else clock.to_wall(t) for _, t in trace.timeline()]
     assert got == FinishedTrace("m", "chat", 0xAB, 0x12, int("cd" * 8, 16), at[0], at[10],
                                 at[3], at[4], at[7], "ok", 7, "r1",
                                 first_token_at=clock.to_wall(trace.first_token),
-                                input_tokens=5, output_tokens=9, finish_reasons=("stop",))
+                                input_tokens=5, output_tokens=9, finish_reasons=("stop",),
+                                decode_start_at=clock.to_wall(decode[0]),
+                                decode_end_at=clock.to_wall(decode[1]))
+    unended = finished_from((fields, 0xAB, 0x12, "chat", trace.first_token, 5, 9, ("stop",),
+                             (decode[0], None)), clock.to_wall(0.0))
+    assert (unended.decode_start_at, unended.decode_end_at) == (got.decode_start_at, None)
     refused = RequestTrace(2, "m", "http", clock.now())  # no receive or send stamps
     refused.request_end = clock.now() + 0.001
     raw = (tuple(getattr(refused, name) for name in TRACE_FIELDS), 1, 2, "infer", None, None,
-           None, ())
+           None, (), None)
     lone = finished_from(raw, clock.to_wall(0.0))
     assert (lone.start_at, lone.end_at) == (clock.to_wall(refused.request_start),
                                             clock.to_wall(refused.request_end))
@@ -171,7 +177,8 @@ def test_the_span_process_counts_the_raw_traces_it_cannot_send():
     for i in range(4):
         trace = traced(clock, i + 1)
         fields = tuple(getattr(trace, name) for name in TRACE_FIELDS)
-        spans.put_raw((fields, i + 1, i + 1, "infer", None, None, None, ()), clock.to_wall(0.0))
+        spans.put_raw((fields, i + 1, i + 1, "infer", None, None, None, (), None),
+                      clock.to_wall(0.0))
     spans.close(timeout_s=5.0)
     assert spans.dropped == 4 * 3
 
@@ -277,7 +284,7 @@ def test_plain_traces_with_spans_reach_the_exporter_as_request_traces_would():
     [(raw, offset)] = exported.raws
     same[0].span = spanned.span
     fields = tuple(getattr(same[0], name) for name in TRACE_FIELDS)
-    assert raw == (fields, *spanned.span, "infer", None, None, None, ())
+    assert raw == (fields, *spanned.span, "infer", None, None, None, (), None)
     assert offset == clock.to_wall(0.0)
     assert finished_from(raw, offset).span_id == spanned.span[1]
     tracer.close()

@@ -24,9 +24,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDER = ROOT / ".whl"
-#: what the GPU image lacks: BatchScope's own dependencies and theirs (see module doc)
+#: what the GPU image lacks: BatchScope's own dependencies and theirs (see module doc);
+#: then what the server's OpenTelemetry span export imports (``--otlp-traces-endpoint``,
+#: the GPU script's ``tracing`` section), protobuf among them: the image has one, but
+#: googleapis-common-protos's generated code refuses a runtime older than its own
 NEEDED = ("orjson", "sqlalchemy", "greenlet", "starlette", "httptools", "alembic", "mako",
-          "optuna", "colorlog", "perfetto", "nvtx", "typing-extensions")
+          "optuna", "colorlog", "perfetto", "nvtx", "typing-extensions",
+          "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-semantic-conventions",
+          "opentelemetry-proto", "opentelemetry-exporter-otlp-proto-grpc",
+          "opentelemetry-exporter-otlp-proto-common", "opentelemetry-exporter-otlp-common",
+          "googleapis-common-protos", "protobuf")
 #: distributions the GPU image holds already (those BatchScope's serving path and GPU
 #: script may import; from the machine's package list)
 IMAGE = ("torch", "numpy", "grpcio", "protobuf", "psutil", "prometheus-client", "pyyaml",

@@ -9,8 +9,9 @@ sampled W3C ``traceparent``) becomes:
   a ``traceparent`` came (so it joins the caller's trace), else the root of a new trace;
 * under it a ``queue`` span (queued until its batch started) and a ``compute`` span
   (the batch's run; for a generation request ``prefill`` until its first token, then
-  ``decode`` when more tokens followed; ``prefill`` alone when it ended before its
-  first token);
+  ``decode`` when a choice decoded tokens past its first, from the first token of such a
+  choice to the end of the last; ``prefill`` alone when it ended before its first
+  token);
 * a link to the span of the batch it ran in: one ``INTERNAL`` span ``batch <model>``
   per batch with a traced member, in a trace of its own (a batch serves many traces),
   with ``batchscope.batch.*`` attributes; a generation request's is ``step <model>``,
@@ -117,6 +118,11 @@ class FinishedTrace:
     input_tokens: int | None = None
     output_tokens: int | None = None
     finish_reasons: tuple[str, ...] = ()
+    #: a generation request's decoding: from the first token of a choice that decoded
+    #: tokens past its first to the end of the last such choice (None: none did; the end
+    #: None: not seen, the compute's end stands for it)
+    decode_start_at: float | None = None
+    decode_end_at: float | None = None
 
 
 #: the length of a ``RawTrace``'s first member (``TRACE_FIELDS``): 8 values, 11 times
@@ -126,10 +132,11 @@ _FIELDS = len(TRACE_FIELDS)
 def finished_from(raw: tuple, wall_offset_s: float) -> FinishedTrace:
     """The ``FinishedTrace`` of a raw trace, as the serving process hands it over without
     converting anything: ``(fields, trace id, span id, operation, first token, input
-    tokens, output tokens, finish reasons)``, ``fields`` the trace's row values in
-    ``TRACE_FIELDS`` order with monotonic times (``RequestTrace``), ``wall_offset_s``
-    what turns them into wall-clock seconds."""
-    fields, trace_id, span_id, operation, first, in_tokens, out_tokens, reasons = raw
+    tokens, output tokens, finish reasons, decode)``, ``fields`` the trace's row values in
+    ``TRACE_FIELDS`` order with monotonic times (``RequestTrace``), ``decode`` None or
+    (start, end or None) of a generation request's decoding, ``wall_offset_s`` what turns
+    them into wall-clock seconds."""
+    fields, trace_id, span_id, operation, first, in_tokens, out_tokens, reasons, decode = raw
     (_, model, _, outcome, request_id, batch_seq, _, w3c_parent) = fields[:8]
     at = wall_times(fields[8:_FIELDS], wall_offset_s)
     start = at[0] if at[0] is not None else at[2]
@@ -139,7 +146,10 @@ def finished_from(raw: tuple, wall_offset_s: float) -> FinishedTrace:
                          at[3], at[4], at[7], outcome or "error", batch_seq, request_id,
                          first_token_at=None if first is None else first + wall_offset_s,
                          input_tokens=in_tokens, output_tokens=out_tokens,
-                         finish_reasons=reasons)
+                         finish_reasons=reasons,
+                         decode_start_at=None if decode is None else decode[0] + wall_offset_s,
+                         decode_end_at=None if decode is None or decode[1] is None
+                         else decode[1] + wall_offset_s)
 
 
 def _ns(t: float) -> int:
@@ -363,7 +373,8 @@ class SpanBuilder:
     def _phases(t: FinishedTrace) -> list[tuple[str, float, float]]:
         """The request span's children: ``queue``, then ``compute`` (a request model's),
         or ``prefill`` and ``decode`` (a generation request's: ``prefill`` alone when it
-        ended before its first token, no ``decode`` when no token followed the first)."""
+        ended before its first token, no ``decode`` when no choice had a token after its
+        first)."""
         queued, started, ended = t.queue_start_at, t.compute_start_at, t.compute_end_at
         out = []
         if queued is not None:
@@ -374,7 +385,8 @@ class SpanBuilder:
             if first is not None:
                 out.append(("prefill", started, first))
                 if _decoded(t):
-                    out.append(("decode", first, end))
+                    out.append(("decode", t.decode_start_at,
+                                end if t.decode_end_at is None else t.decode_end_at))
             elif t.output_tokens is not None:  # generation that ended in its prefill
                 out.append(("prefill", started, end))
             else:
@@ -383,11 +395,11 @@ class SpanBuilder:
 
 
 def _decoded(t: FinishedTrace) -> bool:
-    """Whether a generation request that had its first token had any after it: more
-    tokens than its choices' first ones (its finish reasons count its ended choices)."""
-    return (t.output_tokens is None or t.output_tokens > max(1, len(t.finish_reasons))) \
-        and (t.compute_end_at is None or t.first_token_at is None
-             or t.compute_end_at > t.first_token_at)
+    """Whether a generation request that had its first token gets a ``decode`` span: one
+    of its choices had tokens after its own first (``decode_start_at``, judged choice by
+    choice where the request ended: totals over its choices cannot tell one choice of
+    two tokens from two of one)."""
+    return t.first_token_at is not None and t.decode_start_at is not None
 
 
 def spans_of(t: FinishedTrace) -> int:
@@ -395,7 +407,7 @@ def spans_of(t: FinishedTrace) -> int:
     As many as ``SpanBuilder._phases`` makes, counted without making them."""
     n = 2 if t.queue_start_at is not None else 1
     if t.compute_start_at is not None:
-        n += 1 + (t.first_token_at is not None and _decoded(t))
+        n += 1 + _decoded(t)
     return n
 
 

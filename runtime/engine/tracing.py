@@ -230,7 +230,8 @@ class Tracer:
                     otel.put_raw(((trace_id, model, protocol, outcome, request_id, seq, None,
                                    None, recv_start, recv_end, start, start, started,
                                    input_end, output_start, ended, end, send_start,
-                                   send_end), *span, "infer", None, None, None, ()), offset)
+                                   send_end), *span, "infer", None, None, None, (), None),
+                                 offset)
         self._due(len(self._pending) + self._pending_plain)
 
     def _values(self, model: str) -> Mapping[str, Any]:
@@ -238,9 +239,13 @@ class Tracer:
         control = self.control
         return control.values_of(model) if model in control.overrides else control.values
 
-    def finish(self, trace: RequestTrace, error: BaseException | None = None) -> None:
+    def finish(self, trace: RequestTrace, error: BaseException | None = None,
+               decode: tuple[float, float | None] | None = None) -> None:
         """Record ``trace`` once its request is answered (``error``: what it ended with,
         when the engine did not settle it). Never raises into the answer path.
+        ``decode``: a generation request's decoding, (start, end or None), monotonic
+        seconds, for its ``decode`` span (``runtime.engine.otel.FinishedTrace``); None:
+        no choice of it decoded past its first token, or not a generation request.
 
         The trace is kept with one list append; ``flush`` hands the kept traces to the
         recorder as one ``TraceBatch`` (at ``FLUSH_EVERY`` traces, or ``FLUSH_AFTER_S``
@@ -258,8 +263,8 @@ class Tracer:
         fields = _TRACE_FIELDS(trace)  # a tuple of plain values: no work for the GC
         if trace.span is not None and self.otel is not None:
             self.otel.put_raw((fields, *trace.span, trace.operation, trace.first_token,
-                               trace.input_tokens, trace.output_tokens, trace.finish_reasons),
-                              self.clock.to_wall(0.0))
+                               trace.input_tokens, trace.output_tokens, trace.finish_reasons,
+                               decode), self.clock.to_wall(0.0))
         if self._files_on:
             self._to_file(trace.model, fields)
         pending = self._pending

@@ -52,7 +52,7 @@ from runtime.generation.params import GenerationRequest, parse_chat, parse_compl
 from runtime.server.openai_errors import (InvalidParam, error_response, model_not_found,
                                           openai_answer, routing_refusal)
 from runtime.server.openai_http import (GONE_STATUS, ClientGone, TimedAnswer, begin_trace,
-                                        content_encoding, json_response, model_routes,
+                                        json_response, model_routes, parsed_body,
                                         until_disconnected)
 
 
@@ -213,7 +213,7 @@ def _end_trace(engine: GenerationEngine, trace: Any, streams: list[GenerationStr
                error: BaseException | None = None) -> None:
     """Stamp ``trace`` from its choices' sequences and record it: queued at arrival,
     computing from the first scheduling until the last choice ended, its first token,
-    its tokens and finish reasons."""
+    its tokens and finish reasons, and its decoding (``_decoding``)."""
     if trace is None:
         return
     seqs = [s.seq for s in streams]
@@ -234,7 +234,20 @@ def _end_trace(engine: GenerationEngine, trace: Any, streams: list[GenerationStr
         trace.outcome = bad[0] if bad else ("ok" if error is None else None)
     elif getattr(error, "refused_s", None) is not None:  # the queue was full: as its row
         trace.queue_start = error.refused_s
-    engine.tracer.finish(trace, error)
+    engine.tracer.finish(trace, error, _decoding(seqs))
+
+
+def _decoding(seqs: list[Any]) -> tuple[float, float | None] | None:
+    """(start, end) of the decoding of a request's choices, for its ``decode`` span: from
+    the first token of the earliest choice that had tokens after its first to the end of
+    the last such choice (None while one runs); None when no choice had (each choice is
+    judged on its own: totals cannot tell one choice of two tokens from two of one)."""
+    decoded = [s for s in seqs if len(s.output_ids) > 1 and s.first_token_s is not None]
+    if not decoded:
+        return None
+    ends = [s.finished_s for s in decoded]
+    return (min(s.first_token_s for s in decoded),
+            None if None in ends else max(ends))
 
 
 def _joined(trace: Any, seqs: list[Any]) -> None:
@@ -315,7 +328,7 @@ def _answerer(engines: dict[str, GenerationEngine], shape: _Shape,
               ) -> Callable[[Request], Awaitable[Response]]:
     async def answer(request: Request) -> Response:
         try:
-            req = parse(await request.body(), content_encoding(request))
+            req = await parsed_body(request, parse)
             engine, adapter = _engine_for(engines, req.model)
             prompts = _chat_prompt(engine, req) if shape.chat else req.prompts
             trace = _begin_trace(engine, shape, request)

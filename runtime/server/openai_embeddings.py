@@ -17,9 +17,10 @@ settings, one record each).
 "base64" the little-endian float32 bytes in base64 (what the ``openai`` client asks
 for unless told otherwise, and decodes itself); anything else is refused.
 ``dimensions`` may only repeat the model's own; ``user``, when given, is a string.
-An input the model reads as no tokens at all (an empty text) is refused naming its
-index. The body may be sent gzip- or deflate-compressed (``Content-Encoding``,
-``runtime.server.openai_http.read_object``).
+An input the model reads as no tokens at all (an empty text), or as more tokens than
+it reads (its ``max_length``), is refused naming its index. The body may be sent gzip-
+or deflate-compressed (``Content-Encoding``, ``runtime.server.openai_http.read_object``;
+a large one is inflated off the event loop, ``parsed_body``).
 ``priority`` (0 = most urgent, as on ``/v1/completions``) and ``timeout_ms`` are
 extensions. ``model: "<base>:<adapter>"`` embeds with one of the base model's LoRA
 adapters (404 naming the loaded ones for an adapter it does not have); the answer's
@@ -122,7 +123,9 @@ def _prepared(model: Any, name: str, values: list[str | list[int]]
               ) -> list[tuple[dict[str, np.ndarray], int]]:
     """Each input as the model's inputs and its token count (``embedding_inputs``). An
     input of no tokens is refused here, naming its index: the engine would refuse it
-    too, but in the words of the model's tensors, not saying which input it was."""
+    too, but in the words of the model's tensors, not saying which input it was; so is
+    an input of more tokens than the model reads (``_token_limit``)."""
+    limit = _token_limit(model)
     out = []
     for i, value in enumerate(values):
         try:
@@ -139,8 +142,21 @@ def _prepared(model: Any, name: str, values: list[str | list[int]]
             raise InvalidParam("input", f"input[{i}] is empty: model {name!r} reads no tokens "
                                         "from it; send at least one character or token id "
                                         "per input, or leave the empty ones out")
+        if limit is not None and tokens > limit:
+            raise InvalidParam("input", f"input[{i}] has {tokens} tokens, more than the "
+                                        f"{limit} model {name!r} reads per input; shorten it, "
+                                        "or split it into several inputs")
         out.append((inputs, tokens))
     return out
+
+
+def _token_limit(model: Any) -> int | None:
+    """The most tokens one input may have: the model's ``max_length``, which the engine
+    holds each input to, unless the model cuts longer inputs itself (``truncate``, as
+    ``hf:`` models do by default); None: no limit."""
+    if not model.variable_length or getattr(model, "truncate", False):
+        return None
+    return model.max_length
 
 
 def _options(body: dict[str, Any], dim: int | None) -> tuple[str, int | None, float | None]:

@@ -7,7 +7,13 @@ model list, and noticing a client that went away.
   first, as on the KServe routes (``runtime.server.kserve.compression``), to at most
   ``MAX_JSON_BYTES`` (more: 413); any other coding is refused (415).
   ``read_request(request)`` is the same for a Starlette request, whose codings
-  ``content_encoding(request)`` gives.
+  ``content_encoding(request)`` gives; ``parsed_body(request, parse)`` runs any such
+  parser on a request's body. A compressed body over ``COMPRESSED_ASIDE_BYTES`` is
+  inflated and parsed on a worker thread, off the event loop, as the KServe fast path
+  does (``runtime.server.fastpath.LARGE_COMPRESSED_BYTES``), and so is a plain body over
+  ``PLAIN_ASIDE_BYTES`` (``LARGE_BODY_BYTES`` there): how far it inflates is not
+  known before it is inflated, and inflating and parsing up to ``MAX_JSON_BYTES`` would
+  keep every other client waiting meanwhile.
 * ``until_disconnected(request, work)``: awaits ``work`` unless the client closes its
   connection first; then ``work`` is cancelled (so what it queued is given up and its
   resources freed) and ``ClientGone`` raised. Streamed answers need no such wrapper
@@ -34,6 +40,14 @@ from runtime.server.kserve.compression import decoded_body
 from runtime.server.openai_errors import InvalidParam, error_response, model_not_found
 
 T = TypeVar("T")
+
+#: a compressed body larger than this is inflated and parsed on a worker thread, off the
+#: event loop (the KServe fast path's ``LARGE_COMPRESSED_BYTES``): a gzip body inflates
+#: up to 1,000-fold, so a few KiB of it may become the whole ``MAX_JSON_BYTES``
+COMPRESSED_ASIDE_BYTES = 4096
+#: a body that is not compressed is parsed on a worker thread past this many bytes (the
+#: KServe fast path's ``LARGE_BODY_BYTES``): parsing a few MiB of JSON takes milliseconds
+PLAIN_ASIDE_BYTES = 1 << 20
 
 
 def json_response(data: Any, status: int = 200,
@@ -68,9 +82,22 @@ def content_encoding(request: Request) -> str | None:
     return ", ".join(codings) if codings else None
 
 
+async def parsed_body(request: Request, parse: Callable[[bytes, str | None], T]) -> T:
+    """``parse(body, content_encoding)`` of ``request``: on a worker thread when the body
+    is compressed and over ``COMPRESSED_ASIDE_BYTES`` (``parse`` inflates it, to at most
+    its limit, and parses it there) or plain and over ``PLAIN_ASIDE_BYTES``, else in
+    place (a thread hop would cost more than a small body takes)."""
+    raw = await request.body()
+    coding = content_encoding(request)
+    if len(raw) > (COMPRESSED_ASIDE_BYTES if coding else PLAIN_ASIDE_BYTES):
+        return await asyncio.to_thread(parse, raw, coding)
+    return parse(raw, coding)
+
+
 async def read_request(request: Request) -> dict[str, Any]:
-    """``read_object`` of ``request``'s body, with its ``Content-Encoding``."""
-    return read_object(await request.body(), content_encoding(request))
+    """``read_object`` of ``request``'s body, with its ``Content-Encoding``
+    (``parsed_body``)."""
+    return await parsed_body(request, read_object)
 
 
 class ClientGone(Exception):
