@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 import pytest
 
@@ -32,6 +33,8 @@ from tests.browser import ARTIFACTS, MARKS, ROOT, opened_page, settle, stop
 from tests.factories import free_port
 
 pytestmark = MARKS
+#: the app's local time zone (UTC+05:30 all year)
+APP_TZ = "Asia/Kolkata"
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +47,11 @@ def stack(tmp_path_factory):
                                 "--intensity", "0.5"], cwd=ROOT, env=env,
                                stdout=open(base / "runtime.log", "wb"), stderr=subprocess.STDOUT)
     port = free_port()
+    # the app's clock is not UTC (nor a whole hour off it): the page's times, and the names
+    # of its downloads, must follow it
     app = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port",
-                            str(port), "--server.headless", "true"], cwd=ROOT, env=env,
+                            str(port), "--server.headless", "true"], cwd=ROOT,
+                           env={**env, "TZ": APP_TZ},
                            stdout=open(base / "app.log", "wb"), stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: control.live_instances(engine, now=time.time()), 60, "the demo runtime")
@@ -139,8 +145,14 @@ def test_timeline_shows_a_picked_batch_and_downloads_its_trace(page, stack):
     settle(page)
     assert plots(page) >= 2  # the timeline and the batch's requests
     page.screenshot(path=str(ARTIFACTS / "timeline.png"), full_page=True)
+    caption = page.get_by_test_id("stCaptionContainer").filter(
+        has_text=re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d → ")).inner_text()
     with page.expect_download(timeout=60_000) as dl:
         page.get_by_role("button", name="Download Perfetto trace").click()
+    # named by the window's start on the page's clock (the caption's), with its UTC offset
+    start = datetime.strptime(caption[:19], "%Y-%m-%d %H:%M:%S")
+    assert dl.value.suggested_filename == f"batchscope-{start:%Y%m%dT%H%M%S}+0530.pftrace", \
+        (dl.value.suggested_filename, caption)
     path = stack["base"] / "window.pftrace"
     dl.value.save_as(str(path))
     read = check.read_perfetto(path.read_bytes())

@@ -251,3 +251,28 @@ def test_a_grpc_port_in_use_is_said_in_one_line_exit_2():
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     last = r.stderr.strip().splitlines()[-1]  # grpc's own core may log a line before it
     assert f"could not listen on 127.0.0.1:{port}" in last and "--grpc-port" in last
+
+
+@pytest.mark.parametrize("db, shown", [
+    ("sqlite:////nonexistent-dir/x.db",
+     "there is no SQLite database file at /nonexistent-dir/x.db"),
+    ("postgresql+psycopg://tuner:s3cret@127.0.0.1:1/bs?connect_timeout=5",
+     "--db postgresql+psycopg://tuner:***@127.0.0.1:1/bs?connect_timeout=5 cannot be used"),
+])
+def test_tune_refuses_a_database_it_cannot_open_before_tuning(db, shown):
+    import httpx
+
+    with serving(["--model", "mlp", "--port", "0", "--no-record", "--torch-threads", "1"],
+                 ENV) as url:
+        before = httpx.get(f"{url}/v2/models/mlp/batching", timeout=10).json()
+        r = subprocess.run(CLI + ["tune", "--url", url, "--model", "mlp", "--slo-p99-ms", "500",
+                                  "--budget-s", "2", "--warmup-s", "0", "--db", db],
+                           capture_output=True, text=True, timeout=120, env=ENV)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        [line] = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert shown in line and "nothing was tuned" in line and "leave out --db" in line
+        assert "s3cret" not in r.stderr + r.stdout and "Traceback" not in r.stderr
+        assert r.stdout == ""                                     # no session began
+        stats = httpx.get(f"{url}/v2/models/mlp/stats", timeout=10).json()
+        assert stats["model_stats"][0]["inference_count"] == 0    # no load was sent
+        assert httpx.get(f"{url}/v2/models/mlp/batching", timeout=10).json() == before

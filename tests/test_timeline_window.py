@@ -8,6 +8,8 @@ import itertools
 import json
 import os
 import time
+from datetime import timezone
+from zoneinfo import ZoneInfo
 
 import pandas as pd
 import pytest
@@ -100,6 +102,18 @@ def test_the_chart_names_its_start_in_the_zone_it_is_given(new_york):
     assert timeline_chart.clock(t) == "08:00:00.500 UTC"  # the default stays UTC
     assert timeline_chart.clock(t, None) == "03:00:00.500 EST"  # local, as fmt_time
     assert fmt_time(t).endswith("03:00:00") and timeline.zone(t) == "EST"
+
+
+def test_a_trace_download_is_named_on_the_page_s_clock_with_its_offset(new_york):
+    winter, summer = 1_800_000_000.5, 1_784_000_000.0  # EST (-0500), EDT (-0400)
+    assert timeline.trace_file_name(winter, ".pftrace") == "batchscope-20270115T030000-0500.pftrace"
+    assert fmt_time(winter) == "2027-01-15 03:00:00"  # the caption's clock, the same time
+    assert timeline.trace_file_name(summer, ".json") == "batchscope-20260713T233320-0400.json"
+    # the same moment in other zones: other names, so downloads from two zones never collide
+    assert timeline.trace_file_name(winter, ".json", timezone.utc) == \
+        "batchscope-20270115T080000+0000.json"
+    assert timeline.trace_file_name(winter, ".json", ZoneInfo("Asia/Kolkata")) == \
+        "batchscope-20270115T133000+0530.json"
 
 
 def test_caption_axis_and_slider_show_one_clock_and_name_it(app_db, new_york):

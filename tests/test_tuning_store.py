@@ -33,7 +33,7 @@ from batchscope.storage.records import (DeviceRow, ListRecorder, RequestBatch, R
 from batchscope.storage.recorder import Recorder
 from batchscope.storage.schema import RequestRecord, TuningSessionRecord, TuningTrialRecord
 from batchscope.tuning import golden, store
-from batchscope.tuning.client import SettingsRefused
+from batchscope.tuning.client import SettingsRefused, TuningError
 from batchscope.tuning.figures import Objective, Stability, Window
 from batchscope.tuning.runner import TuneOptions, drive, finish, run_tuning
 from batchscope.tuning.search import GridSearch
@@ -217,10 +217,13 @@ def test_open_database_refuses_what_it_cannot_use_and_creates_nothing(tmp_path):
     with pytest.raises(store.StoreUnavailable, match="no SQLite database file"):
         store.open_database(f"sqlite:///{missing}")
     assert not missing.parent.exists()
-    with pytest.raises(store.StoreUnavailable, match="cannot be reached"):
-        store.open_database("postgresql+psycopg://nobody@127.0.0.1:1/none?connect_timeout=2")
+    with pytest.raises(store.StoreUnavailable, match="cannot be reached") as refused:
+        store.open_database("postgresql+psycopg://nobody:s3cret@127.0.0.1:1/none?connect_timeout=2")
+    assert "\n" not in str(refused.value) and "s3cret" not in str(refused.value)
     with pytest.raises(store.StoreUnavailable, match="cannot open"):
         store.open_database("nosuchdialect://x")
+    assert (store.shown_url("postgresql+psycopg://nobody:s3cret@db:5432/bs")
+            == "postgresql+psycopg://nobody:***@db:5432/bs")
 
 
 # -- the golden-parameter table ------------------------------------------------------------
@@ -464,15 +467,17 @@ def test_a_real_session_is_stored_in_the_servers_database_with_its_instance(tmp_
             assert s.hardware.startswith(f"CPU, {os.cpu_count()} cores, ")
             assert s.trials == len([t for t in result.trials if t.status != "running"])
             assert s.sentence == result.sentence()
-            # without a database there, the session runs all the same and says so
+            # a database that is not there: refused before anything is sent, nothing created
             lines.clear()
-            missing = run_tuning(TuneOptions(
-                url=runner.url, model="double", slo_p99_ms=10_000.0, budget_s=1.0, concurrency=2,
-                window_s=0.25, settle_s=0.05, warmup_s=0.1, min_requests=0,
-                db_url=f"sqlite:///{tmp_path / 'absent.db'}",
-                stability=Stability(windows=1, tolerance=0.95, max_windows=1)), say=lines.append)
-            assert missing.measured >= 1 and missing.stored_as is None
-            assert missing.storage.startswith("not stored: there is no SQLite database file")
-            assert not (tmp_path / "absent.db").exists() and count(engine, TuningSessionRecord) == 1
+            absent = f"sqlite:///{tmp_path / 'absent.db'}"
+            with pytest.raises(TuningError, match=f"--db {absent} cannot be used, so nothing "
+                                                  "was tuned: there is no SQLite database file"):
+                run_tuning(TuneOptions(
+                    url=runner.url, model="double", slo_p99_ms=10_000.0, budget_s=1.0,
+                    concurrency=2, window_s=0.25, settle_s=0.05, warmup_s=0.1, min_requests=0,
+                    db_url=absent, stability=Stability(windows=1, tolerance=0.95, max_windows=1)),
+                    say=lines.append)
+            assert lines == [] and not (tmp_path / "absent.db").exists()
+            assert count(engine, TuningSessionRecord) == 1
         finally:
             engine.dispose()

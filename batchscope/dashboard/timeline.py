@@ -17,7 +17,8 @@ would fit.
 Where the window ends is decided once per page run (:func:`window_end`, a pure function)
 and written to ``timeline_end`` before the region reads it, so a region that finds it moved
 (a pick did it) reruns the page once and never again for the same state. Times are the
-dashboard's local time (``scope.fmt_time``), their zone named wherever one is shown.
+dashboard's local time (``scope.fmt_time``), their zone named wherever one is shown; the
+trace downloads are named by the window's start on that clock, with its UTC offset.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import functools
 import io
 import time
-from datetime import datetime, timezone
+from datetime import datetime, tzinfo
 from typing import NamedTuple
 
 import pandas as pd
@@ -106,7 +107,15 @@ def parse_batch_number(text: str) -> int | None:
 
 def zone(t: float) -> str:
     """The name of the local time zone at ``t`` (e.g. ``EST``), the zone ``fmt_time`` uses."""
-    return datetime.fromtimestamp(t).astimezone().tzname() or "local time"
+    return timeline_chart.moment(t, None).tzname() or "local time"
+
+
+def trace_file_name(start_s: float, suffix: str, tz: tzinfo | None = None) -> str:
+    """The name a trace download of a window starting at ``start_s`` gets: the start on the
+    page's clock (``tz``; None: the local zone, the caption's, axis's and slider's) with
+    its UTC offset, which tells the same wall-clock time in two zones apart:
+    ``batchscope-20261205T221503+0100.pftrace``."""
+    return f"batchscope-{timeline_chart.moment(start_s, tz):%Y%m%dT%H%M%S%z}{suffix}"
 
 
 def _as_end(t: float) -> datetime:
@@ -342,7 +351,6 @@ def _downloads(engine: Engine, w: Window, rows: int) -> None:
     """Download buttons for the window's trace, made on the click with the snapshot's
     limit (``TRACE_MAX_ROWS``), so that both give the same file; past it they are off,
     saying why. ``rows``: the window's batches and requests."""
-    stamp = datetime.fromtimestamp(w.start_s, timezone.utc).strftime("%Y%m%dT%H%M%S")
 
     def made(fmt: str):
         def data() -> bytes:
@@ -355,11 +363,11 @@ def _downloads(engine: Engine, w: Window, rows: int) -> None:
     off = rows > TRACE_MAX_ROWS
     a, b, why = st.columns([1, 1, 2])
     a.download_button("Download Perfetto trace", made("perfetto"),
-                      file_name=f"batchscope-{stamp}.pftrace",
+                      file_name=trace_file_name(w.start_s, ".pftrace"),
                       mime="application/octet-stream", key="timeline_dl_perfetto",
                       on_click="ignore", help="open it in ui.perfetto.dev", disabled=off)
     b.download_button("Download Chrome trace", made("json"),
-                      file_name=f"batchscope-{stamp}.json", mime="application/json",
+                      file_name=trace_file_name(w.start_s, ".json"), mime="application/json",
                       key="timeline_dl_json", on_click="ignore",
                       help="open it in chrome://tracing or ui.perfetto.dev", disabled=off)
     if off:

@@ -40,10 +40,18 @@ BAR_WIDTH_PX = 14
 PALETTE = plotly.colors.qualitative.Plotly
 
 
+def moment(t: float, tz: tzinfo | None = timezone.utc) -> datetime:
+    """``t`` (epoch seconds) as an aware time in ``tz`` (None: the machine's local zone, as
+    the dashboard shows times)."""
+    if tz is not None:
+        return datetime.fromtimestamp(t, tz)
+    return datetime.fromtimestamp(t).astimezone()
+
+
 def clock(t: float, tz: tzinfo | None = timezone.utc) -> str:
     """``t`` (epoch seconds) as a time of day to the millisecond in ``tz`` (None: the
     machine's local zone, as the dashboard shows times), followed by the zone's name."""
-    at = datetime.fromtimestamp(t, tz) if tz is not None else datetime.fromtimestamp(t).astimezone()
+    at = moment(t, tz)
     return f"{at.strftime('%H:%M:%S.%f')[:-3]} {at.tzname() or 'local time'}"
 
 

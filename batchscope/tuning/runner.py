@@ -12,8 +12,9 @@ dashboard runs it on a thread and passes ``cancel`` and ``on_update``.
 With a database URL (``db_url``) the session is stored as it runs
 (``batchscope.tuning.store``): its row when it starts, each trial as it ends, the
 result at the end, with the instance tuned (the one registered at the URL, unless
-``instance_id`` names it) and its hardware. Without one, or when the database cannot be
-reached, the session runs all the same and says it is not stored.
+``instance_id`` names it) and its hardware. A database given that cannot be opened is
+refused before anything is sent to the server (``TuningError``); without one the session
+runs all the same and says it is not stored, and so does a session whose writes fail.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from batchscope.load.background import BackgroundLoad
@@ -162,8 +164,35 @@ def run_tuning(options: TuneOptions, *, cancel: threading.Event | None = None,
                say: Callable[[str], None] | None = None) -> TuningResult:
     """Run a session; the starting settings are back on the server when it returns,
     unless ``options.apply`` (then the best point runs). ``TuningError`` /
-    ``LoadError`` for what stops a session before it begins."""
+    ``LoadError`` for what stops a session before it begins: a ``db_url`` that cannot be
+    opened is one, found before anything is sent to the server."""
     options.check()
+    engine = open_store(options)
+    try:
+        return _run(options, engine, cancel=cancel, on_update=on_update, say=say)
+    finally:
+        if engine is not None:  # the writer's engine, disposed already when it had one
+            engine.dispose()
+
+
+def open_store(options: TuneOptions) -> Engine | None:
+    """The database ``options.db_url`` names, its schema brought up to date, or None
+    without one; a ``TuningError`` naming the URL (password hidden) when it cannot be
+    opened, so a session that was asked to be stored is not run unstored."""
+    if not options.db_url:
+        return None
+    try:
+        return store.open_database(options.db_url)
+    except store.StoreUnavailable as exc:
+        unstored = ("" if options.load == "replay"
+                    else "; or leave out --db to tune without storing the session")
+        raise TuningError(f"--db {store.shown_url(options.db_url)} cannot be used, so nothing "
+                          f"was tuned: {exc}{unstored}") from None
+
+
+def _run(options: TuneOptions, engine: Engine | None, *, cancel: threading.Event | None,
+         on_update: Callable[[Progress], None] | None,
+         say: Callable[[str], None] | None) -> TuningResult:
     cancel = cancel or threading.Event()
     say = say or (lambda text: log.info("%s", text))
     client = ControlClient(options.url, options.model, token=options.token)
@@ -203,7 +232,7 @@ def run_tuning(options: TuneOptions, *, cancel: threading.Event | None = None,
     session = TuningSession(space, search, objective, now=clock(), stopping=stopping,
                             stability=options.stability, settle_s=options.settle_s,
                             window_s=options.window_s, live=options.load == "live")
-    writer, stored = open_writer(options, session.start,
+    writer, stored = open_writer(options, engine, session.start,
                                  load.describe() if load is not None else "the live traffic",
                                  wall_offset_s=time.time() - clock())
     say(f"session: {stored}")
@@ -256,17 +285,13 @@ def _nothing(trial: Trial) -> None:
     pass
 
 
-def open_writer(options: TuneOptions, start: dict, load: str, *,
+def open_writer(options: TuneOptions, engine: Engine | None, start: dict, load: str, *,
                 wall_offset_s: float) -> tuple[store.SessionWriter | None, str]:
-    """The writer of a session that starts now from the settings ``start`` under the load
-    described by ``load``, and where it is stored; ``(None, why not)`` without a database
-    to store it in."""
-    if not options.db_url:
+    """The writer into ``engine`` (``open_store``'s) of a session that starts now from the
+    settings ``start`` under the load described by ``load``, and where it is stored;
+    ``(None, why not)`` without a database to store it in."""
+    if engine is None:
         return None, "not stored (no database given; --db URL stores it with its trials)"
-    try:
-        engine = store.open_database(options.db_url)
-    except store.StoreUnavailable as exc:
-        return None, f"not stored: {exc}"
     try:
         instance = options.instance_id or store.instance_for_url(engine, options.url,
                                                                  options.model)

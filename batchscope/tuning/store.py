@@ -6,7 +6,7 @@ the session is over (``end``). Each write is one short transaction. A write that
 (the database went away, stayed locked past its busy timeout ...) is logged and ends the
 writing, not the session: ``problem`` says from where on it is not stored.
 ``open_database`` gives the engine of a database URL, or ``StoreUnavailable`` saying why
-there is none, so a session without a reachable database still runs and says so.
+there is none (the runner then refuses the session before it sends anything).
 
 Reading, for the Tuning page, snapshots and the offline report: ``sessions`` (newest
 first) and ``trials_of``. ``instance_for_url`` and ``hardware_of`` find what a session
@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from sqlalchemy import Engine, func, insert, select, update
+from sqlalchemy import Engine, func, insert, make_url, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from batchscope.storage.db import DatabaseNotFound, SchemaTooNew, init_schema, make_engine
@@ -48,7 +49,23 @@ GIB = 1024 ** 3
 
 
 class StoreUnavailable(RuntimeError):
-    """No database to store sessions in; the message says why."""
+    """No database to store sessions in; the message says why, in one line (``shown_url``
+    gives the URL to name with it, its password hidden)."""
+
+
+def shown_url(url: str) -> str:
+    """``url`` as it may be printed: its password hidden (``***``)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy parses: hide what stands between : and @
+        return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The driver's own first line of a database error (no SQLAlchemy background link)."""
+    reason = getattr(exc, "orig", None) or exc
+    lines = str(reason).strip().splitlines()
+    return (lines[0].strip() if lines else "")[:300] or type(reason).__name__
 
 
 def open_database(url: str) -> Engine:
@@ -61,7 +78,8 @@ def open_database(url: str) -> Engine:
     except DatabaseNotFound as exc:
         raise StoreUnavailable(str(exc)) from None
     except Exception as exc:  # a URL SQLAlchemy cannot use, a missing driver
-        raise StoreUnavailable(f"cannot open {url!r}: {type(exc).__name__}: {exc}") from None
+        raise StoreUnavailable(f"cannot open it ({type(exc).__name__}: {_first_line(exc)})"
+                               ) from None
     try:
         init_schema(engine)
     except SchemaTooNew as exc:
@@ -69,9 +87,8 @@ def open_database(url: str) -> Engine:
         raise StoreUnavailable(str(exc)) from None
     except (SQLAlchemyError, OSError) as exc:
         engine.dispose()
-        where = engine.url.render_as_string(hide_password=True)
-        raise StoreUnavailable(f"the database at {where} cannot be reached "
-                               f"({type(exc).__name__}: {exc})"[:500]) from None
+        raise StoreUnavailable(f"the database cannot be reached ({_first_line(exc)}); check "
+                               "the URL, and that its server runs") from None
     return engine
 
 
