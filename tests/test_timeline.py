@@ -123,7 +123,7 @@ def test_a_window_too_large_is_refused_with_its_size_and_an_empty_one_says_so(fi
 
 
 @pytest.mark.both_backends
-def test_the_chart_draws_every_batch_once_and_picks_members(filled):
+def test_the_chart_draws_every_batch_once_and_picks_members(filled, monkeypatch):
     engine, end = filled
     rows = timeline_rows(engine, Window(end - 3, end))
     fig = timeline_chart.timeline(rows)
@@ -136,6 +136,13 @@ def test_the_chart_draws_every_batch_once_and_picks_members(filled):
     labels = list(fig.layout.yaxis.ticktext)
     assert any("decoder · steps" in lab for lab in labels)
     assert any("refused / expired" in lab for lab in labels)
+    # a window of a few hundred points draws no WebGL (a live page would use up the
+    # browser's contexts); past SVG_POINTS_MAX the points are WebGL
+    assert {t.type for t in fig.data} == {"scatter"}
+    assert len(keys) <= timeline_chart.SVG_POINTS_MAX
+    monkeypatch.setattr(timeline_chart, "SVG_POINTS_MAX", len(keys) - 1)
+    assert {t.type for t in timeline_chart.timeline(rows).data if t.mode != "lines"} == {
+        "scattergl"}
     inst, seq = batch_keys[0]
     members, table = timeline_chart.members(rows, (inst, int(seq)))
     assert len(table) == len(rows.members(inst, int(seq)))

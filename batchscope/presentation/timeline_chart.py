@@ -9,8 +9,11 @@ marks in a lane under their model.
 
 Drawing: one trace per model and kind, so the cost follows the number of traces, not
 of bars: the bars of a lane are one SVG path of thick line segments (``x``: start, end,
-gap), and a WebGL point at the middle of each carries the hover text and the batch key
-(``customdata``: instance, seq) that a click or box selection returns. Labels
+gap), and a point at the middle of each carries the hover text and the batch key
+(``customdata``: instance, seq) that a click or box selection returns. The points are SVG
+while a window has at most ``SVG_POINTS_MAX`` of them and WebGL past that: a browser
+keeps about 16 WebGL contexts, a figure with WebGL traces makes its own, and a live page
+draws a new figure at every refresh, faster than the browser frees the old ones. Labels
 (``size/max``) are written on the bars while a window has at most ``LABEL_MAX`` of
 them. x is seconds after the window's start (floats draw and serialise faster than
 date-times, and keep microseconds).
@@ -30,6 +33,9 @@ from batchscope.presentation import charts
 
 #: bars labelled with their size while the window holds at most this many
 LABEL_MAX = 150
+#: hover/select points drawn as SVG while the window holds at most this many (batches,
+#: steps and marks); WebGL past it, where SVG would slow the page
+SVG_POINTS_MAX = 3000
 #: outcomes drawn as marks on a model's "refused / expired" lane
 REFUSED = ("rejected", "expired", "cancelled")
 FAILED_BATCH = "#d62728"
@@ -121,6 +127,8 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
     lanes = Lanes()
     traces: list = []
     label_bars = len(b) + len(s) <= LABEL_MAX
+    marks = int((r["outcome"].isin(REFUSED) | r["bypass"]).sum()) if len(r) else 0
+    scatter = go.Scatter if len(b) + len(s) + marks <= SVG_POINTS_MAX else go.Scattergl
     for inst, model in keys:
         name = f"{model} @ {inst[:12]}" if several else model
         color = colors[model]
@@ -134,7 +142,7 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
                             labels=[f"{int(n)}/{int(m)}" for n, m in
                                     zip(mb["batch_size"], mb["max_batch_size"])]
                             if label_bars else None,
-                            failed=(mb["outcome"] != "ok").to_numpy())
+                            failed=(mb["outcome"] != "ok").to_numpy(), scatter=scatter)
         ms = s[(s["instance_id"] == inst) & (s["model"] == model)]
         if len(ms):
             y = lanes.add(f"{name} · steps")
@@ -142,12 +150,13 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
                             _step_hover(ms), custom=np.column_stack(
                                 [ms["instance_id"], -ms["id"].astype(np.int64)]),
                             labels=[str(int(n)) for n in ms["running"]] if label_bars else None,
-                            failed=None, start_col="started_at", end_col="at")
+                            failed=None, start_col="started_at", end_col="at",
+                            scatter=scatter)
         mr = r[(r["instance_id"] == inst) & (r["model"] == model)]
         refused = mr[mr["outcome"].isin(REFUSED) | mr["bypass"]]
         if len(refused):
             y = lanes.add(f"{name} · refused / expired / cancelled / bypass")
-            traces.append(_marks(refused, y, t0, name))
+            traces.append(_marks(refused, y, t0, name, scatter))
     fig = charts._base("Batch timeline", height=height or max(220, 70 + 34 * len(lanes.labels)),
                        closest=True, dragmode="zoom", showlegend=True)
     fig.add_traces(traces)
@@ -170,8 +179,9 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
 def _bars(df: pd.DataFrame, ys: np.ndarray, t0: float, name: str, color: str,
           hover: list[str], *, custom: np.ndarray, labels: list[str] | None,
           failed: np.ndarray | None, start_col: str = "started_at",
-          end_col: str = "ended_at") -> list:
-    """Bars as line segments, and their middles as the points that hover and select."""
+          end_col: str = "ended_at", scatter: type = go.Scattergl) -> list:
+    """Bars as line segments, and their middles as the points that hover and select
+    (``scatter``: SVG or WebGL, see ``SVG_POINTS_MAX``)."""
     start = df[start_col].to_numpy(float) - t0
     end = df[end_col].to_numpy(float) - t0
     out = []
@@ -182,10 +192,10 @@ def _bars(df: pd.DataFrame, ys: np.ndarray, t0: float, name: str, color: str,
             continue
         x, y = _segments(start[mask], end[mask], ys[mask])
         # one SVG path per trace (WebGL lines are drawn off their lane in Streamlit's
-        # resizing container); the points that hover and select stay WebGL
+        # resizing container)
         out.append(go.Scatter(x=x, y=y, mode="lines", name=label, legendgroup=label,
                               line=dict(color=c, width=BAR_WIDTH_PX), hoverinfo="skip"))
-        out.append(go.Scattergl(
+        out.append(scatter(
             x=(start[mask] + end[mask]) / 2, y=ys[mask], name=label, legendgroup=label,
             showlegend=False, mode="markers+text" if labels else "markers",
             text=[labels[i] for i in np.flatnonzero(mask)] if labels else None,
@@ -196,12 +206,13 @@ def _bars(df: pd.DataFrame, ys: np.ndarray, t0: float, name: str, color: str,
     return out
 
 
-def _marks(df: pd.DataFrame, y: int, t0: float, name: str) -> go.Scattergl:
+def _marks(df: pd.DataFrame, y: int, t0: float, name: str,
+           scatter: type = go.Scattergl) -> go.Scatter | go.Scattergl:
     symbol = {"rejected": "x", "expired": "hourglass", "cancelled": "circle-open"}
     at = np.where(df["bypass"] & ~df["outcome"].isin(REFUSED), df["arrived_at"],
                   df["finished_at"]) - t0
     kind = np.where(df["outcome"].isin(REFUSED), df["outcome"], "bypass")
-    return go.Scattergl(
+    return scatter(
         x=at, y=np.full(len(df), y), mode="markers",
         name=f"{name} refused / expired / cancelled / bypass",
         marker=dict(symbol=[symbol.get(k, "diamond-open") for k in kind], size=8,
