@@ -45,17 +45,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
+import select
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+#: the repository root (the receiver's process imports this module from it)
+ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(ROOT))
 
 from sqlalchemy import create_engine, text
 
@@ -144,17 +147,23 @@ def _same(data: bytes) -> bytes:
     return data
 
 
-def _receive(conn: Any, count: Any) -> None:
-    """The receiver's child process: a gRPC server whose ``TraceService.Export`` adds the
-    request's spans to ``count`` and answers an empty ``ExportTraceServiceResponse``."""
+def receive_main() -> None:
+    """The receiver's process (``Receiver``): a gRPC server whose ``TraceService.Export``
+    counts the request's spans and answers an empty ``ExportTraceServiceResponse``. It
+    prints its port (or ``error ...``), then its span count for each line it reads, and
+    stops when its input closes."""
+    import threading
     from concurrent import futures
 
     import grpc
 
+    lock = threading.Lock()
+    count = [0]
+
     def export(request: bytes, context: Any) -> bytes:
         n = span_count(request)
-        with count.get_lock():
-            count.value += n
+        with lock:
+            count[0] += n
         return b""
 
     try:
@@ -165,41 +174,60 @@ def _receive(conn: Any, count: Any) -> None:
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
     except Exception as exc:  # noqa: BLE001 - told to the parent, which raises it
-        conn.send(f"{type(exc).__name__}: {exc}")
+        print(f"error {type(exc).__name__}: {exc}", flush=True)
         return
-    conn.send(port)
-    server.wait_for_termination()
+    print(port, flush=True)
+    for _ in sys.stdin:
+        with lock:
+            n = count[0]
+        print(n, flush=True)
+    server.stop(0)
 
 
 class Receiver:
-    """An OTLP gRPC trace receiver in a child process of its own that counts the spans it
-    gets (``spans``); it needs ``grpcio`` alone. ``port`` on 127.0.0.1."""
+    """An OTLP gRPC trace receiver in a process of its own (``receive_main``) that counts
+    the spans it gets (``spans``); it needs ``grpcio`` alone. ``port`` on 127.0.0.1.
+
+    A plain child interpreter, not a ``multiprocessing`` one: a spawned child re-runs the
+    parent's ``__main__``, which in a test process may be a script that is gone."""
 
     def __init__(self, start_s: float = 60.0) -> None:
-        ctx = mp.get_context("spawn")
-        self._count = ctx.Value("q", 0)
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_receive, args=(child, self._count), daemon=True,
-                                 name="otlp-receiver")
-        self._proc.start()
-        try:
-            got = parent.recv() if parent.poll(start_s) else f"no answer in {start_s:g} s"
-        except EOFError:
-            got = "its process ended"
-        if not isinstance(got, int):
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "from benchmarks.bench_tracing import receive_main; "
+                                   "receive_main()"],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = select.select([self._proc.stdout], [], [], start_s)[0]
+        got = self._proc.stdout.readline().strip() if ready else f"no answer in {start_s:g} s"
+        if not got.isdigit():
             self.close()
-            raise RuntimeError(f"the OTLP receiver did not start: {got}")
-        self.port: int = got
+            raise RuntimeError(f"the OTLP receiver did not start: {got or 'its process ended'}")
+        self.port = int(got)
         self.endpoint = f"http://127.0.0.1:{got}"
         self.pid: int = self._proc.pid
 
     @property
     def spans(self) -> int:
-        return self._count.value
+        """The spans received so far (asked of the receiver's process)."""
+        self._proc.stdin.write("\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the OTLP receiver's process ended")
+        return int(line)
 
     def close(self) -> None:
-        self._proc.terminate()
-        self._proc.join(10)
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            try:
+                self._proc.stdin.close()  # it stops when its input closes
+            except OSError:
+                pass
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(10)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
 
     def __enter__(self) -> "Receiver":
         return self

@@ -5,7 +5,9 @@ through its gRPC generic handler."""
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 
 import grpc
 import pytest
@@ -95,7 +97,12 @@ def test_bytes_that_are_not_a_request_raise(data):
         span_count(data)
 
 
-def test_the_receiver_answers_an_exporter_and_counts_its_spans():
+def test_the_receiver_answers_an_exporter_and_counts_its_spans(monkeypatch):
+    # as after a Streamlit AppTest in the same process: ``__main__`` is a script now gone
+    # (a ``multiprocessing`` spawn child would re-run it and fail)
+    gone = types.ModuleType("__main__")
+    gone.__file__ = "/nonexistent/script.py"
+    monkeypatch.setitem(sys.modules, "__main__", gone)
     with Receiver() as receiver:
         with grpc.insecure_channel(f"127.0.0.1:{receiver.port}") as channel:
             export = channel.unary_unary(
