@@ -537,6 +537,19 @@ def _num(value: float | None, width: int, digits: int) -> str:
     return "-".rjust(width) if value is None else f"{value:{width}.{digits}f}"
 
 
+def resolution(aa: Interval | None) -> str | None:
+    """What the A/A check (``off_again`` / ``off``, paired) says of a run's resolution:
+    None without one."""
+    if aa is None:
+        return None
+    if not aa.low <= 1.0 <= aa.high:
+        return (f"resolution: the A/A check reads {aa.text()}, its interval missing 1: this "
+                "run's noise is larger than its intervals say, so none of them is to be "
+                "trusted (more rounds, or a quieter time)")
+    return (f"resolution: the A/A check reads {aa.text()}; a cost smaller than about half "
+            f"its interval's span ({aa.high - aa.low:.1%}) is not resolved by this run")
+
+
 def report(result: dict[str, Any]) -> None:
     """Print ``measure``'s figures: a table of the modes, one of their CPU, the spans."""
     modes = result["modes"]
@@ -554,6 +567,9 @@ def report(result: dict[str, Any]) -> None:
               f"{_num(m['mean_batch'], 12, 1)}{paired}")
     print("(paired: the geometric mean over the rounds of each round's mode / off, and its "
           "bootstrap 95 % interval: a target is met when the whole interval is)")
+    line = resolution(modes.get("off_again", {}).get("paired_rps"))
+    if line:
+        print(line)
     print("\nCPU per request (medians, microseconds): where each mode's cost goes")
     parts = list(modes["off"]["cpu_us"])
     print(f"{'mode':16s}" + "".join(f"{p:>22s}" for p in parts) + f"{'in all':>9s}"

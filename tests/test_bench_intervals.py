@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.intervals import paired_ratio
+from benchmarks.intervals import Interval, paired_ratio
 
 
 def test_equal_rounds_give_one_and_a_closed_interval():
@@ -45,3 +45,13 @@ def test_mistakes_are_refused():
     with pytest.raises(ValueError, match="between 0 and 1"):
         paired_ratio([1.0], [1.0], confidence=1.5)
     assert paired_ratio([2.0], [1.0]).ratio == pytest.approx(0.5)
+
+
+def test_the_a_a_check_tells_a_runs_resolution():
+    from benchmarks.bench_tracing import resolution
+
+    assert resolution(None) is None
+    held = resolution(Interval(1.005, 0.987, 1.024, 16))
+    assert "1.005 (0.987-1.024)" in held and "(3.7%)" in held and "not resolved" in held
+    missed = resolution(Interval(0.954, 0.944, 0.965, 2))
+    assert "missing 1" in missed and "none of them is to be trusted" in missed
