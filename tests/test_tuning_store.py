@@ -27,7 +27,7 @@ from streamlit.testing.v1 import AppTest
 
 from batchscope.load.replay import read_traffic, replay_arrivals, shaped_metadata
 from batchscope.storage import control
-from batchscope.storage.db import make_engine
+from batchscope.storage.db import make_engine, shown_url
 from batchscope.storage.records import (DeviceRow, ListRecorder, RequestBatch, RequestRow,
                                         declared_shapes)
 from batchscope.storage.recorder import Recorder
@@ -222,7 +222,7 @@ def test_open_database_refuses_what_it_cannot_use_and_creates_nothing(tmp_path):
     assert "\n" not in str(refused.value) and "s3cret" not in str(refused.value)
     with pytest.raises(store.StoreUnavailable, match="cannot open"):
         store.open_database("nosuchdialect://x")
-    assert (store.shown_url("postgresql+psycopg://nobody:s3cret@db:5432/bs")
+    assert (shown_url("postgresql+psycopg://nobody:s3cret@db:5432/bs")
             == "postgresql+psycopg://nobody:***@db:5432/bs")
 
 

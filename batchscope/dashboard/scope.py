@@ -31,7 +31,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import streamlit as st
-from sqlalchemy import Engine, make_url
+from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from batchscope.analysis import queries
@@ -106,7 +106,7 @@ def engine_for(url: str) -> Engine:
         st.stop()
         raise
     except (db.DatabaseUnavailable, SQLAlchemyError, OSError) as exc:  # not reachable
-        where = make_url(url).render_as_string(hide_password=True)
+        where = db.shown_url(url)
         reason = getattr(exc, "orig", None) or exc
         st.error(f"The database at {where} cannot be opened: {str(reason).strip()}. Check "
                  "that its server runs and the URL is right, or type another URL under "

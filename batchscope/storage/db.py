@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -270,6 +271,14 @@ def _meta_version(conn: Connection) -> int | None:
         return int(value) if value is not None else None
     except ValueError:
         return None
+
+
+def shown_url(url: str) -> str:
+    """``url`` as it may be printed: its password hidden (``***``)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy parses: hide what stands between : and @
+        return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
 def _refuse_newer(engine: Engine, conn: Connection, revision: str | None) -> None:

@@ -31,7 +31,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from batchscope.load.background import BackgroundLoad
 from batchscope.load.loadgen import LoadError, longest_length
 from batchscope.load.replay import RecordedTraffic, read_traffic
-from batchscope.storage.db import DatabaseNotFound, make_engine
+from batchscope.storage.db import DatabaseNotFound, make_engine, shown_url
 from batchscope.tuning import store
 from batchscope.tuning.client import ControlClient, SettingsRefused, TuningError
 from batchscope.tuning.figures import GOODPUT, LATENCY, Objective, Stability
@@ -186,7 +186,7 @@ def open_store(options: TuneOptions) -> Engine | None:
     except store.StoreUnavailable as exc:
         unstored = ("" if options.load == "replay"
                     else "; or leave out --db to tune without storing the session")
-        raise TuningError(f"--db {store.shown_url(options.db_url)} cannot be used, so nothing "
+        raise TuningError(f"--db {shown_url(options.db_url)} cannot be used, so nothing "
                           f"was tuned: {exc}{unstored}") from None
 
 

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from sqlalchemy import Engine, func, insert, make_url, select, update
+from sqlalchemy import Engine, func, insert, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from batchscope.storage.db import DatabaseNotFound, SchemaTooNew, init_schema, make_engine
@@ -49,16 +48,9 @@ GIB = 1024 ** 3
 
 
 class StoreUnavailable(RuntimeError):
-    """No database to store sessions in; the message says why, in one line (``shown_url``
-    gives the URL to name with it, its password hidden)."""
-
-
-def shown_url(url: str) -> str:
-    """``url`` as it may be printed: its password hidden (``***``)."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a URL SQLAlchemy parses: hide what stands between : and @
-        return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
+    """No database to store sessions in; the message says why, in one line
+    (``batchscope.storage.db.shown_url`` gives the URL to name with it, its password
+    hidden)."""
 
 
 def _first_line(exc: BaseException) -> str:
