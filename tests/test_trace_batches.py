@@ -15,7 +15,7 @@ from runtime.core.clock import FakeClock
 from runtime.api.errors import QueueFull
 from runtime.core.tracing import PlainTrace, RequestTrace
 from runtime.engine import tracing
-from runtime.engine.otel import FinishedTrace, finished_from
+from runtime.engine.otel import FinishedTrace, finished_from, plain_finished
 from runtime.engine.otel_process import SpanProcess
 from runtime.engine.tracing import Tracer
 
@@ -261,13 +261,16 @@ class Exported:
     """Stands where the span exporter would: keeps what the tracer hands it."""
 
     def __init__(self) -> None:
-        self.raws: list[tuple] = []
+        self.plains: list[tuple] = []
 
-    def put_raw(self, raw: tuple, wall_offset_s: float) -> None:
-        self.raws.append((raw, wall_offset_s))
+    def put_plain(self, batch: tuple, wall_offset_s: float) -> None:
+        self.plains.append((batch, wall_offset_s))
 
 
 def test_plain_traces_with_spans_reach_the_exporter_as_request_traces_would():
+    """A batch with spanned members goes to the exporter as it is; the traces made of it
+    there are those of the same requests traced as ``RequestTrace`` s; a batch without
+    any does not go."""
     clock, recorder = FakeClock(), ListRecorder()
     tracer = Tracer(["m", "n"], recorder, "i", clock)
     tracer.otel = exported = Exported()
@@ -281,10 +284,24 @@ def test_plain_traces_with_spans_reach_the_exporter_as_request_traces_would():
     members = batch[-1]
     members[0] = (*members[0][:7], spanned.span)  # the first member exports spans
     tracer.plain_batch(batch)
-    [(raw, offset)] = exported.raws
+    tracer.plain_batch(plain_batch(clock, 9, 3)[0])  # none has spans: not handed over
+    [(got, offset)] = exported.plains
+    assert got is batch and offset == clock.to_wall(0.0)
     same[0].span = spanned.span
     fields = tuple(getattr(same[0], name) for name in TRACE_FIELDS)
-    assert raw == (fields, *spanned.span, "infer", None, None, None, (), None)
-    assert offset == clock.to_wall(0.0)
-    assert finished_from(raw, offset).span_id == spanned.span[1]
+    raw = (fields, *spanned.span, "infer", None, None, None, (), None)
+    assert plain_finished(got, offset) == [finished_from(raw, offset)]
+    assert plain_finished(got, offset)[0].span_id == spanned.span[1]
     tracer.close()
+
+
+def test_the_span_process_counts_the_plain_traces_it_cannot_send():
+    spans = SpanProcess("http://127.0.0.1:9", "i")
+    spans._proc.kill()
+    spans._proc.join(10)
+    clock = FakeClock()
+    batch, _ = plain_batch(clock, 1, 4)
+    batch[-1][:] = [(*m[:7], (m[0], m[0])) for m in batch[-1][:3]] + [batch[-1][3]]
+    spans.put_plain(batch, clock.to_wall(0.0))  # 3 members with spans, 3 spans each
+    spans.close(timeout_s=5.0)
+    assert spans.dropped == 3 * 3

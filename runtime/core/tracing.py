@@ -67,6 +67,11 @@ _BATCH_ID_B = BATCH_ID_HEADER.encode()
 def traceparent_bytes(span: tuple[int, int]) -> bytes:
     """The W3C ``traceparent`` value naming span ``(trace id, span id)``, sampled."""
     return b"00-%032x-%016x-01" % span
+
+
+def traceparent_line(span: tuple[int, int]) -> bytes:
+    """The HTTP/1.1 header line ``traceparent: <traceparent_bytes(span)>``, in one step."""
+    return b"traceparent: 00-%032x-%016x-01\r\n" % span
 #: the trace settings, in the order answers list them
 KEYS = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency",
         "trace_mode")

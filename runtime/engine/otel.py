@@ -152,6 +152,23 @@ def finished_from(raw: tuple, wall_offset_s: float) -> FinishedTrace:
                          else decode[1] + wall_offset_s)
 
 
+def plain_finished(batch: tuple, wall_offset_s: float) -> list[FinishedTrace]:
+    """The ``FinishedTrace`` of each member with spans of a batch of plain traces, as the
+    engine's booking hands it over: a ``PLAIN_BATCH_FIELDS`` tuple of
+    ``batchscope.storage.records`` (what the members share, held once, then the members,
+    each a ``PLAIN_MEMBER_FIELDS`` tuple whose last value is its (trace id, span id), or
+    None where its spans are not exported). ``wall_offset_s``: what turns its monotonic
+    times into wall-clock seconds. Each is ``finished_from`` of the raw trace the member
+    stands for (a member's queue starts at its request's start)."""
+    model, protocol, outcome, seq, started, input_end, output_start, ended, end, members = batch
+    return [finished_from(((trace_id, model, protocol, outcome, request_id, seq, None, None,
+                            recv_start, recv_end, start, start, started, input_end,
+                            output_start, ended, end, send_start, send_end), *span, "infer",
+                           None, None, None, (), None), wall_offset_s)
+            for trace_id, request_id, recv_start, recv_end, start, send_start, send_end, span
+            in members if span is not None]
+
+
 def _ns(t: float) -> int:
     """Wall-clock seconds as nanoseconds. Truncated, not rounded (half the cost): a float
     of today's epoch seconds resolves about 240 ns anyway."""
@@ -530,6 +547,11 @@ class OtlpSpans:
     def put_raw(self, raw: tuple, wall_offset_s: float) -> None:
         """``put`` of a raw trace (``finished_from``)."""
         self.put(finished_from(raw, wall_offset_s))
+
+    def put_plain(self, batch: tuple, wall_offset_s: float) -> None:
+        """``put`` of the members with spans of a batch of plain traces (``plain_finished``)."""
+        for trace in plain_finished(batch, wall_offset_s):
+            self.put(trace)
 
     # -- the span thread ----------------------------------------------------------------
     def _dropped_by_processor(self, count: int) -> None:

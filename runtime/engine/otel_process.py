@@ -23,9 +23,11 @@ spans counted;
 ``on_drops`` as ``OtlpSpans`` does. The child inherits the standard ``OTEL_*``
 variables.
 
-Messages: ``(batches, traces, raw traces, wall offset, backlog)`` (tuples in
-``BatchInfo`` and ``FinishedTrace`` field order, and traces as the tracer hands them over,
-monotonic, turned into ``FinishedTrace`` here by ``runtime.engine.otel.finished_from``)
+Messages: ``(batches, traces, raw traces, plain batches, wall offset, backlog)`` (tuples
+in ``BatchInfo`` and ``FinishedTrace`` field order, and traces as the tracer hands them
+over, monotonic, turned into ``FinishedTrace`` in the child by
+``runtime.engine.otel.finished_from``; a batch of plain traces as the engine's booking
+makes it, its members' traces made by ``runtime.engine.otel.plain_finished``)
 -> ``(spans handed to the processor, spans dropped)``; ``b"stop"`` -> the
 same counts once the child has exported what it holds (``close``'s timeout).
 """
@@ -42,7 +44,8 @@ from typing import Any, Callable
 from batchscope import gctune
 from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_child
 from runtime.engine.otel import (QUEUE_MAX, BatchInfo, FinishedTrace, OtlpSpans, exporter_for,
-                                 finished_from, report_drops, spans_of)
+                                 finished_from, plain_finished, report_drops,
+                                 spans_of)
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +84,15 @@ def _child_main(conn: Any, endpoint: str, instance_id: str, protocol: str | None
             spans.close(float(msg[len(_STOP):] or 5.0))
             conn.send_bytes(pickle.dumps((spans.spans_out, spans.dropped)))
             return
-        batches, traces, raws, wall_offset_s, backlog = pickle.loads(msg)
+        batches, traces, raws, plains, wall_offset_s, backlog = pickle.loads(msg)
         for b in batches:
             spans.batch(BatchInfo(*b))
         for t in traces:
             spans.put(FinishedTrace(*t))
         for r in raws:
             spans.put(finished_from(r, wall_offset_s))
+        for p in plains:
+            spans.put_plain(p, wall_offset_s)
         prio.follow(max(backlog, spans.backlog()))
         conn.send_bytes(pickle.dumps((spans.spans_out, spans.dropped)))
     spans.close(1.0)
@@ -111,6 +116,11 @@ class SpanProcess:
         self._traces: collections.deque = collections.deque()
         self._raws: collections.deque = collections.deque()
         self._batches: collections.deque = collections.deque()
+        #: batches of plain traces (``put_plain``), and the members of those put and of
+        #: those taken by the sender thread (each count written by one thread alone)
+        self._plains: collections.deque = collections.deque()
+        self._plain_put = 0
+        self._plain_taken = 0
         #: what turns the raw traces' monotonic times into wall-clock seconds
         self._wall_offset_s = 0.0
         #: traces dropped here (queue full or the child gone) and the child's count
@@ -149,10 +159,14 @@ class SpanProcess:
         """Remember a batch that has a traced member (its span is made with the first)."""
         self._batches.append(info)
 
+    def _held(self) -> int:
+        """The traces waiting for the sender thread."""
+        return len(self._traces) + len(self._raws) + self._plain_put - self._plain_taken
+
     def put(self, trace: FinishedTrace) -> None:
         """Queue a finished trace for its spans; dropped (and counted) when full."""
         traces = self._traces
-        if len(traces) + len(self._raws) >= self.queue_max:
+        if self._held() >= self.queue_max:
             self._dropped_here += spans_of(trace)
             return
         traces.append(trace)
@@ -163,12 +177,25 @@ class SpanProcess:
         """``put`` of a trace as the tracer hands it over (``finished_from``): nothing
         is converted on the event loop."""
         raws = self._raws
-        if len(raws) + len(self._traces) >= self.queue_max:
+        if self._held() >= self.queue_max:
             self._dropped_here += spans_of(finished_from(raw, wall_offset_s))
             return
         self._wall_offset_s = wall_offset_s
         raws.append(raw)
         if len(raws) == SEND_AT:
+            self._wake.set()
+
+    def put_plain(self, batch: tuple, wall_offset_s: float) -> None:
+        """``put`` of the members with spans of a batch of plain traces, handed over as
+        the batch it is (``plain_finished`` makes their traces in the child)."""
+        if self._held() >= self.queue_max:
+            self._dropped_here += sum(map(spans_of, plain_finished(batch, wall_offset_s)))
+            return
+        self._wall_offset_s = wall_offset_s
+        self._plains.append(batch)
+        before = self._plain_put - self._plain_taken
+        self._plain_put += len(batch[-1])
+        if before < SEND_AT <= self._plain_put - self._plain_taken:
             self._wake.set()
 
     # -- the sender thread --------------------------------------------------------------
@@ -185,18 +212,20 @@ class SpanProcess:
     def _send(self) -> None:
         # the traces first: a batch is queued before its members finish, so every batch a
         # trace taken here refers to is taken below too
-        traces, raws, batches = self._traces, self._raws, self._batches
+        traces, raws, batches, plains = self._traces, self._raws, self._batches, self._plains
         taken = [traces.popleft() for _ in range(len(traces))]
         raw = [raws.popleft() for _ in range(len(raws))]
+        plain = [plains.popleft() for _ in range(len(plains))]
         infos = [batches.popleft() for _ in range(len(batches))]
-        if not taken and not raw and not infos:
+        self._plain_taken += sum(len(b[-1]) for b in plain)
+        if not taken and not raw and not plain and not infos:
             return
         offset = self._wall_offset_s
         if self._conn is None:
-            self._lost(taken, raw, offset)
+            self._lost(taken, raw, plain, offset)
             return
         payload = pickle.dumps((list(map(_BATCH_TUPLE, infos)), list(map(_TRACE_TUPLE, taken)),
-                                raw, offset, (len(traces) + len(raws)) / self.queue_max),
+                                raw, plain, offset, self._held() / self.queue_max),
                                protocol=5)
         try:
             self._conn.send_bytes(payload)
@@ -206,13 +235,14 @@ class SpanProcess:
         except (EOFError, OSError, TimeoutError):
             log.error("the OpenTelemetry span process %s; spans are dropped from now on",
                       "did not answer" if self._proc.is_alive() else "exited")
-            self._lost(taken, raw, offset)
+            self._lost(taken, raw, plain, offset)
             self._stop_child()
 
-    def _lost(self, traces: list, raws: list, wall_offset_s: float) -> None:
+    def _lost(self, traces: list, raws: list, plains: list, wall_offset_s: float) -> None:
         """Count the spans of traces that cannot be sent."""
         self._dropped_here += sum(map(spans_of, traces)) + sum(
-            spans_of(finished_from(r, wall_offset_s)) for r in raws)
+            spans_of(finished_from(r, wall_offset_s)) for r in raws) + sum(
+            spans_of(t) for b in plains for t in plain_finished(b, wall_offset_s))
 
 
     # -- stopping -----------------------------------------------------------------------

@@ -212,26 +212,17 @@ class Tracer:
     def plain_batch(self, batch: tuple) -> None:
         """Keep the plain traces of one batch's answered members (a
         ``PLAIN_BATCH_FIELDS`` tuple, see ``batchscope.storage.records``) for the next
-        ``flush``, as ``finish`` keeps a trace; the span exporter gets those with spans
-        at once, as ``finish`` hands it a trace's values."""
+        ``flush``, as ``finish`` keeps a trace. The span exporter gets the batch as it is
+        when a member has spans (``put_plain``): its members become the traces ``finish``
+        would hand over in the span process, not here."""
         self._pending_batches.append(batch)
         members = batch[-1]
         n = len(members)
         self.traced += n
         self._pending_plain += n
         otel = self._otel
-        if otel is not None:
-            (model, protocol, outcome, seq, started, input_end, output_start, ended, end,
-             _) = batch
-            offset = self.clock.to_wall(0.0)
-            for (trace_id, request_id, recv_start, recv_end, start, send_start, send_end,
-                 span) in members:
-                if span is not None:  # the values ``finish`` would hand over (TRACE_FIELDS)
-                    otel.put_raw(((trace_id, model, protocol, outcome, request_id, seq, None,
-                                   None, recv_start, recv_end, start, start, started,
-                                   input_end, output_start, ended, end, send_start,
-                                   send_end), *span, "infer", None, None, None, (), None),
-                                 offset)
+        if otel is not None and any(m[7] is not None for m in members):
+            otel.put_plain(batch, self.clock.to_wall(0.0))  # expanded off this thread
         self._due(len(self._pending) + self._pending_plain)
 
     def _values(self, model: str) -> Mapping[str, Any]:

@@ -50,7 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from runtime.api.errors import ModelNotReady, error_answer
-from runtime.core.tracing import BATCH_ID_HEADER, PlainTrace, traceparent_bytes
+from runtime.core.tracing import (BATCH_ID_HEADER, PlainTrace, traceparent_bytes,
+                                  traceparent_line)
 from runtime.server.bounds import MemoryBudget, RequestBounds
 from runtime.server.http1.server import Reply
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, submit_infer
@@ -347,8 +348,7 @@ class _TracedAnswer:
         if span is None:
             answer(status, headers, body)
         elif type(answer) is Reply:  # the traceparent is this answer's own: one more line
-            answer.with_line(status, headers, body,
-                             b"traceparent: %b\r\n" % traceparent_bytes(span))
+            answer.with_line(status, headers, body, traceparent_line(span))
         else:
             answer(status, [*headers, (b"traceparent", traceparent_bytes(span))], body)
         trace.send_end = now()
