@@ -149,3 +149,39 @@ def test_the_exporter_sends_its_bytes_and_the_sdk_s_messages_to_a_real_receiver(
     assert [s.name for s in got] == ["span 0", "span 1", "span 2", "with event"]
     assert got[:3] == list(encode_spans(plain).resource_spans[0].scope_spans[0].spans)
     assert [e.name for e in got[3].events] == ["retry"]
+
+
+def test_the_http_exporter_posts_written_spans_and_the_sdk_s_to_a_real_receiver():
+    """Over HTTP/protobuf the exporter takes ``WireSpan``s too and posts their bytes; a
+    batch of the SDK's spans is still the SDK's encoder's."""
+    from opentelemetry.exporter.otlp.proto.http import trace_exporter
+
+    from runtime.engine.otel import exporter_for
+    from tests.test_otel_export import http_receiver
+
+    now = time.time()
+    batch = BatchInfo(4, "mlp", now + 0.004, now + 0.009, 2, 32, 2, 2, None, "dynamic", 1, "ok")
+    traces = [FinishedTrace("mlp", "infer", 1000 + i, 2000 + i, None, now, now + 0.01,
+                            now + 0.001, now + 0.004, now + 0.009, "ok", 4, f"r{i}")
+              for i in range(2)]
+    builder = SpanBuilder(RESOURCE, "i-1", wire=True)
+    wire = [s for t in traces for s in builder.spans(t, batch)]
+    rng = random.Random(3)
+    plain = [ReadableSpan(f"span {i}", context=context(rng), resource=RESOURCE,
+                          attributes={"n": i}, start_time=1, end_time=2) for i in range(2)]
+    received = Received()
+    server = http_receiver(received)
+    exporter = exporter_for(f"http://127.0.0.1:{server.server_address[1]}", "http/protobuf")
+    try:
+        assert exporter.takes_wire_spans
+        assert trace_exporter.encode_spans(plain) == encode_spans(plain)  # left as it was
+        assert exporter.export(wire) == SpanExportResult.SUCCESS
+        assert exporter.export(plain) == SpanExportResult.SUCCESS
+    finally:
+        exporter.shutdown()
+        server.shutdown()
+    sent = ExportTraceServiceRequest.FromString(encode_request(wire))
+    expected = [*sent.resource_spans[0].scope_spans[0].spans,
+                *encode_spans(plain).resource_spans[0].scope_spans[0].spans]
+    assert [span for span, _ in received.spans] == expected
+    assert [s.name for s in expected][-2:] == ["span 0", "span 1"] and len(expected) == 1 + 2 * 3 + 2

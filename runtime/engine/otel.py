@@ -468,11 +468,11 @@ def exporter_for(endpoint: str, protocol: str | None = None) -> Any:
         from runtime.engine.otlp_wire import fast_grpc_exporter
         insecure = endpoint.startswith("http://") or None
         return fast_grpc_exporter(endpoint=endpoint, insecure=insecure)
-    if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    if protocol == "http/protobuf":  # the same, over HTTP
+        from runtime.engine.otlp_wire import fast_http_exporter
         if "://" in endpoint and not endpoint.rstrip("/").endswith("/v1/traces"):
             endpoint = endpoint.rstrip("/") + "/v1/traces"
-        return OTLPSpanExporter(endpoint=endpoint)
+        return fast_http_exporter(endpoint=endpoint)
     raise ValueError(f"OTLP protocol {protocol!r} is not supported; use one of {PROTOCOLS}")
 
 

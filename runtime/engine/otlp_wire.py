@@ -6,9 +6,10 @@ spans themselves costs 3 us. With every request traced that encoder alone took m
 than serving the request. ``encode_request(spans)`` writes the same
 ``ExportTraceServiceRequest`` as bytes from the SDK's ``ReadableSpan`` objects, about 6 us
 a span (``python -m benchmarks.bench_tracing --encode`` measures both), and
-``FastOTLPSpanExporter`` is the SDK's gRPC exporter with that encoding in place of its
-own, whose bytes go to the channel as they are; everything else (channel, retries, headers, timeouts, the ``OTEL_*`` variables) is
-the SDK's. The bytes parse back to a message equal to the SDK's for the same spans
+``fast_grpc_exporter`` is the SDK's gRPC exporter with that encoding in place of its
+own, whose bytes go to the channel as they are; everything else (channel, retries,
+headers, timeouts, the ``OTEL_*`` variables) is the SDK's. ``fast_http_exporter`` is the
+same for the SDK's HTTP/protobuf exporter. The bytes parse back to a message equal to the SDK's for the same spans
 (``tests/test_otlp_wire.py`` compares them field by field).
 
 It covers what span exporters meet: resources, scopes, names, kinds, times, parents,
@@ -469,3 +470,61 @@ def fast_grpc_exporter(**kwargs: Any) -> Any:
                 return super()._translate_data(data)
 
     return FastOTLPSpanExporter(**kwargs)
+
+
+class _Written:
+    """What the SDK's HTTP exporter takes from its encoder for a batch of ``WireSpan``s:
+    ``encode_request``'s bytes, serialized already."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def SerializePartialToString(self) -> bytes:  # noqa: N802 - protobuf's names
+        return self.data
+
+    SerializeToString = SerializePartialToString
+
+    def ByteSize(self) -> int:  # noqa: N802
+        return len(self.data)
+
+
+def _written_by_wire(module: Any) -> bool:
+    """Make the encoder the SDK's HTTP span exporter module ``module`` calls
+    (``encode_spans``) write a batch of ``WireSpan``s with ``encode_request``; any other
+    batch still goes to the SDK's. False when this SDK's module has no such encoder."""
+    sdk = getattr(module, "encode_spans", None)
+    if sdk is None:
+        return False
+    if getattr(sdk, "writes_wire_spans", False):
+        return True
+
+    def encode_spans(spans: Sequence[Any]) -> Any:
+        if spans and type(spans[0]) is WireSpan:
+            return _Written(encode_request(spans))
+        return sdk(spans)
+
+    encode_spans.writes_wire_spans = True  # type: ignore[attr-defined]
+    module.encode_spans = encode_spans
+    return True
+
+
+def fast_http_exporter(**kwargs: Any) -> Any:
+    """The SDK's OTLP HTTP/protobuf span exporter (``kwargs`` as its own) taking
+    ``WireSpan``s, whose bytes it posts as they are; everything else (session, retries,
+    headers, compression, timeouts, the ``OTEL_*`` variables) is the SDK's. Its module's
+    encoder is wrapped for that (``_written_by_wire``): the exporter calls it by name,
+    and has no hook of its own for the encoding. A batch of the SDK's spans is encoded as
+    before. Where this SDK's module has no such encoder, the SDK's exporter as it is
+    (its spans are then built as ``ReadableSpan``s)."""
+    from opentelemetry.exporter.otlp.proto.http import trace_exporter
+
+    if not _written_by_wire(trace_exporter):
+        return trace_exporter.OTLPSpanExporter(**kwargs)
+
+    class FastOTLPHttpSpanExporter(trace_exporter.OTLPSpanExporter):
+        #: ``WireSpan``s are posted as they are (``SpanBuilder(wire=True)`` makes them)
+        takes_wire_spans = True
+
+    return FastOTLPHttpSpanExporter(**kwargs)
