@@ -202,10 +202,17 @@ class SpanBuilder:
             from runtime.engine import otlp_wire
             self._wire_span, self._wire = otlp_wire.WireSpan, otlp_wire.wire_span
             self._ow = otlp_wire
-            #: what repeats between spans, written once: (operation, model) and outcome ->
-            #: their attributes; a batch's seq -> (its link, its members' batch attributes,
-            #: the ``BatchInfo`` and batch span ids they were written from)
-            self._heads: dict[tuple[str, str], bytes] = {}
+            #: written once: the two latency attributes up to their values, the children's
+            #: names
+            self._e2e = otlp_wire.double_head("gen_ai.latency.e2e")
+            self._in_queue = otlp_wire.double_head("gen_ai.latency.time_in_queue")
+            self._queue_name = otlp_wire.name_field("queue")
+            self._compute_name = otlp_wire.name_field("compute")
+            #: what repeats between spans, written once: (operation, model) -> the request
+            #: span's name and its attributes; outcome -> its attributes; a batch's seq ->
+            #: (its link, its members' batch attributes, the ``BatchInfo`` and batch span
+            #: ids they were written from)
+            self._heads: dict[tuple[str, str], tuple[bytes, bytes]] = {}
             self._outcomes: dict[str, bytes] = {}
             self._blocks: collections.OrderedDict[tuple[str, int], tuple] = \
                 collections.OrderedDict()
@@ -342,43 +349,43 @@ class SpanBuilder:
                 while len(self._blocks) > BATCHES_KEPT:
                     self._blocks.popitem(last=False)
             links, battrs = held[0], held[1]
-        head = self._heads.get((t.operation, t.model))
-        if head is None:
-            head = self._heads[(t.operation, t.model)] = ow.attributes_block(
-                {"gen_ai.operation.name": t.operation, "gen_ai.request.model": t.model})
+        named = self._heads.get((t.operation, t.model))
+        if named is None:  # (its name field, its constant attributes)
+            named = self._heads[(t.operation, t.model)] = (
+                ow.name_field(f"{t.operation} {t.model}"), ow.attributes_block(
+                    {"gen_ai.operation.name": t.operation, "gen_ai.request.model": t.model}))
         outcome = self._outcomes.get(t.outcome)
         if outcome is None:
             outcome = self._outcomes[t.outcome] = ow.attributes_block(
                 {"batchscope.request.outcome": t.outcome,
                  "batchscope.instance.id": self.instance_id})
-        parts = [head, ow.double_head("gen_ai.latency.e2e"), ow.pack_double(t.end_at - t.start_at),
-                 outcome]
+        start, end = t.start_at, t.end_at
+        pack = ow.pack_double
+        parts = [named[1], self._e2e, pack(end - start), outcome]
         if t.request_id:
             parts.append(ow.attributes_block({"batchscope.request.id": t.request_id}))
         queued, started, ended = t.queue_start_at, t.compute_start_at, t.compute_end_at
         if queued is not None and started is not None:
-            parts += (ow.double_head("gen_ai.latency.time_in_queue"),
-                      ow.pack_double(started - queued))
+            parts += (self._in_queue, pack(started - queued))
         parts.append(battrs)
-        start, end = t.start_at, t.end_at
         parent = t.parent_span_id
+        tid, mine = t.trace_id.to_bytes(16, "big"), t.span_id.to_bytes(8, "big")
         wire_span, scope, resource = self._wire_span, self.scope, self.resource
-        out.append(wire_span(self._wire(
-            f"{t.operation} {t.model}", t.trace_id, t.span_id, parent, parent is not None,
-            self._kinds[self._server], _ns(start), _ns(max(end, start)), b"".join(parts),
-            links, t.outcome != "ok"), resource, scope))
+        out.append(wire_span(ow.server_span(
+            tid, mine, parent, parent is not None, named[0], _ns(start), _ns(max(end, start)),
+            b"".join(parts), links, t.outcome != "ok"), resource, scope))
         if queued is None and started is None:
             return out
-        tid, mine = t.trace_id.to_bytes(16, "big"), t.span_id.to_bytes(8, "big")
         child = ow.child_span
         if queued is not None:
             z = started if started is not None else end
-            out.append(wire_span(child(tid, random.getrandbits(64) or 1, mine, "queue",
+            out.append(wire_span(child(tid, random.getrandbits(64) or 1, mine, self._queue_name,
                                        _ns(queued), _ns(max(z, queued))), resource, scope))
         if started is not None:
             z = ended if ended is not None else end
-            out.append(wire_span(child(tid, random.getrandbits(64) or 1, mine, "compute",
-                                       _ns(started), _ns(max(z, started))), resource, scope))
+            out.append(wire_span(child(tid, random.getrandbits(64) or 1, mine,
+                                       self._compute_name, _ns(started), _ns(max(z, started))),
+                                 resource, scope))
         return out
 
     def count(self, t: FinishedTrace, batch: BatchInfo | None) -> int:

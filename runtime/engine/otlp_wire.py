@@ -312,18 +312,38 @@ def double_head(key: str) -> bytes:
 pack_double = _PACK_DOUBLE
 
 
-def child_span(trace_id: bytes, span_id: int, parent: bytes, name: str, start_ns: int,
-               end_ns: int) -> bytes:
-    """``wire_span`` of an ``INTERNAL`` span with no attributes or links, unset status,
-    under a local parent (``trace_id``, ``parent``: the ids' bytes, as the request span's
-    children share them)."""
+def name_field(name: str) -> bytes:
+    """``Span.name`` (field 5) of ``name``, as ``wire_span`` writes it (kept)."""
     named = _names.get(name)
     if named is None:
         named = _field(b"\x2a", name.encode())
         _keep(_names, name, named)
+    return named
+
+
+def child_span(trace_id: bytes, span_id: int, parent: bytes, name: str | bytes, start_ns: int,
+               end_ns: int) -> bytes:
+    """``wire_span`` of an ``INTERNAL`` span with no attributes or links, unset status,
+    under a local parent (``trace_id``, ``parent``: the ids' bytes, as the request span's
+    children share them; ``name`` may come written already, ``name_field``)."""
+    named = name if type(name) is bytes else name_field(name)
     return b"".join((b"\x0a\x10", trace_id, b"\x12\x08", span_id.to_bytes(8, "big"),
                      b"\x22\x08", parent, named, _INTERNAL, b"\x39", _PACK_FIXED64(start_ns),
                      b"\x41", _PACK_FIXED64(end_ns), _UNSET, _CHILD_FLAGS))
+
+
+def server_span(trace_id: bytes, span_id: bytes, parent_span_id: int | None,
+                parent_remote: bool, named: bytes, start_ns: int, end_ns: int,
+                attributes: bytes, links: bytes, error: bool) -> bytes:
+    """``wire_span`` of a ``SERVER`` span from parts written already: the ids' bytes,
+    its name (``name_field``), its attributes (``attributes_block``) and links
+    (``link_block``); the same bytes in one step."""
+    return b"".join((
+        b"\x0a\x10", trace_id, b"\x12\x08", span_id,
+        b"" if parent_span_id is None else b"\x22\x08" + parent_span_id.to_bytes(8, "big"),
+        named, _SERVER, b"\x39" + _PACK_FIXED64(start_ns) if start_ns else b"",
+        b"\x41" + _PACK_FIXED64(end_ns) if end_ns else b"", attributes, links,
+        _ERROR if error else _UNSET, _REMOTE_CHILD_FLAGS if parent_remote else _CHILD_FLAGS))
 
 
 def wire_span(name: str, trace_id: int, span_id: int, parent_span_id: int | None,
@@ -362,7 +382,9 @@ def wire_span(name: str, trace_id: int, span_id: int, parent_span_id: int | None
 _LOCAL_FLAGS = _PACK_FIXED32(_HAS_IS_REMOTE)
 _REMOTE_FLAGS = _PACK_FIXED32(_HAS_IS_REMOTE | _IS_REMOTE)
 _CHILD_FLAGS = b"\x85\x01" + _LOCAL_FLAGS
+_REMOTE_CHILD_FLAGS = b"\x85\x01" + _REMOTE_FLAGS
 _INTERNAL = b"\x30" + _SMALL[_KIND[0]]  # Span.kind of the SDK's SpanKind.INTERNAL (0)
+_SERVER = b"\x30" + _SMALL[_KIND[1]]  # and of SpanKind.SERVER (1)
 _resources: dict[int, tuple[Any, bytes]] = {}
 _scopes: dict[int, tuple[Any, bytes]] = {}
 
