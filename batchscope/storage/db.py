@@ -42,6 +42,11 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 #: SQLite's busy timeout, seconds (also the pragma below, in milliseconds)
 BUSY_TIMEOUT_S = 5.0
+#: the size a SQLite file's write-ahead log is cut back to once a checkpoint has emptied
+#: it. A reader that holds one transaction open keeps checkpoints from emptying the log,
+#: which then grows with every write; without this limit it would stay that large for
+#: the life of the process that writes.
+WAL_SIZE_LIMIT_BYTES = 64 * 1024 * 1024
 
 
 class DatabaseNotFound(FileNotFoundError):
@@ -136,6 +141,7 @@ def make_engine(url: str | None = None, *, create: bool = True) -> Engine:
                 cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
+            cur.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
             cur.close()
             add_math_functions(dbapi_conn)
     if create:
