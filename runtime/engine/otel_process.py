@@ -44,8 +44,7 @@ from typing import Any, Callable
 from batchscope import gctune
 from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_child
 from runtime.engine.otel import (QUEUE_MAX, BatchInfo, FinishedTrace, OtlpSpans, exporter_for,
-                                 finished_from, plain_finished, report_drops,
-                                 spans_of)
+                                 finished_from, plain_finished, report_drops, spans_of)
 
 log = logging.getLogger(__name__)
 
