@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -21,10 +22,11 @@ from batchscope.presentation import snapshot
 from batchscope.storage.db import make_engine
 from batchscope.storage.schema import BatchRecord, RequestRecord
 from batchscope.testing import synthetic
-from batchscope.trace import ExportSummary, export_trace, format_for
+from batchscope.trace import ExportSummary, UnknownName, check_names, export_trace, format_for
 from batchscope.trace.check import read_chrome, read_perfetto
 from batchscope.trace.perfetto import protos
-from batchscope.trace.timespec import DEFAULT_LAST_S, parse_time, window_from
+from batchscope.trace.timespec import (DEFAULT_LAST_S, check_window, parse_seconds, parse_time,
+                                       utc_text, window_from)
 
 END = 2_000_000_000.0
 WINDOW = Window(END - 21, END + 1)
@@ -333,6 +335,109 @@ def test_cli_writes_traces_and_refuses_clearly(tmp_path):
     assert r.returncode == 2 and "cannot tell the trace format" in r.stderr
 
 
+@pytest.fixture(scope="module")
+def small_db(tmp_path_factory) -> str:
+    """The URL of a SQLite file of 10 s of one instance (``synthetic-1``) serving ``mlp``."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('trace-cli') / 'small.db'}"
+    engine = make_engine(url)
+    synthetic.generate(engine, synthetic.SCENARIOS["healthy"].with_(duration_s=10,
+                                                                    batches_per_s=2), end_s=END)
+    engine.dispose()
+    return url
+
+
+ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z"
+
+
+@pytest.mark.parametrize("args, pattern", [
+    # names the database never saw: the known ones listed
+    (["--last", "10", "--model", "nosuch"], r"unknown model 'nosuch' \(known: mlp\)$"),
+    (["--instance", "nosuch"], r"unknown instance 'nosuch' \(known: synthetic-1\)$"),
+    (["--model", "mlpp", "--instance", "synthetic-9"],
+     r"unknown model 'mlpp' \(known: mlp\); unknown instance 'synthetic-9' "
+     r"\(known: synthetic-1\)$"),
+    # a path for --db: the command's prefix like every other mistake
+    (["--db", "{tmp}/x.db"], r"^batchscope trace: --db '.*/x\.db' is a path, not a database "
+                             r"URL; write sqlite:///.*/x\.db"),
+    # an end before the start: both as UTC dates
+    (["--start", "2000000010", "--end", "2000000000"],
+     r"starts \(2033-05-18T03:33:30Z\) at or after its end \(2033-05-18T03:33:20Z\)"),
+    (["--start", "-1s", "--end", "-2s"], rf"starts \({ISO}\) at or after its end \({ISO}\)"),
+    # before 1970: the hint names the options given
+    (["--start", "1960-01-01T00:00:00Z", "--end", "1960-01-02T00:00:00Z"],
+     r"before 1970 \(1960-01-01T00:00:00Z\); give --start and --end after 1970$"),
+    (["--start", "1960-01-01T00:00:00Z"], r"before 1970 \(1960-01-01T00:00:00Z\); give a later "
+                                          r"--start$"),
+    (["--end", "1000", "--last", "2000"], r"\(1969-12-31T23:43:20Z\); give a shorter --last or "
+                                          r"a later --end$"),
+    (["--end", "5"], r"before 1970 \(1969-12-31T23:59:55Z\); give a later --end"),
+    # --last as typed
+    (["--last", "1e400"], r"argument --last: '1e400' is not a finite number of seconds"),
+    (["--last", "nan"], r"argument --last: 'nan' is not a finite number of seconds"),
+    (["--last", "soon"], r"argument --last: 'soon' is not a number of seconds"),
+    (["--last", "-3"], r"argument --last: '-3' must be a positive number of seconds"),
+    # where the trace goes
+    (["-o", "{tmp}"], r"-o '.*' is a directory; give a file name, e.g. .*/run\.pftrace$"),
+    (["-o", "{tmp}/no/such/run.json"], r"there is no directory '.*/no/such' to write it in$"),
+    (["--format", "json", "-o", "{tmp}/x.pftrace"],
+     r"the format json contradicts the name '.*/x\.pftrace' \(a perfetto file name\): end the "
+     r"name in \.json, or leave the format to the name$"),
+    (["--format", "perfetto", "-o", "{tmp}/x.JSON"], r"end the name in \.pftrace or "),
+])
+def test_cli_refuses_each_mistake_in_one_line(small_db, tmp_path, args, pattern):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if "--db" not in args:
+        args = ["--db", small_db, *args]
+    if "-o" not in args:
+        args += ["-o", str(tmp_path / "x.pftrace")]
+    r = _cli(*args)
+    assert r.returncode == 2 and r.stdout == "", (args, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("batchscope trace: "), r.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
+
+
+def test_cli_takes_known_names_a_format_for_another_name_and_describes_itself(small_db,
+                                                                             tmp_path):
+    out = tmp_path / "run.trace"  # a name of no format: --format says which
+    r = _cli("--db", small_db, "--end", str(END + 1), "--last", "12", "--model", "mlp",
+             "--instance", "synthetic-1", "--format", "json", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert read_chrome(out.read_bytes()).ok and " 0 batches" not in r.stdout
+    out = tmp_path / "run.pftrace"  # a format that agrees with the name
+    r = _cli("--db", small_db, "--end", str(END + 1), "--format", "perfetto", "-o", str(out))
+    assert r.returncode == 0 and read_perfetto(out.read_bytes()).ok, r.stderr
+    r = _cli("--help")
+    assert r.returncode == 0
+    description = r.stdout.split("\n\n")[1]
+    assert "Write the batches, requests" in description and "trace file" in description
+
+
+@pytest.mark.both_backends
+def test_names_are_checked_against_the_database(filled, db):
+    engine, _ = filled
+    for model, instance in ((None, None), ("mlp", None), ("decoder", "synthetic-2"),
+                            (None, "synthetic-1")):
+        check_names(engine, Window(WINDOW.start_s, WINDOW.end_s, model, instance))
+    with pytest.raises(UnknownName) as info:
+        check_names(engine, Window(WINDOW.start_s, WINDOW.end_s, "MLP", "synthetic-3"))
+    assert str(info.value) == ("unknown model 'MLP' (known: decoder, mlp); unknown instance "
+                               "'synthetic-3' (known: synthetic-1, synthetic-2)")
+    # a model and instance with rows but no registration (pruned, or an older recorder)
+    with Session(db) as s:
+        s.add(BatchRecord(instance_id="ghost", model="m", seq=1, policy="dynamic",
+                          settings_version=1, max_batch_size=8, batch_size=1,
+                          real_elements=1, padded_elements=1, queue_wait_min_s=0.0,
+                          queue_wait_mean_s=0.0, queue_wait_max_s=0.0, compute_s=0.01,
+                          started_at=END - 1, ended_at=END))
+        s.commit()
+    check_names(db, Window(END - 10, END, "m", "ghost"))
+    with pytest.raises(UnknownName, match=r"^unknown model 'x' \(the database has no model "
+                                          r"registered\)$"):
+        check_names(db, Window(END - 10, END, "x"))
+
+
 def test_snapshot_carries_the_trace_of_its_window(filled, tmp_path, monkeypatch):
     engine, rows = filled
     data = snapshot.export_bytes(engine, WINDOW)
@@ -382,10 +487,36 @@ def test_time_options():
         window_from("-5s", None, 3, now=now)
     with pytest.raises(ValueError, match="start must come first"):
         window_from("-1s", "-2s", None, now=now)
+    assert utc_text(1_800_000_000.0) == "2027-01-15T08:00:00Z"
+    assert utc_text(1_800_000_000.25) == "2027-01-15T08:00:00.250Z"
+    assert utc_text(-1.0) == "1969-12-31T23:59:59Z"
+    assert utc_text(-1e12) == "-1,000,000,000,000.000 epoch seconds"  # no date shows it
+    with pytest.raises(ValueError, match=r"starts \(2027-01-15T08:00:00Z\) at or after its end "
+                                         r"\(2027-01-15T07:59:59Z\)"):
+        window_from(str(now), str(now - 1), None, now=now)
+    # the hint names what was given; the server's own words by default
+    for start, end, last, fix in (("1960-01-01T00:00:00Z", "1960-01-02T00:00:00Z", None,
+                                   "--start and --end after 1970"),
+                                  ("1960-01-01T00:00:00Z", None, None, "a later --start"),
+                                  (None, None, 2e9, "a shorter --last"),
+                                  (None, "100", 200, "a shorter --last or a later --end"),
+                                  (None, "5", None, "a later --end")):
+        with pytest.raises(ValueError, match=f"give {fix}"):
+            window_from(start, end, last, now=now)
+    with pytest.raises(ValueError, match="give a later start or a shorter window$"):
+        check_window(-5, 5)
+    assert parse_seconds("12") == 12.0 and parse_seconds(" 1.5e1 ") == 15.0
+    for text, words in (("1e400", "'1e400' is not a finite number"), ("inf", "not a finite"),
+                        ("0", "must be a positive"), ("ten", "'ten' is not a number")):
+        with pytest.raises(ValueError, match=words):
+            parse_seconds(text)
     assert format_for("a.pftrace") == format_for("b.perfetto-trace") == "perfetto"
     assert format_for("RUN.JSON") == "json"
+    assert format_for("run.json", "json") == "json" and format_for("run.trace", "json") == "json"
     with pytest.raises(ValueError, match="cannot tell"):
         format_for("run.bin")
+    with pytest.raises(ValueError, match="the format perfetto contradicts the name 'run.json'"):
+        format_for("run.json", "perfetto")
 
 
 def test_importing_the_exporter_leaves_the_protos_unloaded():

@@ -15,7 +15,8 @@ lanes while batches overlap), a step track for generation models and a pool of r
 tracks; each request a slice with ``queue`` and ``compute`` parts and an arrow to its
 batch. An empty window still gives a valid trace, holding a note that says so.
 
-``format_for(path)`` picks the format from a file name (``FORMATS``).
+``format_for(path)`` picks the format from a file name (``FORMATS``); ``check_names``
+refuses a model or instance the database has never seen (``UnknownName``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
 FORMATS = {".pftrace": "perfetto", ".perfetto-trace": "perfetto", ".pb": "perfetto",
            ".json": "json"}
 
-__all__ = ["ExportSummary", "FORMATS", "WindowTooLarge", "export_trace", "format_for"]
+__all__ = ["ExportSummary", "FORMATS", "UnknownName", "WindowTooLarge", "check_names",
+           "export_trace", "format_for"]
 
 
 @dataclass
@@ -68,14 +70,75 @@ class ExportSummary:
         return asdict(self)
 
 
-def format_for(path: str | os.PathLike) -> str:
-    """The format a file name asks for (``FORMATS``); ``ValueError`` for another one."""
+def format_for(path: str | os.PathLike, asked: str | None = None) -> str:
+    """The format a file name asks for (``FORMATS``), or ``asked`` (a format named
+    outright); ``ValueError`` for a name of no known format when none is asked, and for
+    an ``asked`` format another than the name's (a .pftrace file of JSON opens nowhere)."""
     name = str(path).lower()
-    for suffix, fmt in FORMATS.items():
-        if name.endswith(suffix):
-            return fmt
-    raise ValueError(f"cannot tell the trace format from the name {os.fspath(path)!r}: end it "
-                     f"with {', '.join(FORMATS)}, or name the format (perfetto or json)")
+    named = next((fmt for suffix, fmt in FORMATS.items() if name.endswith(suffix)), None)
+    if asked is None and named is None:
+        raise ValueError(f"cannot tell the trace format from the name {os.fspath(path)!r}: "
+                         f"end it with {', '.join(FORMATS)}, or name the format (perfetto "
+                         "or json)")
+    if asked is not None and named is not None and asked != named:
+        ends = " or ".join(suffix for suffix, fmt in FORMATS.items() if fmt == asked)
+        raise ValueError(f"the format {asked} contradicts the name {os.fspath(path)!r} (a "
+                         f"{named} file name): end the name in {ends}, or leave the format "
+                         "to the name")
+    return asked or named
+
+
+class UnknownName(LookupError):
+    """A window's model or instance that the database holds nothing of."""
+
+
+#: at most this many known names are listed in an ``UnknownName`` message
+_LISTED = 20
+
+
+def check_names(engine: Engine, window: Window) -> None:
+    """``UnknownName`` when the window's model or instance is one the database has never
+    seen: neither registered (``runtime_instances``, ``model_settings``) nor in a batch,
+    request or step row. The message names the unknown ones and lists the registered
+    ones. Past the small registration tables, one indexed look-up per table of rows."""
+    from sqlalchemy import select
+
+    from batchscope.analysis.queries import catalog
+    from batchscope.storage.schema import (BatchRecord, GenerationStep, RequestRecord,
+                                           RuntimeInstance)
+
+    problems = []
+    if window.model is not None:
+        known = catalog.models(engine)
+        if window.model not in known and not _recorded(
+                engine, "model", window.model, (BatchRecord, RequestRecord, GenerationStep)):
+            problems.append(f"unknown model {window.model!r} ({_listed('model', known)})")
+    if window.instance_id is not None:
+        with engine.connect() as conn:
+            known = sorted(conn.scalars(select(RuntimeInstance.id)))
+        if window.instance_id not in known and not _recorded(
+                engine, "instance_id", window.instance_id, (BatchRecord, RequestRecord)):
+            problems.append(f"unknown instance {window.instance_id!r} "
+                            f"({_listed('instance', known)})")
+    if problems:
+        raise UnknownName("; ".join(problems))
+
+
+def _recorded(engine: Engine, column: str, value: str, tables: tuple) -> bool:
+    """Whether a row of one of ``tables`` has ``value`` in ``column``."""
+    from sqlalchemy import literal, select
+
+    with engine.connect() as conn:
+        return any(conn.execute(select(literal(1)).where(getattr(table, column) == value)
+                                .limit(1)).first() is not None for table in tables)
+
+
+def _listed(kind: str, known: list[str]) -> str:
+    if not known:
+        return f"the database has no {kind} registered"
+    shown = ", ".join(known[:_LISTED])
+    more = f" and {len(known) - _LISTED:,} more" if len(known) > _LISTED else ""
+    return f"known: {shown}{more}"
 
 
 class _Counting:

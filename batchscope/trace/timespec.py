@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the server checks windows without the dashboard packages
@@ -24,6 +24,7 @@ DEFAULT_LAST_S = 10.0
 #: the latest time a window may reach (2255-03-14): a trace holds nanoseconds in 64-bit
 #: integers, which end in 2262
 LATEST_S = 9_000_000_000.0
+_EPOCH = datetime(1970, 1, 1)  # UTC, naive: dates before 1970 work on every platform
 _UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _OFFSET = re.compile(r"^-\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)$")
 ACCEPTED = ("epoch seconds (1767225600), an ISO date and time (2026-01-01T12:00:00, "
@@ -54,33 +55,71 @@ def parse_time(text: str, *, now: float) -> float:
     return when.timestamp()  # a naive time is local time
 
 
+def parse_seconds(text: str) -> float:
+    """A length of time in seconds from ``text`` (``12``, ``2.5``, ``1e3``); ``ValueError``
+    echoing ``text`` for anything else, an infinite or NaN one and one not above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number of seconds")
+    if value <= 0:
+        raise ValueError(f"{text!r} must be a positive number of seconds")
+    return value
+
+
 def window_from(start: str | None, end: str | None, last_s: float | None, *, now: float,
                 model: str | None = None, instance_id: str | None = None) -> Window:
-    """The window of the options (see module doc); ``ValueError`` when they clash."""
+    """The window of the options (see module doc); ``ValueError`` when they clash. A
+    window the checks refuse is reported with the options that were given."""
     end_s = parse_time(end, now=now) if end is not None else now
     if last_s is not None:
         if start is not None:
             raise ValueError("give --start or --last, not both")
         if not (math.isfinite(last_s) and last_s > 0):
-            raise ValueError(f"--last {last_s} must be a positive number of seconds")
+            raise ValueError(f"--last {last_s!r} must be a positive, finite number of seconds")
         start_s = end_s - last_s
     else:
         start_s = parse_time(start, now=now) if start is not None else end_s - DEFAULT_LAST_S
-    check_window(start_s, end_s)
+    if start is not None:
+        fix_start = ("--start and --end after 1970" if end is not None and end_s <= 0
+                     else "a later --start")
+    elif last_s is not None:
+        fix_start = "a shorter --last" + (" or a later --end" if end is not None else "")
+    else:  # the default length back from --end
+        fix_start = f"a later --end (the window is the {DEFAULT_LAST_S:g} s before it)"
+    check_window(start_s, end_s, fix_start=fix_start,
+                 fix_end="an earlier --end" if end is not None else "an earlier end")
     from batchscope.analysis.queries.window import Window
     return Window(start_s, end_s, model, instance_id)
 
 
-def check_window(start_s: float, end_s: float) -> None:
-    """``ValueError`` for a window that is not a finite span within 1970..``LATEST_S``."""
+def utc_text(epoch_s: float) -> str:
+    """``epoch_s`` as an ISO 8601 UTC time (``2026-01-01T12:00:00.250Z``, milliseconds
+    only when it has them), or as epoch seconds where no date can show it."""
+    try:
+        when = _EPOCH + timedelta(seconds=epoch_s)
+    except (OverflowError, ValueError):
+        return f"{epoch_s:,.3f} epoch seconds"
+    spec = "seconds" if when.microsecond == 0 else "milliseconds"
+    return when.isoformat(timespec=spec) + "Z"
+
+
+def check_window(start_s: float, end_s: float, *,
+                 fix_start: str = "a later start or a shorter window",
+                 fix_end: str = "an earlier end") -> None:
+    """``ValueError`` for a window that is not a finite span within 1970..``LATEST_S``;
+    ``fix_start`` and ``fix_end`` say what to change when it starts too early or ends too
+    late (named after the options the caller takes)."""
     if not (math.isfinite(start_s) and math.isfinite(end_s)):
         raise ValueError(f"the window {start_s!r}..{end_s!r} is not finite; give {ACCEPTED}")
     if start_s >= end_s:
-        raise ValueError(f"the window starts ({start_s:.3f}) at or after its end ({end_s:.3f}); "
-                         "the start must come first")
+        raise ValueError(f"the window starts ({utc_text(start_s)}) at or after its end "
+                         f"({utc_text(end_s)}); the start must come first")
     if start_s < 0:
-        raise ValueError(f"the window starts before 1970 ({start_s:,.3f} epoch seconds); give a "
-                         "shorter --last or a later start")
+        raise ValueError(f"the window starts before 1970 ({utc_text(start_s)}); give "
+                         f"{fix_start}")
     if end_s > LATEST_S:
         raise ValueError(f"the window ends after {LATEST_S:,.0f} epoch seconds (the year 2255), "
-                         "past what a trace's nanosecond times can hold; give an earlier end")
+                         f"past what a trace's nanosecond times can hold; give {fix_end}")
