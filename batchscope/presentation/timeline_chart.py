@@ -13,15 +13,25 @@ gap), and a point at the middle of each carries the hover text and the batch key
 (``customdata``: instance, seq) that a click or box selection returns. The points are SVG
 while a window has at most ``SVG_POINTS_MAX`` of them and WebGL past that: a browser
 keeps about 16 WebGL contexts, a figure with WebGL traces makes its own, and a live page
-draws a new figure at every refresh, faster than the browser frees the old ones. Labels
-(``size/max``) are written on the bars while a window has at most ``LABEL_MAX`` of
-them. x is seconds after the window's start (floats draw and serialise faster than
-date-times, and keep microseconds).
+draws a new figure at every refresh, faster than the browser frees the old ones. A bar
+is labelled (``size/max``; a step: its running sequences) only where it is wide enough
+for its label on a plot ``PLOT_WIDTH_PX`` wide, so labels never run into each other. x
+is seconds after the window's start (floats draw and serialise faster than date-times,
+and keep microseconds).
+
+The view: a figure's ``uirevision`` is ``view_key`` (model, instance and length of the
+window, not the data), so where the figure is updated in place (``Plotly.react``) a zoom
+or pan survives a new figure of the same view (a live refresh, a pick) and a new choice
+of window length, model or instance shows the whole window again. (Streamlit 1.67's
+``st.plotly_chart`` with selections draws a figure whose content changed afresh, so on
+the page a zoom lasts until the chart's next new figure.) Legends go below the x axis's
+title, out of the way of the toolbar above the plot.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timezone, tzinfo
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -31,8 +41,16 @@ import plotly.colors
 from batchscope.analysis.queries.timeline import TimelineRows, assign_lanes
 from batchscope.presentation import charts
 
-#: bars labelled with their size while the window holds at most this many
-LABEL_MAX = 150
+#: the plot's width (pixels) that bar labels are fitted to: about the timeline's plot
+#: area on the page; a label is written only on a bar at least as wide as its text
+PLOT_WIDTH_PX = 800
+LABEL_FONT_PX = 9
+#: the width of one label character at ``LABEL_FONT_PX`` (digits and "/" are narrower)
+LABEL_CHAR_PX = 6.0
+#: a legend row's height (pixels) and the room the x axis's ticks and title take below
+#: the plot
+LEGEND_ROW_PX = 24
+AXIS_BELOW_PX = 52
 #: hover/select points drawn as SVG while the window holds at most this many (batches,
 #: steps and marks); WebGL past it, where SVG would slow the page
 SVG_POINTS_MAX = 3000
@@ -77,6 +95,25 @@ def _ms(v) -> str:
     return "–" if v is None or pd.isna(v) else f"{1000.0 * float(v):.2f} ms"
 
 
+def _ms_range(lo, hi) -> str:
+    """``lo``–``hi`` in milliseconds, one value where both read the same."""
+    a, b = _ms(lo), _ms(hi)
+    return a if a == b else f"{a}–{b}"
+
+
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1 ("1 request", "3 requests")."""
+    return f"{n:,} {noun if n == 1 else noun + 's'}"
+
+
+def view_key(window) -> str:
+    """The timeline's ``uirevision``: what the user chose to look at (model, instance and
+    the window's length), not the data, so that a zoom survives the refreshes and picks of
+    one view and a new choice of window length, model or instance resets it."""
+    return (f"timeline|{window.model or '*'}|{window.instance_id or '*'}|"
+            f"{window.duration_s:.3f}")
+
+
 def _batch_hover(b: pd.DataFrame) -> list[str]:
     pad = np.where(b["padded_elements"] > 0, 1.0 - b["real_elements"] / b["padded_elements"]
                    .where(b["padded_elements"] > 0, 1), 0.0)
@@ -86,7 +123,7 @@ def _batch_hover(b: pd.DataFrame) -> list[str]:
         pd.Series([None] * len(b), index=b.index)
     memory = ["" if pd.isna(m) else f" · memory +{float(m) / 2**20:.1f} MiB" for m in grew]
     return [f"<b>batch {int(seq)}</b> · {model}<br>size {int(n)}/{int(mx)} · bucket {bk} · "
-            f"padding {100 * p:.0f}%<br>compute {_ms(c)} · wait {_ms(wmin)}–{_ms(wmax)}<br>"
+            f"padding {100 * p:.0f}%<br>compute {_ms(c)} · wait {_ms_range(wmin, wmax)}<br>"
             f"{pol} · settings v{int(v)} · {out}{' · CUDA graph' if g else ''}{mem}"
             for seq, model, n, mx, bk, p, c, wmin, wmax, pol, v, out, g, mem in zip(
                 b["seq"], b["model"], b["batch_size"], b["max_batch_size"], bucket, pad,
@@ -95,8 +132,9 @@ def _batch_hover(b: pd.DataFrame) -> list[str]:
 
 
 def _step_hover(s: pd.DataFrame) -> list[str]:
-    return [f"<b>step</b> · {model}<br>{int(r)} running, {int(w)} waiting<br>prefill {int(p)} "
-            f"· decode {int(d)} tokens<br>{_ms(t)} · KV blocks {int(u)} · preempted {int(pr)}"
+    return [f"<b>step</b> · {model}<br>{int(r)} running, {int(w)} waiting<br>prefill "
+            f"{count(int(p), 'token')} · decode {count(int(d), 'token')}<br>{_ms(t)} · "
+            f"KV blocks {int(u)} · preempted {int(pr)}"
             for model, r, w, p, d, t, u, pr in zip(
                 s["model"], s["running"], s["waiting"], s["prefill_tokens"], s["decode_tokens"],
                 s["step_s"], s["blocks_used"], s["preemptions"])]
@@ -114,11 +152,14 @@ class Lanes:
 
 
 def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
-             height: int | None = None, tz: tzinfo | None = timezone.utc) -> go.Figure:
+             height: int | None = None, tz: tzinfo | None = timezone.utc,
+             revision: str | None = None) -> go.Figure:
     """The batch timeline of ``rows`` (see the module doc); ``selected``: the (instance,
     seq) of the batch drawn outlined; ``tz``: the zone the x axis names its start in
-    (None: local time)."""
+    (None: local time); ``revision``: the figure's ``uirevision`` (``view_key`` of the
+    window by default)."""
     t0 = rows.window.start_s
+    span = rows.window.duration_s
     b, r, s = rows.batches, rows.requests, rows.steps
     pairs = pd.concat([df[["instance_id", "model"]].drop_duplicates() for df in (b, r, s)])
     keys = sorted(set(zip(pairs["instance_id"], pairs["model"])), key=lambda k: (k[1], k[0]))
@@ -126,9 +167,10 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
     colors = model_colors(model for _, model in keys)
     lanes = Lanes()
     traces: list = []
-    label_bars = len(b) + len(s) <= LABEL_MAX
     marks = int((r["outcome"].isin(REFUSED) | r["bypass"]).sum()) if len(r) else 0
     scatter = go.Scatter if len(b) + len(s) + marks <= SVG_POINTS_MAX else go.Scattergl
+    picked = _picked(rows, selected)
+    outline: list = []  # the frame around the picked batch or step, on its own lane
     for inst, model in keys:
         name = f"{model} @ {inst[:12]}" if several else model
         color = colors[model]
@@ -139,49 +181,103 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
                            for k in range(int(sub.max()) + 1)])[sub]
             traces += _bars(mb, ys, t0, name, color, _batch_hover(mb),
                             custom=np.column_stack([mb["instance_id"], mb["seq"]]),
-                            labels=[f"{int(n)}/{int(m)}" for n, m in
-                                    zip(mb["batch_size"], mb["max_batch_size"])]
-                            if label_bars else None,
+                            labels=_labels(mb, "started_at", "ended_at", span,
+                                           _size_label(mb)),
                             failed=(mb["outcome"] != "ok").to_numpy(), scatter=scatter)
+            if picked is not None and picked.kind == "batches" and picked.key == (inst, model):
+                # the first batch of its number in its lanes, as ``members`` takes it
+                at = np.flatnonzero(mb["seq"].to_numpy() == selected[1])[0]
+                outline = _outline(picked, ys[at], t0)
         ms = s[(s["instance_id"] == inst) & (s["model"] == model)]
         if len(ms):
             y = lanes.add(f"{name} · steps")
             traces += _bars(ms, np.full(len(ms), y), t0, f"{name} steps", color,
                             _step_hover(ms), custom=np.column_stack(
                                 [ms["instance_id"], -ms["id"].astype(np.int64)]),
-                            labels=[str(int(n)) for n in ms["running"]] if label_bars else None,
+                            labels=_labels(ms, "started_at", "at", span,
+                                           _running_label(ms)),
                             failed=None, start_col="started_at", end_col="at",
                             scatter=scatter)
+            if picked is not None and picked.kind == "steps" and picked.key == (inst, model):
+                outline = _outline(picked, y, t0)
         mr = r[(r["instance_id"] == inst) & (r["model"] == model)]
         refused = mr[mr["outcome"].isin(REFUSED) | mr["bypass"]]
         if len(refused):
             y = lanes.add(f"{name} · refused / expired / cancelled / bypass")
             traces.append(_marks(refused, y, t0, name, scatter))
-    fig = charts._base("Batch timeline", height=height or max(220, 70 + 34 * len(lanes.labels)),
-                       closest=True, dragmode="zoom", showlegend=True)
-    fig.add_traces(traces)
-    if selected is not None:
-        fig.add_traces(_outline(rows, selected, lanes, t0))
-    n = max(1, len(lanes.labels))
+    n = len(lanes.labels)
+    plot_px = max(140, 34 * n)
+    fig = charts._base("Batch timeline", height=height or plot_px + 40 + AXIS_BELOW_PX,
+                       closest=True, dragmode="zoom", showlegend=True,
+                       uirevision=revision or view_key(rows.window))
+    fig.add_traces(traces + outline)
     fig.update_layout(
-        xaxis=dict(title=f"seconds after {clock(t0, tz)}", range=[0, rows.window.duration_s],
+        xaxis=dict(title=f"seconds after {clock(t0, tz)}", range=[0, round(span, 6)],
                    zeroline=False),
         yaxis=dict(tickvals=list(range(n)), ticktext=lanes.labels, range=[n - 0.5, -0.5],
-                   zeroline=False, showgrid=False),
-        # above the plot, right of the title: below it, the legend met the axis title
-        legend=dict(orientation="h", y=1.02, yanchor="bottom", x=1.0, xanchor="right"))
+                   zeroline=False, showgrid=False) if n else
+        dict(range=[0.5, -0.5], visible=False))
     if rows.empty:
-        return charts._empty(fig, "no batch, request or generation step in this window")
-    return charts.add_event_markers(fig, rows.events, y=-0.45,
-                                    x_of=lambda at: np.asarray(at, dtype=float) - t0)
+        charts._empty(fig, "no batch, request or generation step in this window")
+    else:
+        charts.add_event_markers(fig, rows.events, y=-0.45,
+                                 x_of=lambda at: np.asarray(at, dtype=float) - t0)
+    return _legend_below(fig, fixed_height=height is not None)
+
+
+def _size_label(batches: pd.DataFrame):
+    """The label of the batch at a position of ``batches``: its ``size/max``."""
+    sizes, maxima = batches["batch_size"].to_numpy(), batches["max_batch_size"].to_numpy()
+    return lambda i: f"{int(sizes[i])}/{int(maxima[i])}"
+
+
+def _running_label(steps: pd.DataFrame):
+    """The label of the step at a position of ``steps``: its running sequences."""
+    running = steps["running"].to_numpy()
+    return lambda i: str(int(running[i]))
+
+
+def _labels(df: pd.DataFrame, start_col: str, end_col: str, span_s: float,
+            text) -> list[str]:
+    """The label of each bar of ``df`` (``text`` of its position), or "" where the bar is
+    narrower than its label on a plot ``PLOT_WIDTH_PX`` wide: bars of a lane never
+    overlap, and a label centred on a bar at least as wide stays inside it."""
+    width_px = (df[end_col].to_numpy(float) - df[start_col].to_numpy(float)) \
+        / span_s * PLOT_WIDTH_PX
+    out = [""] * len(df)
+    for i in np.flatnonzero(width_px >= 3 * LABEL_CHAR_PX):  # the shortest label: "1/1"
+        label = text(i)
+        if width_px[i] >= len(label) * LABEL_CHAR_PX:
+            out[i] = label
+    return out
+
+
+def _legend_below(fig: go.Figure, *, fixed_height: bool = False) -> go.Figure:
+    """The legend in rows under the x axis's title, the bottom margin made room for them
+    (the figure grows by as much, unless its height is ``fixed_height``): above the plot
+    it ran under the toolbar, and just under the plot over the axis's title."""
+    names = [t.name for t in fig.data if t.showlegend is not False and t.name]
+    rows, used = (1, 0.0) if names else (0, 0.0)
+    for name in dict.fromkeys(names):  # the rows a legend of them wraps into
+        entry = 40 + 7.0 * len(name)  # the symbol, the gaps and the text at 12 px
+        if used and used + entry > PLOT_WIDTH_PX:
+            rows, used = rows + 1, 0.0
+        used += entry
+    bottom = AXIS_BELOW_PX + LEGEND_ROW_PX * rows
+    grown = bottom - fig.layout.margin.b
+    return fig.update_layout(
+        margin=dict(b=bottom), height=fig.layout.height + (0 if fixed_height else grown),
+        legend=dict(orientation="h", xref="paper", x=0, xanchor="left", yref="container",
+                    y=0, yanchor="bottom"))
 
 
 def _bars(df: pd.DataFrame, ys: np.ndarray, t0: float, name: str, color: str,
-          hover: list[str], *, custom: np.ndarray, labels: list[str] | None,
+          hover: list[str], *, custom: np.ndarray, labels: list[str],
           failed: np.ndarray | None, start_col: str = "started_at",
           end_col: str = "ended_at", scatter: type = go.Scattergl) -> list:
     """Bars as line segments, and their middles as the points that hover and select
-    (``scatter``: SVG or WebGL, see ``SVG_POINTS_MAX``)."""
+    (``scatter``: SVG or WebGL, see ``SVG_POINTS_MAX``) and carry the bars' ``labels``
+    ("": none)."""
     start = df[start_col].to_numpy(float) - t0
     end = df[end_col].to_numpy(float) - t0
     out = []
@@ -195,11 +291,12 @@ def _bars(df: pd.DataFrame, ys: np.ndarray, t0: float, name: str, color: str,
         # resizing container)
         out.append(go.Scatter(x=x, y=y, mode="lines", name=label, legendgroup=label,
                               line=dict(color=c, width=BAR_WIDTH_PX), hoverinfo="skip"))
+        text = [labels[i] for i in np.flatnonzero(mask)]
         out.append(scatter(
             x=(start[mask] + end[mask]) / 2, y=ys[mask], name=label, legendgroup=label,
-            showlegend=False, mode="markers+text" if labels else "markers",
-            text=[labels[i] for i in np.flatnonzero(mask)] if labels else None,
-            textposition="top center", textfont=dict(size=9),
+            showlegend=False, mode="markers+text" if any(text) else "markers",
+            text=text if any(text) else None,
+            textposition="top center", textfont=dict(size=LABEL_FONT_PX),
             marker=dict(color=c, size=5, line=dict(width=0)),
             customdata=custom[mask], hovertext=[hover[i] for i in np.flatnonzero(mask)],
             hoverinfo="text"))
@@ -233,28 +330,43 @@ def _mark_times(kind: str, queued_s: float, latency_s: float) -> str:
     return f"waited {_ms(queued_s)}"
 
 
-def _outline(rows: TimelineRows, key: tuple[str, int], lanes: Lanes, t0: float) -> list:
-    """A dark frame around the selected batch (or step, seq < 0)."""
+class Picked(NamedTuple):
+    """The picked batch or step as the chart finds it: its lanes' ``kind`` ("batches" or
+    "steps"), the (instance, model) ``key`` of its lanes and its start and end (epoch
+    seconds)."""
+
+    kind: str
+    key: tuple[str, str]
+    start: float
+    end: float
+
+
+def _picked(rows: TimelineRows, key: tuple[str, int] | None) -> Picked | None:
+    """The batch (seq >= 0) or generation step (seq < 0: ``-id``) that ``key`` (instance,
+    seq) picks, the first of a repeated number as ``members`` takes it; None when it is
+    not in the window."""
+    if key is None:
+        return None
     inst, seq = key
     if seq >= 0:
-        b = rows.batches
-        sel = b[(b["instance_id"] == inst) & (b["seq"] == seq)]
-        start, end = sel["started_at"], sel["ended_at"]
-        prefix = f"{sel['model'].iloc[0]}" if len(sel) else ""
-        suffix = " · batches"
+        df, kind, end_col = rows.batches, "batches", "ended_at"
+        match = df[(df["instance_id"] == inst) & (df["seq"] == seq)]
     else:
-        s = rows.steps
-        sel = s[(s["instance_id"] == inst) & (s["id"] == -seq)]
-        start, end = sel["started_at"], sel["at"]
-        prefix = f"{sel['model'].iloc[0]}" if len(sel) else ""
-        suffix = " · steps"
-    if not len(sel):
-        return []
-    ys = [i for i, lab in enumerate(lanes.labels) if lab.startswith(prefix) and suffix in lab]
-    s0, e0 = float(start.iloc[0]) - t0, float(end.iloc[0]) - t0
+        df, kind, end_col = rows.steps, "steps", "at"
+        match = df[(df["instance_id"] == inst) & (df["id"] == -seq)]
+    if not len(match):
+        return None
+    first = match.iloc[0]
+    return Picked(kind, (inst, first["model"]), float(first["started_at"]),
+                  float(first[end_col]))
+
+
+def _outline(picked: Picked, y: float, t0: float) -> list:
+    """A dark frame around the picked batch or step, on lane ``y``."""
+    s0, e0 = picked.start - t0, picked.end - t0
     return [go.Scatter(x=[s0, e0, e0, s0, s0], y=[y - 0.35, y - 0.35, y + 0.35, y + 0.35, y - 0.35],
                        mode="lines", line=dict(color="#111", width=2), name="selected",
-                       hoverinfo="skip", showlegend=False) for y in ys[:1]]
+                       hoverinfo="skip", showlegend=False)]
 
 
 def members(rows: TimelineRows, key: tuple[str, int]) -> tuple[go.Figure, pd.DataFrame]:
@@ -266,7 +378,7 @@ def members(rows: TimelineRows, key: tuple[str, int]) -> tuple[go.Figure, pd.Dat
     r = rows.requests
     if seq >= 0:
         part = rows.members(inst, seq).sort_values("arrived_at")
-        title = f"Batch {seq}: {len(part)} requests — queue wait, then compute"
+        title = f"Batch {seq}: {count(len(part), 'request')} — queue wait, then compute"
         phases = [("queue", "arrived_at", "started_at", QUEUE_COLOR),
                   ("compute", "started_at", "finished_at", None)]
         if "trace_id" in part and part["trace_id"].notna().any():  # traced: the transport too
@@ -285,14 +397,15 @@ def members(rows: TimelineRows, key: tuple[str, int]) -> tuple[go.Figure, pd.Dat
             part["latency_s"]).astype(float))
         number = step["seq"].iloc[0] if "seq" in step else None
         named = "Step" if number is None or pd.isna(number) else f"Step {int(number)}"
-        title = (f"{named} at {st1 - t0:.3f} s: {len(part)} sequences — waiting, prefill "
-                 "(until the first token), decode")
+        title = (f"{named} at {st1 - t0:.3f} s: {count(len(part), 'sequence')} — waiting, "
+                 "prefill (until the first token), decode")
         phases = [("waiting", "arrived_at", "started_at", QUEUE_COLOR),
                   ("prefill", "started_at", "first_token_at", "#ff7f0e"),
                   ("decode", "first_token_at", "finished_at", None)]
-    fig = charts._base(title, height=max(200, 90 + 18 * len(part)), closest=True, barmode="overlay")
+    fig = charts._base(title, height=40 + AXIS_BELOW_PX + max(120, 10 + 18 * len(part)),
+                       closest=True, barmode="overlay", uirevision=f"members|{inst}|{seq}")
     if not len(part):
-        return charts._empty(fig, "no recorded request in it"), part
+        return _legend_below(charts._empty(fig, "no recorded request in it")), part
     color = model_colors([part["model"].iloc[0]])[part["model"].iloc[0]]
     labels = [f"#{i + 1} p{int(p)}" + (f" len {int(n)}" if not pd.isna(n) else "")
               for i, (p, n) in enumerate(zip(part["priority"], part["length"]))]
@@ -310,7 +423,7 @@ def members(rows: TimelineRows, key: tuple[str, int]) -> tuple[go.Figure, pd.Dat
                              hoverinfo="text+name", marker=dict(color=c or color)))
     fig.update_layout(xaxis=dict(title="seconds after the window's start"),
                       yaxis=dict(autorange="reversed", type="category"))
-    return fig, part
+    return _legend_below(fig), part
 
 
 def slowest(rows: TimelineRows, n: int = 20) -> pd.DataFrame:
