@@ -172,7 +172,7 @@ def test_the_page_shows_a_batch_picked_by_number(app_db):
     assert at.session_state["timeline_selected"][1] == int(seq)
     assert len(at.get("plotly_chart")) == 2  # the timeline and the batch's members
     assert any(f"**Batch {int(seq)}**" in m.value for m in at.markdown)
-    assert not at.toggle(key="timeline_follow").value  # picking stopped following
+    assert not next(t for t in at.toggle if t.label == "Follow live").value  # picking stopped it
     at.text_input(key="timeline_batch_number").input("99999999").run()  # no such batch
     assert not at.exception and at.session_state["timeline_selected"][1] == int(seq)
 
@@ -206,4 +206,4 @@ def test_a_batch_before_the_sidebar_s_window_is_named_not_silently_ignored(app_d
     at.text_input(key="timeline_batch_number").input(str(seq)).run()
     assert not at.exception, [e.value for e in at.exception]
     assert "timeline_selected" not in at.session_state  # nothing picked
-    assert any(f"batch {seq} ran before the time window" in t.value for t in at.toast)
+    assert any(f"batch {seq} ran before the time window" in w.value for w in at.warning)

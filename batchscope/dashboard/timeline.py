@@ -1,12 +1,13 @@
 """The Batch timeline page: which requests were batched together, and why one waited.
 
 A window of the scope (10 s by default, 1 s to 5 min, never longer than the sidebar's
-window nor past now; live windows follow the clock until a batch is picked) is read row by
-row (``queries.timeline``) and drawn as lanes of batches (``presentation.timeline_chart``).
-A batch is picked by clicking its bar, by a row of the "slowest requests" table, or by
-its number; its requests are then drawn as queue wait and compute, with their table. The
-window downloads as a Perfetto trace or as Chrome trace JSON (made when the button is
-pressed, off the page's run), the same file a snapshot of the window holds.
+window nor past the live edge; live windows follow the clock until a batch is picked) is
+read row by row (``queries.timeline``) and drawn as lanes of batches
+(``presentation.timeline_chart``), of the sidebar's model or, with "Models: all models",
+of every model. A batch is picked by clicking its bar, by a row of the "slowest requests"
+table, or by its number; its requests are then drawn as queue wait and compute, with their
+table. The window downloads as a Perfetto trace or as Chrome trace JSON (made when the
+button is pressed, off the page's run), the same file a snapshot of the window holds.
 
 Until a batch is picked, only the requests the chart marks or the table lists are read
 (refused, expired, bypassed, the slowest), so the page's cost follows the batches, not the
@@ -14,17 +15,32 @@ requests: 10 s at 10,000 requests a second is about 3,000 batches. A window hold
 than ``PAGE_MAX_ROWS`` of those rows is refused with its row count and the length that
 would fit.
 
+Live, the window ends ``LIVE_LAG_S`` before now, once the recorder has written the rows
+of its last moments, so the page counts what a download of the same window holds. The
+live region (a fragment) refreshes every ``live_every_s``: the sidebar's refresh, or
+``COST_FACTOR`` times what its last run took to read and draw when that is longer; a
+window of more than ``LIVE_MAX_BARS`` batches and steps stops following, saying why.
+
+Following the clock is kept in ``FOLLOWING``, a key no widget owns: a timer run of the
+fragment sent while a pick is being handled carries the browser's old widget values, and
+would switch a widget that a pick turned off (the toggle) back on. The toggle shows
+``FOLLOWING`` under a key renewed whenever the page, not the toggle, changed it. The batch
+number box is drawn outside the fragment, so typing a number reruns the page once.
+
 Where the window ends is decided once per page run (:func:`window_end`, a pure function)
 and written to ``timeline_end`` before the region reads it, so a region that finds it moved
 (a pick did it) reruns the page once and never again for the same state. Times are the
 dashboard's local time (``scope.fmt_time``), their zone named wherever one is shown; the
 trace downloads are named by the window's start on that clock, with its UTC offset.
+A pick's message (a number that names no batch, say) is kept in ``NOTE`` by its callback
+and shown on the page until the next pick.
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import math
 import time
 from datetime import datetime, tzinfo
 from typing import NamedTuple
@@ -45,8 +61,32 @@ DEFAULT_LENGTH_S = 10
 #: the most batches and requests one page run reads (10 s at 10,000 requests/s is 100,000)
 PAGE_MAX_ROWS = 400_000
 SELECTED = "timeline_selected"
+#: whether the window follows the clock (no widget's key, see the module's docstring)
+FOLLOWING = "timeline_following"
+#: the Follow live toggle's key, and the count that renews it
 FOLLOW = "timeline_follow"
+FOLLOW_GEN = "timeline_follow_gen"
 END = "timeline_end"
+#: the end the last run of the region read up to
+WINDOW_END = "timeline_window_end"
+NUMBER = "timeline_batch_number"
+MODELS = "timeline_models"
+#: a pick's message: (where it is shown, "number" or "table"; the text)
+NOTE = "timeline_note"
+#: why the window stopped following by itself
+STOP_NOTE = "timeline_stop_note"
+#: the last region run's cost: ((length, model, instance), seconds); the cadence in effect
+COST = "timeline_cost"
+EVERY = "timeline_every"
+#: the recorder writes its rows every this many seconds (``Recorder``'s flush_interval_s)
+RECORDER_FLUSH_S = 0.5
+#: a live window ends this long before now: by then the recorder has written its rows
+LIVE_LAG_S = 2 * RECORDER_FLUSH_S
+#: a live refresh waits at least this many times what the last one took to read and draw
+COST_FACTOR = 5.0
+#: a live window of more batches and steps than this stops following: each refresh sends
+#: and redraws all of them (about 3 MB of figure for 10,000), more than a tab keeps up with
+LIVE_MAX_BARS = 10_000
 #: the slowest-requests table's key, and the count that renews it to clear a stale tick
 TABLE = "timeline_slowest"
 TABLE_GEN = "timeline_slowest_gen"
@@ -68,8 +108,8 @@ class WindowEnd(NamedTuple):
 def window_end(start_s: float, end_s: float, length_s: float, now: float,
                wanted_s: float | None) -> WindowEnd:
     """Where a window of ``length_s`` ends inside the sidebar's window ``start_s``..``end_s``
-    (a live one passes ``end_s=now``): at ``wanted_s`` kept inside it, at its end when
-    nothing is wanted. A window longer than the sidebar's is cut to it; one with under a
+    (a live one passes ``end_s=now``; ``now`` is the live edge, ``LIVE_LAG_S`` before the
+    clock): at ``wanted_s`` kept inside it, at its end when nothing is wanted. A window longer than the sidebar's is cut to it; one with under a
     second of room has no slider and ends where the sidebar's does."""
     hi = min(end_s, now)
     length = max(0.0, min(length_s, hi - start_s))
@@ -78,6 +118,96 @@ def window_end(start_s: float, end_s: float, length_s: float, now: float,
         return WindowEnd(hi, length, None)
     end = hi if wanted_s is None else min(max(wanted_s, lo), hi)
     return WindowEnd(end, length, (lo, hi))
+
+
+def live_every_s(refresh_s: float | None, cost_s: float | None,
+                 current_s: float | None) -> float | None:
+    """Seconds between live refreshes of the region: the sidebar's ``refresh_s``, or, when
+    the last run took ``cost_s`` seconds to read and draw, ``COST_FACTOR`` times that in
+    whole seconds where that is longer, so a refresh never takes more than a fifth of the
+    time. The cadence in effect, ``current_s``, is kept until the cost outgrows it
+    (stretched at once) or falls to half of it (shortened), so a cost near a whole second
+    does not change it (and rerun the page) at every refresh. None: no live refresh."""
+    if refresh_s is None:
+        return None
+    wanted = COST_FACTOR * cost_s if cost_s is not None else 0.0
+    fit = refresh_s if wanted <= refresh_s else float(math.ceil(wanted))
+    if current_s is None or current_s < refresh_s or wanted > current_s \
+            or wanted <= current_s / 2:
+        return fit
+    return current_s
+
+
+def too_many_to_follow(bars: int) -> bool:
+    """Whether a live window of ``bars`` batches and steps stops following."""
+    return bars > LIVE_MAX_BARS
+
+
+def stop_note(bars: int) -> str:
+    """Why a window of ``bars`` batches and steps stopped following the clock."""
+    return (f"Follow live stopped by itself: the window holds {bars:,} batches and steps, "
+            f"more than the {LIVE_MAX_BARS:,} a live page redraws at every refresh (the tab "
+            "would do little else). The window stays where it stopped; to follow the clock, "
+            "choose a shorter window and switch Follow live on.")
+
+
+def not_found_note(text: str, other: dict | None, model: str | None,
+                   instance: str | None) -> str:
+    """What the page says when batch ``text`` is not one of ``model`` on ``instance`` (None:
+    any): ``other`` is the batch of that number found without either filter, if any."""
+    if other is None:
+        return f"there is no batch {text} in this database"
+    if model is not None and other["model"] != model:
+        return (f"batch {text} is a batch of {other['model']}, not of {model}: choose "
+                f"\"all models\" under Models (or {other['model']} in the sidebar's Model "
+                "picker) to go to it")
+    return (f"batch {text} ran on instance {other['instance_id']}, not on {instance}: choose "
+            f"{other['instance_id']} (or all) in the sidebar's Instance picker to go to it")
+
+
+#: the slowest-requests table's columns, in their order, with their names on the page
+SLOWEST_COLUMNS = {
+    "batch": st.column_config.NumberColumn("batch", format="%d"),
+    "batch_size": st.column_config.NumberColumn("batch size", format="%d"),
+    "priority": st.column_config.NumberColumn("priority", format="%d"),
+    "length": st.column_config.NumberColumn("length", format="%d"),
+    "outcome": st.column_config.TextColumn("outcome"),
+    "latency_ms": st.column_config.NumberColumn("latency (ms)", format="%.2f"),
+    "queue_ms": st.column_config.NumberColumn("queue wait (ms)", format="%.2f"),
+    "compute_ms": st.column_config.NumberColumn("compute (ms)", format="%.2f"),
+    "model": st.column_config.TextColumn("model"),
+    "finished": st.column_config.NumberColumn("finished (s after the window's start)",
+                                              format="%.3f"),
+}
+#: the picked batch's requests table: its column, its name on the page, times in ms
+MEMBER_COLUMNS = (("priority", "priority", False), ("length", "length", False),
+                  ("outcome", "outcome", False), ("queue_wait_s", "queue wait (ms)", True),
+                  ("compute_s", "compute (ms)", True), ("latency_s", "latency (ms)", True),
+                  ("ttft_s", "first token (ms)", True), ("prompt_tokens", "prompt tokens", False),
+                  ("output_tokens", "output tokens", False), ("bypass", "bypass", False))
+#: columns a generation model's requests fill, shown only when one of them holds a value
+GENERATION_COLUMNS = ("ttft_s", "prompt_tokens", "output_tokens")
+
+
+def requests_table(part: pd.DataFrame) -> pd.DataFrame:
+    """The picked batch's (or step's) requests as the page lists them: times in ms, as in
+    its header and the slowest-requests table; a generation model's columns only where one
+    holds a value; a traced request's trace id, client id, receive and send times only
+    when one of them was traced."""
+    p = part.reset_index(drop=True)
+    if "queue_wait_s" in p and "latency_s" in p:
+        p = p.assign(compute_s=p["latency_s"] - p["queue_wait_s"])
+    out = pd.DataFrame(index=p.index)
+    for col, name, ms in MEMBER_COLUMNS:
+        if col not in p or (col in GENERATION_COLUMNS and not p[col].notna().any()):
+            continue
+        out[name] = 1000 * p[col].astype(float) if ms else p[col]
+    if "trace_id" in p and p["trace_id"].notna().any():
+        out["trace id"] = p["trace_id"]
+        out["client request id"] = p["client_request_id"]
+        out["receive (ms)"] = 1000 * (p["recv_end_at"] - p["recv_start_at"])
+        out["send (ms)"] = 1000 * (p["send_end_at"] - p["send_start_at"])
+    return out
 
 
 def stale_tick(picks: list[tuple[str, object]], ticked: list[int],
@@ -124,35 +254,111 @@ def _as_end(t: float) -> datetime:
     return datetime.fromtimestamp(t)
 
 
+def _dbg(*a):
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+    ctx = get_script_run_ctx()
+    frag = getattr(ctx, "fragment_ids_this_run", None) if ctx else None
+    ch = st.session_state.get("timeline_chart")
+    sel = None
+    try:
+        sel = [p.get("customdata") for p in ch.selection.get("points", [])]
+    except Exception as e:
+        sel = repr(e)[:40]
+    with open("/tmp/tl/dbg.log", "a") as fh:
+        fh.write(f"{time.time():.3f} frag={bool(frag)} following={st.session_state.get(FOLLOWING)} sel={sel} " + " ".join(map(str, a)) + "\n")
+
+
 def render(scope: Scope) -> None:
+    _dbg("render")
     engine = data_engine(scope)
-    left, mid, right = st.columns([1, 3, 1])
+    left, models, mid, right = st.columns([1, 1.3, 3, 1.5])
     length = left.selectbox("Window", LENGTHS_S, index=LENGTHS_S.index(DEFAULT_LENGTH_S),
                             format_func=lambda s: f"{s} s", key="timeline_length")
-    if FOLLOW not in st.session_state or not scope.live:
-        st.session_state[FOLLOW] = scope.live
-    follow = right.toggle("Follow live", key=FOLLOW, disabled=not scope.live,
-                          help="the window ends now and moves with the clock; picking a batch "
-                               "stops it where it is")
-    now = time.time()
-    w = scope.window(now)  # a live one moved to end now
+    model = _models_choice(models, scope)
+    following = _follow_toggle(right, scope)
+    edge = time.time() - LIVE_LAG_S  # the live edge: the recorder has written up to it
+    w = scope.window(edge)  # a live one moved to end at the edge
     kept = st.session_state.get(END)
     # a snapshot's window is its data's, whatever this machine's clock says
-    at = window_end(w.start_s, w.end_s, float(length), now if scope.snapshot is None else w.end_s,
+    at = window_end(w.start_s, w.end_s, float(length),
+                    edge if scope.snapshot is None else w.end_s,
                     None if kept is None else kept.timestamp())
+    right.text_input("Go to batch number", key=NUMBER, on_change=_picked_by_number,
+                     args=(engine, scope, model, at.length_s), placeholder="e.g. 1234")
     if at.length_s < length:
         mid.caption(f"The sidebar's time window is {at.length_s:.0f} s, shorter than {length} s: "
                     "the timeline shows all of it. Choose a longer time window in the sidebar "
                     "to see more.")
-    if scope.live and follow:
+    if scope.live and following:
         end_s = None
     elif at.bounds is None:  # no room to move: no slider, and the end is settled here
         st.session_state[END] = _as_end(at.end_s)
         end_s = at.end_s
     else:
         end_s = _end_slider(mid, at)
-    st.fragment(run_every=scope.refresh_s if end_s is None else None)(region)(
-        engine, scope, at.length_s, end_s)
+    if not following and STOP_NOTE in st.session_state:
+        mid.info(st.session_state[STOP_NOTE])
+    _show_note("number")
+    every = _cadence(scope, model, at.length_s) if end_s is None else None
+    st.session_state[EVERY] = every
+    st.fragment(run_every=every)(region)(engine, scope, model, at.length_s, end_s, every)
+
+
+def _models_choice(where, scope: Scope) -> str | None:
+    """The model the timeline shows: the sidebar's, or None for all (each in its lane)."""
+    if scope.model is None:  # no model has reported: every model there is
+        return None
+    choice = where.selectbox("Models", ("sidebar", "all"), key=MODELS,
+                             format_func=lambda c: f"{scope.model} (the sidebar's)"
+                             if c == "sidebar" else "all models",
+                             help="the model picked in the sidebar, or every model, each in "
+                                  "a lane of its own (this page only)")
+    return scope.model if choice == "sidebar" else None
+
+
+def _follow_toggle(where, scope: Scope) -> bool:
+    """Draw the Follow live toggle; whether the window follows the clock."""
+    if FOLLOWING not in st.session_state or not scope.live:
+        st.session_state[FOLLOWING] = scope.live
+    following = bool(st.session_state[FOLLOWING])
+    key = _toggle_key(following)
+    where.toggle("Follow live", value=following, key=key, disabled=not scope.live,
+                 on_change=_follow_toggled, args=(key,),
+                 help="the window ends now (less the recorder's write delay) and moves with "
+                      "the clock; picking a batch stops it where it is")
+    return following
+
+
+def _toggle_key(following: bool) -> str:
+    """The toggle's key: renewed when the toggle shows other than ``following`` (a pick or
+    the page changed it, not the toggle), so it is drawn anew showing ``following``."""
+    gen = st.session_state.get(FOLLOW_GEN, 0)
+    key = FOLLOW if gen == 0 else f"{FOLLOW}_{gen}"
+    shown = st.session_state.get(key)
+    if shown is not None and bool(shown) != following:
+        st.session_state[FOLLOW_GEN] = gen = gen + 1
+        key = f"{FOLLOW}_{gen}"
+    _dbg("toggle key", key, {k: st.session_state.get(k) for k in ("timeline_follow", "timeline_follow_1", "timeline_follow_2", "timeline_follow_3", FOLLOW_GEN)})
+    return key
+
+
+def _follow_toggled(key: str) -> None:
+    _dbg("toggled", key, st.session_state[key], {k: st.session_state.get(k) for k in ("timeline_follow", "timeline_follow_1", "timeline_follow_2", "timeline_follow_3", FOLLOW_GEN)})
+    following = bool(st.session_state[key])
+    st.session_state[FOLLOWING] = following
+    if following:
+        st.session_state.pop(STOP_NOTE, None)
+    elif WINDOW_END in st.session_state:  # stop where the live window was
+        st.session_state[END] = _as_end(st.session_state[WINDOW_END])
+
+
+def _cadence(scope: Scope, model: str | None, length_s: float) -> float | None:
+    """Seconds between the live region's refreshes, from the cost of its last run in this
+    view (window length, model, instance): :func:`live_every_s`."""
+    cost = st.session_state.get(COST)
+    view = (length_s, model, scope.instance)
+    return live_every_s(scope.refresh_s, cost[1] if cost and cost[0] == view else None,
+                        st.session_state.get(EVERY))
 
 
 def _end_slider(where, at: WindowEnd) -> float:
@@ -165,19 +371,42 @@ def _end_slider(where, at: WindowEnd) -> float:
     return picked.timestamp()
 
 
-def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -> None:
-    if end_s is None and not st.session_state.get(FOLLOW):  # a pick stopped following
+def _show_note(where: str) -> None:
+    """The message of the last pick, where it was made ("number" or "table")."""
+    note = st.session_state.get(NOTE)
+    if note is not None and note[0] == where:
+        st.warning(note[1])
+
+
+def _say(where: str, text: str) -> None:
+    """Keep a pick's message for the page to show (a callback draws nothing itself)."""
+    st.session_state[NOTE] = (where, text)
+
+
+def region(engine: Engine, scope: Scope, model: str | None, length_s: float,
+           end_s: float | None, every_s: float | None) -> None:
+    _dbg("region", end_s)
+    following = end_s is None
+    if following and not st.session_state.get(FOLLOWING):  # a pick stopped following
         st.rerun(scope="app")
+    if following and _cadence(scope, model, length_s) != every_s:
+        st.rerun(scope="app")  # the last run's cost changed the cadence: set it anew
     wanted = st.session_state.get(END)
     # render wrote the end it settled on to END, so only a pick since (a callback) differs
     if end_s is not None and wanted is not None and abs(wanted.timestamp() - end_s) >= 1.0:
         st.rerun(scope="app")  # a pick moved the window: the slider outside must follow
-    end = time.time() if end_s is None else end_s
-    w = Window(end - length_s, end, scope.model, scope.instance)
-    st.session_state["timeline_window_end"] = end
-    t = time.perf_counter()
+    end = time.time() - LIVE_LAG_S if following else end_s
+    w = Window(end - length_s, end, model, scope.instance)
+    st.session_state[WINDOW_END] = end
+    began = t = time.perf_counter()
     try:
         rows = timeline_rows(engine, w, max_rows=PAGE_MAX_ROWS, requests="marks")
+        bars = len(rows.batches) + len(rows.steps)
+        if following and scope.live and too_many_to_follow(bars):
+            st.session_state[FOLLOWING] = False
+            st.session_state[END] = _as_end(end)
+            st.session_state[STOP_NOTE] = stop_note(bars)
+            st.rerun(scope="app")
         selected = _selected(rows)
         if selected is not None:
             rows = with_members(engine, rows, selected)
@@ -188,38 +417,39 @@ def region(engine: Engine, scope: Scope, length_s: float, end_s: float | None) -
     t = time.perf_counter()
     fig = timeline_chart.timeline(rows, selected=selected, tz=None)
     build_s = time.perf_counter() - t
-    st.caption(f"{fmt_time(w.start_s)} → {fmt_time(w.end_s)} {zone(w.end_s)} · model "
-               f"{w.model or 'all'} · "
+    live = ""
+    if following and scope.live:
+        live = (f" · live: ends {LIVE_LAG_S:.0f} s before now, once the recorder (it writes "
+                f"every {RECORDER_FLUSH_S} s) has its rows")
+        if every_s is not None and scope.refresh_s is not None and every_s > scope.refresh_s:
+            live += (f"; refreshed every {every_s:.0f} s, {COST_FACTOR:.0f}× what its last "
+                     "refresh took to read and draw")
+    st.caption(f"{fmt_time(w.start_s)} → {fmt_time(w.end_s)} {zone(w.end_s)} · "
+               f"{'all models' if model is None else f'model {model}'} · "
                f"{len(rows.batches):,} batches, {rows.requests_in_window:,} requests, "
                f"{len(rows.steps):,} steps · read {1000 * read_s:.0f} ms, drawn "
-               f"{1000 * build_s:.0f} ms")
+               f"{1000 * build_s:.0f} ms{live}")
     for note in rows.notes if not rows.empty else ():  # an empty chart says so itself
         st.info(note)
     st.plotly_chart(fig, key="timeline_chart", on_select=_picked_on_chart,
                     selection_mode=("points", "box"), config={"displaylogo": False})
+    st.session_state[COST] = ((length_s, model, scope.instance), time.perf_counter() - began)
     _downloads(engine, w, len(rows.batches) + rows.requests_in_window)
     chosen, slow = st.columns([3, 2])
     with slow:
         st.markdown("**Slowest requests in the window**")
         table = timeline_chart.slowest(rows)
         key = _table_key(table, selected)
-        st.dataframe(table.drop(columns=["instance_id", "pick"]), key=key,
-                     on_select=functools.partial(_picked_in_table, key),
+        st.dataframe(table, key=key, on_select=functools.partial(_picked_in_table, key),
                      selection_mode="single-row", hide_index=True,
-                     column_config={"finished": st.column_config.NumberColumn(
-                         "finished (s)", format="%.3f"),
-                         "latency_ms": st.column_config.NumberColumn(format="%.2f"),
-                         "queue_ms": st.column_config.NumberColumn(format="%.2f"),
-                         "compute_ms": st.column_config.NumberColumn(format="%.2f")})
+                     column_order=list(SLOWEST_COLUMNS), column_config=SLOWEST_COLUMNS)
         st.session_state["timeline_slowest_rows"] = table[["instance_id", "pick"]]
-        st.text_input("Go to batch number", key="timeline_batch_number",
-                      on_change=_picked_by_number, args=(engine, scope, length_s),
-                      placeholder="e.g. 1234")
+        _show_note("table")
     with chosen:
         if selected is None:
             st.info("Pick a batch: click its bar (or choose the box select tool above the "
                     "chart and drag a box around it; a plain drag zooms), pick one of the "
-                    "slowest requests, or type its number.")
+                    "slowest requests, or type its number in Go to batch number above.")
         else:
             _show_selected(rows, selected)
 
@@ -258,13 +488,15 @@ def _table_key(table: pd.DataFrame, selected: tuple[str, int] | None) -> str:
 def _pick(inst: str, seq: int) -> None:
     """Show batch ``seq`` of ``inst``; a window following the clock stops where it is."""
     st.session_state[SELECTED] = (str(inst), int(seq))
-    if st.session_state.get(FOLLOW):
-        st.session_state[FOLLOW] = False
-        end = st.session_state.get("timeline_window_end", time.time())
+    if st.session_state.get(FOLLOWING):
+        st.session_state[FOLLOWING] = False
+        end = st.session_state.get(WINDOW_END, time.time() - LIVE_LAG_S)
         st.session_state[END] = _as_end(end)
 
 
 def _picked_on_chart() -> None:
+    _dbg("picked_on_chart")
+    st.session_state.pop(NOTE, None)
     points = st.session_state["timeline_chart"].selection.get("points", [])
     for p in points:
         data = p.get("customdata")
@@ -274,41 +506,46 @@ def _picked_on_chart() -> None:
 
 
 def _picked_in_table(key: str) -> None:
+    st.session_state.pop(NOTE, None)
     picked = st.session_state[key].selection.get("rows", [])
     table = st.session_state.get("timeline_slowest_rows")
     if picked and table is not None and picked[0] < len(table):
         inst, seq = table.iloc[picked[0]]
         if pd.isna(seq):
-            st.toast("the batch this request ran in is not in the window")
+            _say("table", "the batch this request ran in is not in the window")
         else:
             _pick(inst, int(seq))
 
 
-def _picked_by_number(engine: Engine, scope: Scope, length_s: float) -> None:
-    """Go to the batch typed: the window stops following and centres on it."""
-    text = st.session_state.get("timeline_batch_number", "").strip()
+def _picked_by_number(engine: Engine, scope: Scope, model: str | None,
+                      length_s: float) -> None:
+    """Go to the batch typed (of ``model``, None: any): the window stops following and
+    centres on it. What stops it is kept for the page to say (``NOTE``)."""
+    st.session_state.pop(NOTE, None)
+    text = st.session_state.get(NUMBER, "").strip()
     if not text:  # the box was emptied
         return
     seq = parse_batch_number(text)
     if seq is None:
-        st.toast(f"a batch number is a whole number ≥ 0, not {text[:40]!r}")
+        _say("number", f"a batch number is a whole number ≥ 0, not {text[:40]!r}")
         return
-    found = None if seq > MAX_SEQ else find_batch(engine, seq, model=scope.model,
+    found = None if seq > MAX_SEQ else find_batch(engine, seq, model=model,
                                                   instance_id=scope.instance)
     if found is None:
-        st.toast(f"there is no batch {text} in this database"
-                 + (f" for {scope.model}" if scope.model else ""))
+        other = None if seq > MAX_SEQ or (model is None and scope.instance is None) \
+            else find_batch(engine, seq)
+        _say("number", not_found_note(text, other, model, scope.instance))
         return
     if float(found["started_at"]) < scope.start_s:
-        st.toast(f"batch {text} ran before the time window the sidebar sets; choose a longer "
-                 "window (or a custom one) to go to it")
+        _say("number", f"batch {text} ran before the time window the sidebar sets; choose a "
+                       "longer window (or a custom one) to go to it")
         return
     if not scope.live and float(found["started_at"]) >= scope.end_s:
-        st.toast(f"batch {text} ran after the time window the sidebar sets; end that window "
-                 "later to go to it")
+        _say("number", f"batch {text} ran after the time window the sidebar sets; end that "
+                       "window later to go to it")
         return
     _pick(found["instance_id"], seq)
-    st.session_state[FOLLOW] = False
+    st.session_state[FOLLOWING] = False
     st.session_state[END] = _as_end(float(found["ended_at"]) + length_s / 2)
 
 
@@ -338,13 +575,7 @@ def _show_selected(rows: TimelineRows, key: tuple[str, int]) -> None:
                        "before it started: the batch was split and retried")
     st.plotly_chart(fig, key="timeline_members", config={"displaylogo": False})
     if len(part):
-        cols = [c for c in ("priority", "length", "outcome", "queue_wait_s", "latency_s",
-                            "ttft_s", "prompt_tokens", "output_tokens", "bypass") if c in part]
-        if "trace_id" in part and part["trace_id"].notna().any():  # its traced requests
-            part = part.assign(receive_ms=1000 * (part["recv_end_at"] - part["recv_start_at"]),
-                               send_ms=1000 * (part["send_end_at"] - part["send_start_at"]))
-            cols += ["trace_id", "client_request_id", "receive_ms", "send_ms"]
-        st.dataframe(part[cols].reset_index(drop=True), hide_index=True)
+        st.dataframe(requests_table(part), hide_index=True)
 
 
 def _downloads(engine: Engine, w: Window, rows: int) -> None:
