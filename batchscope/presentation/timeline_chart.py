@@ -51,6 +51,9 @@ LABEL_CHAR_PX = 6.0
 #: the plot
 LEGEND_ROW_PX = 24
 AXIS_BELOW_PX = 52
+#: room above the first lane, in lanes, for the event markers (settings changes, the
+#: autopilot, OOM), drawn in its middle so that none is cut by the plot's edge
+MARKER_ROOM = 0.5
 #: hover/select points drawn as SVG while the window holds at most this many (batches,
 #: steps and marks); WebGL past it, where SVG would slow the page
 SVG_POINTS_MAX = 3000
@@ -214,13 +217,13 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
     fig.update_layout(
         xaxis=dict(title=f"seconds after {clock(t0, tz)}", range=[0, round(span, 6)],
                    zeroline=False),
-        yaxis=dict(tickvals=list(range(n)), ticktext=lanes.labels, range=[n - 0.5, -0.5],
-                   zeroline=False, showgrid=False) if n else
+        yaxis=dict(tickvals=list(range(n)), ticktext=lanes.labels,
+                   range=[n - 0.5, -0.5 - MARKER_ROOM], zeroline=False, showgrid=False) if n else
         dict(range=[0.5, -0.5], visible=False))
     if rows.empty:
         charts._empty(fig, "no batch, request or generation step in this window")
     else:
-        charts.add_event_markers(fig, rows.events, y=-0.45,
+        charts.add_event_markers(fig, rows.events, y=-0.5 - MARKER_ROOM / 2,
                                  x_of=lambda at: np.asarray(at, dtype=float) - t0)
     return _legend_below(fig, fixed_height=height is not None)
 
