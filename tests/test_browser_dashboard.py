@@ -28,7 +28,7 @@ from batchscope.trace import check
 from batchscope.storage.db import make_engine
 from sqlalchemy import text
 
-from runtime.tools.screenshots import go_to_batch, wait_for
+from runtime.tools.screenshots import DRAWN_CHARTS, go_to_batch, wait_for
 from tests.browser import ARTIFACTS, MARKS, ROOT, opened_page, settle, stop
 from tests.factories import free_port
 
@@ -160,6 +160,97 @@ def test_timeline_shows_a_picked_batch_and_downloads_its_trace(page, stack):
     batches = [s for s in read.slices if s.category == "batch"]
     assert batches and any(s.args.get("seq") == seq for s in batches), \
         sorted({k for s in batches for k in s.args})
+
+
+#: the middle batch of the timeline chart: its seq and where it is on the screen
+MIDDLE_BATCH = """() => {
+    const g = document.querySelector('.js-plotly-plot');
+    if (!g || !g._fullData) return null;
+    const box = g.getBoundingClientRect(), fl = g._fullLayout;
+    for (const t of g._fullData) {
+        const keys = (t.customdata || []).map((c, i) => [c, i])
+            .filter(([c]) => Array.isArray(c) && c.length === 2 && c[1] >= 0);
+        if (!keys.length) continue;
+        const [key, i] = keys[Math.floor(keys.length / 2)];
+        const xa = fl['xaxis' + (t.xaxis || 'x').slice(1)];
+        const ya = fl['yaxis' + (t.yaxis || 'y').slice(1)];
+        window.__clicked_figure = g.data;  // replaced by the next refresh's figure
+        return {x: box.left + xa._offset + xa.d2p(t.x[i]), y: box.top + ya._offset + ya.d2p(t.y[i]),
+                seq: key[1]};
+    }
+    return null;
+}"""
+#: whether the chart still holds the figure MIDDLE_BATCH read
+SAME_FIGURE = "() => document.querySelector('.js-plotly-plot').data === window.__clicked_figure"
+
+
+def _follow_button(page) -> str | None:
+    """"on" when the window follows the clock (the page offers to stop it), "off" when
+    the page offers to follow, once settled; None while it shows neither."""
+    settle(page)
+
+    def shown(name: str) -> bool:  # a button of an older run may linger, hidden
+        return any(b.is_visible() for b in page.get_by_role("button", name=name).all())
+    if shown("Stop following"):
+        return "on"
+    return "off" if shown("Follow live") else None
+
+
+def _follows(page) -> bool:
+    return wait_for(lambda: _follow_button(page), 30, "the Follow live button") == "on"
+
+
+def _following(page) -> None:
+    """Start following the clock (a pick stopped it); wait until the page follows."""
+    if not _follows(page):
+        page.get_by_role("button", name="Follow live").locator("visible=true").click()
+    wait_for(lambda: _follow_button(page) == "on", 30, "the window following the clock")
+    page.get_by_text("· live: ends", exact=False).first.wait_for()
+    settle(page)
+
+
+def _shown(page, seq: int) -> bool:
+    return bool(re.search(rf"\bBatch {seq} ·", page.get_by_test_id("stMain").inner_text()))
+
+
+def test_picks_land_while_the_window_follows_the_clock(page, stack):
+    """Live (the default), a timer run of the region may land while a pick is handled:
+    every batch number typed and every click on a bar must still show its batch and stop
+    following. A click whose bar a refresh moved before it landed is not counted."""
+    go_to(page, "Batch timeline", page.get_by_text("Slowest requests in the window"))
+    engine = stack["engine"]
+    box = page.get_by_label("Go to batch number")
+    with engine.connect() as conn:  # five recent batches, one apart, none the box holds
+        seqs = conn.execute(text("SELECT seq FROM batches WHERE model = 'encoder' AND "
+                                 "ended_at < :t ORDER BY ended_at DESC LIMIT 12"),
+                            {"t": time.time() - 2}).scalars().all()
+    seqs = [q for q in seqs if str(q) != box.input_value().strip()][::2][:5]
+    assert len(seqs) == 5
+    typed = 0
+    for seq in seqs:
+        _following(page)
+        box.fill(str(seq))
+        box.press("Enter")  # once: no retyping
+        wait_for(lambda: _shown(page, seq) and not _follows(page), 30,
+                 f"batch {seq} typed: shown, the window stopped")
+        typed += 1
+    assert typed == 5
+    clicked = landed = moved = 0
+    while clicked < 5:
+        assert moved < 10, "a refresh moved the chart under every click"
+        _following(page)
+        page.wait_for_function(DRAWN_CHARTS, arg=1, timeout=30_000)
+        target = page.evaluate(MIDDLE_BATCH)
+        assert target is not None, "no batch on the chart"
+        page.mouse.click(target["x"], target["y"])
+        if not page.evaluate(SAME_FIGURE):  # a refresh replaced the chart around the click
+            moved += 1
+            continue
+        clicked += 1
+        wait_for(lambda: _shown(page, target["seq"]) and not _follows(page), 30,
+                 f"batch {target['seq']} clicked: shown, the window stopped")
+        landed += 1
+    assert landed == clicked == 5, (landed, clicked, moved)
 
 
 def test_snapshot_downloads_and_reopens(page, stack):

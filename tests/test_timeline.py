@@ -101,6 +101,33 @@ def test_a_page_reads_marked_and_slowest_requests_then_a_picked_batch(filled):
     assert sorted(in_page["id"]) == sorted(in_all["id"]) and len(in_all)
 
 
+def test_a_pick_s_requests_are_listed_in_ms_with_generation_columns_only_when_filled(filled):
+    from batchscope.dashboard.timeline import requests_table
+    engine, end = filled
+    rows = timeline_rows(engine, Window(end - 5, end - 2))
+    b = rows.batches[rows.batches["model"] == "mlp"].iloc[0]
+    _, part = timeline_chart.members(rows, (b["instance_id"], int(b["seq"])))
+    table = requests_table(part)
+    assert list(table.columns) == ["priority", "length", "outcome", "queue wait (ms)",
+                                   "compute (ms)", "latency (ms)", "bypass"]
+    assert table["latency (ms)"].to_numpy() == pytest.approx(1000 * part["latency_s"].to_numpy())
+    assert table["compute (ms)"].to_numpy() == pytest.approx(
+        1000 * (part["latency_s"] - part["queue_wait_s"]).to_numpy())
+    step = rows.steps.iloc[len(rows.steps) // 2]  # a generation model's step: its columns
+    _, part = timeline_chart.members(rows, (step["instance_id"], -int(step["id"])))
+    table = requests_table(part)
+    assert {"first token (ms)", "prompt tokens", "output tokens"} <= set(table.columns)
+    assert table["first token (ms)"].to_numpy() == pytest.approx(1000 * part["ttft_s"].to_numpy())
+
+
+def test_the_slowest_table_puts_the_batch_first_and_names_its_units():
+    from batchscope.dashboard.timeline import SLOWEST_COLUMNS
+    assert list(SLOWEST_COLUMNS)[:5] == ["batch", "batch_size", "priority", "length", "outcome"]
+    labels = [c["label"] for c in SLOWEST_COLUMNS.values()]
+    assert "latency (ms)" in labels and "finished (s after the window's start)" in labels
+    assert not [x for x in labels if "_" in x]  # no column name as the table holds it
+
+
 @pytest.mark.both_backends
 def test_a_window_too_large_is_refused_with_its_size_and_an_empty_one_says_so(filled):
     engine, end = filled
@@ -172,7 +199,7 @@ def test_the_page_shows_a_batch_picked_by_number(app_db):
     assert at.session_state["timeline_selected"][1] == int(seq)
     assert len(at.get("plotly_chart")) == 2  # the timeline and the batch's members
     assert any(f"**Batch {int(seq)}**" in m.value for m in at.markdown)
-    assert not next(t for t in at.toggle if t.label == "Follow live").value  # picking stopped it
+    assert "timeline_follow" in {b.key for b in at.button}  # picking stopped following
     at.text_input(key="timeline_batch_number").input("99999999").run()  # no such batch
     assert not at.exception and at.session_state["timeline_selected"][1] == int(seq)
 

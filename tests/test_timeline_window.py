@@ -24,9 +24,17 @@ from tests.factories import run_app
 PAGE = "batchscope/dashboard/pages/timeline.py"
 
 
-def follow_toggle(at):
-    """The Follow live toggle (its key is renewed when the page switches it)."""
-    return next(t for t in at.toggle if t.label == "Follow live")
+def following(at) -> bool:
+    """Whether the page follows the clock: it offers to stop, not to follow."""
+    keys = {b.key for b in at.button}
+    assert len({"timeline_stop", "timeline_follow"} & keys) == 1, keys
+    return "timeline_stop" in keys
+
+
+def stop_following(at):
+    at.button(key="timeline_stop").click().run()
+    assert not following(at)
+    return at
 
 
 # -- where the window ends (pure) ---------------------------------------------------------
@@ -123,7 +131,7 @@ def test_a_trace_download_is_named_on_the_page_s_clock_with_its_offset(new_york)
 
 def test_caption_axis_and_slider_show_one_clock_and_name_it(app_db, new_york):
     at = run_app("timeline")
-    follow_toggle(at).set_value(False).run()
+    stop_following(at)
     assert not at.exception, [e.value for e in at.exception]
     end = at.session_state["timeline_window_end"]
     zone = timeline.zone(end)
@@ -162,7 +170,7 @@ def test_a_timeline_window_as_long_as_the_sidebar_s_with_follow_off_settles(app_
     timeline window. Each run must end (AppTest raises when the script keeps rerunning),
     with the window cut to the sidebar's and no slider."""
     at = _custom_window(run_app("timeline"), 0.5, 0.0)
-    follow_toggle(at).set_value(False).run()
+    stop_following(at)
     assert len(at.slider) == 1  # 10 s in 30 s: room to move
     for length in (60, 30):
         before = time.time()
@@ -188,7 +196,7 @@ def test_a_timeline_window_as_long_as_the_sidebar_s_with_follow_off_settles(app_
 
 def test_a_past_window_shorter_than_the_timeline_s_ends_where_it_does(app_db):
     at = _custom_window(run_app("timeline"), 0.5, 1.0)  # 90 s ago to 60 s ago
-    assert not follow_toggle(at).value
+    assert not following(at) and at.button(key="timeline_follow").disabled
     at.selectbox(key="timeline_length").set_value(60).run()
     end = _settled(at)
     scope = at.session_state["scope"]
@@ -238,3 +246,101 @@ def test_a_batch_number_that_is_not_one_is_said_so(app_db):
         assert any(w.startswith(said) for w in said_on_page), (text, said_on_page)
         assert not at.toast  # a callback draws nothing: the page says it
         assert at.session_state["timeline_selected"][1] == seq  # the pick is kept
+
+
+# -- live: where it ends, how often it refreshes, when it stops (pure) -----------------
+def test_a_live_window_ends_once_the_recorder_has_written_its_rows():
+    import inspect
+
+    from batchscope.storage.recorder import Recorder
+    flush = inspect.signature(Recorder.__init__).parameters["flush_interval_s"].default
+    assert timeline.RECORDER_FLUSH_S == flush
+    assert timeline.LIVE_LAG_S >= 2 * flush  # a flush that began just before is written
+
+
+def test_the_live_cadence_stretches_with_what_a_refresh_costs():
+    every = timeline.live_every_s
+    assert every(None, 3.0, 2.0) is None  # not live, or paused
+    assert every(2.0, None, None) == 2.0  # nothing measured yet: the sidebar's
+    assert every(2.0, 0.1, None) == 2.0 and every(1.5, 0.2, None) == 1.5  # cheap
+    assert every(2.0, 0.98, None) == 5.0  # 5 x 0.98 s, in whole seconds
+    assert every(2.0, 1.4, 2.0) == 7.0  # outgrown: stretched at once
+    # kept while the cost stays between half of it and all of it: no flapping
+    assert every(2.0, 1.1, 7.0) == 7.0 and every(2.0, 0.8, 7.0) == 7.0
+    assert every(2.0, 0.5, 7.0) == 3.0  # fell to half: shortened
+    assert every(2.0, 0.1, 7.0) == 2.0  # down to the sidebar's
+    assert every(2.0, 0.3, 1.0) == 2.0  # the sidebar's cadence went up: followed
+    for refresh, cost, current in itertools.product((1.0, 1.5, 2.0), (None, 0.05, 0.3, 0.41,
+                                                                      0.98, 3.3),
+                                                    (None, 1.0, 2.0, 3.0, 7.0, 20.0)):
+        got = every(refresh, cost, current)
+        assert got >= refresh
+        # what the page registers is what the region finds again: no rerun for one state
+        assert every(refresh, cost, got) == got, (refresh, cost, current)
+
+
+def test_a_batch_that_just_ended_is_shown_once_it_is_behind_the_live_edge():
+    now, lag = 1_000_000.0, timeline.LIVE_LAG_S
+    assert timeline.behind_edge_in_s(now - 5, now) == 0.0  # long behind it
+    assert timeline.behind_edge_in_s(now - lag, now) == 0.0
+    assert timeline.behind_edge_in_s(now - lag / 4, now) == pytest.approx(3 * lag / 4)
+    assert timeline.behind_edge_in_s(now + 30, now) == lag  # never more than the lag
+
+
+def test_a_refresh_costs_its_run_and_the_browser_s_drawing_and_big_windows_stop():
+    assert timeline.refresh_cost_s(0.2, 0) == 0.2
+    assert timeline.refresh_cost_s(0.2, 8000) == pytest.approx(0.2 + 8000 * timeline.DRAW_S_PER_BAR)
+    assert not timeline.too_many_to_follow(timeline.LIVE_MAX_BARS)
+    assert timeline.too_many_to_follow(timeline.LIVE_MAX_BARS + 1)
+    said = timeline.stop_note(35_123)
+    assert "35,123 batches and steps" in said and f"{timeline.LIVE_MAX_BARS:,}" in said
+
+
+def test_a_number_of_another_model_or_instance_says_which_and_how_to_see_it():
+    note = timeline.not_found_note
+    assert note("7", None, "encoder", None) == "there is no batch 7 in this database"
+    mlp = {"model": "mlp", "instance_id": "a"}
+    said = note("40769", mlp, "encoder", None)
+    assert said.startswith("batch 40769 is a batch of mlp, not of encoder") and \
+        '"all models" under Models' in said and "mlp in the sidebar's Model picker" in said
+    said = note("40769", mlp, "mlp", "b")
+    assert said.startswith("batch 40769 ran on instance a, not on b") and "Instance" in said
+    assert note("40769", mlp, None, "b").startswith("batch 40769 ran on instance a")
+
+
+# -- the page's models, and what a number of another model says (AppTest) -----------------
+def test_all_models_are_one_choice_away_and_a_number_of_another_model_says_so(app_db):
+    from batchscope.testing import synthetic
+    # an encoder of 300 batches beside the mlp's 1,200
+    synthetic.generate(app_db, synthetic.SCENARIOS["healthy"].with_(
+        model="encoder", duration_s=300, batches_per_s=1), end_s=time.time(), seed=5)
+    with app_db.connect() as conn:
+        seq = conn.execute(text("SELECT seq FROM batches WHERE model = 'mlp' AND seq > 400 "
+                                "AND ended_at < :t ORDER BY ended_at DESC LIMIT 1"),
+                           {"t": time.time() - 60}).scalar()
+    at = run_app("timeline")
+    at.selectbox(key="model").set_value("encoder").run()
+    assert at.session_state["scope"].model == "encoder"
+    caption = next(c.value for c in at.caption if "batches" in c.value)
+    assert "· model encoder ·" in caption
+    at.text_input(key="timeline_batch_number").input(str(seq)).run()
+    assert not at.exception, [e.value for e in at.exception]
+    said = [w.value for w in at.warning]
+    assert any(w.startswith(f"batch {seq} is a batch of mlp, not of encoder") for w in said), said
+    assert "timeline_selected" not in at.session_state
+    at.selectbox(key="timeline_models").set_value("all").run()
+    caption = next(c.value for c in at.caption if "batches" in c.value)
+    assert "· all models ·" in caption
+    spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert {"mlp", "encoder"} <= {t.get("name") for t in spec["data"]}  # a lane each
+    assert at.session_state["scope"].model == "encoder"  # the sidebar's stays
+    at.text_input(key="timeline_batch_number").input(f" {seq}").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.session_state["timeline_selected"][1] == seq
+    assert not at.warning  # the message went with the pick
+    assert any(f"**Batch {seq}** · mlp" in m.value for m in at.markdown)
+    # the batch's requests: times in ms, no empty columns
+    members = next(d.value for d in at.dataframe if "pick" not in d.value.columns)
+    assert {"queue wait (ms)", "latency (ms)"} <= set(members.columns), members.columns
+    assert not {"queue_wait_s", "latency_s", "first token (ms)", "prompt tokens",
+                "output tokens"} & set(members.columns)

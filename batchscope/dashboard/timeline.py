@@ -21,11 +21,12 @@ live region (a fragment) refreshes every ``live_every_s``: the sidebar's refresh
 ``COST_FACTOR`` times what its last run took to read and draw when that is longer; a
 window of more than ``LIVE_MAX_BARS`` batches and steps stops following, saying why.
 
-Following the clock is kept in ``FOLLOWING``, a key no widget owns: a timer run of the
-fragment sent while a pick is being handled carries the browser's old widget values, and
-would switch a widget that a pick turned off (the toggle) back on. The toggle shows
-``FOLLOWING`` under a key renewed whenever the page, not the toggle, changed it. The batch
-number box is drawn outside the fragment, so typing a number reruns the page once.
+Following the clock is kept in ``FOLLOWING``, a key no widget owns, and started or
+stopped with buttons: a timer run of the fragment sent while a pick is being handled
+carries the browser's old widget values, and would switch a toggle that the pick turned
+off back on (the pick then seemed ignored: the window kept moving). A button's click is
+sent once and never again, so nothing but a click changes it. The batch number box is
+drawn outside the fragment, so typing a number reruns the page once.
 
 Where the window ends is decided once per page run (:func:`window_end`, a pure function)
 and written to ``timeline_end`` before the region reads it, so a region that finds it moved
@@ -63,9 +64,9 @@ PAGE_MAX_ROWS = 400_000
 SELECTED = "timeline_selected"
 #: whether the window follows the clock (no widget's key, see the module's docstring)
 FOLLOWING = "timeline_following"
-#: the Follow live toggle's key, and the count that renews it
+#: the keys of the buttons that start and stop following
 FOLLOW = "timeline_follow"
-FOLLOW_GEN = "timeline_follow_gen"
+STOP = "timeline_stop"
 END = "timeline_end"
 #: the end the last run of the region read up to
 WINDOW_END = "timeline_window_end"
@@ -84,6 +85,10 @@ RECORDER_FLUSH_S = 0.5
 LIVE_LAG_S = 2 * RECORDER_FLUSH_S
 #: a live refresh waits at least this many times what the last one took to read and draw
 COST_FACTOR = 5.0
+#: what drawing one batch or step costs the browser (chromium without a GPU draws a
+#: figure of 3,154 batches in about 456 ms; see docs/tracing.md), counted into a refresh's
+#: cost since the page cannot time the browser
+DRAW_S_PER_BAR = 0.15e-3
 #: a live window of more batches and steps than this stops following: each refresh sends
 #: and redraws all of them (about 3 MB of figure for 10,000), more than a tab keeps up with
 LIVE_MAX_BARS = 10_000
@@ -109,8 +114,9 @@ def window_end(start_s: float, end_s: float, length_s: float, now: float,
                wanted_s: float | None) -> WindowEnd:
     """Where a window of ``length_s`` ends inside the sidebar's window ``start_s``..``end_s``
     (a live one passes ``end_s=now``; ``now`` is the live edge, ``LIVE_LAG_S`` before the
-    clock): at ``wanted_s`` kept inside it, at its end when nothing is wanted. A window longer than the sidebar's is cut to it; one with under a
-    second of room has no slider and ends where the sidebar's does."""
+    clock): at ``wanted_s`` kept inside it, at its end when nothing is wanted. A window
+    longer than the sidebar's is cut to it; one with under a second of room has no slider
+    and ends where the sidebar's does."""
     hi = min(end_s, now)
     length = max(0.0, min(length_s, hi - start_s))
     lo = start_s + length
@@ -136,6 +142,18 @@ def live_every_s(refresh_s: float | None, cost_s: float | None,
             or wanted <= current_s / 2:
         return fit
     return current_s
+
+
+def refresh_cost_s(run_s: float, bars: int) -> float:
+    """What one live refresh costs: ``run_s``, the region's run (read, build and send the
+    figure), and the browser's drawing of its ``bars`` batches and steps."""
+    return run_s + bars * DRAW_S_PER_BAR
+
+
+def behind_edge_in_s(t: float, now: float) -> float:
+    """How long until ``t`` is behind the live edge (``LIVE_LAG_S`` before ``now``), the
+    latest a window ends: a batch that ended just now is shown once it is."""
+    return min(LIVE_LAG_S, max(0.0, t - (now - LIVE_LAG_S)))
 
 
 def too_many_to_follow(bars: int) -> bool:
@@ -254,28 +272,13 @@ def _as_end(t: float) -> datetime:
     return datetime.fromtimestamp(t)
 
 
-def _dbg(*a):
-    from streamlit.runtime.scriptrunner import get_script_run_ctx
-    ctx = get_script_run_ctx()
-    frag = getattr(ctx, "fragment_ids_this_run", None) if ctx else None
-    ch = st.session_state.get("timeline_chart")
-    sel = None
-    try:
-        sel = [p.get("customdata") for p in ch.selection.get("points", [])]
-    except Exception as e:
-        sel = repr(e)[:40]
-    with open("/tmp/tl/dbg.log", "a") as fh:
-        fh.write(f"{time.time():.3f} frag={bool(frag)} following={st.session_state.get(FOLLOWING)} sel={sel} " + " ".join(map(str, a)) + "\n")
-
-
 def render(scope: Scope) -> None:
-    _dbg("render")
     engine = data_engine(scope)
     left, models, mid, right = st.columns([1, 1.3, 3, 1.5])
     length = left.selectbox("Window", LENGTHS_S, index=LENGTHS_S.index(DEFAULT_LENGTH_S),
                             format_func=lambda s: f"{s} s", key="timeline_length")
     model = _models_choice(models, scope)
-    following = _follow_toggle(right, scope)
+    following = _follow_button(right, scope)
     edge = time.time() - LIVE_LAG_S  # the live edge: the recorder has written up to it
     w = scope.window(edge)  # a live one moved to end at the edge
     kept = st.session_state.get(END)
@@ -308,43 +311,34 @@ def _models_choice(where, scope: Scope) -> str | None:
     """The model the timeline shows: the sidebar's, or None for all (each in its lane)."""
     if scope.model is None:  # no model has reported: every model there is
         return None
+    # fixed labels: a label that changed with the sidebar would lose the choice made
     choice = where.selectbox("Models", ("sidebar", "all"), key=MODELS,
-                             format_func=lambda c: f"{scope.model} (the sidebar's)"
-                             if c == "sidebar" else "all models",
+                             format_func={"sidebar": "the sidebar's model",
+                                          "all": "all models"}.get,
                              help="the model picked in the sidebar, or every model, each in "
                                   "a lane of its own (this page only)")
     return scope.model if choice == "sidebar" else None
 
 
-def _follow_toggle(where, scope: Scope) -> bool:
-    """Draw the Follow live toggle; whether the window follows the clock."""
+def _follow_button(where, scope: Scope) -> bool:
+    """Draw the button that starts or stops following the clock; whether it follows."""
     if FOLLOWING not in st.session_state or not scope.live:
         st.session_state[FOLLOWING] = scope.live
     following = bool(st.session_state[FOLLOWING])
-    key = _toggle_key(following)
-    where.toggle("Follow live", value=following, key=key, disabled=not scope.live,
-                 on_change=_follow_toggled, args=(key,),
-                 help="the window ends now (less the recorder's write delay) and moves with "
-                      "the clock; picking a batch stops it where it is")
+    if following:
+        where.button("Stop following", key=STOP, icon=":material/pause:",
+                     on_click=_set_following, args=(False,),
+                     help="the window follows the clock (ending now, less the recorder's "
+                          "write delay); stop it where it is (picking a batch stops it too)")
+    else:
+        where.button("Follow live", key=FOLLOW, icon=":material/play_arrow:",
+                     on_click=_set_following, args=(True,), disabled=not scope.live,
+                     help="end the window now and move it with the clock"
+                          if scope.live else "the sidebar's time window is not live")
     return following
 
 
-def _toggle_key(following: bool) -> str:
-    """The toggle's key: renewed when the toggle shows other than ``following`` (a pick or
-    the page changed it, not the toggle), so it is drawn anew showing ``following``."""
-    gen = st.session_state.get(FOLLOW_GEN, 0)
-    key = FOLLOW if gen == 0 else f"{FOLLOW}_{gen}"
-    shown = st.session_state.get(key)
-    if shown is not None and bool(shown) != following:
-        st.session_state[FOLLOW_GEN] = gen = gen + 1
-        key = f"{FOLLOW}_{gen}"
-    _dbg("toggle key", key, {k: st.session_state.get(k) for k in ("timeline_follow", "timeline_follow_1", "timeline_follow_2", "timeline_follow_3", FOLLOW_GEN)})
-    return key
-
-
-def _follow_toggled(key: str) -> None:
-    _dbg("toggled", key, st.session_state[key], {k: st.session_state.get(k) for k in ("timeline_follow", "timeline_follow_1", "timeline_follow_2", "timeline_follow_3", FOLLOW_GEN)})
-    following = bool(st.session_state[key])
+def _set_following(following: bool) -> None:
     st.session_state[FOLLOWING] = following
     if following:
         st.session_state.pop(STOP_NOTE, None)
@@ -385,7 +379,6 @@ def _say(where: str, text: str) -> None:
 
 def region(engine: Engine, scope: Scope, model: str | None, length_s: float,
            end_s: float | None, every_s: float | None) -> None:
-    _dbg("region", end_s)
     following = end_s is None
     if following and not st.session_state.get(FOLLOWING):  # a pick stopped following
         st.rerun(scope="app")
@@ -422,8 +415,8 @@ def region(engine: Engine, scope: Scope, model: str | None, length_s: float,
         live = (f" · live: ends {LIVE_LAG_S:.0f} s before now, once the recorder (it writes "
                 f"every {RECORDER_FLUSH_S} s) has its rows")
         if every_s is not None and scope.refresh_s is not None and every_s > scope.refresh_s:
-            live += (f"; refreshed every {every_s:.0f} s, {COST_FACTOR:.0f}× what its last "
-                     "refresh took to read and draw")
+            live += (f"; refreshed every {every_s:.0f} s, {COST_FACTOR:.0f}× what a refresh "
+                     "of it takes to read and draw (the browser's drawing included)")
     st.caption(f"{fmt_time(w.start_s)} → {fmt_time(w.end_s)} {zone(w.end_s)} · "
                f"{'all models' if model is None else f'model {model}'} · "
                f"{len(rows.batches):,} batches, {rows.requests_in_window:,} requests, "
@@ -433,7 +426,8 @@ def region(engine: Engine, scope: Scope, model: str | None, length_s: float,
         st.info(note)
     st.plotly_chart(fig, key="timeline_chart", on_select=_picked_on_chart,
                     selection_mode=("points", "box"), config={"displaylogo": False})
-    st.session_state[COST] = ((length_s, model, scope.instance), time.perf_counter() - began)
+    st.session_state[COST] = ((length_s, model, scope.instance),
+                              refresh_cost_s(time.perf_counter() - began, bars))
     _downloads(engine, w, len(rows.batches) + rows.requests_in_window)
     chosen, slow = st.columns([3, 2])
     with slow:
@@ -495,7 +489,6 @@ def _pick(inst: str, seq: int) -> None:
 
 
 def _picked_on_chart() -> None:
-    _dbg("picked_on_chart")
     st.session_state.pop(NOTE, None)
     points = st.session_state["timeline_chart"].selection.get("points", [])
     for p in points:
@@ -544,9 +537,11 @@ def _picked_by_number(engine: Engine, scope: Scope, model: str | None,
         _say("number", f"batch {text} ran after the time window the sidebar sets; end that "
                        "window later to go to it")
         return
+    ended = float(found["ended_at"])
+    time.sleep(behind_edge_in_s(ended, time.time()))  # under a second, for the newest batch
     _pick(found["instance_id"], seq)
     st.session_state[FOLLOWING] = False
-    st.session_state[END] = _as_end(float(found["ended_at"]) + length_s / 2)
+    st.session_state[END] = _as_end(ended + length_s / 2)
 
 
 def _show_selected(rows: TimelineRows, key: tuple[str, int]) -> None:
