@@ -222,12 +222,15 @@ def test_picks_land_while_the_window_follows_the_clock(page, stack):
     go_to(page, "Batch timeline", page.get_by_text("Slowest requests in the window"))
     engine = stack["engine"]
     box = page.get_by_label("Go to batch number")
-    with engine.connect() as conn:  # five recent batches, one apart, none the box holds
-        seqs = conn.execute(text("SELECT seq FROM batches WHERE model = 'encoder' AND "
-                                 "ended_at < :t ORDER BY ended_at DESC LIMIT 12"),
-                            {"t": time.time() - 2}).scalars().all()
-    seqs = [q for q in seqs if str(q) != box.input_value().strip()][::2][:5]
-    assert len(seqs) == 5
+
+    def recent() -> list[int] | None:  # five recent batches, one apart, none the box holds
+        with engine.connect() as conn:
+            found = conn.execute(text("SELECT seq FROM batches WHERE model = 'encoder' AND "
+                                      "ended_at < :t ORDER BY ended_at DESC LIMIT 12"),
+                                 {"t": time.time() - 2}).scalars().all()
+        found = [q for q in found if str(q) != box.input_value().strip()][::2][:5]
+        return found if len(found) == 5 else None
+    seqs = wait_for(recent, 60, "five recorded encoder batches")
     typed = 0
     for seq in seqs:
         _following(page)
