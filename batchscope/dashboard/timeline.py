@@ -56,6 +56,7 @@ from batchscope.analysis.queries.timeline import (TimelineRows, WindowTooLarge, 
 from batchscope.dashboard.scope import Scope, data_engine, fmt_time
 from batchscope.presentation import timeline_chart
 from batchscope.presentation.snapshot.layout import TRACE_MAX_ROWS
+from batchscope.storage.recorder import FLUSH_INTERVAL_S
 
 LENGTHS_S = (1, 2, 5, 10, 30, 60, 300)
 DEFAULT_LENGTH_S = 10
@@ -79,8 +80,8 @@ STOP_NOTE = "timeline_stop_note"
 #: the last region run's cost: ((length, model, instance), seconds); the cadence in effect
 COST = "timeline_cost"
 EVERY = "timeline_every"
-#: the recorder writes its rows every this many seconds (``Recorder``'s flush_interval_s)
-RECORDER_FLUSH_S = 0.5
+#: the recorder writes its rows every this many seconds (its default)
+RECORDER_FLUSH_S = FLUSH_INTERVAL_S
 #: a live window ends this long before now: by then the recorder has written its rows
 LIVE_LAG_S = 2 * RECORDER_FLUSH_S
 #: a live refresh waits at least this many times what the last one took to read and draw
@@ -166,7 +167,7 @@ def stop_note(bars: int) -> str:
     return (f"Follow live stopped by itself: the window holds {bars:,} batches and steps, "
             f"more than the {LIVE_MAX_BARS:,} a live page redraws at every refresh (the tab "
             "would do little else). The window stays where it stopped; to follow the clock, "
-            "choose a shorter window and switch Follow live on.")
+            "choose a shorter window and press Follow live.")
 
 
 def not_found_note(text: str, other: dict | None, model: str | None,

@@ -71,6 +71,8 @@ BACKOFF_MAX_S = 1.0
 DROP_REPORT_INTERVAL_S = 10.0
 #: least time between two checks that the SQLite file is still the one opened
 FILE_CHECK_INTERVAL_S = 1.0
+#: how often a recorder writes what it holds, by default (seconds)
+FLUSH_INTERVAL_S = 0.5
 
 
 def file_identity(path: str) -> tuple[int, int] | None:
@@ -94,7 +96,7 @@ def group_by_type(records: list) -> dict[type, list]:
 class Recorder:
     """Implements ``RecorderLike``: non-blocking ``put``, bulk writes in the background."""
 
-    def __init__(self, engine: Engine, *, buffer_size: int = 100_000, flush_interval_s: float = 0.5,
+    def __init__(self, engine: Engine, *, buffer_size: int = 100_000, flush_interval_s: float = FLUSH_INTERVAL_S,
                  max_rows_per_flush: int = 50_000, instance_id: str = "local",
                  clock: Callable[[], float] = time.time, writer_process: bool = False,
                  file_check_interval_s: float = FILE_CHECK_INTERVAL_S) -> None:
