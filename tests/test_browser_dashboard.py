@@ -260,6 +260,66 @@ def test_picks_land_while_the_window_follows_the_clock(page, stack):
         landed += 1
 
 
+#: the timeline chart's x range as the browser shows it (a zoom changes it)
+X_RANGE = "() => document.querySelector('.js-plotly-plot')._fullLayout.xaxis.range.slice()"
+#: a batch in the x range shown, ``at`` (0-1) of the way through them: its seq and where
+#: it is on the screen
+SHOWN_BATCH = """(at) => {
+    const g = document.querySelector('.js-plotly-plot');
+    const box = g.getBoundingClientRect(), fl = g._fullLayout;
+    const [lo, hi] = fl.xaxis.range;
+    for (const t of g._fullData) {
+        const keys = (t.customdata || []).map((c, i) => [c, i])
+            .filter(([c, i]) => Array.isArray(c) && c.length === 2 && c[1] >= 0
+                    && t.x[i] > lo && t.x[i] < hi);
+        if (!keys.length) continue;
+        const [key, i] = keys[Math.min(keys.length - 1, Math.floor(keys.length * at))];
+        const xa = fl['xaxis' + (t.xaxis || 'x').slice(1)];
+        const ya = fl['yaxis' + (t.yaxis || 'y').slice(1)];
+        return {x: box.left + xa._offset + xa.d2p(t.x[i]), y: box.top + ya._offset + ya.d2p(t.y[i]),
+                seq: key[1]};
+    }
+    return null;
+}"""
+
+
+def test_a_zoom_survives_picks_by_click(page, stack):
+    """In a stopped window a user zooms in, then clicks bars: each click picks its batch
+    and the chart keeps the zoom (an outline drawn for the pick changed the figure, and
+    Streamlit drew the chart afresh, showing the whole window again)."""
+    go_to(page, "Batch timeline", page.get_by_text("Slowest requests in the window"))
+    wait_for(lambda: _batches(stack["engine"], "encoder", time.time() - 8) >= 12, 60,
+             "a dozen encoder batches in the last 8 s")
+    _following(page)  # from the live edge, the window now holds them
+    page.get_by_role("button", name="Stop following").locator("visible=true").click()
+    wait_for(lambda: _follow_button(page) == "off", 30, "the window stopped")
+    page.wait_for_function(DRAWN_CHARTS, arg=1, timeout=30_000)
+    settle(page)
+    whole = page.evaluate(X_RANGE)
+    plot = page.locator(".js-plotly-plot .nsewdrag").first.bounding_box()
+    y = plot["y"] + plot["height"] / 2
+    page.mouse.move(plot["x"] + plot["width"] * 0.25, y)  # a plain drag zooms
+    page.mouse.down()
+    page.mouse.move(plot["x"] + plot["width"] * 0.75, y, steps=8)
+    page.mouse.up()
+    zoomed = wait_for(lambda: (r := page.evaluate(X_RANGE)) != whole and r, 10, "the zoom")
+    assert zoomed[1] - zoomed[0] < (whole[1] - whole[0]) * 0.6, (whole, zoomed)
+    picked: list[int] = []
+    for at in (0.5, 0.0, 1.0):
+        target = page.evaluate(SHOWN_BATCH, at)
+        assert target is not None, "no batch in the zoomed range"
+        assert target["seq"] not in picked, f"fewer than 3 batches in the zoomed range: {picked}"
+        # a click within plotly's double-click time (300 ms) of the last release would
+        # make a double click, which shows the whole window again
+        time.sleep(0.6)
+        page.mouse.click(target["x"], target["y"])
+        wait_for(lambda: _shown(page, target["seq"]), 30, f"batch {target['seq']} clicked")
+        settle(page)
+        picked.append(target["seq"])
+        assert page.evaluate(X_RANGE) == zoomed, f"the zoom was lost after picking {picked}"
+    page.screenshot(path=str(ARTIFACTS / "timeline_zoomed_pick.png"))
+
+
 def test_snapshot_downloads_and_reopens(page, stack):
     prepare = page.get_by_role("button", name="Prepare snapshot of the current window", exact=True)
     go_to(page, "Snapshots", prepare)
@@ -282,3 +342,4 @@ def test_snapshot_downloads_and_reopens(page, stack):
     settle(page)
     go_to(page, "Live", page.get_by_text("Browsing snapshot downloaded.zip", exact=False))
     wait_for(lambda: plots(page) >= 8, 60, "snapshot charts")
+

@@ -175,7 +175,8 @@ def test_the_chart_draws_every_batch_once_and_picks_members(filled, monkeypatch)
     assert len(table) == len(rows.members(inst, int(seq)))
     assert [t.name for t in members.data] == ["queue", "compute"]
     selected = timeline_chart.timeline(rows, selected=(inst, int(seq)))
-    assert any(t.name == "selected" for t in selected.data)
+    chosen = [tuple(t.customdata[i]) for t in selected.data for i in t.selectedpoints or ()]
+    assert [(str(k), int(q)) for k, q in chosen] == [(str(inst), int(seq))]
     step = rows.steps.iloc[len(rows.steps) // 2]  # at about end - 1.5 s: all five alive
     fig, seqs = timeline_chart.members(rows, (step["instance_id"], -int(step["id"])))
     assert len(seqs) == 5 and (seqs["arrived_at"] <= step["at"]).all()

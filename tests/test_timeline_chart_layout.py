@@ -1,6 +1,6 @@
 """The batch timeline's figures as a page shows them: the view kept across refreshes, the
-picked batch outlined on its own lane, labels only where they fit, legends clear of the
-toolbar and of the axis titles, and the wording of counts and waits."""
+picked batch's point selected on its own lane, labels only where they fit, legends clear
+of the toolbar and of the axis titles, and the wording of counts and waits."""
 
 from __future__ import annotations
 
@@ -85,10 +85,17 @@ def points_of(fig: go.Figure) -> dict[tuple[str, int], float]:
             for k, y in zip(t.customdata, t.y)}
 
 
-def outline_of(fig: go.Figure) -> tuple[float, float, float]:
-    """The outline's lane and x extent."""
-    (frame,) = [t for t in fig.data if t.name == "selected"]
-    return (min(frame.y) + max(frame.y)) / 2, min(frame.x), max(frame.x)
+def picked_of(fig: go.Figure) -> tuple[tuple[str, int], float, float] | None:
+    """The key, lane and x of the one point drawn selected (None: none is); every other
+    batch and step point is drawn unselected."""
+    points = [t for t in fig.data if t.customdata is not None and t.mode != "lines"]
+    chosen = [(t, i) for t in points for i in (t.selectedpoints or ())]
+    if not chosen:
+        assert all(t.selectedpoints is None for t in points)
+        return None
+    assert all(t.selectedpoints is not None for t in points)
+    ((t, i),) = chosen
+    return (str(t.customdata[i][0]), int(t.customdata[i][1])), float(t.y[i]), float(t.x[i])
 
 
 # -- 1. the view ---------------------------------------------------------------------------
@@ -120,37 +127,37 @@ def test_a_zoom_survives_refreshes_and_picks_of_one_view_and_a_new_choice_resets
     assert same[0] == same[1] != other
 
 
-# -- 2. the outline ------------------------------------------------------------------------
+# -- 2. the picked batch ------------------------------------------------------------------
 @pytest.mark.parametrize("key, lane", [
     (("vm-a", 2), "encoder @ vm-a · batches 2"),  # overlaps batch 1: the second row
     (("vm-a", 1), "encoder @ vm-a · batches"),
     (("vm-a", 3), "encoder @ vm-a · batches"),  # failed (OOM): a trace of its own
     (("vm-b", 2), "encoder @ vm-b · batches"),  # the same number on the other instance
     (("vm-b", 7), "encoder @ vm-b · batches")])
-def test_the_outline_frames_the_picked_batch_on_its_own_lane(two_instances, key, lane):
+def test_the_picked_batch_s_point_is_selected_on_its_own_lane(two_instances, key, lane):
     rows = timeline_rows(two_instances, Window(T0, T0 + 10))
     fig = timeline_chart.timeline(rows, selected=key)
     lanes = list(fig.layout.yaxis.ticktext)
-    y, x0, x1 = outline_of(fig)
-    assert y == points_of(fig)[key]  # on the lane of the bar that was clicked
+    got, y, x = picked_of(fig)
+    assert got == key and y == points_of(fig)[key]  # the point a click on its bar selects
     b = rows.batches
     row = b[(b["instance_id"] == key[0]) & (b["seq"] == key[1])].iloc[0]
-    assert (x0, x1) == pytest.approx((row["started_at"] - T0, row["ended_at"] - T0))
+    assert x == pytest.approx((row["started_at"] + row["ended_at"]) / 2 - T0)
     assert lanes[int(y)] == lane
 
 
-def test_the_outline_frames_a_picked_step_on_its_instance_s_lane(two_instances):
+def test_a_picked_step_s_point_is_selected_on_its_instance_s_lane(two_instances):
     rows = timeline_rows(two_instances, Window(T0, T0 + 10))
     steps = rows.steps.set_index("instance_id")
     for inst in ("vm-a", "vm-b"):
         key = (inst, -int(steps.loc[inst, "id"]))
         fig = timeline_chart.timeline(rows, selected=key)
-        y, _, _ = outline_of(fig)
-        assert y == points_of(fig)[key]
+        got, y, _ = picked_of(fig)
+        assert got == key and y == points_of(fig)[key]
         assert fig.layout.yaxis.ticktext[int(y)] == f"decoder @ {inst} · steps"
-    # a batch not in the window is not outlined
-    fig = timeline_chart.timeline(rows, selected=("vm-b", 99))
-    assert not [t for t in fig.data if t.name == "selected"]
+    # a batch not in the window selects nothing, and nothing is dimmed
+    assert picked_of(timeline_chart.timeline(rows, selected=("vm-b", 99))) is None
+    assert picked_of(timeline_chart.timeline(rows)) is None
 
 
 # -- 3. labels -----------------------------------------------------------------------------

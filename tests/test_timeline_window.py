@@ -344,3 +344,50 @@ def test_all_models_are_one_choice_away_and_a_number_of_another_model_says_so(ap
     assert {"queue wait (ms)", "latency (ms)"} <= set(members.columns), members.columns
     assert not {"queue_wait_s", "latency_s", "first token (ms)", "prompt tokens",
                 "output tokens"} & set(members.columns)
+
+
+def test_a_batch_picked_by_a_click_leaves_the_chart_clicked_as_it_was():
+    view = (100.0, 110.0, "mlp", None, 40, 0, 3)
+    picked = ("inst", 7)
+    assert timeline.marked(None, view, None, None) is None
+    assert timeline.marked(picked, view, None, (view, None)) == picked  # by number or table
+    # by a click on this view: the chart as it was drawn, its mark (none, or an older pick)
+    assert timeline.marked(picked, view, ("inst", 7, view), (view, None)) is None
+    assert timeline.marked(picked, view, ("inst", 7, view), (view, ("inst", 3))) == ("inst", 3)
+    moved = (101.0, 111.0, *view[2:])  # the window moved since the click: marked anew
+    assert timeline.marked(picked, moved, ("inst", 7, view), (view, None)) == picked
+    assert timeline.marked(picked, view, ("inst", 8, view), (view, None)) == picked
+
+
+def test_a_click_on_a_bar_leaves_the_chart_s_figure_as_it_was(app_db):
+    """A click picks a batch; the chart drawn after it is the one clicked (the same
+    figure: the browser keeps it, and the user's zoom, as they were). A pick by number
+    marks the batch's point selected instead, and a click after it keeps that figure."""
+    at = run_app("timeline")
+    at.button(key="timeline_stop").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+
+    def spec() -> dict:
+        return json.loads(at.get("plotly_chart")[0].proto.spec)
+
+    def click(inst: str, seq: int) -> None:  # what the chart's callback leaves
+        at.session_state["timeline_selected"] = (inst, seq)
+        at.session_state["timeline_clicked"] = (inst, seq, at.session_state["timeline_drawn"][0])
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert any(f"**Batch {seq}**" in m.value for m in at.markdown)
+
+    def selected_points() -> list:
+        return [t["selectedpoints"] for t in spec()["data"] if "selectedpoints" in t]
+    before = spec()
+    rows = at.session_state["timeline_slowest_rows"].dropna()
+    (inst, seq), (_, other) = [(str(i), int(p)) for i, p in rows.drop_duplicates("pick")
+                               .itertuples(index=False)][:2]
+    click(inst, seq)
+    assert spec() == before
+    at.text_input(key="timeline_batch_number").input(str(seq)).run()
+    assert not at.exception, [e.value for e in at.exception]
+    numbered = spec()
+    assert sorted(map(len, selected_points()))[-1] == 1  # its point, the others dimmed
+    click(inst, other)
+    assert spec() == numbered

@@ -71,6 +71,10 @@ STOP = "timeline_stop"
 END = "timeline_end"
 #: the end the last run of the region read up to
 WINDOW_END = "timeline_window_end"
+#: the chart the last run drew: (what it shows, ``drawn_view``; the batch it marks picked)
+DRAWN = "timeline_drawn"
+#: the batch last picked by a click on the chart, and the view clicked: (instance, seq, view)
+CLICKED = "timeline_clicked"
 NUMBER = "timeline_batch_number"
 MODELS = "timeline_models"
 #: a pick's message: (where it is shown, "number" or "table"; the text)
@@ -402,6 +406,7 @@ def region(engine: Engine, scope: Scope, model: str | None, length_s: float,
             st.session_state[STOP_NOTE] = stop_note(bars)
             st.rerun(scope="app")
         selected = _selected(rows)
+        charted = rows  # the chart draws the window alone, the picked batch's rows apart
         if selected is not None:
             rows = with_members(engine, rows, selected)
     except WindowTooLarge as exc:
@@ -409,7 +414,10 @@ def region(engine: Engine, scope: Scope, model: str | None, length_s: float,
         return
     read_s = time.perf_counter() - t
     t = time.perf_counter()
-    fig = timeline_chart.timeline(rows, selected=selected, tz=None)
+    view = drawn_view(charted)
+    mark = marked(selected, view, st.session_state.get(CLICKED), st.session_state.get(DRAWN))
+    fig = timeline_chart.timeline(charted, selected=mark, tz=None)
+    st.session_state[DRAWN] = (view, mark)
     build_s = time.perf_counter() - t
     live = ""
     if following and scope.live:
@@ -480,9 +488,35 @@ def _table_key(table: pd.DataFrame, selected: tuple[str, int] | None) -> str:
     return key
 
 
+def drawn_view(rows: TimelineRows) -> tuple:
+    """What a timeline chart of ``rows`` shows: its window and how many batches, steps
+    and request marks it holds. The same view is the same figure: the chart the browser
+    holds stays as it is (its zoom too) when it is drawn again."""
+    w = rows.window
+    return (w.start_s, w.end_s, w.model, w.instance_id, len(rows.batches), len(rows.steps),
+            len(rows.requests))
+
+
+def marked(selected: tuple[str, int] | None, view: tuple, clicked: tuple | None,
+           drawn: tuple | None) -> tuple[str, int] | None:
+    """The batch the chart of ``view`` marks picked: the one ``selected``, unless a click
+    on this same view picked it. Then the chart is drawn as it was (``drawn``: the last
+    chart's view and mark): the browser keeps a chart whose figure is unchanged as it
+    is, showing the click's selection and the user's zoom, where a figure marking the
+    batch anew would be drawn afresh, zoomed out, so that each click in a zoomed-in
+    window would first have to zoom again."""
+    if selected is None:
+        return None
+    if (clicked is not None and (clicked[0], clicked[1]) == selected and clicked[2] == view
+            and drawn is not None and drawn[0] == view):
+        return drawn[1]
+    return selected
+
+
 def _pick(inst: str, seq: int) -> None:
     """Show batch ``seq`` of ``inst``; a window following the clock stops where it is."""
     st.session_state[SELECTED] = (str(inst), int(seq))
+    st.session_state.pop(CLICKED, None)
     if st.session_state.get(FOLLOWING):
         st.session_state[FOLLOWING] = False
         end = st.session_state.get(WINDOW_END, time.time() - LIVE_LAG_S)
@@ -496,6 +530,9 @@ def _picked_on_chart() -> None:
         data = p.get("customdata")
         if data is not None and len(data) == 2:
             _pick(data[0], int(data[1]))
+            drawn = st.session_state.get(DRAWN)
+            st.session_state[CLICKED] = (str(data[0]), int(data[1]),
+                                         None if drawn is None else drawn[0])
             return
 
 

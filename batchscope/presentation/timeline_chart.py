@@ -24,14 +24,15 @@ window, not the data), so where the figure is updated in place (``Plotly.react``
 or pan survives a new figure of the same view (a live refresh, a pick) and a new choice
 of window length, model or instance shows the whole window again. (Streamlit 1.67's
 ``st.plotly_chart`` with selections draws a figure whose content changed afresh, so on
-the page a zoom lasts until the chart's next new figure.) Legends go below the x axis's
+the page a zoom lasts until the chart's next new figure; so a picked batch is marked as
+a click marks it, its point selected (drawn large and dark, the others dimmed), and the
+page draws the figure as it was after a click.) Legends go below the x axis's
 title, out of the way of the toolbar above the plot.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timezone, tzinfo
-from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -64,6 +65,9 @@ QUEUE_COLOR = "#c7c7c7"
 #: a traced request's bytes arriving and its answer going out (Triton's HTTP/gRPC times)
 TRANSPORT_COLOR = "#9edae5"
 BAR_WIDTH_PX = 14
+#: the point of a picked batch (selected, as a click selects it) is drawn so
+PICKED_COLOR = "#111"
+PICKED_MARKER_PX = 11
 PALETTE = plotly.colors.qualitative.Plotly
 
 
@@ -158,7 +162,7 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
              height: int | None = None, tz: tzinfo | None = timezone.utc,
              revision: str | None = None) -> go.Figure:
     """The batch timeline of ``rows`` (see the module doc); ``selected``: the (instance,
-    seq) of the batch drawn outlined; ``tz``: the zone the x axis names its start in
+    seq) of the batch whose point is drawn selected (``mark_picked``); ``tz``: the zone the x axis names its start in
     (None: local time); ``revision``: the figure's ``uirevision`` (``view_key`` of the
     window by default)."""
     t0 = rows.window.start_s
@@ -172,8 +176,6 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
     traces: list = []
     marks = int((r["outcome"].isin(REFUSED) | r["bypass"]).sum()) if len(r) else 0
     scatter = go.Scatter if len(b) + len(s) + marks <= SVG_POINTS_MAX else go.Scattergl
-    picked = _picked(rows, selected)
-    outline: list = []  # the frame around the picked batch or step, on its own lane
     for inst, model in keys:
         name = f"{model} @ {inst[:12]}" if several else model
         color = colors[model]
@@ -187,10 +189,6 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
                             labels=_labels(mb, "started_at", "ended_at", span,
                                            _size_label(mb)),
                             failed=(mb["outcome"] != "ok").to_numpy(), scatter=scatter)
-            if picked is not None and picked.kind == "batches" and picked.key == (inst, model):
-                # the first batch of its number in its lanes, as ``members`` takes it
-                at = np.flatnonzero(mb["seq"].to_numpy() == selected[1])[0]
-                outline = _outline(picked, ys[at], t0)
         ms = s[(s["instance_id"] == inst) & (s["model"] == model)]
         if len(ms):
             y = lanes.add(f"{name} · steps")
@@ -201,8 +199,6 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
                                            _running_label(ms)),
                             failed=None, start_col="started_at", end_col="at",
                             scatter=scatter)
-            if picked is not None and picked.kind == "steps" and picked.key == (inst, model):
-                outline = _outline(picked, y, t0)
         mr = r[(r["instance_id"] == inst) & (r["model"] == model)]
         refused = mr[mr["outcome"].isin(REFUSED) | mr["bypass"]]
         if len(refused):
@@ -213,7 +209,9 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
     fig = charts._base("Batch timeline", height=height or plot_px + 40 + AXIS_BELOW_PX,
                        closest=True, dragmode="zoom", showlegend=True,
                        uirevision=revision or view_key(rows.window))
-    fig.add_traces(traces + outline)
+    if selected is not None:
+        mark_picked(traces, selected)
+    fig.add_traces(traces)
     fig.update_layout(
         xaxis=dict(title=f"seconds after {clock(t0, tz)}", range=[0, round(span, 6)],
                    zeroline=False),
@@ -301,6 +299,7 @@ def _bars(df: pd.DataFrame, ys: np.ndarray, t0: float, name: str, color: str,
             text=text if any(text) else None,
             textposition="top center", textfont=dict(size=LABEL_FONT_PX),
             marker=dict(color=c, size=5, line=dict(width=0)),
+            selected=dict(marker=dict(color=PICKED_COLOR, size=PICKED_MARKER_PX)),
             customdata=custom[mask], hovertext=[hover[i] for i in np.flatnonzero(mask)],
             hoverinfo="text"))
     return out
@@ -333,43 +332,22 @@ def _mark_times(kind: str, queued_s: float, latency_s: float) -> str:
     return f"waited {_ms(queued_s)}"
 
 
-class Picked(NamedTuple):
-    """The picked batch or step as the chart finds it: its lanes' ``kind`` ("batches" or
-    "steps"), the (instance, model) ``key`` of its lanes and its start and end (epoch
-    seconds)."""
-
-    kind: str
-    key: tuple[str, str]
-    start: float
-    end: float
-
-
-def _picked(rows: TimelineRows, key: tuple[str, int] | None) -> Picked | None:
-    """The batch (seq >= 0) or generation step (seq < 0: ``-id``) that ``key`` (instance,
-    seq) picks, the first of a repeated number as ``members`` takes it; None when it is
-    not in the window."""
-    if key is None:
-        return None
-    inst, seq = key
-    if seq >= 0:
-        df, kind, end_col = rows.batches, "batches", "ended_at"
-        match = df[(df["instance_id"] == inst) & (df["seq"] == seq)]
-    else:
-        df, kind, end_col = rows.steps, "steps", "at"
-        match = df[(df["instance_id"] == inst) & (df["id"] == -seq)]
-    if not len(match):
-        return None
-    first = match.iloc[0]
-    return Picked(kind, (inst, first["model"]), float(first["started_at"]),
-                  float(first[end_col]))
-
-
-def _outline(picked: Picked, y: float, t0: float) -> list:
-    """A dark frame around the picked batch or step, on lane ``y``."""
-    s0, e0 = picked.start - t0, picked.end - t0
-    return [go.Scatter(x=[s0, e0, e0, s0, s0], y=[y - 0.35, y - 0.35, y + 0.35, y + 0.35, y - 0.35],
-                       mode="lines", line=dict(color="#111", width=2), name="selected",
-                       hoverinfo="skip", showlegend=False)]
+def mark_picked(traces: list, key: tuple[str, int]) -> bool:
+    """Select the point of the batch (seq >= 0) or step (seq < 0: ``-id``) that ``key``
+    (instance, seq) picks, as a click on it would, among the batch and step points of
+    ``traces``: the first point of a repeated number, as ``members`` takes it, on the
+    lane its bar is in. The other points are left unselected (dimmed). Whether it was
+    found (a batch outside the window is not: nothing is selected)."""
+    inst, seq = str(key[0]), int(key[1])
+    points = [t for t in traces if t.customdata is not None and t.mode != "lines"]
+    for t in points:
+        keys = np.asarray(t.customdata, dtype=object)
+        hit = np.flatnonzero((keys[:, 0] == inst) & (keys[:, 1].astype(np.int64) == seq))
+        if len(hit):
+            for other in points:
+                other.selectedpoints = [int(hit[0])] if other is t else []
+            return True
+    return False
 
 
 def members(rows: TimelineRows, key: tuple[str, int]) -> tuple[go.Figure, pd.DataFrame]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -280,7 +280,8 @@ def with_traces(requests: pd.DataFrame, traces: pd.DataFrame | None) -> pd.DataF
 
 def with_members(engine: Engine, rows: TimelineRows, key: tuple[str, int]) -> TimelineRows:
     """``rows`` with every request of the picked batch (``key``: instance, seq), or for a
-    generation step (seq ``-id``) every sequence alive during it, added."""
+    generation step (seq ``-id``) every sequence alive during it, added: new rows, the
+    ones given left as they were."""
     inst, seq = key
     if seq >= 0:
         b = rows.batches[(rows.batches["instance_id"] == inst) & (rows.batches["seq"] == seq)]
@@ -310,9 +311,8 @@ def with_members(engine: Engine, rows: TimelineRows, key: tuple[str, int]) -> Ti
     traces = read_frame(engine, f"SELECT {', '.join(TRACE_COLUMNS)} FROM request_traces "
                                 f"WHERE {tsql}", params)
     before = rows.requests.drop(columns=["started_at", *TRACED_COLUMNS], errors="ignore")
-    rows.requests = with_traces(_requests(_merged(before, found)), traces)
-    rows.traced = int(rows.requests["trace_id"].notna().sum())
-    return rows
+    requests = with_traces(_requests(_merged(before, found)), traces)
+    return replace(rows, requests=requests, traced=int(requests["trace_id"].notna().sum()))
 
 
 def find_batch(engine: Engine, seq: int, *, model: str | None = None,
