@@ -53,6 +53,47 @@ def trace_rows_written(db, after: int, expected: int) -> list:
     return read()
 
 
+class TracedService:
+    """A real ``Service`` on 127.0.0.1 (HTTP and gRPC, a free port each) recording into the
+    SQLite file ``db_path``, for the trace tests: its ``url``, ``grpc_address``, database
+    engine ``db`` and ``tracer``. ``close`` stops it."""
+
+    def __init__(self, db_path: Path, models: dict, instance_id: str,
+                 generation: dict | None = None) -> None:
+        from batchscope.storage.db import make_engine
+        from runtime.api.config import ServerConfig
+        from runtime.server.service import Service, ServiceThread
+
+        url = f"sqlite:///{db_path}"
+        self.service = Service(models, None,
+                               ServerConfig(database_url=url, grpc_port=0,
+                                            heartbeat_interval_s=0.2,
+                                            control_poll_interval_s=0.05),
+                               generation=generation, instance_id=instance_id)
+        self.runner = ServiceThread(self.service)
+        self.url = self.runner.start()
+        self.grpc_address = f"127.0.0.1:{self.service.grpc_port}"
+        self.db = make_engine(url)
+        self.tracer = self.service.engine.tracer
+
+    def rows(self, after: int, expected: int) -> list:
+        """The traces numbered after ``after``, once the ``expected`` ones are written."""
+        return trace_rows_written(self.db, after, expected)
+
+    def reset(self, client: Any, models: tuple[str, ...], settings: dict) -> None:
+        """Put the trace ``settings`` back over ``client`` (an ``httpx.Client`` of ``url``)
+        and clear the own values of ``models``."""
+        assert client.post("/v2/trace/setting", json=settings).status_code == 200
+        for model in models:
+            r = client.post(f"/v2/models/{model}/trace/setting",
+                            json={key: None for key in settings})
+            assert r.status_code == 200, r.text
+
+    def close(self) -> None:
+        self.runner.stop()
+        self.db.dispose()
+
+
 # -- waiting, always bounded -------------------------------------------------------------
 def wait_until(predicate, limit: int = 2000, interval_s: float = 0.005) -> bool:
     """Poll ``predicate`` up to ``limit`` times; its last value (truthy when reached)."""

@@ -24,7 +24,6 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from batchscope.storage.db import make_engine
 from batchscope.storage.records import TraceRow
 from batchscope.storage.schema import RequestTraceRecord
 from runtime.api.config import ServerConfig
@@ -38,7 +37,7 @@ from runtime.models.toys import DoubleModel, FailingModel
 from runtime.server.fastpath import LARGE_BODY_BYTES
 from runtime.server.auth import AuthConfig, Forbidden, Unauthorized, auth_for_listening
 from runtime.server.service import Service, ServiceThread
-from tests.factories import trace_rows_written, wait_until
+from tests.factories import TracedService, wait_until
 
 TIMEOUT_S = 30.0
 TOKEN = "trace-token-for-tests-0123456789"
@@ -309,33 +308,11 @@ def test_beyond_loopback_the_token_is_required_over_http_and_grpc():
 
 
 # -- the real server ----------------------------------------------------------------------------
-class Served:
-    def __init__(self, tmp_path) -> None:
-        url = f"sqlite:///{tmp_path / 'traces.db'}"
-        self.service = Service({"a": DoubleModel(), "b": DoubleModel(),
-                                "failing": FailingModel()}, None,
-                               ServerConfig(database_url=url, grpc_port=0,
-                                            heartbeat_interval_s=0.2,
-                                            control_poll_interval_s=0.05),
-                               instance_id="trace-test")
-        self.runner = ServiceThread(self.service)
-        self.url = self.runner.start()
-        self.grpc_address = f"127.0.0.1:{self.service.grpc_port}"
-        self.db = make_engine(url)
-        self.tracer = self.service.engine.tracer
-
-    def rows(self, after: int, expected: int) -> list[TraceRow]:
-        """The traces numbered after ``after``, once the ``expected`` ones are written."""
-        return trace_rows_written(self.db, after, expected)
-
-    def close(self) -> None:
-        self.runner.stop()
-        self.db.dispose()
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    s = Served(tmp_path_factory.mktemp("trace"))
+    s = TracedService(tmp_path_factory.mktemp("trace") / "traces.db",
+                      {"a": DoubleModel(), "b": DoubleModel(), "failing": FailingModel()},
+                      "trace-test")
     yield s
     s.close()
 
@@ -344,11 +321,7 @@ def served(tmp_path_factory):
 def http(served):
     with httpx.Client(base_url=served.url, timeout=TIMEOUT_S) as client:
         # every test starts from the defaults: tracing OFF, no model settings
-        assert client.post("/v2/trace/setting", json=RESET).status_code == 200
-        for model in ("a", "b"):
-            r = client.post(f"/v2/models/{model}/trace/setting",
-                            json={key: None for key in RESET})
-            assert r.status_code == 200, r.text
+        served.reset(client, ("a", "b"), RESET)
         yield client
 
 

@@ -55,6 +55,7 @@ Synchronous and clock-free: the caller passes the times in.
 from __future__ import annotations
 
 import re
+import reprlib
 from typing import Any, Callable, Iterable, Mapping
 
 from runtime.api.errors import ClientError
@@ -104,12 +105,25 @@ _FORMS = {
 }
 
 
+#: how a refused value is quoted back: a few levels, items and characters of it, so a
+#: value nested 1,000 deep or a list of a million items gets a short answer, not an error
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict = 3, 6, 4
+_QUOTE.maxstring = _QUOTE.maxother = _QUOTE.maxlong = 100
+#: unknown keys named in an answer at most
+_MOST_SHOWN = 10
+
+
+def quoted(value: Any) -> str:
+    """``value`` as an answer quotes it: a bounded ``repr`` (never deeper, or longer, than
+    a line of an error message)."""
+    shown = _QUOTE.repr(value)
+    return shown if len(shown) <= 120 else shown[:120] + "..."
+
+
 def _bad(key: str, value: Any) -> ClientError:
-    shown = repr(value)
-    if len(shown) > 100:
-        shown = shown[:100] + "..."
-    return ClientError(f"{key}={shown} is not accepted; send {_FORMS[key]}, or null to clear "
-                       "a model's own value (the global one applies again)")
+    return ClientError(f"{key}={quoted(value)} is not accepted; send {_FORMS[key]}, or null to "
+                       "clear a model's own value (the global one applies again)")
 
 
 def _integer(key: str, value: Any, least: int) -> int:
@@ -132,6 +146,8 @@ def _level(value: Any) -> tuple[str, ...]:
         raise _bad("trace_level", value)
     out: list[str] = []
     for level in levels:
+        if not level.isascii():  # "tımestamps".upper() is "TIMESTAMPS": not a level name
+            raise _bad("trace_level", value)
         name = level.strip().upper()
         if name == "TENSORS":
             raise ClientError('trace_level "TENSORS" is not supported: this server records '
@@ -141,8 +157,8 @@ def _level(value: Any) -> tuple[str, ...]:
         if name not in out:
             out.append(name)
     if OFF in out and len(out) > 1:
-        raise ClientError(f'trace_level {levels!r} asks for "OFF" and for tracing at once; '
-                          'send ["OFF"] or ["TIMESTAMPS"]')
+        raise ClientError(f'trace_level {quoted(levels)} asks for "OFF" and for tracing at '
+                          'once; send ["OFF"] or ["TIMESTAMPS"]')
     return tuple(out)
 
 
@@ -152,7 +168,7 @@ def _text(key: str, value: Any, choices: tuple[str, ...] | None = None) -> str:
     if not isinstance(value, str) or "\x00" in value:
         raise _bad(key, value)
     if choices is not None:
-        if value.strip().lower() not in choices:
+        if not value.isascii() or value.strip().lower() not in choices:
             raise _bad(key, value)
         return value.strip().lower()
     return value
@@ -178,7 +194,9 @@ def parse_value(key: str, value: Any) -> Any:
 
 
 def unknown_keys(keys: Iterable[str]) -> ClientError:
-    shown = sorted(str(k)[:64] for k in keys)
+    names = sorted(str(k)[:64] for k in keys)
+    more = len(names) - _MOST_SHOWN
+    shown = f"{names[:_MOST_SHOWN]}" + (f" and {more} more" if more > 0 else "")
     return ClientError(f"unknown trace setting(s) {shown}; the trace settings are "
                        f"{', '.join(KEYS)}")
 
@@ -388,7 +406,9 @@ def parse_traceparent(value: str | bytes | None) -> tuple[str, str, bool] | None
         return None
     if isinstance(value, bytes):
         value = value.decode("latin-1")
-    m = _TRACEPARENT.fullmatch(value.strip())
+    # only HTTP's optional white space around it: str.strip would also take a NBSP
+    # (b"\xa0") or NEL, bytes no valid header holds
+    m = _TRACEPARENT.fullmatch(value.strip(" \t"))
     if m is None:
         return None
     version, trace_id, span_id, flags, rest = m.groups()

@@ -40,7 +40,8 @@ from typing import Any, Iterable, Mapping
 
 from batchscope.storage.records import TRACE_FIELDS, RecorderLike, TraceBatch, put_many_of
 from runtime.api.errors import ClientError, QueueFull
-from runtime.core.tracing import PlainTrace, RequestTrace, TraceControl, parse_traceparent
+from runtime.core.tracing import (DEFAULTS, PlainTrace, RequestTrace, TraceControl,
+                                  parse_traceparent)
 from runtime.engine.otel import new_ids
 from runtime.engine.tracefile import TraceFileWriter, check_writable
 
@@ -62,6 +63,24 @@ _NOT_PLAIN, _PLAIN, _PLAIN_SPANS = 0, 1, 2
 FLUSH_EVERY = 256
 FLUSH_AFTER_S = 0.1
 _TRACE_FIELDS = attrgetter(*TRACE_FIELDS)
+
+
+def _holds_trace_array(path: str) -> bool:
+    """Whether traces may be appended to the file at ``path``: none there, an empty one,
+    or one that is a JSON array (as ``runtime.engine.tracefile.append_to_array`` asks:
+    ``[`` first, ``]`` last). Called once ``check_writable`` found it a regular file."""
+    try:
+        with open(path, "rb") as fh:
+            first = fh.read(1)
+            if not first:
+                return True
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 4096))
+            return first == b"[" and fh.read().rstrip().endswith(b"]")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
 
 def outcome_of(error: BaseException | None) -> str:
@@ -122,23 +141,19 @@ class Tracer:
 
     def update(self, model: str | None, changes: Mapping[str, Any]) -> dict[str, Any]:
         """Apply checked changes (``runtime.core.tracing.parse_changes``); the effective
-        settings after them. A ``trace_file`` whose folder does not exist, or that the
-        server cannot write, is refused."""
+        settings after them. A ``trace_file`` whose folder does not exist, that the
+        server cannot write, or that holds something other than a trace array, is refused;
+        so is a ``log_frequency`` whose first file (``trace_file.0``) would be."""
         path = changes.get("trace_file")
-        if path:
-            folder = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(folder):
-                raise ClientError(f"trace_file {path[:200]!r}: the folder {folder[:200]!r} "
-                                  "does not exist; give a file in an existing folder")
-            if os.path.isdir(path):
-                raise ClientError(f"trace_file {path[:200]!r} is a folder; give a file path")
-            every = changes.get("log_frequency", self.control.values_of(model)["log_frequency"])
-            first = f"{path}.0" if int(every) > 0 else path
-            why = check_writable(first)
-            if why is not None:
-                raise ClientError(f"trace_file {path[:200]!r}: this server cannot write "
-                                  f"{first[:200]!r} ({why}); give a file in a folder it may "
-                                  "write to")
+        if "trace_file" in changes or "log_frequency" in changes:
+            # the file the traces will go to once changed (a value cleared: the one that
+            # applies again), checked whichever of the two changed
+            target = self._after(model, changes, "trace_file")
+            if target:
+                every = self._after(model, changes, "log_frequency")
+                now = self.control.values_of(model)
+                self._check_file(target, every, (target, every > 0) == (
+                    now["trace_file"], now["log_frequency"] > 0))
         if "trace_file" in changes or "log_frequency" in changes:
             before = self.control.values_of(model)["trace_file"]
             if before:
@@ -151,6 +166,39 @@ class Tracer:
         self._files_on = bool(control.values["trace_file"]) or any(
             own.get("trace_file") for own in control.overrides.values())
         return settings
+
+    def _after(self, model: str | None, changes: Mapping[str, Any], key: str) -> Any:
+        """The value of ``key`` for ``model`` (None: the server) once ``changes`` apply."""
+        if key not in changes:
+            return self.control.values_of(model)[key]
+        value = changes[key]
+        if value is not None:
+            return value
+        return DEFAULTS[key] if model is None else self.control.values[key]
+
+    @staticmethod
+    def _check_file(path: str, every: int, writing: bool = False) -> None:
+        """``ClientError`` unless traces can be appended to ``path`` (``every`` its
+        ``log_frequency``): a folder that exists, a file this server may write, and no
+        file there that is not a trace array (``TraceFileWriter`` never writes over one;
+        not read where ``writing``: the file the traces go to already, which the writer
+        thread may be appending to)."""
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise ClientError(f"trace_file {path[:200]!r}: the folder {folder[:200]!r} "
+                              "does not exist; give a file in an existing folder")
+        if os.path.isdir(path):
+            raise ClientError(f"trace_file {path[:200]!r} is a folder; give a file path")
+        first = f"{path}.0" if every > 0 else path
+        why = check_writable(first)
+        if why is None and not writing and not _holds_trace_array(first):
+            raise ClientError(f"trace_file {path[:200]!r}: {first[:200]!r} holds something "
+                              "other than a JSON array of traces, and this server never "
+                              "writes over it; give a new file, or a trace file it wrote")
+        if why is not None:
+            raise ClientError(f"trace_file {path[:200]!r}: this server cannot write "
+                              f"{first[:200]!r} ({why}); give a file in a folder it may "
+                              "write to")
 
     # -- one request ------------------------------------------------------------------
     def begin(self, model: str, protocol: str, request_id: str | None = None,

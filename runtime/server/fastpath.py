@@ -183,7 +183,8 @@ class InferHook:
             elif key == _CONTENT_ENCODING_B:
                 encoding = value.decode("latin-1")
             elif key == _TRACEPARENT_B:
-                traceparent = value
+                # two of them name no one parent (W3C Trace Context): neither is followed
+                traceparent = value if traceparent is None else b""
         # maybe traced (tracing is on, or it names a trace): whom to ask its receive times
         received = conn if traceparent is not None or self._tracing.active else None
         try:

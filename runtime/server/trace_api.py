@@ -7,8 +7,9 @@
 
 Settings and values as Triton has them (``runtime.core.tracing``): strings, and a list
 of strings for ``trace_level``; every answer is the effective settings (a model's own
-values over the global ones, ``trace_count`` the traces left). An unknown key or a bad
-value is a 400 naming the known keys or the accepted form, and nothing changes.
+values over the global ones, ``trace_count`` the traces left). An unknown key, a key
+given twice or a bad value is a 400 naming the known keys or the accepted form (what
+was sent quoted short), and nothing changes.
 ``tritonclient``'s ``get_trace_settings``/``update_trace_settings`` work as they are;
 the gRPC ``TraceSetting`` call (``runtime.server.grpc.handlers``) does the same.
 
@@ -20,7 +21,8 @@ body must be JSON, sent as ``application/json`` or without a ``Content-Type`` (a
 
 ``GET /v2/trace/export?last=10&format=perfetto|json[&model=M][&end=EPOCH]`` answers the
 recorded window (at most ``EXPORT_MAX_S`` seconds and ``EXPORT_MAX_ROWS`` rows, else 413)
-as a trace file. It runs ``batchscope trace`` in a child process, one export at a time
+as a trace file (a parameter given twice, or a window outside 1970..2255, is a 400).
+It runs ``batchscope trace`` in a child process, one export at a time
 (429 while one runs): the serving process neither opens the database (a storage fault
 must not reach it) nor spends the CPU.
 """
@@ -28,6 +30,8 @@ must not reach it) nor spends the CPU.
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
 import shutil
 import sys
@@ -40,10 +44,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from batchscope.trace.timespec import check_window
+from batchscope.trace.timespec import LATEST_S, check_window
 from runtime.api.errors import (ClientError, ModelNotFound, QueueFull, RequestTooLarge,
                                 RouteNotFound, ServerBusy)
-from runtime.core.tracing import KEYS, parse_changes
+from runtime.core.tracing import KEYS, parse_changes, quoted
 from runtime.server.auth import AuthConfig
 from runtime.server.bounds import check_json_size
 from runtime.server.control_api import DEFAULT_AUTH, json_response, model_directory
@@ -58,16 +62,29 @@ def tracer_of(app: Any) -> Any:
 
 
 def traced_model(app: Any, name: str) -> str:
-    """``name`` when it is a request model of the app's engine, else ``ModelNotFound``."""
+    """``name`` when it is a request model of the app's engine, else ``ModelNotFound``
+    (naming at most the first ``quoted`` characters of what was sent)."""
     engine = app.state.engine
     traced = engine.tracer.control.models if getattr(engine, "tracer", None) else ()
     if name in engine.model_names() or name in traced:
         return name
     if name in model_directory(app).generation:
-        raise ModelNotFound(f"model {name!r} is a generation model this server does not "
+        raise ModelNotFound(f"model {quoted(name)} is a generation model this server does not "
                             f"trace; traced models: {sorted(traced)}")
-    raise ModelNotFound(f"unknown model {name!r}; served models are "
+    raise ModelNotFound(f"unknown model {quoted(name)}; served models are "
                         f"{sorted({*engine.model_names(), *traced})}")
+
+
+def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a key given twice is refused (which one would
+    count is anybody's guess)."""
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        twice = sorted({k for k, _ in pairs if k in seen or seen.add(k)})
+        raise ClientError(f"the trace settings {quoted(twice)} are given more than once in "
+                          "one JSON object; give each once")
+    return doc
 
 
 def read_changes(body: bytes) -> dict[str, Any]:
@@ -79,6 +96,11 @@ def read_changes(body: bytes) -> dict[str, Any]:
         raise ClientError('the body must be a JSON object of trace settings, e.g. '
                           '{"trace_level": ["TIMESTAMPS"], "trace_rate": "100"}; the trace '
                           f"settings are {', '.join(KEYS)}") from None
+    if isinstance(doc, dict) and doc:  # valid JSON (orjson said so): now its keys, once each
+        try:
+            doc = json.loads(body, object_pairs_hook=_no_repeats)
+        except RecursionError:  # nested deeper than any setting: parse_changes refuses it
+            pass
     return parse_changes(doc)
 
 
@@ -136,8 +158,11 @@ async def export_trace(request: Request) -> Response:
     q = request.query_params
     unknown = set(q) - {"last", "format", "model", "end"}
     if unknown:
-        raise ClientError(f"unknown parameter(s) {sorted(unknown)}; give last (seconds), "
-                          "format (perfetto or json), model, end (epoch seconds)")
+        raise ClientError(f"unknown parameter(s) {quoted(sorted(unknown))}; give last "
+                          "(seconds), format (perfetto or json), model, end (epoch seconds)")
+    twice = sorted(k for k in set(q) if len(q.getlist(k)) > 1)
+    if twice:  # which one would count is anybody's guess
+        raise ClientError(f"parameter(s) {twice} given more than once; give each once")
     fmt = q.get("format", "perfetto")
     if fmt not in _FORMATS:
         raise ClientError(f"format={fmt[:40]!r}: give perfetto or json")
@@ -149,6 +174,15 @@ async def export_trace(request: Request) -> Response:
     if not 0 < last <= EXPORT_MAX_S:
         raise ClientError(f"last={last:g}: give a window of more than 0 and at most "
                           f"{EXPORT_MAX_S:g} seconds (longer ones: batchscope trace)")
+    # an end far out of range is said to be so (end - last would round to end itself and
+    # be told it does not start before its end)
+    if math.isfinite(end) and end > LATEST_S:
+        raise ClientError(f"end={end:g} is after {LATEST_S:,.0f} epoch seconds (the year "
+                          "2255), past what a trace's nanosecond times can hold; give an "
+                          "earlier end")
+    if math.isfinite(end) and end < 0:
+        raise ClientError(f"end={end:g} is before 1970 (epoch second 0); give the epoch "
+                          "seconds the window ends at, e.g. now's")
     try:  # the window the export would read, checked here: a bad one is the client's
         check_window(end - last, end)
     except ValueError as exc:
@@ -161,17 +195,29 @@ async def export_trace(request: Request) -> Response:
                         retry_after_s=2.0)
     _Exports.busy = True
     suffix, media = _FORMATS[fmt]
-    # a folder of its own (owner-only), removed whole: what a killed export leaves goes too
-    folder = tempfile.mkdtemp(prefix="batchscope-export-")
-    path = os.path.join(folder, f"trace.{suffix}")
+    folder = None
     try:
+        # a folder of its own (owner-only), removed whole: what a killed export leaves goes
+        # too; one that cannot be made (a full or missing temporary folder) fails this
+        # export, and the next one may run
+        try:
+            folder = tempfile.mkdtemp(prefix="batchscope-export-")
+        except OSError as exc:
+            raise ServerBusy(f"the export found no room for its file ({exc.strerror or exc} "
+                             "in the temporary folder); retry once there is",
+                             retry_after_s=5.0) from None
+        path = os.path.join(folder, f"trace.{suffix}")
         cmd = [sys.executable, "-m", "runtime.tools.cli", "trace", "--db", url,
                f"--start={end - last!r}", f"--end={end!r}", "--format", fmt,
                "--max-rows", str(EXPORT_MAX_ROWS), "-o", path]
         if model is not None:
-            cmd += ["--model", model]
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            cmd.append(f"--model={model}")  # one argument, whatever the name starts with
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        except OSError as exc:  # no process to be had now (too many, out of memory)
+            raise ServerBusy(f"the export could not start ({exc.strerror or exc}); retry in "
+                             "a few seconds", retry_after_s=5.0) from None
         try:
             _, err = await asyncio.wait_for(proc.communicate(), EXPORT_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -179,6 +225,10 @@ async def export_trace(request: Request) -> Response:
             await proc.wait()
             raise ServerBusy(f"the export took longer than {EXPORT_TIMEOUT_S:g} s; ask for a "
                              "shorter window", retry_after_s=5.0) from None
+        except BaseException:  # cancelled (the server stops): the child goes too
+            if proc.returncode is None:
+                proc.kill()
+            raise
         if proc.returncode != 0:
             line = (err.decode("utf-8", "replace").strip().splitlines() or ["failed"])[-1]
             if "rows" in line and "at most" in line:
@@ -188,7 +238,8 @@ async def export_trace(request: Request) -> Response:
             data = fh.read()
     finally:
         _Exports.busy = False
-        shutil.rmtree(folder, ignore_errors=True)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(end - last))
     return Response(data, media_type=media, headers={
         "Content-Disposition": f'attachment; filename="batchscope-{stamp}.{suffix}"'})

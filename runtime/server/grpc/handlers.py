@@ -46,7 +46,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
 from runtime.api.errors import ClientError, ModelNotFound, ModelNotReady, ShuttingDown
-from runtime.core.tracing import parse_changes
+from runtime.core.tracing import parse_changes, quoted
 from runtime.server import triton
 from runtime.server.auth import AuthConfig
 from runtime.server.grpc.protocol import SERVICE, SERVICE_NAME, message
@@ -301,10 +301,11 @@ class InferenceHandlers:
                                 "this engine has no trace settings")
         model = None
         if request.model_name:
-            name = request.model_name
-            if name not in self.models:
-                self._served(name, "")  # raises what an unknown model is told
-            model = name
+            model = request.model_name
+            traced = tracer.control.models  # the generation models too, as over HTTP
+            if model not in traced:  # a short answer: a long name would not fit a status
+                raise ModelNotFound(f"unknown model {quoted(model)}; traced models are "
+                                    f"{sorted(traced)}")
         if request.settings:  # a change: a control call
             self.auth.check_rpc(_metadata(context, "authorization"), peer_host(context.peer()))
             changes = parse_changes({key: list(value.value) or None
