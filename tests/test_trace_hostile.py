@@ -240,3 +240,20 @@ def test_an_export_that_cannot_make_its_folder_fails_alone(http, monkeypatch, tm
     r = http.get("/v2/trace/export?last=5&format=json")
     assert r.status_code == 200, r.text
     assert r.json()["otherData"]["source"] == "BatchScope"
+
+
+def test_two_traceparents_name_no_parent_on_the_starlette_routes(served, http):
+    """As on the fast path: a request the Starlette routes answer (here OpenAI-style, to
+    the generation model) with two ``traceparent`` headers follows neither (it took the
+    first of two). (gRPC hands a server only the last of a repeated metadata key.)"""
+    r = http.post("/v2/trace/setting", json={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+    assert r.status_code == 200, r.text
+    good = f"00-{TRACE_ID}-{SPAN_ID}-01".encode()
+    two = [(b"traceparent", good), (b"traceparent", f"00-{'1' * 32}-{SPAN_ID}-01".encode())]
+    prompt = {"model": "decoder", "prompt": "hi", "max_tokens": 2}
+    before = served.tracer.last_id
+    for headers in (two, [(b"traceparent", good)]):
+        r = http.post("/v1/completions", json=prompt, headers=headers)
+        assert r.status_code == 200, r.text
+    rows = trace_rows_written(served.db, before, 2)
+    assert [row.w3c_trace_id for row in rows] == [None, TRACE_ID]

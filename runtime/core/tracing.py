@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import re
 import reprlib
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from runtime.api.errors import ClientError
 
@@ -396,6 +396,15 @@ class TraceControl:
 
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+
+
+def one_traceparent(values: Sequence[str | bytes]) -> str | bytes | None:
+    """The ``traceparent`` a request carried in headers (or gRPC metadata) ``values``:
+    None when it had none, "" (malformed: not followed) when it had several, which name
+    no one parent (W3C Trace Context)."""
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else ""
 
 
 def parse_traceparent(value: str | bytes | None) -> tuple[str, str, bool] | None:

@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from runtime.core.tracing import one_traceparent
 from runtime.server.bounds import MAX_JSON_BYTES, check_json_size
 from runtime.server.http1.asgi import RECEIVED
 from runtime.server.kserve.compression import decoded_body
@@ -134,6 +135,11 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientGone()
 
 
+def request_traceparent(request: Request) -> str | None:
+    """The request's ``traceparent`` header (``one_traceparent``: two are followed by none)."""
+    return one_traceparent(request.headers.getlist("traceparent"))
+
+
 def received_times(request: Request) -> tuple[float | None, float | None]:
     """When the request's bytes began and finished arriving (``runtime.server.http1``'s
     ``batchscope.received`` scope extension, on the event loop's clock, as the fast path
@@ -151,7 +157,7 @@ def begin_trace(tracer: Any, model: str, operation: str, request: Request) -> An
     (``runtime.engine.tracing``); with its receive times where the server gave them."""
     if tracer is None:
         return None
-    traceparent = request.headers.get("traceparent")
+    traceparent = request_traceparent(request)
     if traceparent is None and not tracer.control.active:
         return None
     recv_start, recv_end = received_times(request)

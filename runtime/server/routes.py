@@ -44,7 +44,7 @@ from runtime.server.control_api import (DEFAULT_AUTH, control_routes, json_respo
 from runtime.server.bounds import MemoryBudget, RequestBounds, check_json_size
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, run_infer
 from runtime.server.metrics import CONTENT_TYPE, MetricsRecorder
-from runtime.server.openai_http import TimedAnswer, received_times
+from runtime.server.openai_http import TimedAnswer, received_times, request_traceparent
 from runtime.server.trace_api import trace_routes
 from runtime.server.triton import MODEL_VERSION
 
@@ -204,7 +204,7 @@ async def infer(request: Request) -> Response:
     payload, headers, trace = await answer_infer(
         request.app.state, request.path_params["name"], request.path_params.get("version"),
         await request.body(), request.headers.get(HEADER_LENGTH),
-        request.headers.get("content-encoding"), request.headers.get("traceparent"),
+        request.headers.get("content-encoding"), request_traceparent(request),
         received_times(request))
     media = ("application/octet-stream" if "Inference-Header-Content-Length" in headers
              else "application/json")
