@@ -159,13 +159,14 @@ def _write_whole(path: Path, write) -> _Counting:
     export leaves no half-written file, and an older file of that name as it was (its
     mode kept; a link is written through). What is not a regular file (a device, a
     pipe), and a file in a folder that takes no new one, is written in place."""
-    path = Path(os.path.realpath(path))
     try:
-        st = path.stat()
+        st = os.stat(path)  # through links: what a write would reach
     except FileNotFoundError:
         st = None
     if st is not None and not stat.S_ISREG(st.st_mode):
+        # as named: /dev/stdout leads (through /proc) to a pipe no path names
         return _write_in_place(path, write)
+    path = Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name[:64]}.{os.getpid()}.{secrets.token_hex(4)}.part")
     try:
         # a new file gets the mode the umask leaves, as open() gives; one replacing a
@@ -190,7 +191,19 @@ def _write_whole(path: Path, write) -> _Counting:
 
 
 def _write_in_place(path: Path, write) -> _Counting:
-    with open(path, "wb") as fh:
+    # opened without waiting: a named pipe that no program reads is ENXIO at once, not
+    # a wait for ever; then writes wait as usual
+    nonblock = getattr(os, "O_NONBLOCK", 0)  # POSIX; Windows has no named pipe files
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | nonblock
+                 | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        if nonblock:
+            os.set_blocking(fd, True)
+        fh = os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with fh:
         counting = _Counting(fh)
         write(counting)
     return counting

@@ -12,7 +12,8 @@ flows, and ``problems``, every way the file breaks what the writers promise:
 * on one track slices nest properly (none overlaps another but by containing it), and
   the events come in time order;
 * every track, name and annotation an event refers to was described before it;
-* every flow starts once and ends once, not before it starts, on a slice.
+* every flow starts once and ends once, not before it starts, on a slice;
+* no time is negative (before 1970: Perfetto's timestamps are unsigned).
 
 The tests and ``benchmarks/trace_export.py`` use it; it reads a whole file into memory.
 """
@@ -201,10 +202,15 @@ def read_chrome(data: bytes) -> TraceCheck:
                 out.track_names[(ev.get("pid"), None)] = ev["args"]["name"]
         elif ph == "X":
             start = _ns(ev["ts"])
+            if start < 0 or _ns(ev["dur"]) < 0:
+                out.problem(f"thread {key}: {ev.get('name')!r} at {ev['ts']} for {ev['dur']} "
+                            "has a negative time or length")
             complete[key].append(Slice(key, start, start + _ns(ev["dur"]), ev.get("name", ""),
                                        ev.get("cat", ""), 0, ev.get("args", {})))
         elif ph in ("i", "I"):
             at = _ns(ev["ts"])
+            if at < 0:
+                out.problem(f"an instant {ev.get('name')!r} at {ev['ts']} has a negative time")
             out.slices.append(Slice(key, at, at, ev.get("name", ""), ev.get("cat", ""), 0,
                                     ev.get("args", {})))
         elif ph in ("s", "f"):

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Iterator
@@ -169,10 +170,18 @@ def _walk(item: Slice) -> Iterator[tuple[int, str, Slice]]:
     yield item.end_ns, END, item
 
 
+#: the latest nanosecond a trace holds (64-bit integers; timespec.LATEST_S is well before)
+_MAX_NS = 9.2e18
+
+
 def ns(values) -> np.ndarray:
-    """Wall-clock seconds as integer nanoseconds, ``round(t * 1e9)`` (NaN as -1)."""
-    x = np.asarray(values, dtype=float) * 1e9
-    return np.where(np.isfinite(x), np.rint(np.nan_to_num(x)), -1).astype(np.int64)
+    """Wall-clock seconds as integer nanoseconds, ``round(t * 1e9)``; -1 for what is no
+    time a trace can hold: NaN (a NULL), an infinity, a time before 1970 (a trace's
+    timestamps are unsigned) or past 64-bit nanoseconds."""
+    with np.errstate(over="ignore", invalid="ignore"):  # 1e300 s: no time, not a warning
+        x = np.asarray(values, dtype=float) * 1e9
+        good = np.isfinite(x) & (x >= 0) & (x < _MAX_NS)
+    return np.where(good, np.rint(np.where(good, x, 0.0)), -1).astype(np.int64)
 
 
 def _lanes(start_ns: np.ndarray, end_ns: np.ndarray) -> np.ndarray:
@@ -195,13 +204,28 @@ def _clean(value):
     return value
 
 
+def _whole(value) -> int | None:
+    """A whole-number column's value as an int; None when missing or no number (an
+    infinity, or text, which SQLite keeps in any column)."""
+    value = _clean(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float):
+        if not -2.0**63 <= value < 2.0**63:
+            return None
+        return int(value)
+    return value
+
+
 def _args(pairs) -> dict:
     return {k: v for k, v in ((k, _clean(v)) for k, v in pairs) if v is not None}
 
 
 def _ms(seconds) -> float | None:
     seconds = _clean(seconds)
-    return None if seconds is None else round(seconds * 1000.0, 6)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return None  # missing, or no number
+    return round(seconds * 1000.0, 6)
 
 
 #: columns that hold whole numbers (read as floats when a value is missing)
@@ -223,7 +247,7 @@ def _columns(df: pd.DataFrame, names) -> dict[str, list]:
         values = [None if (isinstance(v, float) and math.isnan(v)) else v
                   for v in col.astype(object).tolist()]
         if name in INTEGERS:
-            values = [int(v) if isinstance(v, (float, np.floating)) else v for v in values]
+            values = [None if v is None else _whole(v) for v in values]
         out[name] = values
     return out
 
@@ -232,8 +256,8 @@ def _process_name(row: dict | None, instance_id: str) -> str:
     if row is None:
         return instance_id
     parts = [str(row.get("host") or "?")]
-    if _clean(row.get("pid")) is not None:
-        parts.append(f"pid {int(row['pid'])}")
+    if _whole(row.get("pid")) is not None:
+        parts.append(f"pid {_whole(row['pid'])}")
     if row.get("device"):
         parts.append(str(row["device"]))
     return f"{' · '.join(parts)} ({instance_id})"
@@ -294,14 +318,16 @@ def build(rows: TimelineRows) -> Layout:
                                "padded_elements", "queue_wait_mean_s", "queue_wait_max_s",
                                "compute_s", "outcome", "peak_memory_bytes",
                                "peak_memory_increase_bytes", "cuda_graph", "queue_depth"))
-    b_start = ns(batches["started_at"])
-    b_end = np.maximum(ns(batches["ended_at"]), b_start)
+    floor = int(ns([rows.window.start_s])[0])
+    untimed = Counter()
+    b_start, b_end = _span(ns(batches["started_at"]), ns(batches["ended_at"]), floor,
+                           untimed, "batch")
     rcols = _columns(requests, ("id", "instance_id", "model", "batch_seq", "priority", "bypass",
                                 "length", "queue_wait_s", "latency_s", "outcome", "ttft_s",
                                 "tpot_s", "prompt_tokens", "output_tokens", "timeout_ms",
                                 "trace_id", "protocol", "client_request_id", "w3c_trace_id"))
-    r_arr = ns(requests["arrived_at"])
-    r_fin = np.maximum(ns(requests["finished_at"]), r_arr)
+    r_arr, r_fin = _span(ns(requests["arrived_at"]), ns(requests["finished_at"]), floor,
+                         untimed, "request")
     r_sta = ns(requests["started_at"])
     # a request has a queue and a compute part when it started (and was not refused)
     segmented = (r_sta >= 0) & ~requests["outcome"].isin(UNSERVED).to_numpy(dtype=bool)
@@ -310,14 +336,17 @@ def build(rows: TimelineRows) -> Layout:
     scols = _columns(steps, ("id", "instance_id", "model", "seq", "mode", "running", "waiting",
                              "prefill_tokens", "decode_tokens", "blocks_used", "blocks_free",
                              "preemptions", "step_s"))
-    s_start = ns(steps["started_at"])
-    s_end = np.maximum(ns(steps["at"]), s_start)
+    s_start, s_end = _span(ns(steps["started_at"]), ns(steps["at"]), floor, untimed, "step")
     flow_of, flows_in, step_flows_in = _link(bcols, b_start, scols, s_start, rcols, r_arr,
                                              segmented, counts, notes)
     if len(marks) >= EVENTS_READ:
         notes.append(f"only the window's newest {EVENTS_READ:,} events are shown")
     ecols = _columns(marks, ("instance_id", "model", "kind", "severity", "message", "details_json"))
     e_at = ns(marks["at"])
+    if untimed:
+        told = " and ".join(f"{n:,} {kind}(s)" for kind, n in untimed.items())
+        notes.append(f"{told} have a time that is no time (infinite, or before 1970): "
+                     "drawn with no length, at the time they have")
 
     processes = []
     for pid, inst in enumerate(ids, start=1):
@@ -366,6 +395,22 @@ def build(rows: TimelineRows) -> Layout:
     counts.tracks = len(b.tracks)
     return Layout(window=rows.window, processes=processes, tracks=b.tracks, counts=counts,
                   notes=notes, notes_track=notes_track, _sources=b.sources)
+
+
+def _span(start: np.ndarray, end: np.ndarray, floor: int, untimed: Counter,
+          kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """Rows' start and end in nanoseconds as slices can take them (a trace's times are
+    unsigned): a time that is none (-1 from ``ns``: a start recorded as -inf or before
+    1970) is the row's other one, so the row is drawn with no length at the time it has
+    (at ``floor``, the window's start, should it have neither: the window's query reads
+    none such); the end is never before the start. Counts the rows whose time was made
+    up in ``untimed[kind]``."""
+    bad = (start < 0) | (end < 0)
+    if bad.any():
+        untimed[kind] += int(bad.sum())
+        start, end = np.where(start < 0, end, start), np.where(end < 0, start, end)
+        start, end = np.where(start < 0, floor, start), np.where(end < 0, floor, end)
+    return start, np.maximum(end, start)
 
 
 def _of(df: pd.DataFrame, instance_id: str, model: str) -> np.ndarray:

@@ -111,36 +111,64 @@ def tuning_sessions(engine: Engine, w: Window) -> tuple[list, dict]:
 def window_trace(engine: Engine, w: Window) -> tuple[dict, BinaryIO | None]:
     """The Perfetto trace of ``w`` in a temporary file (read from its start), and the
     manifest's ``trace`` entry; no file, and the entry saying why, for a window past
-    ``TRACE_MAX_ROWS`` or ``TRACE_MAX_BYTES``."""
+    ``TRACE_MAX_ROWS`` or ``TRACE_MAX_BYTES``, and when the trace cannot be made (no
+    room for its temporary file, a database error, a row no BatchScope writes): the
+    trace is a part of the snapshot that the rest does not need."""
+    from sqlalchemy.exc import SQLAlchemyError
+
     from batchscope.trace import WindowTooLarge, export_trace
 
-    tmp = tempfile.TemporaryFile(prefix="batchscope-trace-")
+    tmp = None
     try:
+        tmp = tempfile.TemporaryFile(prefix="batchscope-trace-")
         summary = export_trace(engine, w, tmp, "perfetto", max_rows=TRACE_MAX_ROWS)
+        tmp.flush()  # a full disk says so here, not when the file is read back
     except WindowTooLarge as exc:
-        tmp.close()
+        _discard(tmp)
         return {"member": None, "rows": exc.rows,
                 "skipped": f"the window holds {exc.rows:,} batches and requests, more than "
                            f"the {TRACE_MAX_ROWS:,} a snapshot's trace takes; export a "
                            "shorter window with: batchscope trace"}, None
     except ImportError as exc:  # the perfetto package (a dependency) missing
-        tmp.close()
+        _discard(tmp)
         return {"member": None, "skipped": f"{exc.name} is not installed"}, None
+    except OSError as exc:  # the temporary folder full or read-only
+        _discard(tmp)
+        return {"member": None,
+                "skipped": f"the trace found no room in the temporary folder "
+                           f"{tempfile.gettempdir()} ({exc.strerror or exc}); free space "
+                           "there (or set TMPDIR), or export it with: batchscope trace"}, None
+    except (SQLAlchemyError, ValueError, TypeError, ArithmeticError) as exc:
+        _discard(tmp)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        return {"member": None,
+                "skipped": f"the trace could not be made ({type(exc).__name__}: {first}); "
+                           "export it with: batchscope trace, which says more"}, None
     except BaseException:
-        tmp.close()
+        _discard(tmp)
         raise
     entry = {"member": TRACE, "format": "perfetto", "bytes": summary.bytes_written,
              "rows": summary.rows, "batch_slices": summary.batch_slices,
              "request_slices": summary.request_slices, "flows": summary.flows,
              "step_slices": summary.step_slices, "notes": summary.notes}
     if summary.bytes_written > TRACE_MAX_BYTES:
-        tmp.close()
+        _discard(tmp)
         return {"member": None, "rows": summary.rows,
                 "skipped": f"the window's trace is {summary.bytes_written:,} bytes, more than "
                            f"the {TRACE_MAX_BYTES:,} a snapshot takes; export a shorter "
                            "window with: batchscope trace"}, None
     tmp.seek(0)
     return entry, tmp
+
+
+def _discard(tmp: BinaryIO | None) -> None:
+    """Close a temporary file that is given up (what it could not write is lost anyway)."""
+    if tmp is None:
+        return
+    try:
+        tmp.close()
+    except OSError:  # its last buffer, on a full disk
+        pass
 
 
 def served_models(engine: Engine, w: Window) -> list[dict]:

@@ -4,7 +4,9 @@ exported as a Perfetto or Chrome trace file."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import sys
 from typing import Any
 
 from runtime.tools.cli.common import UsageError, _fail, check_database_url
@@ -77,52 +79,55 @@ def _trace(args: argparse.Namespace) -> int:
                         instance_id=args.instance)
     except ValueError as exc:
         raise UsageError(f"batchscope trace: {exc}") from None
+    url = args.db if args.db is not None else default_url()
     try:
-        if args.db is not None:
-            check_database_url(args.db, "--db")
-        else:
-            check_database_url(default_url(), f"${ENV_URL}")
+        check_database_url(url, "--db" if args.db is not None else f"${ENV_URL}")
     except UsageError as exc:
         raise UsageError(f"batchscope trace: {exc}") from None
     if args.max_rows is not None and args.max_rows < 1:
         raise UsageError(f"batchscope trace: --max-rows {args.max_rows} must be 1 or more")
     kwargs = {} if args.max_rows is None else {"max_rows": args.max_rows}
+    engine = None
     try:
-        engine = make_engine(args.db, create=False)
-        try:
-            check_names(engine, w)
-            summary = export_trace(engine, w, args.out, fmt, **kwargs)
-        finally:
-            engine.dispose()
+        engine = make_engine(_bounded(url), create=False)
+        check_names(engine, w)
+        summary = export_trace(engine, w, args.out, fmt, **kwargs)
     except WindowTooLarge as exc:
         return _fail(f"batchscope trace: {exc}; or raise --max-rows (the rows are read into "
                      "memory)")
     except (DatabaseNotFound, UnknownName) as exc:
         return _fail(f"batchscope trace: {exc}")
     except SQLAlchemyError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "no such table" in first or ("relation" in first and "does not exist" in first):
-            return _fail(f"batchscope trace: the database holds no BatchScope tables ({first}); "
-                         "give the URL a runtime records to (batchscope serve --db)")
-        return _fail(f"batchscope trace: cannot read the database: {first}")
+        return _fail(f"batchscope trace: {_database_problem(exc, url, engine)}")
     except OSError as exc:
-        return _fail(f"batchscope trace: cannot write {args.out}: {exc.strerror or exc}")
+        return _fail(f"batchscope trace: cannot write {args.out}: {_write_problem(exc, args.out)}")
     except ImportError as exc:  # the perfetto package, imported when a trace is written
         raise UsageError(f"batchscope trace: {exc.name} is not installed; install it with: "
                          f"pip install {exc.name}") from None
+    except Exception as exc:  # a row no BatchScope wrote (text where a time belongs ...)
+        return _fail(f"batchscope trace: cannot make a trace of this window: "
+                     f"{type(exc).__name__}: {_first_line(exc)[:300]}; a row in it holds a "
+                     "value BatchScope does not write (the database was changed by another "
+                     "program?): export a window without it (--start, --end, --model)")
+    finally:
+        if engine is not None:
+            engine.dispose()
+    # the trace went to stdout (-o /dev/stdout): the summary must not follow it there
+    told = sys.stderr if _is_stdout(args.out) else sys.stdout
     written = summary.bytes_written
     size = f"{written / 1e6:.1f} MB" if written >= 100_000 else f"{written:,} bytes"
     where = "ui.perfetto.dev" if fmt == "perfetto" else "ui.perfetto.dev or chrome://tracing"
     if summary.empty:
         held = f"{summary.events:,} event(s) and a note" if summary.events else "only a note"
         print(f"wrote {args.out} ({fmt}, {size}): no batch, request or step was recorded in "
-              f"this window; the trace holds {held} saying so")
+              f"this window; the trace holds {held} saying so", file=told)
         return 0
     print(f"wrote {args.out} ({fmt}, {size}): {summary.batch_slices:,} batches, "
           f"{summary.request_slices:,} requests, {summary.flows:,} flows, "
-          f"{summary.step_slices:,} steps, {summary.events:,} events; open it in {where}")
+          f"{summary.step_slices:,} steps, {summary.events:,} events; open it in {where}",
+          file=told)
     for note in summary.notes:  # e.g. traced requests drawn without their timestamps
-        print(f"note: {note}")
+        print(f"note: {note}", file=told)
     return 0
 
 
@@ -135,4 +140,137 @@ def _checked_out(out: str) -> str:
     folder = os.path.dirname(out)
     if folder and not os.path.isdir(folder):
         raise ValueError(f"-o {out!r}: there is no directory {folder!r} to write it in")
+    if os.path.islink(out) and not os.path.exists(out):  # written through: to its target
+        target = os.path.realpath(out)
+        if not os.path.isdir(os.path.dirname(target)):
+            raise ValueError(f"-o {out!r} is a link to {os.readlink(out)!r}, in a directory "
+                             "that is not there; give -o a file in a directory that exists, "
+                             "or mend the link")
     return out
+
+
+#: how long a PostgreSQL connection may take to open (``connect_timeout``, unless the URL
+#: sets one): a host that accepts and never answers fails the export instead of hanging
+CONNECT_TIMEOUT_S = 5
+
+
+def _bounded(url: str) -> str:
+    """``url`` with a ``connect_timeout`` for the PostgreSQL drivers built on libpq."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if (parsed.get_backend_name() != "postgresql" or "connect_timeout" in parsed.query
+            or parsed.get_driver_name() not in ("psycopg", "psycopg2", "psycopg2cffi")):
+        return url
+    bounded = parsed.update_query_dict({"connect_timeout": str(CONNECT_TIMEOUT_S)})
+    return bounded.render_as_string(hide_password=False)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _database_problem(exc: BaseException, url: str, engine) -> str:
+    """What went wrong reading the database, and what to do, in one line."""
+    from batchscope.storage.db import BUSY_TIMEOUT_S, shown_url, sqlite_path
+
+    first = _first_line(exc)[:300]
+    low = first.lower()
+    path = sqlite_path(url)
+    where = path if path is not None else shown_url(url)
+    missing = ("no such column" in low or "no such table" in low
+               or ("does not exist" in low and ("column" in low or "relation" in low)))
+    if missing:
+        version = _schema_version(engine)
+        from batchscope.storage.schema import SCHEMA_VERSION
+
+        if version is not None and version < SCHEMA_VERSION:
+            return (f"the database was written by an older BatchScope (schema version "
+                    f"{version}; this one reads {SCHEMA_VERSION}) and lacks what a trace "
+                    f"reads ({first}); upgrade it by opening it once with this BatchScope "
+                    f"(batchscope serve --db URL, or the dashboard), then export again")
+        if "no such table" in low or "relation" in low:
+            return (f"the database holds no BatchScope tables ({first}); give the URL a "
+                    "runtime records to (batchscope serve --db)")
+    if "file is not a database" in low:
+        return (f"{where} is not a SQLite database ({first}); give --db the database file "
+                "a runtime records to")
+    if "malformed" in low or "database corrupt" in low:
+        return (f"the database file {where} is damaged ({first}); export from a backup, or "
+                f"save what is left with: sqlite3 {path or 'FILE'} .recover")
+    if "database is locked" in low or "database is busy" in low:
+        return (f"another program held a lock on the database for longer than the "
+                f"{BUSY_TIMEOUT_S:g} s this waits ({first}); export again once it is done")
+    if ("unable to open database file" in low or "readonly database" in low) and _wal(path):
+        return (f"cannot open {where} to read ({first}): SQLite reads a database in WAL "
+                "mode through a -shm file it writes beside it, so its folder must be "
+                "writable; copy the file (with its -wal) to a writable folder and export "
+                "from the copy")
+    if "unable to open database file" in low:
+        return (f"cannot open {where} ({first}); check that you may read it and its "
+                "folder")
+    if "disk i/o error" in low:
+        return (f"the disk that holds {where} gave an I/O error ({first}): it may be full "
+                "(a reader writes the database's -shm file beside it) or failing; free some "
+                "space there and export again")
+    if path is None and ("connection" in low or "timeout" in low or "could not" in low):
+        return (f"cannot connect to the database at {where} ({first}); check that its "
+                "server is running and that the URL names its host and port")
+    return f"cannot read the database: {first}"
+
+
+def _wal(path: str | None) -> bool:
+    """Whether the SQLite file at ``path`` is in WAL mode (its header's read version 2)."""
+    if path is None:
+        return False
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(20)
+    except OSError:
+        return False
+    return len(head) == 20 and head.startswith(b"SQLite format 3\0") and head[18] == 2
+
+
+def _schema_version(engine) -> int | None:
+    """The database's schema version, or None when it has none or cannot be read."""
+    if engine is None:
+        return None
+    try:
+        from batchscope.storage.db import schema_version
+
+        return schema_version(engine)
+    except Exception:
+        return None
+
+
+def _write_problem(exc: OSError, out: str) -> str:
+    """Why the trace file could not be written, and what to do, in one line."""
+    code = exc.errno
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"{exc.strerror}: free some space there, or give -o a file on another disk"
+    if code == errno.EROFS:
+        return f"{exc.strerror}: give -o a file on a writable disk"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"{exc.strerror}: give -o a file in a folder you may write to"
+    if code == errno.ENXIO and _is_fifo(out):
+        return ("it is a named pipe that no program is reading; start the program that "
+                "reads it first, or give -o a file")
+    return exc.strerror or str(exc)
+
+
+def _is_fifo(path: str) -> bool:
+    import stat
+
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _is_stdout(path: str) -> bool:
+    """Whether ``path`` is this process's standard output (``-o /dev/stdout``)."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError):
+        return False
