@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from batchscope.analysis.queries.timeline import WindowTooLarge, timeline_rows
+from batchscope.trace.exits import EXIT_TOO_MANY_ROWS
 from batchscope.analysis.queries.window import Window
 from batchscope.presentation import snapshot
 from batchscope.storage.db import make_engine
@@ -300,7 +301,7 @@ def test_cli_writes_traces_and_refuses_clearly(tmp_path):
     too_big = tmp_path / "big.pftrace"
     r = _cli("--db", db, "--end", str(END + 1), "--last", "12", "--max-rows", "50",
              "-o", str(too_big))
-    assert r.returncode != 0 and not too_big.exists()
+    assert r.returncode == EXIT_TOO_MANY_ROWS and not too_big.exists()  # the server's 413
     line = r.stderr.strip()
     assert "\n" not in line and "Traceback" not in line
     assert "more than 50" in line and "batches and requests" in line and "--max-rows" in line
@@ -542,8 +543,10 @@ def _doubling(url: str, instance_id: str):
 
 
 @pytest.mark.slow
-def test_the_running_server_exports_its_recent_window(tmp_path):
+def test_the_running_server_exports_its_recent_window(tmp_path, monkeypatch):
     import httpx
+
+    from runtime.server import trace_api
 
     from runtime.api.config import ServerConfig
     from runtime.models.toys import DoubleModel
@@ -577,6 +580,11 @@ def test_the_running_server_exports_its_recent_window(tmp_path):
                                       ({"last": "1e-300"}, 400, "at or after its end")):
             r = http.get("/v2/trace/export", params=params)
             assert r.status_code == status and words in r.json()["error"], (params, r.text)
+        monkeypatch.setattr(trace_api, "EXPORT_MAX_ROWS", 5)  # the window holds 20 requests
+        r = http.get("/v2/trace/export", params={"last": "120"})
+        assert r.status_code == 413, r.text
+        said = r.json()["error"]
+        assert "more than 5" in said and "--max-rows" not in said, said
         engine.dispose()
     with ServiceThread(Service({"a": DoubleModel()}, None, ServerConfig(record=False))) as bare, \
             httpx.Client(base_url=bare.url, timeout=30) as http:

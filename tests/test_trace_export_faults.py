@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from batchscope.analysis.queries.window import Window
 from batchscope.presentation import snapshot
 from batchscope.storage.db import make_engine
+from batchscope.trace.exits import EXIT_NO_ROOM
 from batchscope.storage.schema import BatchRecord, GenerationStep, RequestRecord
 from batchscope.testing import synthetic
 from batchscope.trace.check import read_chrome, read_perfetto
@@ -42,10 +43,10 @@ def _cli(*args: str, stdin=None) -> subprocess.CompletedProcess:
                           stdin=stdin, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def _one_line(r: subprocess.CompletedProcess) -> str:
-    """The one line a refused export prints (exit status 2, no traceback, nothing on
+def _one_line(r: subprocess.CompletedProcess, status: int = 2) -> str:
+    """The one line a refused export prints (exit ``status``, no traceback, nothing on
     stdout)."""
-    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert r.returncode == status and r.stdout == "", (r.returncode, r.stdout, r.stderr)
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("batchscope trace: "), r.stderr
     return lines[0]
@@ -251,13 +252,14 @@ def test_a_link_to_a_folder_that_is_not_there_is_refused_before_reading(recorded
 def test_a_full_disk_says_what_to_do_and_leaves_no_part_file(recorded, tmp_path):
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
-    line = _one_line(_cli("--db", recorded, *WINDOW, "--format", "json", "-o", "/dev/full"))
+    line = _one_line(_cli("--db", recorded, *WINDOW, "--format", "json", "-o", "/dev/full"),
+                     EXIT_NO_ROOM)
     assert line == ("batchscope trace: cannot write /dev/full: No space left on device: free "
                     "some space there, or give -o a file on another disk")
     with _tmpfs(tmp_path / "disk", "64k") as disk:
         kept = disk / "run.pftrace"
         kept.write_bytes(b"an older trace")
-        line = _one_line(_cli("--db", recorded, *WINDOW, "-o", str(kept)))
+        line = _one_line(_cli("--db", recorded, *WINDOW, "-o", str(kept)), EXIT_NO_ROOM)
         assert "No space left on device: free some space there" in line
         assert os.listdir(disk) == ["run.pftrace"] and kept.read_bytes() == b"an older trace"
 

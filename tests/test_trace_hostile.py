@@ -257,3 +257,28 @@ def test_two_traceparents_name_no_parent_on_the_starlette_routes(served, http):
         assert r.status_code == 200, r.text
     rows = trace_rows_written(served.db, before, 2)
     assert [row.w3c_trace_id for row in rows] == [None, TRACE_ID]
+
+
+def test_a_failed_export_is_told_by_its_cause_and_its_detail_stays_on_the_machine():
+    """The server answers for its ``batchscope trace`` child by the child's exit status,
+    and passes the child's line (file paths, the database's host) to local clients only."""
+    from batchscope.trace.exits import EXIT_NO_ROOM, EXIT_TOO_MANY_ROWS
+    from runtime.api.errors import InsufficientStorage, RequestTooLarge, ServerBusy
+    from runtime.server.trace_api import export_failed
+
+    too_many = ("batchscope trace: the window holds 250,000 batches and requests, more than "
+                "200,000 can be read at once; pick a window of at most 40 s; or raise "
+                "--max-rows (the rows are read into memory)\n")
+    for local in (True, False):
+        error = export_failed(EXIT_TOO_MANY_ROWS, too_many, local)
+        assert isinstance(error, RequestTooLarge) and "at most 40 s" in str(error)
+        assert "--max-rows" not in str(error)  # the command line's hint, not the route's
+    full = "batchscope trace: cannot write /tmp/batchscope-export-x/trace.json: No space left"
+    here, there = export_failed(EXIT_NO_ROOM, full, True), export_failed(EXIT_NO_ROOM, full, False)
+    assert isinstance(here, InsufficientStorage) and isinstance(there, InsufficientStorage)
+    assert "/tmp/" in str(here) and "/tmp/" not in str(there) and "room" in str(there)
+    locked = "batchscope trace: cannot connect to the database at postgresql://db.internal:5432"
+    here, there = export_failed(2, locked, True), export_failed(2, locked, False)
+    assert isinstance(here, ServerBusy) and "db.internal" in str(here)
+    assert isinstance(there, ServerBusy) and "db.internal" not in str(there)
+    assert "log" in str(there)

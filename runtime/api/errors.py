@@ -213,6 +213,14 @@ class InsufficientMemory(BatchScopeError):
     reason = "memory_budget"
 
 
+class InsufficientStorage(BatchScopeError):
+    """The server's disk has no room for what this request needs written; it may be
+    sent again once there is."""
+
+    http_status = 507
+    reason = "storage"
+
+
 #: where the routes of the server are listed, for a request that matched none
 ROUTES_DOC = '"HTTP API" in docs/protocols.md'
 

@@ -24,7 +24,9 @@ recorded window (at most ``EXPORT_MAX_S`` seconds and ``EXPORT_MAX_ROWS`` rows, 
 as a trace file (a parameter given twice, or a window outside 1970..2255, is a 400).
 It runs ``batchscope trace`` in a child process, one export at a time
 (429 while one runs): the serving process neither opens the database (a storage fault
-must not reach it) nor spends the CPU.
+must not reach it) nor spends the CPU. The child gets the database URL in its
+environment, not on its command line, and its exit status says why it failed
+(``export_failed``: 413, 507, else 503).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import os
 import shutil
 import sys
 import tempfile
+import logging
 import time
 from typing import Any
 
@@ -44,11 +47,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from batchscope.storage.db import ENV_URL
+from batchscope.trace.exits import EXIT_NO_ROOM, EXIT_TOO_MANY_ROWS
 from batchscope.trace.timespec import LATEST_S, check_window
-from runtime.api.errors import (ClientError, ModelNotFound, QueueFull, RequestTooLarge,
+from runtime.api.errors import (ClientError, InsufficientStorage, ModelNotFound, QueueFull, RequestTooLarge,
                                 RouteNotFound, ServerBusy)
 from runtime.core.tracing import KEYS, parse_changes, quoted
-from runtime.server.auth import AuthConfig
+from runtime.server.auth import AuthConfig, is_loopback
 from runtime.server.bounds import check_json_size
 from runtime.server.control_api import DEFAULT_AUTH, json_response, model_directory
 
@@ -137,6 +142,7 @@ EXPORT_MAX_S = 600.0
 EXPORT_MAX_ROWS = 200_000
 #: how long one export may take before it is abandoned
 EXPORT_TIMEOUT_S = 120.0
+log = logging.getLogger(__name__)
 _FORMATS = {"perfetto": ("pftrace", "application/octet-stream"),
             "json": ("json", "application/json")}
 
@@ -207,14 +213,17 @@ async def export_trace(request: Request) -> Response:
                              "in the temporary folder); retry once there is",
                              retry_after_s=5.0) from None
         path = os.path.join(folder, f"trace.{suffix}")
-        cmd = [sys.executable, "-m", "runtime.tools.cli", "trace", "--db", url,
+        # the database URL goes in the child's environment: a command line (and a
+        # password in it) is there for any user of the machine to read
+        cmd = [sys.executable, "-m", "runtime.tools.cli", "trace",
                f"--start={end - last!r}", f"--end={end!r}", "--format", fmt,
                "--max-rows", str(EXPORT_MAX_ROWS), "-o", path]
         if model is not None:
             cmd.append(f"--model={model}")  # one argument, whatever the name starts with
         try:
             proc = await asyncio.create_subprocess_exec(
-                *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+                *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+                env={**os.environ, ENV_URL: url})
         except OSError as exc:  # no process to be had now (too many, out of memory)
             raise ServerBusy(f"the export could not start ({exc.strerror or exc}); retry in "
                              "a few seconds", retry_after_s=5.0) from None
@@ -230,10 +239,9 @@ async def export_trace(request: Request) -> Response:
                 proc.kill()
             raise
         if proc.returncode != 0:
-            line = (err.decode("utf-8", "replace").strip().splitlines() or ["failed"])[-1]
-            if "rows" in line and "at most" in line:
-                raise RequestTooLarge(line.removeprefix("batchscope trace: "))
-            raise ServerBusy(f"the export failed: {line[:300]}", retry_after_s=5.0)
+            client = request.client
+            raise export_failed(proc.returncode, err.decode("utf-8", "replace"),
+                                is_loopback(client.host if client else None))
         with open(path, "rb") as fh:
             data = fh.read()
     finally:
@@ -243,3 +251,24 @@ async def export_trace(request: Request) -> Response:
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(end - last))
     return Response(data, media_type=media, headers={
         "Content-Disposition": f'attachment; filename="batchscope-{stamp}.{suffix}"'})
+
+
+def export_failed(status: int, stderr: str, local: bool) -> Exception:
+    """The error that answers an export whose ``batchscope trace`` child exited with
+    ``status`` and wrote ``stderr``: too many rows (413, with the length that fits), no
+    room on the server's disk (507), else a 503. The child's own line (file paths,
+    the database's host) is passed on to a client on this machine (``local``) only;
+    another is told that the server's log has it, and the line is logged."""
+    line = (stderr.strip().splitlines() or ["failed"])[-1].removeprefix("batchscope trace: ")
+    if status == EXIT_TOO_MANY_ROWS:  # its hint of --max-rows is the CLI's, not the route's
+        return RequestTooLarge(line.split("; or raise --max-rows")[0][:400])
+    if not local:
+        log.warning("trace export failed (exit %s): %s", status, line[:1000])
+    if status == EXIT_NO_ROOM:
+        return InsufficientStorage(
+            "the server's temporary folder has no room for the trace file"
+            + (f" ({line[:300]})" if local else "")
+            + "; ask for a shorter window, or retry once there is room")
+    said = f": {line[:300]}" if local else " (the server's log says why)"
+    return ServerBusy(f"the export failed{said}; retry in a few seconds, or export with "
+                      "batchscope trace on the server", retry_after_s=5.0)

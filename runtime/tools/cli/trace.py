@@ -9,7 +9,8 @@ import os
 import sys
 from typing import Any
 
-from runtime.tools.cli.common import UsageError, _fail, check_database_url
+from batchscope.trace.exits import EXIT_NO_ROOM, EXIT_TOO_MANY_ROWS
+from runtime.tools.cli.common import EXIT_USAGE, UsageError, _fail, check_database_url
 
 
 def _add_trace(sub: Any) -> None:
@@ -93,14 +94,15 @@ def _trace(args: argparse.Namespace) -> int:
         check_names(engine, w)
         summary = export_trace(engine, w, args.out, fmt, **kwargs)
     except WindowTooLarge as exc:
-        return _fail(f"batchscope trace: {exc}; or raise --max-rows (the rows are read into "
-                     "memory)")
+        _fail(f"batchscope trace: {exc}; or raise --max-rows (the rows are read into memory)")
+        return EXIT_TOO_MANY_ROWS
     except (DatabaseNotFound, UnknownName) as exc:
         return _fail(f"batchscope trace: {exc}")
     except SQLAlchemyError as exc:
         return _fail(f"batchscope trace: {_database_problem(exc, url, engine)}")
     except OSError as exc:
-        return _fail(f"batchscope trace: cannot write {args.out}: {_write_problem(exc, args.out)}")
+        _fail(f"batchscope trace: cannot write {args.out}: {_write_problem(exc, args.out)}")
+        return EXIT_NO_ROOM if exc.errno in (errno.ENOSPC, errno.EDQUOT) else EXIT_USAGE
     except ImportError as exc:  # the perfetto package, imported when a trace is written
         raise UsageError(f"batchscope trace: {exc.name} is not installed; install it with: "
                          f"pip install {exc.name}") from None
