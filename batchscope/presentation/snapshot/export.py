@@ -91,6 +91,28 @@ def _json_safe(value):
     return value
 
 
+def _finite_rows(table: str, columns: list[str],
+                 rows: list[list]) -> tuple[list[list], int, int]:
+    """``rows`` of ``table`` without the NaNs and infinities JSON cannot hold (a program
+    other than BatchScope wrote them): one in a column that may be NULL becomes null; a
+    row holding one where a value is required is left out. The rows, how many values
+    became null and how many rows were left out."""
+    spec = Base.metadata.tables[table].columns
+    required = [not spec[c].nullable for c in columns]
+    nulled = dropped = 0
+    out = []
+    for row in rows:
+        bad = [isinstance(v, float) and not math.isfinite(v) for v in row]
+        if any(bad):
+            if any(b and r for b, r in zip(bad, required)):
+                dropped += 1
+                continue
+            nulled += sum(bad)
+            row = [None if b else v for v, b in zip(row, bad)]
+        out.append(row)
+    return out, nulled, dropped
+
+
 def fleet_flags(engine: Engine, w: Window, now: float) -> list[dict]:
     """What the fleet rules find over ``w`` (instances compared), as manifest entries."""
     return [_json_safe(f.to_dict()) for f in fleet_rules.diagnose(fleet.bundle(engine, w, now=now))]
@@ -200,13 +222,21 @@ def export_snapshot(engine: Engine, w: Window, out: str | Path | BinaryIO, *,
     payloads = {}
     for name in TABLES:
         columns, rows = _table_rows(engine, name, w)
-        manifest["tables"][name] = {"rows": len(rows), "columns": columns}
-        payloads[f"tables/{name}.json"] = json.dumps({"columns": columns, "rows": rows},
-                                                     separators=(",", ":"), allow_nan=False)
+        entry = manifest["tables"][name] = {"rows": len(rows), "columns": columns}
+        try:
+            payload = json.dumps({"columns": columns, "rows": rows}, separators=(",", ":"),
+                                 allow_nan=False)
+        except ValueError:  # NaN or an infinity, which no BatchScope writes and JSON lacks
+            rows, nulled, dropped = _finite_rows(name, columns, rows)
+            entry.update(rows=len(rows), not_numbers_as_null=nulled, rows_left_out=dropped)
+            payload = json.dumps({"columns": columns, "rows": rows}, separators=(",", ":"),
+                                 allow_nan=False)
+        payloads[f"tables/{name}.json"] = payload
     sessions, trials = tuning_sessions(engine, w)
     html = report.render_html(bundle, flags, manifest=manifest, slo_ms=slo_ms,
                               sessions=sessions, trials=trials)
     manifest["trace"], trace = window_trace(engine, w)
+    manifest = _json_safe(manifest)  # a figure made of rows holding an infinity is null
     try:
         with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
             zf.writestr(MANIFEST, json.dumps(manifest, indent=1, allow_nan=False))
