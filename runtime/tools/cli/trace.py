@@ -20,7 +20,9 @@ def _add_trace(sub: Any) -> None:
                                    "a database recorded in a window of time (by default the "
                                    "last 10 seconds) to a trace file: Perfetto's (.pftrace) "
                                    "or Chrome's Trace Event JSON (.json), to open in "
-                                   "ui.perfetto.dev or chrome://tracing.")
+                                   "ui.perfetto.dev or chrome://tracing. Exit status: 0 "
+                                   "written, 3 the window holds more than --max-rows, 4 no "
+                                   "room on the output's disk, 2 any other failure.")
     p.add_argument("--db", default=None, help="database URL (default: $BATCHSCOPE_DB_URL or "
                                               "sqlite:///data/batchscope.db)")
     p.add_argument("--start", default=None, help="window start: epoch seconds, ISO date and "
