@@ -396,3 +396,30 @@ def test_a_snapshot_of_rows_holding_infinities_is_made_and_opens(tmp_path):
     path.write_bytes(data)
     snap = snapshot.load_snapshot(path)  # checks every row against the schema
     snap.close()
+
+
+@pytest.mark.both_backends
+def test_a_postgresql_table_locked_by_another_program_fails_in_seconds(backend,
+                                                                        new_database_url,
+                                                                        tmp_path):
+    """A migration's ALTER TABLE holds an exclusive lock on its table; an export behind it
+    waited for ever. It now gives up after ``lock_timeout`` and says why. (SQLite's busy
+    wait: ``test_a_database_locked_by_a_writer_fails_after_the_busy_wait``.)"""
+    if backend != "postgresql":
+        pytest.skip("PostgreSQL's table locks; SQLite's are tested above")
+    url = new_database_url("postgresql")
+    engine = make_engine(url)
+    synthetic.generate(engine, synthetic.SCENARIOS["healthy"].with_(duration_s=5,
+                                                                    batches_per_s=2), end_s=END)
+    try:
+        with engine.connect() as holder:
+            holder.exec_driver_sql("BEGIN")
+            holder.exec_driver_sql("LOCK TABLE batches IN ACCESS EXCLUSIVE MODE")
+            line = _one_line(_cli("--db", url, *WINDOW, "-o", str(tmp_path / "t.json")))
+            holder.exec_driver_sql("ROLLBACK")
+    finally:
+        engine.dispose()
+    assert "another program held a lock on the database for longer than the 5 s" in line
+    assert "lock timeout" in line and not (tmp_path / "t.json").exists()
+    r = _cli("--db", url, *WINDOW, "-o", str(tmp_path / "t.json"))  # once it is released
+    assert r.returncode == 0, r.stderr

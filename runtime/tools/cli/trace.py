@@ -156,18 +156,27 @@ def _checked_out(out: str) -> str:
 #: how long a PostgreSQL connection may take to open (``connect_timeout``, unless the URL
 #: sets one): a host that accepts and never answers fails the export instead of hanging
 CONNECT_TIMEOUT_S = 5
+#: how long a PostgreSQL read may wait for a lock (``lock_timeout``, unless the URL passes
+#: its own ``options``): a table another program locked (a migration's ALTER TABLE holds
+#: an exclusive lock) fails the export instead of hanging; SQLite waits its busy timeout
+LOCK_TIMEOUT_S = 5
 
 
 def _bounded(url: str) -> str:
-    """``url`` with a ``connect_timeout`` for the PostgreSQL drivers built on libpq."""
+    """``url`` with a ``connect_timeout`` and a ``lock_timeout`` for the PostgreSQL
+    drivers built on libpq."""
     from sqlalchemy.engine import make_url
 
     parsed = make_url(url)
-    if (parsed.get_backend_name() != "postgresql" or "connect_timeout" in parsed.query
+    if (parsed.get_backend_name() != "postgresql"
             or parsed.get_driver_name() not in ("psycopg", "psycopg2", "psycopg2cffi")):
         return url
-    bounded = parsed.update_query_dict({"connect_timeout": str(CONNECT_TIMEOUT_S)})
-    return bounded.render_as_string(hide_password=False)
+    query = {}
+    if "connect_timeout" not in parsed.query:
+        query["connect_timeout"] = str(CONNECT_TIMEOUT_S)
+    if "options" not in parsed.query:
+        query["options"] = f"-c lock_timeout={LOCK_TIMEOUT_S * 1000}"
+    return parsed.update_query_dict(query).render_as_string(hide_password=False)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -203,9 +212,10 @@ def _database_problem(exc: BaseException, url: str, engine) -> str:
     if "malformed" in low or "database corrupt" in low:
         return (f"the database file {where} is damaged ({first}); export from a backup, or "
                 f"save what is left with: sqlite3 {path or 'FILE'} .recover")
-    if "database is locked" in low or "database is busy" in low:
+    if "database is locked" in low or "database is busy" in low or "lock timeout" in low:
+        waited = BUSY_TIMEOUT_S if path is not None else LOCK_TIMEOUT_S
         return (f"another program held a lock on the database for longer than the "
-                f"{BUSY_TIMEOUT_S:g} s this waits ({first}); export again once it is done")
+                f"{waited:g} s this waits ({first}); export again once it is done")
     if ("unable to open database file" in low or "readonly database" in low) and _wal(path):
         return (f"cannot open {where} to read ({first}): SQLite reads a database in WAL "
                 "mode through a -shm file it writes beside it, so its folder must be "
