@@ -514,6 +514,27 @@ def test_tritonclient_grpc_round_trip_and_grpc_requests_are_traced(served, http)
         client.close()
 
 
+def test_a_traced_grpc_answer_names_its_batch_in_its_metadata(served, http):
+    """As a traced HTTP answer's ``batchscope-batch-id`` header: the batch it ran in, the
+    one its trace row names. An untraced answer carries none."""
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    request = pb.ModelInferRequest(model_name="a")
+    item = request.inputs.add(name="INPUT0", datatype="FP32", shape=[4])
+    item.contents.fp32_contents.extend([1, 2, 3, 4])
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        _, call = infer.with_call(request, timeout=TIMEOUT_S)
+        assert "batchscope-batch-id" not in dict(call.initial_metadata())
+        http.post("/v2/trace/setting", json={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+        before = served.tracer.last_id
+        _, call = infer.with_call(request, timeout=TIMEOUT_S)
+    [row] = served.rows(before, 1)
+    assert dict(call.initial_metadata())["batchscope-batch-id"] == str(row.batch_seq)
+
+
 @pytest.mark.slow
 def test_a_sampled_traceparent_is_always_recorded_with_its_ids(served, http):
     before = served.tracer.last_id

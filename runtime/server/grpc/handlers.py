@@ -26,7 +26,10 @@
   has one, else a loopback peer). A traced ``ModelInfer`` (or stream request) records
   ``GRPC_WAITREAD_END`` (the handler is called with the message read) and
   ``GRPC_SEND_START`` (its answer built); a ``traceparent`` in the call's metadata
-  follows the rule of ``runtime.engine.tracing``.
+  follows the rule of ``runtime.engine.tracing``. A traced ``ModelInfer`` answer's
+  initial metadata carries what a traced HTTP answer's headers do (``traceparent`` where
+  spans are exported, ``batchscope-batch-id``); a stream's answers share one call's
+  metadata, so theirs carry neither.
 
 Every failure is answered by ``runtime.server.grpc.status``: the HTTP answer's message
 under the matching status code. The methods of the service this server does not
@@ -337,7 +340,8 @@ class InferenceHandlers:
                                       RequestBounds.of(cfg.max_queue_size, model.max_length),
                                       self.budget)
 
-    async def _infer(self, request: Message, traceparent: str | None = None) -> Message:
+    async def _infer(self, request: Message, traceparent: str | None = None,
+                     context: Any = None) -> Message:
         tracer = self.tracer
         traced = tracer is not None and (traceparent is not None or tracer.control.active)
         received = tracer.clock.now() if traced else None
@@ -361,11 +365,13 @@ class InferenceHandlers:
         reply = encode_response(served.name, triton.MODEL_VERSION, req, result,
                                 served.model.outputs)
         trace.send_start = tracer.clock.now()
+        if context is not None:  # a call of its own: its metadata says what HTTP headers do
+            await context.send_initial_metadata(trace.answer_headers())
         tracer.finish(trace)
         return reply
 
     async def model_infer(self, request: Message, context: Any) -> Message:
-        return await self._infer(request, _metadata(context, "traceparent"))
+        return await self._infer(request, _metadata(context, "traceparent"), context)
 
     async def model_stream_infer(self, requests: AsyncIterator[Message],
                                  context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
