@@ -52,7 +52,7 @@ from sqlalchemy import Engine
 
 from batchscope.analysis.queries import Window
 from batchscope.analysis.queries.timeline import (TimelineRows, WindowTooLarge, find_batch,
-                                                  timeline_rows, with_members)
+                                                  find_step, timeline_rows, with_members)
 from batchscope.dashboard.scope import Scope, data_engine, fmt_time
 from batchscope.presentation import timeline_chart
 from batchscope.presentation.snapshot.layout import TRACE_MAX_ROWS
@@ -176,22 +176,45 @@ def stop_note(bars: int) -> str:
 
 def not_found_note(text: str, other: dict | None, model: str | None,
                    instance: str | None) -> str:
-    """What the page says when batch ``text`` is not one of ``model`` on ``instance`` (None:
-    any): ``other`` is the batch of that number found without either filter, if any."""
+    """What the page says when batch (or a generation model's step) ``text`` is not one of
+    ``model`` on ``instance`` (None: any): ``other`` is the batch or step of that number
+    found without either filter, if any (a step's has ``kind`` "step")."""
     if other is None:
         return f"there is no batch {text} in this database"
+    kind = other.get("kind", "batch")
     if model is not None and other["model"] != model:
-        return (f"batch {text} is a batch of {other['model']}, not of {model}: choose "
+        return (f"{kind} {text} is a {kind} of {other['model']}, not of {model}: choose "
                 f"\"all models\" under Models (or {other['model']} in the sidebar's Model "
                 "picker) to go to it")
-    return (f"batch {text} ran on instance {other['instance_id']}, not on {instance}: choose "
+    return (f"{kind} {text} ran on instance {other['instance_id']}, not on {instance}: choose "
             f"{other['instance_id']} (or all) in the sidebar's Instance picker to go to it")
+
+
+def find_numbered(engine: Engine, seq: int, model: str | None,
+                  instance: str | None) -> dict | None:
+    """Batch ``seq`` of ``model`` on ``instance`` (None: any), else a generation model's
+    step ``seq``: its instance, model, start, end, ``kind`` ("batch" or "step") and
+    ``key``, the (instance, seq) that picks it (a step's: ``-id``). A batch comes first
+    where a request model's batch and a generation model's step share the number."""
+    if seq > MAX_SEQ:
+        return None
+    found = find_batch(engine, seq, model=model, instance_id=instance)
+    if found is not None:
+        return {**found, "kind": "batch", "key": (str(found["instance_id"]), int(seq))}
+    found = find_step(engine, seq, model=model, instance_id=instance)
+    if found is not None:
+        return {**found, "kind": "step", "key": (str(found["instance_id"]), -int(found["id"]))}
+    return None
 
 
 #: the slowest-requests table's columns, in their order, with their names on the page
 SLOWEST_COLUMNS = {
-    "batch": st.column_config.NumberColumn("batch", format="%d"),
-    "batch_size": st.column_config.NumberColumn("batch size", format="%d"),
+    "batch": st.column_config.NumberColumn(
+        "batch", format="%d", help="the batch the request ran in; a generation request's: "
+                                   "the engine step it joined"),
+    "batch_size": st.column_config.NumberColumn(
+        "batch size", format="%d", help="the batch's size; a generation request's: the "
+                                        "sequences running in the step it joined"),
     "priority": st.column_config.NumberColumn("priority", format="%d"),
     "length": st.column_config.NumberColumn("length", format="%d"),
     "outcome": st.column_config.TextColumn("outcome"),
@@ -292,7 +315,9 @@ def render(scope: Scope) -> None:
                     edge if scope.snapshot is None else w.end_s,
                     None if kept is None else kept.timestamp())
     right.text_input("Go to batch number", key=NUMBER, on_change=_picked_by_number,
-                     args=(engine, scope, model, at.length_s), placeholder="e.g. 1234")
+                     args=(engine, scope, model, at.length_s),
+                     # no help: its button would share the box's label (the tests find it so)
+                     placeholder="e.g. 1234 (a batch, or a step)")
     if at.length_s < length:
         mid.caption(f"The sidebar's time window is {at.length_s:.0f} s, shorter than {length} s: "
                     "the timeline shows all of it. Choose a longer time window in the sidebar "
@@ -450,7 +475,8 @@ def region(engine: Engine, scope: Scope, model: str | None, length_s: float,
         _show_note("table")
     with chosen:
         if selected is None:
-            st.info("Pick a batch: click its bar (or choose the box select tool above the "
+            what = "batch or step" if len(rows.steps) else "batch"
+            st.info(f"Pick a {what}: click its bar (or choose the box select tool above the "
                     "chart and drag a box around it; a plain drag zooms), pick one of the "
                     "slowest requests, or type its number in Go to batch number above.")
         else:
@@ -543,7 +569,8 @@ def _picked_in_table(key: str) -> None:
     if picked and table is not None and picked[0] < len(table):
         inst, seq = table.iloc[picked[0]]
         if pd.isna(seq):
-            _say("table", "the batch this request ran in is not in the window")
+            _say("table", "the batch this request ran in (a generation request's: the step "
+                          "it joined) is not in the window")
         else:
             _pick(inst, int(seq))
 
@@ -560,26 +587,40 @@ def _picked_by_number(engine: Engine, scope: Scope, model: str | None,
     if seq is None:
         _say("number", f"a batch number is a whole number ≥ 0, not {text[:40]!r}")
         return
-    found = None if seq > MAX_SEQ else find_batch(engine, seq, model=model,
-                                                  instance_id=scope.instance)
+    found = find_numbered(engine, seq, model, scope.instance)
     if found is None:
-        other = None if seq > MAX_SEQ or (model is None and scope.instance is None) \
-            else find_batch(engine, seq)
+        other = None if model is None and scope.instance is None \
+            else find_numbered(engine, seq, None, None)
         _say("number", not_found_note(text, other, model, scope.instance))
         return
+    kind = found["kind"]
     if float(found["started_at"]) < scope.start_s:
-        _say("number", f"batch {text} ran before the time window the sidebar sets; choose a "
+        _say("number", f"{kind} {text} ran before the time window the sidebar sets; choose a "
                        "longer window (or a custom one) to go to it")
         return
     if not scope.live and float(found["started_at"]) >= scope.end_s:
-        _say("number", f"batch {text} ran after the time window the sidebar sets; end that "
+        _say("number", f"{kind} {text} ran after the time window the sidebar sets; end that "
                        "window later to go to it")
         return
     ended = float(found["ended_at"])
     time.sleep(behind_edge_in_s(ended, time.time()))  # under a second, for the newest batch
-    _pick(found["instance_id"], seq)
+    _pick(*found["key"])
     st.session_state[FOLLOWING] = False
     st.session_state[END] = _as_end(ended + length_s / 2)
+
+
+def step_header(steps: pd.DataFrame, inst: str, step_id: int) -> str:
+    """What the page says of a picked generation step (row ``step_id`` of ``inst``), as a
+    picked batch gets its line: number, model, sequences, tokens, time, KV cache."""
+    row = steps[(steps["instance_id"] == inst) & (steps["id"] == step_id)].iloc[0]
+    name = timeline_chart.step_name(row["seq"] if "seq" in row else None).capitalize()
+    return (f"**{name}** · {row['model']} · {int(row['running'])} running, "
+            f"{int(row['waiting'])} waiting · ended {fmt_time(float(row['at']))}  \n"
+            f"step {1000 * row['step_s']:.2f} ms · prefill "
+            f"{timeline_chart.count(int(row['prefill_tokens']), 'token')} · decode "
+            f"{timeline_chart.count(int(row['decode_tokens']), 'token')} · KV blocks "
+            f"{int(row['blocks_used'])} used, {int(row['blocks_free'])} free · preempted "
+            f"{int(row['preemptions'])}")
 
 
 def _show_selected(rows: TimelineRows, key: tuple[str, int]) -> None:
@@ -606,6 +647,8 @@ def _show_selected(rows: TimelineRows, key: tuple[str, int]) -> None:
         if len(oom):
             st.caption(f"{len(oom)} out-of-memory attempt(s) of this model ended in the second "
                        "before it started: the batch was split and retried")
+    else:
+        st.markdown(step_header(rows.steps, inst, -seq))
     st.plotly_chart(fig, key="timeline_members", config={"displaylogo": False})
     if len(part):
         st.dataframe(requests_table(part), hide_index=True)

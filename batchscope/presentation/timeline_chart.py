@@ -139,12 +139,22 @@ def _batch_hover(b: pd.DataFrame) -> list[str]:
 
 
 def _step_hover(s: pd.DataFrame) -> list[str]:
-    return [f"<b>step</b> · {model}<br>{int(r)} running, {int(w)} waiting<br>prefill "
-            f"{count(int(p), 'token')} · decode {count(int(d), 'token')}<br>{_ms(t)} · "
-            f"KV blocks {int(u)} · preempted {int(pr)}"
-            for model, r, w, p, d, t, u, pr in zip(
-                s["model"], s["running"], s["waiting"], s["prefill_tokens"], s["decode_tokens"],
-                s["step_s"], s["blocks_used"], s["preemptions"])]
+    """A step's hover: its number (the one "Go to batch number" takes, and the slowest
+    requests' table lists for the step a request joined), its sequences and tokens, its
+    time and the KV cache's blocks, used and free."""
+    number = s["seq"] if "seq" in s else pd.Series([None] * len(s), index=s.index)
+    return [f"<b>{step_name(q)}</b> · {model}<br>{int(r)} running, {int(w)} waiting<br>prefill "
+            f"{count(int(p), 'token')} · decode {count(int(d), 'token')}<br>step {_ms(t)} · "
+            f"KV blocks {int(u)} used, {int(f)} free · preempted {int(pr)}"
+            for q, model, r, w, p, d, t, u, f, pr in zip(
+                number, s["model"], s["running"], s["waiting"], s["prefill_tokens"],
+                s["decode_tokens"], s["step_s"], s["blocks_used"], s["blocks_free"],
+                s["preemptions"])]
+
+
+def step_name(number) -> str:
+    """"step 3320", or "step" for a step recorded without its number."""
+    return "step" if number is None or pd.isna(number) else f"step {int(number)}"
 
 
 class Lanes:
@@ -377,7 +387,7 @@ def members(rows: TimelineRows, key: tuple[str, int]) -> tuple[go.Figure, pd.Dat
         part = part.assign(first_token_at=part["arrived_at"] + part["ttft_s"].fillna(
             part["latency_s"]).astype(float))
         number = step["seq"].iloc[0] if "seq" in step else None
-        named = "Step" if number is None or pd.isna(number) else f"Step {int(number)}"
+        named = step_name(number).capitalize()
         title = (f"{named} at {st1 - t0:.3f} s: {count(len(part), 'sequence')} — waiting, "
                  "prefill (until the first token), decode")
         phases = [("waiting", "arrived_at", "started_at", QUEUE_COLOR),
@@ -402,6 +412,11 @@ def members(rows: TimelineRows, key: tuple[str, int]) -> tuple[go.Figure, pd.Dat
         fig.add_trace(go.Bar(y=labels, x=np.maximum(end - start, 0),
                              base=start, orientation="h", name=phase, hovertext=hover,
                              hoverinfo="text+name", marker=dict(color=c or color)))
+    if seq < 0:  # the step itself: a band across the sequences alive during it
+        fig.add_vrect(x0=st0 - t0, x1=st1 - t0, fillcolor=PICKED_COLOR, opacity=0.15,
+                      line=dict(color=PICKED_COLOR, width=1, dash="dot"), layer="above",
+                      annotation=dict(text=named.lower(), font=dict(size=LABEL_FONT_PX)),
+                      annotation_position="top")
     fig.update_layout(xaxis=dict(title="seconds after the window's start"),
                       yaxis=dict(autorange="reversed", type="category"))
     return _legend_below(fig), part

@@ -326,6 +326,24 @@ def find_batch(engine: Engine, seq: int, *, model: str | None = None,
     return None if not len(found) else found.iloc[0].to_dict()
 
 
+def find_step(engine: Engine, seq: int, *, model: str | None = None,
+              instance_id: str | None = None) -> dict | None:
+    """Engine step ``seq`` of a generation model (of ``model`` / ``instance_id`` when
+    given; the newest when several have one): its row ``id`` (the chart's key is
+    ``-id``), instance, model, start and end (``started_at``, ``ended_at``), or None. A
+    step's number counts its model's steps, apart from the batches' numbers; a database
+    whose steps have no number (before schema version 12) has none to find."""
+    where, params = filtered(Window(0.0, 0.0, model, instance_id), ["seq = :seq"],
+                             {"seq": int(seq)})
+    with connection(engine) as conn:
+        if "seq" not in _step_columns(conn):
+            return None
+        found = read_frame(conn, "SELECT id, instance_id, model, at - step_s AS started_at, "
+                                 f"at AS ended_at FROM generation_steps WHERE {where} "
+                                 "ORDER BY at DESC LIMIT 1", params)
+    return None if not len(found) else found.iloc[0].to_dict()
+
+
 def _merged(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     if not len(b):
         return a
