@@ -680,3 +680,12 @@ def test_traced_requests_carry_their_trace_timestamps_into_the_export(tmp_path):
             snap.close()
     finally:
         engine.dispose()
+
+
+def test_a_step_slice_is_named_by_what_it_computed():
+    from batchscope.trace.layout import _step_name
+
+    assert _step_name(120, 0) == "prefill"  # a step of new prompts alone
+    assert _step_name(120, 3) == "prefill+decode"
+    assert _step_name(0, 3) == "decode"
+    assert _step_name(None, 3) == "decode"

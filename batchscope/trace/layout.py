@@ -397,6 +397,13 @@ def build(rows: TimelineRows) -> Layout:
                   notes=notes, notes_track=notes_track, _sources=b.sources)
 
 
+def _step_name(prefill_tokens, decode_tokens) -> str:
+    """A step's slice name: what it computed (``prefill``, ``decode`` or both)."""
+    if not prefill_tokens:
+        return "decode"
+    return "prefill+decode" if decode_tokens else "prefill"
+
+
 def _span(start: np.ndarray, end: np.ndarray, floor: int, untimed: Counter,
           kind: str) -> tuple[np.ndarray, np.ndarray]:
     """Rows' start and end in nanoseconds as slices can take them (a trace's times are
@@ -610,7 +617,7 @@ def _step_source(idx, cols, start, end, flows_in):
                 ("decode_tokens", cols["decode_tokens"][i]),
                 ("blocks_used", cols["blocks_used"][i]), ("blocks_free", cols["blocks_free"][i]),
                 ("preemptions", cols["preemptions"][i]), ("step_ms", _ms(cols["step_s"][i]))))
-            name = "prefill+decode" if prefill else "decode"
+            name = _step_name(prefill, cols["decode_tokens"][i])
             yield from _walk(Slice(track, int(start[i]), int(end[i]), name, "step", args,
                                    flows_in=joined))
     return walk
