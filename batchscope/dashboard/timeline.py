@@ -76,6 +76,9 @@ DRAWN = "timeline_drawn"
 #: the batch last picked by a click on the chart, and the view clicked: (instance, seq, view)
 CLICKED = "timeline_clicked"
 NUMBER = "timeline_batch_number"
+#: a number typed that named nothing of the model and instance shown: (text, model,
+#: instance); tried again once either changes (its note says to change them)
+NUMBER_TRIED = "timeline_number_tried"
 MODELS = "timeline_models"
 #: a pick's message: (where it is shown, "number" or "table"; the text)
 NOTE = "timeline_note"
@@ -306,7 +309,6 @@ def render(scope: Scope) -> None:
     length = left.selectbox("Window", LENGTHS_S, index=LENGTHS_S.index(DEFAULT_LENGTH_S),
                             format_func=lambda s: f"{s} s", key="timeline_length")
     model = _models_choice(models, scope)
-    following = _follow_button(right, scope)
     edge = time.time() - LIVE_LAG_S  # the live edge: the recorder has written up to it
     w = scope.window(edge)  # a live one moved to end at the edge
     kept = st.session_state.get(END)
@@ -314,6 +316,11 @@ def render(scope: Scope) -> None:
     at = window_end(w.start_s, w.end_s, float(length),
                     edge if scope.snapshot is None else w.end_s,
                     None if kept is None else kept.timestamp())
+    if _number_to_retry(model, scope.instance):
+        _picked_by_number(engine, scope, model, at.length_s)
+        if NOTE not in st.session_state:
+            st.rerun()  # it landed: the window moved to it
+    following = _follow_button(right, scope)
     right.text_input("Go to batch number", key=NUMBER, on_change=_picked_by_number,
                      args=(engine, scope, model, at.length_s),
                      # no help: its button would share the box's label (the tests find it so)
@@ -587,11 +594,13 @@ def _picked_by_number(engine: Engine, scope: Scope, model: str | None,
     if seq is None:
         _say("number", f"a batch number is a whole number ≥ 0, not {text[:40]!r}")
         return
+    st.session_state.pop(NUMBER_TRIED, None)
     found = find_numbered(engine, seq, model, scope.instance)
     if found is None:
         other = None if model is None and scope.instance is None \
             else find_numbered(engine, seq, None, None)
         _say("number", not_found_note(text, other, model, scope.instance))
+        st.session_state[NUMBER_TRIED] = (text, model, scope.instance)
         return
     kind = found["kind"]
     if float(found["started_at"]) < scope.start_s:
@@ -607,6 +616,15 @@ def _picked_by_number(engine: Engine, scope: Scope, model: str | None,
     _pick(*found["key"])
     st.session_state[FOLLOWING] = False
     st.session_state[END] = _as_end(ended + length_s / 2)
+
+
+def _number_to_retry(model: str | None, instance: str | None) -> bool:
+    """Whether the number in the box named nothing of the model and instance shown when
+    typed, and those have changed since (as its note said to do): the box acts only when
+    its text changes, so the page tries it again itself."""
+    tried = st.session_state.get(NUMBER_TRIED)
+    return (tried is not None and tried[0] == st.session_state.get(NUMBER, "").strip()
+            and (tried[1], tried[2]) != (model, instance))
 
 
 def step_header(steps: pd.DataFrame, inst: str, step_id: int) -> str:
