@@ -239,7 +239,8 @@ def test_a_batch_number_that_is_not_one_is_said_so(app_db):
     at.text_input(key="timeline_batch_number").input(str(seq)).run()
     for text, said in (("abc", "a batch number is a whole number ≥ 0, not 'abc'"),
                        ("-5", "a batch number is a whole number ≥ 0, not '-5'"),
-                       ("9" * 25, f"there is no batch {'9' * 25} in this database")):
+                       ("9" * 25, f"there is no batch or generation step {'9' * 25} in "
+                                  "this database")):
         at.text_input(key="timeline_batch_number").input(text).run()
         assert not at.exception, [e.value for e in at.exception]
         said_on_page = [w.value for w in at.warning]
@@ -298,7 +299,8 @@ def test_a_refresh_costs_its_run_and_the_browser_s_drawing_and_big_windows_stop(
 
 def test_a_number_of_another_model_or_instance_says_which_and_how_to_see_it():
     note = timeline.not_found_note
-    assert note("7", None, "encoder", None) == "there is no batch 7 in this database"
+    assert note("7", None, "encoder", None) == \
+        "there is no batch or generation step 7 in this database"
     mlp = {"model": "mlp", "instance_id": "a"}
     said = note("40769", mlp, "encoder", None)
     assert said.startswith("batch 40769 is a batch of mlp, not of encoder") and \

@@ -183,7 +183,7 @@ def not_found_note(text: str, other: dict | None, model: str | None,
     ``model`` on ``instance`` (None: any): ``other`` is the batch or step of that number
     found without either filter, if any (a step's has ``kind`` "step")."""
     if other is None:
-        return f"there is no batch {text} in this database"
+        return f"there is no batch or generation step {text} in this database"
     kind = other.get("kind", "batch")
     if model is not None and other["model"] != model:
         return (f"{kind} {text} is a {kind} of {other['model']}, not of {model}: choose "
