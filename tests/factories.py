@@ -53,6 +53,21 @@ def trace_rows_written(db, after: int, expected: int) -> list:
     return read()
 
 
+def recorded_sqlite(path: Path, end_s: float, *, batches_per_s: float,
+                    duration_s: float = 10.0) -> str:
+    """The URL of a SQLite file at ``path`` holding ``duration_s`` of one instance
+    (``synthetic-1``) serving ``mlp`` at ``batches_per_s``, ending at ``end_s``."""
+    from batchscope.storage.db import make_engine
+    from batchscope.testing import synthetic
+
+    url = f"sqlite:///{path}"
+    engine = make_engine(url)
+    synthetic.generate(engine, synthetic.SCENARIOS["healthy"].with_(
+        duration_s=duration_s, batches_per_s=batches_per_s), end_s=end_s)
+    engine.dispose()
+    return url
+
+
 class TracedService:
     """A real ``Service`` on 127.0.0.1 (HTTP and gRPC, a free port each) recording into the
     SQLite file ``db_path``, for the trace tests: its ``url``, ``grpc_address``, database

@@ -28,6 +28,7 @@ from batchscope.trace.check import read_chrome, read_perfetto
 from batchscope.trace.perfetto import protos
 from batchscope.trace.timespec import (DEFAULT_LAST_S, check_window, parse_seconds, parse_time,
                                        utc_text, window_from)
+from tests.factories import recorded_sqlite
 
 END = 2_000_000_000.0
 WINDOW = Window(END - 21, END + 1)
@@ -282,11 +283,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_writes_traces_and_refuses_clearly(tmp_path):
-    engine = make_engine(f"sqlite:///{tmp_path / 'cli.db'}")
-    synthetic.generate(engine, synthetic.SCENARIOS["healthy"].with_(duration_s=10,
-                                                                    batches_per_s=4), end_s=END)
-    engine.dispose()
-    db = f"sqlite:///{tmp_path / 'cli.db'}"
+    db = recorded_sqlite(tmp_path / "cli.db", END, batches_per_s=4)
     out = tmp_path / "run.pftrace"
     r = _cli("--db", db, "--end", str(END + 1), "--last", "12", "-o", str(out))
     assert r.returncode == 0, r.stderr
@@ -339,12 +336,8 @@ def test_cli_writes_traces_and_refuses_clearly(tmp_path):
 @pytest.fixture(scope="module")
 def small_db(tmp_path_factory) -> str:
     """The URL of a SQLite file of 10 s of one instance (``synthetic-1``) serving ``mlp``."""
-    url = f"sqlite:///{tmp_path_factory.mktemp('trace-cli') / 'small.db'}"
-    engine = make_engine(url)
-    synthetic.generate(engine, synthetic.SCENARIOS["healthy"].with_(duration_s=10,
-                                                                    batches_per_s=2), end_s=END)
-    engine.dispose()
-    return url
+    return recorded_sqlite(tmp_path_factory.mktemp("trace-cli") / "small.db", END,
+                           batches_per_s=2)
 
 
 ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z"

@@ -28,7 +28,7 @@ from batchscope.trace.exits import EXIT_NO_ROOM
 from batchscope.storage.schema import BatchRecord, GenerationStep, RequestRecord
 from batchscope.testing import synthetic
 from batchscope.trace.check import read_chrome, read_perfetto
-from tests.factories import WAIT_S, database_at, free_port
+from tests.factories import WAIT_S, database_at, free_port, recorded_sqlite
 
 pytestmark = pytest.mark.slow
 
@@ -55,12 +55,7 @@ def _one_line(r: subprocess.CompletedProcess, status: int = 2) -> str:
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> str:
     """A SQLite file of 10 s of one instance: a trace of some megabytes."""
-    url = f"sqlite:///{tmp_path_factory.mktemp('faults') / 'rec.db'}"
-    engine = make_engine(url)
-    synthetic.generate(engine, synthetic.SCENARIOS["healthy"].with_(duration_s=10,
-                                                                    batches_per_s=20), end_s=END)
-    engine.dispose()
-    return url
+    return recorded_sqlite(tmp_path_factory.mktemp("faults") / "rec.db", END, batches_per_s=20)
 
 
 @contextlib.contextmanager
