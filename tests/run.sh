@@ -53,7 +53,13 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q "torch==2.13.0" -e ".[dashboard,test,minilm]"
+# --no-cache-dir: pip would otherwise keep a second copy of every wheel it downloads
+# in its cache; the venv itself takes about 3 GB
+free_kib=$(df -Pk . | awk 'NR==2 {print $4}')
+if [ "${free_kib:-0}" -lt 4000000 ]; then
+  echo "note: $((free_kib / 1024)) MiB free here; the install needs about 3 GB" >&2
+fi
+.venv/bin/python -m pip install -q --no-cache-dir "torch==2.13.0" -e ".[dashboard,test,minilm]"
 
 export PYTHONUNBUFFERED=1
 # a temporary folder of this run's own: pytest prunes old folders under its shared default
