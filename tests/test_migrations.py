@@ -317,6 +317,48 @@ def test_a_database_of_schema_version_11_is_read_as_it_is_then_numbers_its_steps
         engine.dispose()
 
 
+def test_a_database_of_schema_version_12_finds_batches_and_steps_by_their_number(db_url):
+    """Revision 0011 -> 0012: ``batches`` and ``generation_steps`` keep their rows and
+    gain an index led by their number, and the timeline's lookups by number
+    (``find_batch``, ``find_step``) read through it: on SQLite, whose planner has no
+    statistics, the query plan names it, with and without a model given."""
+    from batchscope.analysis.queries.timeline import find_batch, find_step
+
+    database_at(db_url, "0011", """
+        INSERT INTO batches (instance_id, model, seq, policy, settings_version,
+          max_batch_size, batch_size, real_elements, padded_elements, queue_wait_min_s,
+          queue_wait_mean_s, queue_wait_max_s, compute_s, started_at, ended_at, outcome,
+          cuda_graph) VALUES ('rt-1', 'mlp', 41, 'dynamic', 1, 32, 4, 4, 4, 0.001, 0.002,
+          0.003, 0.002, 12.0, 12.002, 'ok', false)
+        """, """
+        INSERT INTO generation_steps (instance_id, model, at, mode, running, waiting,
+          prefill_tokens, decode_tokens, blocks_used, blocks_free, preemptions, step_s, seq)
+        VALUES ('rt-1', 'decoder', 12.0, 'continuous', 2, 0, 8, 2, 4, 60, 0, 0.01, 41)
+        """)
+    engine = make_engine(db_url)
+    try:
+        assert schema_version(engine) == SCHEMA_VERSION >= 13
+        indexes = {t: {ix["name"]: ix["column_names"] for ix in inspect(engine).get_indexes(t)}
+                   for t in ("batches", "generation_steps")}
+        assert indexes["batches"]["ix_batches_seq"] == ["seq", "model", "ended_at"]
+        assert indexes["generation_steps"]["ix_gensteps_seq"] == ["seq", "model", "at"]
+        assert find_batch(engine, 41, model="mlp")["started_at"] == 12.0
+        assert find_step(engine, 41, model="decoder")["ended_at"] == 12.0
+        assert find_batch(engine, 41, model="decoder") is None
+        if engine.dialect.name == "sqlite":
+            with engine.connect() as conn:
+                for sql in ("SELECT id FROM batches WHERE seq = 41 AND model = 'mlp' "
+                            "AND instance_id = 'rt-1' ORDER BY ended_at DESC LIMIT 1",
+                            "SELECT id FROM batches WHERE seq = 41 ORDER BY ended_at DESC",
+                            "SELECT id FROM generation_steps WHERE seq = 41 AND "
+                            "model = 'decoder' ORDER BY at DESC LIMIT 1"):
+                    plan = " ".join(str(r[-1]) for r in
+                                    conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql))
+                    assert "_seq (seq=?" in plan, (sql, plan)
+    finally:
+        engine.dispose()
+
+
 def test_an_empty_database_gets_every_table(db):
     assert schema_version(db) == SCHEMA_VERSION and schema_revision(db) == storage_db._head()
     assert set(Base.metadata.tables) <= set(inspect(db).get_table_names())

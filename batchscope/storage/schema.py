@@ -20,7 +20,7 @@ from typing import Optional
 from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 #: an autoincrementing row id: 64-bit everywhere (SQLite's rowid is 64-bit already)
 ID = BigInteger().with_variant(Integer(), "sqlite")
@@ -98,6 +98,9 @@ class BatchRecord(Base):
     __table_args__ = (
         Index("ix_batches_model_ended", "model", "ended_at"),
         Index("ix_batches_instance_ended", "instance_id", "ended_at"),
+        # a batch found by its number (the timeline's box): seq first, so that SQLite's
+        # planner prefers it to (model, ended_at) for "seq = ? AND model = ?"
+        Index("ix_batches_seq", "seq", "model", "ended_at"),
     )
 
 
@@ -248,7 +251,8 @@ class GenerationStep(Base):
     #: scheduled in it has as ``batch_seq``; NULL in rows older than schema version 12
     seq: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
 
-    __table_args__ = (Index("ix_gensteps_model_at", "model", "at"),)
+    __table_args__ = (Index("ix_gensteps_model_at", "model", "at"),
+                      Index("ix_gensteps_seq", "seq", "model", "at"))
 
 
 class ModelSettings(Base):

@@ -23,6 +23,9 @@
   adapters of each generation step (schema version 10).
 * ``0010_request_traces_one_index``: the traced requests keep only their time index
   (schema version 11).
+* ``0011_generation_step_seq``: a generation step's number (schema version 12).
+* ``0012_numbers_indexed``: batches and generation steps are indexed by their number
+  (schema version 13).
 
 A new revision: a file here with the next number, ``down_revision`` the last one, its
 ``upgrade`` written against the tables as the previous revisions left them (never
