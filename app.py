@@ -41,15 +41,17 @@ def main() -> None:
         st.Page(f"{PAGES}/snapshots.py", title="Snapshots", icon=":material/inventory_2:",
                 url_path="snapshots"),
     ], position="top")
-    current = scope.from_sidebar()
-    demo_allowed = demo.allowed_from_sidebar()
-    st.sidebar.caption(footer())
-    scope.remember(current)
-    st.title("BatchScope")
-    demo.show_source(current, demo_allowed=demo_allowed)
-    if current.refresh_s is not None:
-        st.fragment(run_every=scope.WATCH_EVERY_S)(scope.rerun_when_runtimes_change)(current)
-    pages.run()
+    with scope.reads_guarded():  # a locked or silent database: said, not a stack trace
+        current = scope.from_sidebar()
+        demo_allowed = demo.allowed_from_sidebar()
+        st.sidebar.caption(footer())
+        scope.remember(current)
+        st.title("BatchScope")
+        demo.show_source(current, demo_allowed=demo_allowed)
+        if current.refresh_s is not None:
+            st.fragment(run_every=scope.WATCH_EVERY_S)(
+                scope.guarded(scope.rerun_when_runtimes_change))(current)
+        pages.run()
 
 
 main()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import time
 
 import numpy as np
@@ -186,6 +188,13 @@ def test_the_chart_draws_every_batch_once_and_picks_members(filled, monkeypatch)
     slow = timeline_chart.slowest(rows, 5)
     assert list(slow["latency_ms"]) == sorted(slow["latency_ms"], reverse=True)
     assert slow["latency_ms"].iloc[0] == pytest.approx(1000 * rows.requests["latency_s"].max())
+    # batches and steps not in the window: their sizes are empty cells, not "None"
+    n = len(rows.requests)
+    every, alone = (timeline_chart.slowest(r, n) for r in (
+        rows, replace(rows, batches=rows.batches.iloc[:0], steps=rows.steps.iloc[:0])))
+    assert str(alone["batch_size"].dtype) == str(every["batch_size"].dtype) == "Int64"
+    assert alone["batch_size"].isna().all() and alone["pick"].isna().all()
+    assert alone["batch"].equals(every["batch"]) and every["batch_size"].notna().any()
 
 
 def test_the_page_shows_a_batch_picked_by_number(app_db):

@@ -22,7 +22,9 @@ exists. A refused URL is said so under the box and the configured database is sh
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import functools
 import os
 import sqlite3
 import time
@@ -32,7 +34,7 @@ from urllib.parse import quote
 
 import streamlit as st
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from batchscope.analysis import queries
 from batchscope.presentation import snapshot
@@ -97,8 +99,8 @@ def engine_for(url: str) -> Engine:
     :func:`vet_database_url` accepted it, and is opened without creating anything."""
     try:
         if url == default_db_url():
-            return db.make_engine(url)
-        engine = db.make_engine(url, create=False)
+            return db.make_engine(db.bounded_url(url))
+        engine = db.make_engine(db.bounded_url(url), create=False)
         db.init_schema(engine)  # a BatchScope database of an older version: upgrade it
         return engine
     except db.SchemaTooNew as exc:  # written by a newer release: say so, touch nothing
@@ -113,6 +115,43 @@ def engine_for(url: str) -> Engine:
                  "Database URL in the sidebar.")
         st.stop()
         raise
+
+
+def read_trouble(exc: OperationalError) -> str:
+    """What a page says when a read of its database failed: a lock held longer than the
+    reader waits (SQLite's busy timeout, PostgreSQL's ``lock_timeout``:
+    ``db.bounded_url``), or a server that does not answer; and what to do."""
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    first = (text.splitlines()[0] if text else type(exc).__name__)[:300]
+    low = first.lower()
+    if "lock timeout" in low or "database is locked" in low or "database is busy" in low:
+        waited = db.LOCK_TIMEOUT_S if "lock timeout" in low else db.BUSY_TIMEOUT_S
+        return (f"The database is busy: another program held a lock on it for longer than "
+                f"the {waited:g} s a page waits ({first}). A schema migration or a long "
+                "write does that; the page reads again at its next refresh, or press R.")
+    return (f"The database could not be read ({first}). Check that its server runs and "
+            "answers; the page reads again at its next refresh, or press R.")
+
+
+@contextlib.contextmanager
+def reads_guarded():
+    """Run a page (or a region of one) so that a failed read of its database
+    (``OperationalError``: locked, unreachable) is said in one line on the page, not
+    as a stack trace; the rest of that page or region is left out of this run."""
+    try:
+        yield
+    except OperationalError as exc:
+        st.error(read_trouble(exc))
+
+
+def guarded(region):
+    """``region`` (a live region: ``st.fragment(run_every=...)(guarded(region))``) run
+    under :func:`reads_guarded`, so each refresh that cannot read says why."""
+    @functools.wraps(region)
+    def run(*args, **kwargs):
+        with reads_guarded():
+            return region(*args, **kwargs)
+    return run
 
 
 def vet_database_url(url: str, *, create: bool = False) -> str | None:

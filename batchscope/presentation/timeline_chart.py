@@ -437,7 +437,9 @@ def slowest(rows: TimelineRows, n: int = 20) -> pd.DataFrame:
         "latency_ms": 1000 * top["latency_s"].to_numpy(float),
         "queue_ms": 1000 * top["queue_wait_s"].to_numpy(float),
         "compute_ms": 1000 * (top["latency_s"] - top["queue_wait_s"]).to_numpy(float),
-        "batch": top["batch_seq"].to_numpy(), "batch_size": size,
+        # nullable integers: a batch not in the window shows an empty cell, not "None"
+        "batch": pd.array(top["batch_seq"].to_numpy(), dtype="Int64"),
+        "batch_size": pd.array(size, dtype="Int64"),
         "priority": top["priority"].to_numpy(), "length": top["length"].to_numpy(),
         "outcome": top["outcome"].to_numpy(), "instance_id": top["instance_id"].to_numpy(),
         "pick": pick})

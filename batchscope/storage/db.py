@@ -49,6 +49,34 @@ BUSY_TIMEOUT_S = 5.0
 WAL_SIZE_LIMIT_BYTES = 64 * 1024 * 1024
 
 
+#: how long a reader's PostgreSQL connection may take to open (``connect_timeout``,
+#: unless the URL sets one): a host that accepts and never answers fails the read
+#: instead of hanging
+CONNECT_TIMEOUT_S = 5
+#: how long a reader's PostgreSQL statement may wait for a lock (``lock_timeout``, unless
+#: the URL passes its own ``options``): a table another program locked (a migration's
+#: ALTER TABLE holds an exclusive lock) fails the read instead of hanging; SQLite waits
+#: its busy timeout
+LOCK_TIMEOUT_S = 5
+
+
+def bounded_url(url: str) -> str:
+    """``url`` with ``CONNECT_TIMEOUT_S`` and ``LOCK_TIMEOUT_S`` for the PostgreSQL drivers
+    built on libpq (what the dashboard and ``batchscope trace`` read through); any other
+    URL as it is. A runtime's own writes are not bounded so: its recorder waits behind a
+    lock rather than drop the rows."""
+    parsed = make_url(url)
+    if (parsed.get_backend_name() != "postgresql"
+            or parsed.get_driver_name() not in ("psycopg", "psycopg2", "psycopg2cffi")):
+        return url
+    query = {}
+    if "connect_timeout" not in parsed.query:
+        query["connect_timeout"] = str(CONNECT_TIMEOUT_S)
+    if "options" not in parsed.query:
+        query["options"] = f"-c lock_timeout={LOCK_TIMEOUT_S * 1000}"
+    return parsed.update_query_dict(query).render_as_string(hide_password=False)
+
+
 class DatabaseNotFound(FileNotFoundError):
     """``make_engine(..., create=False)`` was asked for a SQLite file that is not there."""
 

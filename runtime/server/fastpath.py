@@ -52,6 +52,7 @@ from typing import Any, Callable
 from runtime.api.errors import ModelNotReady, error_answer
 from runtime.core.tracing import (BATCH_ID_HEADER, PlainTrace, traceparent_bytes,
                                   traceparent_line)
+from runtime.engine.tracing import outcome_of
 from runtime.server.bounds import MemoryBudget, RequestBounds
 from runtime.server.http1.server import Reply
 from runtime.server.kserve import HEADER_LENGTH, encode_infer, parse_infer, submit_infer
@@ -210,7 +211,7 @@ class InferHook:
                     return True
             req = parse_infer(body, header_length, name, model.inputs, outputs, levels,
                               encoding, bounds, self.budget)
-            self._submit(name, req, outputs, answer, traceparent, received)
+            self._submit(name, req, outputs, answer, traceparent, received, path)
         except Exception as exc:  # a refusal (BatchScopeError) or a bug: answered alike
             answer(*error_answer(exc, f"POST {path}"))
         return True
@@ -239,16 +240,20 @@ class InferHook:
                         answer: Answer, traceparent: bytes | None = None,
                         received: Any = None) -> None:
         try:
-            self._submit(name, req, outputs, answer, traceparent, received)
+            self._submit(name, req, outputs, answer, traceparent, received, path)
         except Exception as exc:
             answer(*error_answer(exc, f"POST {path}"))
 
     def _submit(self, name: str, req: Any, outputs: Any, answer: Answer,
-                traceparent: bytes | None = None, received: Any = None) -> None:
+                traceparent: bytes | None = None, received: Any = None,
+                path: str = "") -> None:
         """Hand a parsed request to the engine; its answer goes to ``answer``.
         ``received``: None for a request that is not traced (tracing is off and it has no
         ``traceparent``), else what tells when it arrived (its connection's ``began_s``
-        and ``last_active_s``), read only once the request is traced."""
+        and ``last_active_s``), read only once the request is traced. A request the engine
+        refuses raises, unless it is traced: then its refusal is answered here, through
+        its trace, so that the answer carries the trace's headers as any traced one does
+        (``path``: the request's, named where an unexpected error is logged)."""
         engine = self.engine
         trace = None
         tracer = self.tracer
@@ -262,9 +267,16 @@ class InferHook:
 
         try:
             submit_infer(engine, name, req, _InferDone(name, req, outputs, answer), trace)
+        except Exception as exc:
+            req.release()
+            if trace is None:
+                raise
+            # refused before the engine took it: settled now, answered through the trace
+            trace.settled(None, self.now(), outcome_of(exc))
+            answer(*error_answer(exc, f"POST {path}"))
         except BaseException as exc:
             req.release()
-            if trace is not None:  # refused before the engine took it
+            if trace is not None:
                 self.tracer.finish(trace, exc)
             raise
 

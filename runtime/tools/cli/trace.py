@@ -66,7 +66,8 @@ def _trace(args: argparse.Namespace) -> int:
     import time
 
     try:
-        from batchscope.storage.db import ENV_URL, DatabaseNotFound, default_url, make_engine
+        from batchscope.storage.db import (ENV_URL, DatabaseNotFound, bounded_url, default_url,
+                                           make_engine)
         from batchscope.trace import (UnknownName, WindowTooLarge, check_names, export_trace,
                                       format_for)
         from batchscope.trace.timespec import window_from
@@ -92,7 +93,7 @@ def _trace(args: argparse.Namespace) -> int:
     kwargs = {} if args.max_rows is None else {"max_rows": args.max_rows}
     engine = None
     try:
-        engine = make_engine(_bounded(url), create=False)
+        engine = make_engine(bounded_url(url), create=False)
         check_names(engine, w)
         summary = export_trace(engine, w, args.out, fmt, **kwargs)
     except WindowTooLarge as exc:
@@ -153,32 +154,6 @@ def _checked_out(out: str) -> str:
     return out
 
 
-#: how long a PostgreSQL connection may take to open (``connect_timeout``, unless the URL
-#: sets one): a host that accepts and never answers fails the export instead of hanging
-CONNECT_TIMEOUT_S = 5
-#: how long a PostgreSQL read may wait for a lock (``lock_timeout``, unless the URL passes
-#: its own ``options``): a table another program locked (a migration's ALTER TABLE holds
-#: an exclusive lock) fails the export instead of hanging; SQLite waits its busy timeout
-LOCK_TIMEOUT_S = 5
-
-
-def _bounded(url: str) -> str:
-    """``url`` with a ``connect_timeout`` and a ``lock_timeout`` for the PostgreSQL
-    drivers built on libpq."""
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    if (parsed.get_backend_name() != "postgresql"
-            or parsed.get_driver_name() not in ("psycopg", "psycopg2", "psycopg2cffi")):
-        return url
-    query = {}
-    if "connect_timeout" not in parsed.query:
-        query["connect_timeout"] = str(CONNECT_TIMEOUT_S)
-    if "options" not in parsed.query:
-        query["options"] = f"-c lock_timeout={LOCK_TIMEOUT_S * 1000}"
-    return parsed.update_query_dict(query).render_as_string(hide_password=False)
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -186,7 +161,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _database_problem(exc: BaseException, url: str, engine) -> str:
     """What went wrong reading the database, and what to do, in one line."""
-    from batchscope.storage.db import BUSY_TIMEOUT_S, shown_url, sqlite_path
+    from batchscope.storage.db import BUSY_TIMEOUT_S, LOCK_TIMEOUT_S, shown_url, sqlite_path
 
     first = _first_line(exc)[:300]
     low = first.lower()
