@@ -38,6 +38,16 @@ if ! command -v promtool >/dev/null; then
   fi
 fi
 
+# valgrind: the instruction-count benchmark's test reads callgrind's own dumps.
+if ! command -v valgrind >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null
+  else
+    echo "note: valgrind is missing; install it (apt-get install valgrind) or its test skips" >&2
+  fi
+fi
+
 # A C/C++ compiler: torch.compile's CPU backend builds its kernels with it, and the NVTX
 # test builds benchmarks/gpu/nvtx_tool.c.
 if ! command -v g++ >/dev/null || ! command -v cc >/dev/null; then

@@ -264,6 +264,9 @@ class TraceSampler:
         if until:
             self._until = until
             return False
+        if self.left < 0 and self.on:  # no count to keep: the next countdown, inline
+            self._until = self.rate
+            return True
         return self._take()
 
     def _take(self) -> bool:

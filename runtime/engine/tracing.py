@@ -246,6 +246,25 @@ class Tracer:
             trace.span = new_ids(trace.w3c_trace_id)
         return trace
 
+    def begin_plain(self, model: str, request_id: str | None, recv_start: float | None,
+                    recv_end: float | None) -> RequestTrace | PlainTrace:
+        """``begin(model, "http", request_id, None, "infer", recv_start, recv_end,
+        sampled=True, plain=True)``, in fewer steps: the HTTP fast path's common traced
+        request (one item, no ``traceparent``, sampled by the settings)."""
+        kind = self._plain.get(model)
+        if kind is None:
+            kind = self._plain[model] = self._plain_kind(model)
+        if not kind:
+            return self.begin(model, "http", request_id, None, "infer", recv_start, recv_end,
+                              sampled=True)
+        self.last_id += 1
+        if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
+            request_id = request_id[:MAX_REQUEST_ID_CHARS]
+        trace = PlainTrace(self.last_id, model, request_id, recv_start, recv_end)
+        if kind == _PLAIN_SPANS:
+            trace.span = new_ids(None)
+        return trace
+
     def _plain_kind(self, model: str) -> int:
         """Whether ``model``'s sampled requests of one item are traced plain: not while
         it writes a trace file (``_NOT_PLAIN``), with spans where its ``trace_mode`` is

@@ -256,12 +256,19 @@ class InferHook:
         (``path``: the request's, named where an unexpected error is logged)."""
         engine = self.engine
         trace = None
-        tracer = self.tracer
-        if received is not None and tracer is not None and (
-                traceparent is not None or self._tracing.sample(name)):
-            trace = tracer.begin(name, "http", req.id, traceparent, "infer",
-                                 received.began_s or None, received.last_active_s or None,
-                                 sampled=traceparent is None, plain=req.items is None)
+        if received is not None and self.tracer is not None:
+            if traceparent is None:
+                if self._tracing.sample(name):
+                    trace = self.tracer.begin_plain(
+                        name, req.id, received.began_s or None,
+                        received.last_active_s or None) if req.items is None else \
+                        self.tracer.begin(name, "http", req.id, None, "infer",
+                                          received.began_s or None,
+                                          received.last_active_s or None, sampled=True)
+            else:
+                trace = self.tracer.begin(name, "http", req.id, traceparent, "infer",
+                                          received.began_s or None,
+                                          received.last_active_s or None)
             if trace is not None:
                 answer = _TracedAnswer(self, trace, answer)
 
