@@ -5,58 +5,41 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Browser tests drive Debian's chromium through Playwright (no browser download).
-if [ ! -x /usr/bin/chromium ]; then
+# need PACKAGE NOTE: install Debian's PACKAGE (as root, with apt-get), else print NOTE
+need() {
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null
   else
-    echo "note: /usr/bin/chromium is missing; install it (apt-get install chromium) to run the browser tests" >&2
+    echo "note: $2" >&2
   fi
-fi
+}
+
+# Browser tests drive Debian's chromium through Playwright (no browser download).
+[ -x /usr/bin/chromium ] || need chromium \
+  "/usr/bin/chromium is missing; install it (apt-get install chromium) to run the browser tests"
 
 # The storage, query and dashboard tests also run against a throw-away PostgreSQL server
 # that the suite starts with Debian's server binaries (tests/conftest.py finds pg_ctl in
 # /usr/lib/postgresql/*/bin; as root it runs the server as the postgres user).
 if ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 && ! command -v pg_ctl >/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
-  else
-    echo "note: PostgreSQL server binaries are missing; install them (apt-get install postgresql)," \
-         "or the PostgreSQL tests fail (BATCHSCOPE_TEST_BACKENDS=sqlite leaves them out)" >&2
-  fi
+  need postgresql "PostgreSQL server binaries are missing; install them (apt-get install \
+postgresql), or the PostgreSQL tests fail (BATCHSCOPE_TEST_BACKENDS=sqlite leaves them out)"
 fi
 
 # promtool (Debian's prometheus package) checks and unit-tests the shipped alert rules.
-if ! command -v promtool >/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
-  else
-    echo "note: promtool is missing; install it (apt-get install prometheus) to test the alert rules" >&2
-  fi
-fi
+command -v promtool >/dev/null || need prometheus \
+  "promtool is missing; install it (apt-get install prometheus) to test the alert rules"
 
 # valgrind: the instruction-count benchmark's test reads callgrind's own dumps.
-if ! command -v valgrind >/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null
-  else
-    echo "note: valgrind is missing; install it (apt-get install valgrind) or its test skips" >&2
-  fi
-fi
+command -v valgrind >/dev/null || need valgrind \
+  "valgrind is missing; install it (apt-get install valgrind) or its test skips"
 
 # A C/C++ compiler: torch.compile's CPU backend builds its kernels with it, and the NVTX
 # test builds benchmarks/gpu/nvtx_tool.c.
 if ! command -v g++ >/dev/null || ! command -v cc >/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
-  else
-    echo "note: no C/C++ compiler; install one (apt-get install g++) or the compile and NVTX tests skip or fail" >&2
-  fi
+  need g++ "no C/C++ compiler; install one (apt-get install g++) or the compile and NVTX \
+tests skip or fail"
 fi
 
 PY=${PYTHON:-python3}
