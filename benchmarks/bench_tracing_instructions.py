@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import os
 import shutil
 import subprocess
 import sys
@@ -108,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         modes.insert(0, "off")
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         sys.exit("valgrind is not installed (apt-get install valgrind)")
+    # one string hashing for every run: the dictionaries' collisions, and so their
+    # instructions, are the same from one server process to the next
+    os.environ.setdefault("PYTHONHASHSEED", "0")
     out = Path(tempfile.mkdtemp(prefix="callgrind-"))
     db = out / "tracing.db"
     counts: dict[str, list[float]] = {m: [] for m in modes}

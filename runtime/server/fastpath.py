@@ -256,19 +256,16 @@ class InferHook:
         (``path``: the request's, named where an unexpected error is logged)."""
         engine = self.engine
         trace = None
-        if received is not None and self.tracer is not None:
-            if traceparent is None:
-                if self._tracing.sample(name):
-                    trace = self.tracer.begin_plain(
-                        name, req.id, received.began_s or None,
-                        received.last_active_s or None) if req.items is None else \
-                        self.tracer.begin(name, "http", req.id, None, "infer",
-                                          received.began_s or None,
-                                          received.last_active_s or None, sampled=True)
+        tracer = self.tracer
+        if received is not None and tracer is not None and (
+                traceparent is not None or self._tracing.sample(name)):
+            if traceparent is None and req.items is None:  # the common traced request
+                trace = tracer.begin_plain(name, req.id, received.began_s or None,
+                                           received.last_active_s or None)
             else:
-                trace = self.tracer.begin(name, "http", req.id, traceparent, "infer",
-                                          received.began_s or None,
-                                          received.last_active_s or None)
+                trace = tracer.begin(name, "http", req.id, traceparent, "infer",
+                                     received.began_s or None, received.last_active_s or None,
+                                     sampled=traceparent is None)
             if trace is not None:
                 answer = _TracedAnswer(self, trace, answer)
 
