@@ -14,8 +14,9 @@ How a transport uses it, on the event loop's thread::
     tracer.finish(trace)                      # once answered (send times stamped first)
 
 The HTTP fast path traces the common request (one item, no ``traceparent``, sampled by
-the settings, a model that writes no trace file) leaner: ``begin(..., plain=True)``
-gives a ``PlainTrace`` (ids, span ids where spans are exported, receive times), the
+the settings, a model that writes no trace file) leaner: ``begin_plain`` (what
+``begin(..., plain=True)`` does, in fewer steps) gives a ``PlainTrace`` (ids, span ids
+where spans are exported, receive times), the
 engine's booking stamps the batch it ran in, the transport its send times, and booking
 hands the batch's traced members to ``plain_batch`` together, once they are answered.
 
