@@ -20,8 +20,8 @@ work. But the serving process's event loop is what bounds a server with cores to
     python -m benchmarks.bench_tracing_instructions --modes off,otel_1_in_100 --requests 8000
 
 Needs ``valgrind`` (Debian's package). The server starts uninstrumented and is
-instrumented from its first counted mode on; under callgrind it serves about 1 % of its
-native rate, so a mode of 4,000 requests takes about half a minute.
+instrumented from its first counted mode on; under callgrind it serves about 2 % of its
+native rate, so a mode of 4,000 requests (and its warm-up) takes about 20 s.
 """
 
 from __future__ import annotations
