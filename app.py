@@ -49,8 +49,7 @@ def main() -> None:
         st.title("BatchScope")
         demo.show_source(current, demo_allowed=demo_allowed)
         if current.refresh_s is not None:
-            st.fragment(run_every=scope.WATCH_EVERY_S)(
-                scope.guarded(scope.rerun_when_runtimes_change))(current)
+            scope.fragment(scope.rerun_when_runtimes_change, scope.WATCH_EVERY_S)(current)
         pages.run()
 
 

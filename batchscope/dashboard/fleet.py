@@ -28,7 +28,7 @@ from batchscope.analysis import fleet, fleet_rules, recommend
 from batchscope.analysis import queries
 from batchscope.analysis.queries import Window
 from batchscope.dashboard.live import render_flags, reused_while_fresh
-from batchscope.dashboard.scope import Scope, data_engine, fmt_time, guarded
+from batchscope.dashboard.scope import Scope, data_engine, fmt_time, fragment
 from batchscope.deploy import k8s
 from batchscope.presentation import fleet_charts
 
@@ -42,7 +42,7 @@ REUSE_S = 30.0
 
 def render(scope: Scope) -> None:
     engine = data_engine(scope)
-    st.fragment(run_every=scope.refresh_s)(guarded(fleet_region))(engine, scope)
+    fragment(fleet_region, scope.refresh_s)(engine, scope)
     st.divider()
     recommendations(engine, scope)
 

@@ -14,7 +14,7 @@ import streamlit as st
 from sqlalchemy import Engine
 
 from batchscope.analysis import diagnosis, queries
-from batchscope.dashboard.scope import Scope, data_engine, fmt_time, guarded
+from batchscope.dashboard.scope import Scope, data_engine, fmt_time, fragment
 from batchscope.presentation import charts, report
 from batchscope.presentation.adapter_charts import ADAPTER_CHARTS, build_adapter_charts
 
@@ -26,7 +26,7 @@ CHART_ORDER = ("latency", "throughput", "wait_compute", "queue_depth", "batch_si
 
 
 def render(scope: Scope) -> None:
-    st.fragment(run_every=scope.refresh_s)(guarded(live_region))(data_engine(scope), scope)
+    fragment(live_region, scope.refresh_s)(data_engine(scope), scope)
 
 
 def live_region(engine: Engine, scope: Scope) -> None:

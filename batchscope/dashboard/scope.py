@@ -123,9 +123,8 @@ def read_trouble(exc: OperationalError) -> str:
     ``db.bounded_url``), or a server that does not answer; and what to do."""
     text = str(getattr(exc, "orig", None) or exc).strip()
     first = (text.splitlines()[0] if text else type(exc).__name__)[:300]
-    low = first.lower()
-    if "lock timeout" in low or "database is locked" in low or "database is busy" in low:
-        waited = db.LOCK_TIMEOUT_S if "lock timeout" in low else db.BUSY_TIMEOUT_S
+    waited = db.lock_waited_s(first)
+    if waited is not None:
         return (f"The database is busy: another program held a lock on it for longer than "
                 f"the {waited:g} s a page waits ({first}). A schema migration or a long "
                 "write does that; the page reads again at its next refresh, or press R.")
@@ -144,14 +143,15 @@ def reads_guarded():
         st.error(read_trouble(exc))
 
 
-def guarded(region):
-    """``region`` (a live region: ``st.fragment(run_every=...)(guarded(region))``) run
-    under :func:`reads_guarded`, so each refresh that cannot read says why."""
-    @functools.wraps(region)
+def fragment(region, run_every: float | None):
+    """``region`` as a Streamlit fragment, rerun every ``run_every`` seconds (None: with
+    its page), each run under :func:`reads_guarded`, so a refresh that cannot read says
+    why. Every live region of the dashboard is made here."""
+    @functools.wraps(region)  # the fragment's identity: the region's module and name
     def run(*args, **kwargs):
         with reads_guarded():
             return region(*args, **kwargs)
-    return run
+    return st.fragment(run_every=run_every)(run)
 
 
 def vet_database_url(url: str, *, create: bool = False) -> str | None:

@@ -53,7 +53,7 @@ from sqlalchemy import Engine
 from batchscope.analysis.queries import Window
 from batchscope.analysis.queries.timeline import (TimelineRows, WindowTooLarge, find_batch,
                                                   find_step, timeline_rows, with_members)
-from batchscope.dashboard.scope import Scope, data_engine, fmt_time, guarded
+from batchscope.dashboard.scope import Scope, data_engine, fmt_time, fragment
 from batchscope.presentation import timeline_chart
 from batchscope.presentation.snapshot.layout import TRACE_MAX_ROWS
 from batchscope.storage.recorder import FLUSH_INTERVAL_S
@@ -341,7 +341,7 @@ def render(scope: Scope) -> None:
     _show_note("number")
     every = _cadence(scope, model, at.length_s) if end_s is None else None
     st.session_state[EVERY] = every
-    st.fragment(run_every=every)(guarded(region))(engine, scope, model, at.length_s, end_s, every)
+    fragment(region, every)(engine, scope, model, at.length_s, end_s, every)
 
 
 def _models_choice(where, scope: Scope) -> str | None:

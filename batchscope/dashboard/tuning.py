@@ -36,7 +36,7 @@ from sqlalchemy import Engine
 from batchscope import settings
 from batchscope.analysis import queries
 from batchscope.dashboard import settings_form
-from batchscope.dashboard.scope import Scope, data_engine, engine_for, fmt_time, guarded
+from batchscope.dashboard.scope import Scope, data_engine, engine_for, fmt_time, fragment
 from batchscope.load.replay import recorded_lengths
 from batchscope.presentation import charts
 from batchscope.storage import control
@@ -68,7 +68,7 @@ def render(scope: Scope) -> None:
     engine = engine_for(scope.db_url)
     settings_section(engine, scope)
     run_every = STATUS_EVERY_S if scope.refresh_s is not None else None
-    st.fragment(run_every=run_every)(guarded(command_status))(engine)
+    fragment(command_status, run_every)(engine)
     find_best_settings(engine, scope)
     stored_sessions(engine, scope)
     history_and_revert(engine, scope)
@@ -231,7 +231,7 @@ def find_best_settings(engine: Engine, scope: Scope) -> None:
             st.session_state.setdefault(_SHOWN, set()).discard(key)
     if job is not None:
         every = TUNE_EVERY_S if job.running else None
-        st.fragment(run_every=every)(guarded(session_view))(engine, job, inst_id, key)
+        fragment(session_view, every)(engine, job, inst_id, key)
 
 
 def tuning_form(engine: Engine, scope: Scope, inst_id: str | None, url: str,

@@ -77,6 +77,18 @@ def bounded_url(url: str) -> str:
     return parsed.update_query_dict(query).render_as_string(hide_password=False)
 
 
+def lock_waited_s(message: str) -> float | None:
+    """How long a read waited for a lock before it gave up, when ``message`` (the first
+    line of the driver's error) says it did: PostgreSQL's ``lock_timeout``
+    (``bounded_url``) or SQLite's busy timeout; None for any other error."""
+    low = message.lower()
+    if "lock timeout" in low:
+        return LOCK_TIMEOUT_S
+    if "database is locked" in low or "database is busy" in low:
+        return BUSY_TIMEOUT_S
+    return None
+
+
 class DatabaseNotFound(FileNotFoundError):
     """``make_engine(..., create=False)`` was asked for a SQLite file that is not there."""
 

@@ -14,9 +14,9 @@ How a transport uses it, on the event loop's thread::
     tracer.finish(trace)                      # once answered (send times stamped first)
 
 The HTTP fast path traces the common request (one item, no ``traceparent``, sampled by
-the settings, a model that writes no trace file) leaner: ``begin_plain`` (what
-``begin(..., plain=True)`` does, in fewer steps) gives a ``PlainTrace`` (ids, span ids
-where spans are exported, receive times), the
+the settings, a model that writes no trace file) leaner: ``begin_plain`` (also what
+``begin(..., plain=True)`` calls) gives a ``PlainTrace`` (ids, span ids where spans are
+exported, receive times), the
 engine's booking stamps the batch it ran in, the transport its send times, and booking
 hands the batch's traced members to ``plain_batch`` together, once they are answered.
 
@@ -219,27 +219,18 @@ class Tracer:
                 control = self.control
                 if not (control.active and control.sample(model)):
                     return None
-            w3c = None
-            kind = _NOT_PLAIN
             if plain:
-                kind = self._plain.get(model)
-                if kind is None:
-                    kind = self._plain[model] = self._plain_kind(model)
+                return self.begin_plain(model, request_id, recv_start, recv_end)
+            w3c = None
         else:
             w3c = parse_traceparent(traceparent)
             if w3c is None or not w3c[2]:
                 control = self.control
                 if not (control.active and control.sample(model)):
                     return None
-            kind = _NOT_PLAIN
         self.last_id += 1
         if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
             request_id = request_id[:MAX_REQUEST_ID_CHARS]
-        if kind:
-            plain_trace = PlainTrace(self.last_id, model, request_id, recv_start, recv_end)
-            if kind == _PLAIN_SPANS:
-                plain_trace.span = new_ids(None)
-            return plain_trace
         trace = RequestTrace(self.last_id, model, protocol, self.clock.now(), request_id, w3c,
                              recv_start, recv_end, operation)
         if self.otel is not None and (w3c is not None and w3c[2]
@@ -249,9 +240,10 @@ class Tracer:
 
     def begin_plain(self, model: str, request_id: str | None, recv_start: float | None,
                     recv_end: float | None) -> RequestTrace | PlainTrace:
-        """``begin(model, "http", request_id, None, "infer", recv_start, recv_end,
-        sampled=True, plain=True)``, in fewer steps: the HTTP fast path's common traced
-        request (one item, no ``traceparent``, sampled by the settings)."""
+        """The trace of an HTTP request of one item with no ``traceparent`` that the
+        settings sampled (the fast path's common traced request; ``begin(...,
+        plain=True)`` comes here): a ``PlainTrace``, or a ``RequestTrace`` while its
+        model writes a trace file."""
         kind = self._plain.get(model)
         if kind is None:
             kind = self._plain[model] = self._plain_kind(model)

@@ -161,7 +161,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _database_problem(exc: BaseException, url: str, engine) -> str:
     """What went wrong reading the database, and what to do, in one line."""
-    from batchscope.storage.db import BUSY_TIMEOUT_S, LOCK_TIMEOUT_S, shown_url, sqlite_path
+    from batchscope.storage.db import lock_waited_s, shown_url, sqlite_path
 
     first = _first_line(exc)[:300]
     low = first.lower()
@@ -187,8 +187,8 @@ def _database_problem(exc: BaseException, url: str, engine) -> str:
     if "malformed" in low or "database corrupt" in low:
         return (f"the database file {where} is damaged ({first}); export from a backup, or "
                 f"save what is left with: sqlite3 {path or 'FILE'} .recover")
-    if "database is locked" in low or "database is busy" in low or "lock timeout" in low:
-        waited = BUSY_TIMEOUT_S if path is not None else LOCK_TIMEOUT_S
+    waited = lock_waited_s(first)
+    if waited is not None:
         return (f"another program held a lock on the database for longer than the "
                 f"{waited:g} s this waits ({first}); export again once it is done")
     if ("unable to open database file" in low or "readonly database" in low) and _wal(path):
