@@ -16,7 +16,8 @@ from runtime.api.config import BatchingConfig
 from runtime.api.errors import ModelError, OutOfMemory, RequestExpired
 from runtime.core.clock import FakeClock
 from runtime.core.request import PendingRequest
-from runtime.core.tracing import PlainTrace, RequestTrace
+from runtime.core.tracing import (PLAIN_BATCH_SEQ, PLAIN_ENDING, PLAIN_SEND_END,
+                                  PLAIN_SEND_START, RequestTrace, full, plain_trace)
 from runtime.device.oom import Attempt
 from runtime.engine.booking import Booking
 from runtime.engine.engine import CallbackOutcome
@@ -176,6 +177,11 @@ def _traced_batch(s: Setup, traces: list) -> tuple:
     seen: list = []
     for i, trace in enumerate(traces):
         def done(result, error, trace=trace):
+            if type(trace) is list:
+                seen.append((trace[PLAIN_BATCH_SEQ], error))
+                trace[PLAIN_SEND_START] = s.clock.now()
+                trace[PLAIN_SEND_END] = s.clock.now() + 0.0001
+                return
             seen.append((None if trace is None else trace.batch_seq, error))
             if trace is not None:
                 trace.send_start, trace.send_end = s.clock.now(), s.clock.now() + 0.0001
@@ -190,7 +196,7 @@ def test_the_plain_traces_of_a_batch_are_handed_over_together_once_answered():
     s = Setup(max_batch_size=4)
     handed: list = []
     s.booking.on_plain_traces = handed.append
-    plain = [PlainTrace(1, "double", "r1", 0.5, 0.6), PlainTrace(2, "double", None, None, None)]
+    plain = [plain_trace(1, "r1", 0.5, 0.6), plain_trace(2, None, None, None)]
     full = RequestTrace(3, "double", "http", s.clock.now())
     batch, seen = _traced_batch(s, [plain[0], full, None, plain[1]])
     arrived = s.clock.now() - 0.010
@@ -199,7 +205,7 @@ def test_the_plain_traces_of_a_batch_are_handed_over_together_once_answered():
     s.booking.answer(s.model, booked, s.clock.now())
 
     [seq] = booked.seqs
-    # each answer saw its batch's number; the plain ones went over as one tuple
+    # each answer saw its batch's number; the plain ones went over together, as they are
     assert seen == [(seq, None), (seq, None), (None, None), (seq, None)]
     [(model, protocol, outcome, batch_seq, started, input_end, output_start, ended, end,
       members)] = handed
@@ -207,19 +213,20 @@ def test_the_plain_traces_of_a_batch_are_handed_over_together_once_answered():
     assert (started, ended, end) == (attempt.started_s, attempt.ended_s, s.clock.now())
     assert (input_end, output_start) == (attempt.started_s + attempt.input_s,
                                          attempt.ended_s - attempt.output_s)
-    assert members == [(t.trace_id, t.request_id, t.recv_start, t.recv_end, arrived,
-                        t.send_start, t.send_end, None) for t in plain]
-    assert None not in (plain[0].send_start, plain[1].send_end)
+    assert members == plain and all(m is p for m, p in zip(members, plain))
+    assert [m[:8] for m in members] == [[1, "r1", 0.5, 0.6, arrived, *plain[0][5:7], None],
+                                        [2, None, None, None, arrived, *plain[1][5:7], None]]
+    assert None not in (plain[0][PLAIN_SEND_START], plain[1][PLAIN_SEND_END])
     # the other kind of trace is stamped in place, as before
     assert (full.batch_seq, full.outcome, full.compute_start) == (seq, "ok", attempt.started_s)
-    assert all(p.ending is None for p in plain)
+    assert all(p[PLAIN_ENDING] is None for p in plain)
 
 
 def test_a_plain_trace_of_a_failed_batch_becomes_a_request_trace():
     s = Setup(max_batch_size=2, oom_recovery=False)
     handed: list = []
     s.booking.on_plain_traces = handed.append
-    trace = PlainTrace(9, "double", "x", 0.1, 0.2)
+    trace = plain_trace(9, "x", 0.1, 0.2)
     batch, seen = _traced_batch(s, [trace, None])
     arrived = s.clock.now() - 0.010
     attempt = s.attempt(0, 2, "oom", error="CUDA out of memory")
@@ -227,13 +234,13 @@ def test_a_plain_trace_of_a_failed_batch_becomes_a_request_trace():
     s.booking.answer(s.model, booked, s.clock.now())
 
     assert handed == [] and isinstance(seen[0][1], OutOfMemory)
-    full = trace.full(s.clock.now())
-    assert (full.trace_id, full.model, full.request_id, full.recv_start, full.recv_end) == (
+    made = full(trace, "double", s.clock.now())
+    assert (made.trace_id, made.model, made.request_id, made.recv_start, made.recv_end) == (
         9, "double", "x", 0.1, 0.2)
-    assert (full.outcome, full.batch_seq, full.compute_start) == ("oom", booked.seqs[0],
+    assert (made.outcome, made.batch_seq, made.compute_start) == ("oom", booked.seqs[0],
                                                                   attempt.started_s)
-    assert full.request_start == full.queue_start == arrived
-    assert full.request_end == s.clock.now()
+    assert made.request_start == made.queue_start == arrived
+    assert made.request_end == s.clock.now()
     # refused before it was queued: it starts when the engine refused it
-    refused = PlainTrace(10, "double", None, None, None).full(42.0)
+    refused = full(plain_trace(10, None, None, None), "double", 42.0)
     assert refused.request_start == 42.0 and refused.outcome is None

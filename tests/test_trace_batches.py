@@ -13,7 +13,8 @@ from batchscope.storage.recorder import Recorder
 from batchscope.storage.records import TRACE_FIELDS, ListRecorder, TraceBatch, TraceRow
 from runtime.core.clock import FakeClock
 from runtime.api.errors import QueueFull
-from runtime.core.tracing import PlainTrace, RequestTrace
+from runtime.core.tracing import (PLAIN_SPAN, PLAIN_TRACE_ID, RequestTrace, full,
+                                  plain_trace)
 from runtime.engine import tracing
 from runtime.engine.otel import FinishedTrace, finished_from, plain_finished
 from runtime.engine.otel_process import SpanProcess
@@ -194,7 +195,9 @@ def plain_batch(clock: FakeClock, first_id: int, n: int) -> tuple[tuple, list[Re
         trace_id, arrived = first_id + i, now + 0.001 * i / n
         recv = (now - 0.002, now - 0.001) if i % 2 == 0 else (None, None)
         send = (now + 0.007, now + 0.008)
-        members.append((trace_id, f"p{trace_id}", *recv, arrived, *send, None))
+        member = plain_trace(trace_id, f"p{trace_id}", *recv)
+        member[4:7] = arrived, *send
+        members.append(member)
         full = RequestTrace(trace_id, "m", "http", arrived, f"p{trace_id}", None, *recv)
         full.ran(arrived, started, input_end, output_start, ended, 11, end, "ok")
         full.send_start, full.send_end = send
@@ -238,8 +241,8 @@ def test_a_plain_trace_refused_by_the_engine_is_recorded_with_its_outcome():
     tracer = Tracer(["m"], recorder, "i", clock)
     tracer.update(None, {"trace_level": ("TIMESTAMPS",), "trace_rate": 1})
     trace = tracer.begin("m", "http", "id-1", recv_start=clock.now() - 0.001, plain=True)
-    assert isinstance(trace, PlainTrace) and trace.trace_id == 1
-    tracer.finish(trace, QueueFull("full"))
+    assert trace == plain_trace(1, "id-1", clock.now() - 0.001, None)  # its list, inline
+    tracer.finish(full(trace, "m", clock.now()), QueueFull("full"))
     [row] = recorder.records
     assert (row.trace_id, row.request_id, row.outcome) == (1, "id-1", "rejected")
     assert row.request_start_at == row.request_end_at == clock.to_wall(clock.now())
@@ -250,10 +253,10 @@ def test_a_model_writing_a_trace_file_gets_request_traces(tmp_path):
     clock = FakeClock()
     tracer = Tracer(["m", "n"], ListRecorder(), "i", clock)
     tracer.update(None, {"trace_level": ("TIMESTAMPS",), "trace_rate": 1})
-    assert isinstance(tracer.begin("m", "http", plain=True), PlainTrace)
+    assert type(tracer.begin("m", "http", plain=True)) is list
     tracer.update("m", {"trace_file": str(tmp_path / "t.json")})  # the answer is remembered,
     assert isinstance(tracer.begin("m", "http", plain=True), RequestTrace)  # then redone
-    assert isinstance(tracer.begin("n", "http", plain=True), PlainTrace)
+    assert type(tracer.begin("n", "http", plain=True)) is list
     tracer.close()
 
 
@@ -278,20 +281,19 @@ def test_plain_traces_with_spans_reach_the_exporter_as_request_traces_would():
                          "trace_mode": "opentelemetry"})
     tracer.update("n", {"trace_mode": "triton"})
     spanned = tracer.begin("m", "http", "q1", plain=True)
-    assert isinstance(spanned, PlainTrace) and spanned.span is not None
-    assert tracer.begin("n", "http", plain=True).span is None  # its own mode: no spans
-    batch, same = plain_batch(clock, spanned.trace_id, 2)
-    members = batch[-1]
-    members[0] = (*members[0][:7], spanned.span)  # the first member exports spans
+    assert type(spanned) is list and spanned[PLAIN_SPAN] is not None
+    assert tracer.begin("n", "http", plain=True)[PLAIN_SPAN] is None  # its own mode: none
+    batch, same = plain_batch(clock, spanned[PLAIN_TRACE_ID], 2)
+    batch[-1][0][PLAIN_SPAN] = spanned[PLAIN_SPAN]  # the first member exports spans
     tracer.plain_batch(batch)
     tracer.plain_batch(plain_batch(clock, 9, 3)[0])  # none has spans: not handed over
     [(got, offset)] = exported.plains
     assert got is batch and offset == clock.to_wall(0.0)
-    same[0].span = spanned.span
+    same[0].span = spanned[PLAIN_SPAN]
     fields = tuple(getattr(same[0], name) for name in TRACE_FIELDS)
-    raw = (fields, *spanned.span, "infer", None, None, None, (), None)
+    raw = (fields, *spanned[PLAIN_SPAN], "infer", None, None, None, (), None)
     assert plain_finished(got, offset) == [finished_from(raw, offset)]
-    assert plain_finished(got, offset)[0].span_id == spanned.span[1]
+    assert plain_finished(got, offset)[0].span_id == spanned[PLAIN_SPAN][1]
     tracer.close()
 
 
@@ -301,7 +303,8 @@ def test_the_span_process_counts_the_plain_traces_it_cannot_send():
     spans._proc.join(10)
     clock = FakeClock()
     batch, _ = plain_batch(clock, 1, 4)
-    batch[-1][:] = [(*m[:7], (m[0], m[0])) for m in batch[-1][:3]] + [batch[-1][3]]
+    for m in batch[-1][:3]:
+        m[PLAIN_SPAN] = (m[PLAIN_TRACE_ID], m[PLAIN_TRACE_ID])
     spans.put_plain(batch, clock.to_wall(0.0))  # 3 members with spans, 3 spans each
     spans.close(timeout_s=5.0)
     assert spans.dropped == 3 * 3

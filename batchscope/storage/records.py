@@ -278,7 +278,9 @@ PLAIN_BATCH_FIELDS = ("model", "protocol", "outcome", "batch_seq", "compute_star
                       "compute_input_end", "compute_output_start", "compute_end",
                       "request_end", "members")
 #: what it holds of each member of such a batch (times monotonic; ``span``: its
-#: OpenTelemetry (trace id, span id) where spans are exported, not a column)
+#: OpenTelemetry (trace id, span id) where spans are exported, not a column). A member
+#: may hold more values after these (the serving process's own, unread here: the
+#: runtime hands its plain traces over as they are)
 PLAIN_MEMBER_FIELDS = ("trace_id", "request_id", "recv_start", "recv_end", "request_start",
                        "send_start", "send_end", "span")
 
@@ -312,7 +314,7 @@ class TraceBatch:
 
     ``batches`` holds the plain traces of whole batches (one item each, no W3C parent):
     per batch one ``PLAIN_BATCH_FIELDS`` tuple whose last value lists its traced
-    members, each a ``PLAIN_MEMBER_FIELDS`` tuple. What the members of a batch share
+    members, each a ``PLAIN_MEMBER_FIELDS`` sequence. What the members of a batch share
     (model, outcome, batch, compute and end times) is held once; a member's queue start
     is its request start (the engine queues a request as it takes it)."""
 
@@ -348,7 +350,7 @@ class TraceBatch:
         for (model, protocol, outcome, batch_seq, compute_start, input_end, output_start,
              compute_end, request_end, members) in self.batches:
             for trace_id, request_id, recv_start, recv_end, request_start, send_start, \
-                    send_end, _ in members:
+                    send_end, *_ in members:
                 at = wall_times((recv_start, recv_end, request_start, request_start,
                                  compute_start, input_end, output_start, compute_end,
                                  request_end, send_start, send_end), off)

@@ -36,14 +36,15 @@ the sending, the engine (``runtime.engine.booking``) the queue and the compute
 timestamps of the batch it ran in. A request that is not traced has none: the hot path
 checks one attribute for ``None``.
 
-``PlainTrace`` is the same for the common traced request (an HTTP request of one item
+A plain trace is the same for the common traced request (an HTTP request of one item
 with no ``traceparent``, sampled by the settings, whose model writes no trace file):
 only what is its own (its ids, span ids where spans are exported, receive and send
-times, the batch it ran in), as few stores as the hot path can make; the engine's
-booking hands the traced members of a batch over together, with what they share held
-once (``batchscope.storage.records.TraceBatch``).
-One that does not end in a batch that ran (refused, expired, failed) becomes a
-``RequestTrace`` (``full``) and is recorded as one.
+times, the batch it ran in), in a list (``plain_trace``, positions ``PLAIN_*``), as
+few allocations and stores as the hot path can make; the engine's booking hands the
+traced members of a batch over together, with what they share held once
+(``batchscope.storage.records.TraceBatch``). One that does not end in a batch that
+ran (refused, expired, failed) becomes a ``RequestTrace`` (``full``) and is recorded
+as one. ``settled`` and ``span_of`` take either kind.
 
 ``parse_traceparent(value)`` reads a W3C ``traceparent`` header: (trace id, parent
 span id, sampled) or None when it is malformed (then it is ignored, as W3C Trace
@@ -577,42 +578,54 @@ class RequestTrace:
         return out
 
 
-class PlainTrace:
-    """A traced request of one item with no W3C parent (see the module doc): its trace id,
-    request id, receive times (monotonic seconds, None where not seen), ``span`` as
-    ``RequestTrace``'s (set by the tracer where spans are exported), and, once answered,
-    the batch it ran in and its send times. ``settled`` (an outcome that was not a batch
-    run to the end) keeps what ``full`` needs to make it a ``RequestTrace``."""
+# -- plain traces ---------------------------------------------------------------------
+#: A plain trace (the common traced request's, see the module doc) is a list, made in
+#: one step with no constructor call (the cheapest object the hot path can make), its
+#: values at these positions: its trace id, request id, receive times and, once answered
+#: from its batch, its request start (the engine's queue start), send times and batch;
+#: ``PLAIN_SPAN`` its ``span`` as ``RequestTrace``'s (the tracer sets it where spans are
+#: exported); ``PLAIN_ENDING`` what ``settled`` keeps of an outcome that was not its
+#: batch run to the end, for ``full``. The engine's booking hands the list over as it is
+#: (``batchscope.storage.records.PLAIN_MEMBER_FIELDS`` names the same positions).
+(PLAIN_TRACE_ID, PLAIN_REQUEST_ID, PLAIN_RECV_START, PLAIN_RECV_END, PLAIN_REQUEST_START,
+ PLAIN_SEND_START, PLAIN_SEND_END, PLAIN_SPAN, PLAIN_BATCH_SEQ, PLAIN_ENDING) = range(10)
 
-    __slots__ = ("trace_id", "model", "request_id", "recv_start", "recv_end", "batch_seq",
-                 "send_start", "send_end", "ending", "span")
 
-    span: tuple[int, int] | None
+def plain_trace(trace_id: int, request_id: str | None, recv_start: float | None,
+                recv_end: float | None, span: Any = None) -> list:
+    """A new plain trace (``Tracer.begin_plain`` writes the same list inline)."""
+    return [trace_id, request_id, recv_start, recv_end, None, None, None, span, None, None]
 
-    def __init__(self, trace_id: int, model: str, request_id: str | None,
-                 recv_start: float | None, recv_end: float | None) -> None:
-        self.trace_id = trace_id
-        self.model = model
-        self.request_id = request_id
-        self.recv_start = recv_start
-        self.recv_end = recv_end
-        self.batch_seq = self.send_start = self.send_end = self.ending = self.span = None
 
-    def settled(self, queued_s: float | None, now: float, outcome: str,
-                started_s: float | None = None, batch_seq: int | None = None) -> None:
-        """``RequestTrace.settled``: kept until the request's answer makes it ``full``."""
-        self.ending = (queued_s, now, outcome, started_s, batch_seq)
+def settled(trace: RequestTrace | list, queued_s: float | None, now: float, outcome: str,
+            started_s: float | None = None, batch_seq: int | None = None) -> None:
+    """``RequestTrace.settled`` of either kind of trace: a plain one keeps the outcome
+    until its answer makes it ``full``."""
+    if type(trace) is list:
+        trace[PLAIN_ENDING] = (queued_s, now, outcome, started_s, batch_seq)
+    else:
+        trace.settled(queued_s, now, outcome, started_s, batch_seq)
 
-    def full(self, now: float) -> RequestTrace:
-        """This trace as a ``RequestTrace``, with the outcome ``settled`` gave it. Its
-        request start is its queue start (the engine queues a request as it takes it),
-        or ``now`` for a request the engine refused."""
-        ending = self.ending
-        queued = ending[0] if ending is not None else None
-        trace = RequestTrace(self.trace_id, self.model, "http",
-                             queued if queued is not None else now,
-                             self.request_id, None, self.recv_start, self.recv_end)
-        trace.span = self.span
-        if ending is not None:
-            trace.settled(*ending)
+
+def full(trace: RequestTrace | list, model: str, now: float) -> RequestTrace:
+    """A plain trace of a request of ``model`` as a ``RequestTrace``, with the outcome
+    ``settled`` gave it (a ``RequestTrace`` as it is). Its request start is its queue
+    start (the engine queues a request as it takes it), or ``now`` for a request the
+    engine refused."""
+    if type(trace) is not list:
         return trace
+    ending = trace[PLAIN_ENDING]
+    queued = ending[0] if ending is not None else None
+    out = RequestTrace(trace[PLAIN_TRACE_ID], model, "http",
+                       queued if queued is not None else now, trace[PLAIN_REQUEST_ID], None,
+                       trace[PLAIN_RECV_START], trace[PLAIN_RECV_END])
+    out.span = trace[PLAIN_SPAN]
+    out.send_start, out.send_end = trace[PLAIN_SEND_START], trace[PLAIN_SEND_END]
+    if ending is not None:
+        out.settled(*ending)
+    return out
+
+
+def span_of(trace: RequestTrace | list) -> Any:
+    """The ``span`` of either kind of trace."""
+    return trace[PLAIN_SPAN] if type(trace) is list else trace.span

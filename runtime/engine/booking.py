@@ -19,8 +19,9 @@ several when out-of-memory or a model error split it; see
 * the timestamps of a traced request (``PendingRequest.trace``, see
   ``runtime.engine.tracing``): queued, its batch's compute start, inputs ready, outputs
   taken and end, and its outcome, stamped just before it is answered; a plain trace
-  (``PlainTrace``) gets only its batch's number, and the traced members of a batch go
-  to ``on_plain_traces`` together, once answered, with the times they share held once;
+  (a list, ``runtime.core.tracing.plain_trace``) gets only its queue start and its
+  batch's number, and the traced members of a batch go to ``on_plain_traces``
+  together, once answered, with the times they share held once;
 * every request's one outcome: its result, ``OutOfMemory`` (507), ``ModelError``
   (500: "failed on this request" when it failed alone), ``ModelTimedOut`` (503) or
   ``ModelNotReady`` (503, a stuck model), with one ``RequestRow`` each (a
@@ -57,7 +58,7 @@ from runtime.api.errors import (BatchLost, BatchScopeError, ModelError, ModelNot
                                 OutOfMemory, RequestExpired)
 from runtime.core.batcher import TIMEOUT_HOW, Batch, ms_text, pad_length
 from runtime.core.request import PendingRequest
-from runtime.core.tracing import PlainTrace
+from runtime.core.tracing import PLAIN_BATCH_SEQ, PLAIN_REQUEST_START, settled, span_of
 from runtime.device.oom import Attempt
 from runtime.device.timeouts import FLOOR_S, MULTIPLE
 from runtime.engine.otel import BatchInfo
@@ -269,7 +270,7 @@ class Booking:
         deadlines: list[float | None] = []
         lengths: list[int] | None = [] if model.variable else None
         adapters: list[str | None] | None = [] if batch_adapters is not None else None
-        plain: list[tuple] | None = None
+        plain: list[list] | None = None
         for i in range(start, a.stop):
             req = reqs[i]
             fut = req.future
@@ -278,14 +279,13 @@ class Booking:
             trace = req.trace
             if trace is None:
                 fut.set_result(outputs[i - start])
-            elif type(trace) is PlainTrace:  # its answer reads the batch and stamps sending
-                trace.batch_seq = seq
+            elif type(trace) is list:  # plain: its answer reads the batch, stamps sending
+                trace[PLAIN_REQUEST_START] = req.arrived_s
+                trace[PLAIN_BATCH_SEQ] = seq
                 fut.set_result(outputs[i - start])
                 if plain is None:
                     plain = []
-                plain.append((trace.trace_id, trace.request_id, trace.recv_start,
-                              trace.recv_end, req.arrived_s, trace.send_start, trace.send_end,
-                              trace.span))
+                plain.append(trace)  # handed over as it is
             else:  # stamped before the answer goes out
                 ended = a.ended_s
                 trace.ran(req.arrived_s, a.started_s, a.started_s + a.input_s,
@@ -357,7 +357,7 @@ class Booking:
             a.peak_memory_bytes, a.cuda_graph, batch.queue_depth, a.peak_memory_increase_bytes,
             None if model.batcher.slots is None else len({r.adapter for r in part} - {None})))
         hook = self.on_traced_batch
-        if hook is not None and any(r.trace is not None and r.trace.span is not None
+        if hook is not None and any(r.trace is not None and span_of(r.trace) is not None
                                     for r in part):  # a member whose spans are exported
             hook(BatchInfo(seq, model.name, to_wall(a.started_s), to_wall(a.ended_s), len(part),
                            cfg.max_batch_size, padded, real, batch.bucket, cfg.policy,
@@ -461,7 +461,7 @@ class Booking:
         if fut.done():
             return
         if req.trace is not None:
-            req.trace.settled(req.arrived_s, now, outcome, started_s, batch_seq)
+            settled(req.trace, req.arrived_s, now, outcome, started_s, batch_seq)
         if error is None:
             fut.set_result(result)
         else:

@@ -156,7 +156,7 @@ def plain_finished(batch: tuple, wall_offset_s: float) -> list[FinishedTrace]:
     """The ``FinishedTrace`` of each member with spans of a batch of plain traces, as the
     engine's booking hands it over: a ``PLAIN_BATCH_FIELDS`` tuple of
     ``batchscope.storage.records`` (what the members share, held once, then the members,
-    each a ``PLAIN_MEMBER_FIELDS`` tuple whose last value is its (trace id, span id), or
+    each a ``PLAIN_MEMBER_FIELDS`` sequence whose ``span`` is its (trace id, span id), or
     None where its spans are not exported). ``wall_offset_s``: what turns its monotonic
     times into wall-clock seconds. Each is ``finished_from`` of the raw trace the member
     stands for (a member's queue starts at its request's start)."""
@@ -165,8 +165,8 @@ def plain_finished(batch: tuple, wall_offset_s: float) -> list[FinishedTrace]:
                             recv_start, recv_end, start, start, started, input_end,
                             output_start, ended, end, send_start, send_end), *span, "infer",
                            None, None, None, (), None), wall_offset_s)
-            for trace_id, request_id, recv_start, recv_end, start, send_start, send_end, span
-            in members if span is not None]
+            for trace_id, request_id, recv_start, recv_end, start, send_start, send_end, span,
+            *_ in members if span is not None]
 
 
 def _ns(t: float) -> int:

@@ -15,10 +15,10 @@ How a transport uses it, on the event loop's thread::
 
 The HTTP fast path traces the common request (one item, no ``traceparent``, sampled by
 the settings, a model that writes no trace file) leaner: ``begin_plain`` (also what
-``begin(..., plain=True)`` calls) gives a ``PlainTrace`` (ids, span ids where spans are
-exported, receive times), the
-engine's booking stamps the batch it ran in, the transport its send times, and booking
-hands the batch's traced members to ``plain_batch`` together, once they are answered.
+``begin(..., plain=True)`` calls) gives a plain trace (``runtime.core.tracing.plain_trace``:
+a list of its ids, span ids where spans are exported, receive times), the engine's
+booking stamps the batch it ran in, the transport its send times, and booking hands
+the batch's traced members to ``plain_batch`` together, once they are answered.
 
 A request that carries a W3C ``traceparent`` marked sampled (trace flags ``01``) is
 always traced, whatever the trace settings (also with ``trace_level`` OFF): its
@@ -41,7 +41,7 @@ from typing import Any, Iterable, Mapping
 
 from batchscope.storage.records import TRACE_FIELDS, RecorderLike, TraceBatch, put_many_of
 from runtime.api.errors import ClientError, QueueFull
-from runtime.core.tracing import (DEFAULTS, PlainTrace, RequestTrace, TraceControl,
+from runtime.core.tracing import (DEFAULTS, RequestTrace, TraceControl,
                                   parse_traceparent)
 from runtime.engine.otel import new_ids
 from runtime.engine.tracefile import TraceFileWriter, check_writable
@@ -205,15 +205,15 @@ class Tracer:
     def begin(self, model: str, protocol: str, request_id: str | None = None,
               traceparent: str | bytes | None = None, operation: str = "infer",
               recv_start: float | None = None, recv_end: float | None = None,
-              sampled: bool = False, plain: bool = False) -> RequestTrace | PlainTrace | None:
+              sampled: bool = False, plain: bool = False) -> RequestTrace | list | None:
         """A new trace of one request of ``model`` about to be handed to the engine, or
         None when it is not traced (see the module doc for the ``traceparent`` rule).
         ``recv_start``/``recv_end``: when its bytes began and finished arriving, where
         the transport saw it. ``sampled``: the caller has counted the request already
         (``control.sample(model)`` said yes; it had no ``traceparent``), so a request
         the settings do not sample costs it no call here. ``plain``: an HTTP request of
-        one item, traced as a ``PlainTrace`` when it has no ``traceparent`` and its
-        model writes no trace file."""
+        one item, traced as a plain trace when it has no ``traceparent`` and its model
+        writes no trace file."""
         if traceparent is None:
             if not sampled:
                 control = self.control
@@ -239,11 +239,12 @@ class Tracer:
         return trace
 
     def begin_plain(self, model: str, request_id: str | None, recv_start: float | None,
-                    recv_end: float | None) -> RequestTrace | PlainTrace:
+                    recv_end: float | None) -> RequestTrace | list:
         """The trace of an HTTP request of one item with no ``traceparent`` that the
         settings sampled (the fast path's common traced request; ``begin(...,
-        plain=True)`` comes here): a ``PlainTrace``, or a ``RequestTrace`` while its
-        model writes a trace file."""
+        plain=True)`` comes here): a plain trace (``runtime.core.tracing.plain_trace``,
+        its list written here inline), or a ``RequestTrace`` while its model writes a
+        trace file."""
         kind = self._plain.get(model)
         if kind is None:
             kind = self._plain[model] = self._plain_kind(model)
@@ -253,10 +254,8 @@ class Tracer:
         self.last_id += 1
         if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
             request_id = request_id[:MAX_REQUEST_ID_CHARS]
-        trace = PlainTrace(self.last_id, model, request_id, recv_start, recv_end)
-        if kind == _PLAIN_SPANS:
-            trace.span = new_ids(None)
-        return trace
+        return [self.last_id, request_id, recv_start, recv_end, None, None, None,
+                new_ids(None) if kind == _PLAIN_SPANS else None, None, None]
 
     def _plain_kind(self, model: str) -> int:
         """Whether ``model``'s sampled requests of one item are traced plain: not while
@@ -302,10 +301,8 @@ class Tracer:
         recorder as one ``TraceBatch`` (at ``FLUSH_EVERY`` traces, or ``FLUSH_AFTER_S``
         after the first), whose rows are built off this thread. The span exporter gets
         the same tuple at once (its spans are built off this thread too); a trace file
-        needs its row now, and gets it now. A ``PlainTrace`` is recorded as the
-        ``RequestTrace`` it makes (``PlainTrace.full``)."""
-        if type(trace) is PlainTrace:
-            trace = trace.full(self.clock.now())
+        needs its row now, and gets it now. A plain trace is given as the
+        ``RequestTrace`` it makes (``runtime.core.tracing.full``)."""
         if trace.request_end is None:
             trace.request_end = self.clock.now()
         if trace.outcome is None:

@@ -13,8 +13,8 @@ settle callback and the encoded body. Tracing (``runtime.engine.tracing``) adds 
 header comparison (``traceparent``) and one attribute check (are trace settings
 active) to a request that is not traced; a traced one gets a trace with its receive
 times (the first byte of its head, the read that completed it), its send times
-(around the write of its answer) and the engine's, recorded once answered: a
-``PlainTrace`` (the few values that are its own) for a request of one item the
+(around the write of its answer) and the engine's, recorded once answered: a plain
+trace (a list of the few values that are its own) for a request of one item the
 settings sampled, a ``RequestTrace`` for one with a ``traceparent`` or several items,
 or whose model writes a trace file.
 
@@ -50,8 +50,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from runtime.api.errors import ModelNotReady, error_answer
-from runtime.core.tracing import (BATCH_ID_HEADER, PlainTrace, traceparent_bytes,
-                                  traceparent_line)
+from runtime.core.tracing import (BATCH_ID_HEADER, PLAIN_BATCH_SEQ, PLAIN_ENDING,
+                                  PLAIN_SEND_END, PLAIN_SEND_START, PLAIN_SPAN, full,
+                                  settled, traceparent_bytes, traceparent_line)
 from runtime.engine.tracing import outcome_of
 from runtime.server.bounds import MemoryBudget, RequestBounds
 from runtime.server.http1.server import Reply
@@ -266,23 +267,60 @@ class InferHook:
                 trace = tracer.begin(name, "http", req.id, traceparent, "infer",
                                      received.began_s or None, received.last_active_s or None,
                                      sampled=traceparent is None)
-            if trace is not None:
-                answer = _TracedAnswer(self, trace, answer)
-
         try:
-            submit_infer(engine, name, req, _InferDone(name, req, outputs, answer), trace)
+            submit_infer(engine, name, req, _InferDone(name, req, outputs, answer) if trace
+                         is None else _InferDone(name, req, outputs, answer, trace, self), trace)
         except Exception as exc:
             req.release()
             if trace is None:
                 raise
             # refused before the engine took it: settled now, answered through the trace
-            trace.settled(None, self.now(), outcome_of(exc))
-            answer(*error_answer(exc, f"POST {path}"))
+            settled(trace, None, self.now(), outcome_of(exc))
+            self.answer_traced(name, trace, answer, *error_answer(exc, f"POST {path}"))
         except BaseException as exc:
             req.release()
             if trace is not None:
-                self.tracer.finish(trace, exc)
+                self.tracer.finish(full(trace, name, self.now()), exc)
             raise
+
+    def answer_traced(self, name: str, trace: Any, answer: Answer, status: int,
+                      headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """Send the answer of a traced request of model ``name``: its send times stamped
+        around ``answer``, the trace's headers added (the batch id, and the
+        ``traceparent`` of its span where spans are exported), the trace handed to the
+        tracer. A plain trace answered from its batch gets its send times and headers,
+        and nothing more (the engine's booking hands it over with its batch's); one that
+        got another outcome (``settled``) is answered as the ``RequestTrace`` it makes."""
+        now = self.now
+        if type(trace) is list:
+            if trace[PLAIN_ENDING] is None:  # answered from its batch
+                seq = trace[PLAIN_BATCH_SEQ]
+                last = self._batch_headers  # the members of a batch share one prepared head
+                headers = last[2] if last[0] is headers and last[1] == seq else \
+                    self.batch_headers(headers, seq)
+                span = trace[PLAIN_SPAN]
+                trace[PLAIN_SEND_START] = now()
+                if span is None:
+                    answer(status, headers, body)
+                elif type(answer) is Reply:  # the traceparent is its own: one more line
+                    answer.with_line(status, headers, body, traceparent_line(span))
+                else:
+                    answer(status, [*headers, (b"traceparent", traceparent_bytes(span))], body)
+                trace[PLAIN_SEND_END] = now()
+                return
+            trace = full(trace, name, now())
+        if trace.batch_seq is not None:
+            headers = self.batch_headers(headers, trace.batch_seq)
+        span = trace.span
+        trace.send_start = now()
+        if span is None:
+            answer(status, headers, body)
+        elif type(answer) is Reply:
+            answer.with_line(status, headers, body, traceparent_line(span))
+        else:
+            answer(status, [*headers, (b"traceparent", traceparent_bytes(span))], body)
+        trace.send_end = now()
+        self.tracer.finish(trace)
 
     def batch_headers(self, headers: list[tuple[bytes, bytes]],
                       seq: int) -> list[tuple[bytes, bytes]]:
@@ -298,79 +336,41 @@ class InferHook:
 
 class _InferDone:
     """The engine's ``on_done`` of one request: releases its body and answers it with its
-    outputs (or its error). One object, not a closure and its cells: every request in
-    flight holds one, and the garbage collector traverses what requests in flight hold."""
+    outputs (or its error), through ``InferHook.answer_traced`` when it is traced
+    (``trace``; ``hook`` the hook that took it). One object, not a closure and its
+    cells: every request in flight holds one, and the garbage collector traverses what
+    requests in flight hold."""
 
-    __slots__ = ("name", "req", "outputs", "answer")
+    __slots__ = ("name", "req", "outputs", "answer", "trace", "hook")
 
-    def __init__(self, name: str, req: Any, outputs: Any, answer: Answer) -> None:
+    def __init__(self, name: str, req: Any, outputs: Any, answer: Answer, trace: Any = None,
+                 hook: InferHook | None = None) -> None:
         self.name = name
         self.req = req
         self.outputs = outputs
         self.answer = answer
+        self.trace = trace
+        self.hook = hook
 
     def __call__(self, result: Any, error: BaseException | None) -> None:
         req = self.req
         req.release()
-        answer = self.answer
         if error is not None:
-            answer(*error_answer(error, f"POST /v2/models/{self.name}/infer"))
-            return
-        try:
-            payload, extra = encode_infer(self.name, MODEL_VERSION, req, result, self.outputs)
-        except Exception as exc:
-            answer(*error_answer(exc, f"POST /v2/models/{self.name}/infer (encoding the "
-                                      "answer)"))
-            return
-        if extra:
-            answer(200, [(b"content-type", b"application/octet-stream")] + [
-                (k.lower().encode(), v.encode()) for k, v in extra.items()], payload)
+            status, headers, body = error_answer(error, f"POST /v2/models/{self.name}/infer")
         else:
-            answer(200, _JSON_HEADERS, payload)
-
-
-class _TracedAnswer:
-    """A traced request's answer callback: stamps the send times around ``answer``,
-    adds the trace's headers and hands the trace to the tracer. One object (not a
-    closure with its cells): a traced request in flight holds as few objects as it can
-    for the garbage collector to traverse.
-
-    A ``PlainTrace`` answered from its batch gets its send times and its headers, and
-    nothing more (the engine's booking hands it over with its batch's); one that got
-    another outcome (``PlainTrace.ending``) is answered as the ``RequestTrace`` it
-    makes."""
-
-    __slots__ = ("hook", "trace", "answer")
-
-    def __init__(self, hook: InferHook, trace: Any, answer: Answer) -> None:
-        self.hook = hook
-        self.trace = trace
-        self.answer = answer
-
-    def __call__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        trace = self.trace
-        hook = self.hook
-        now = hook.now
-        plain = type(trace) is PlainTrace
-        if plain and trace.ending is not None:  # not answered from its batch
-            trace, plain = trace.full(now()), False
-        seq = trace.batch_seq
-        if seq is not None:  # the members of a batch share one list, and one prepared head
-            last = hook._batch_headers
-            headers = last[2] if last[0] is headers and last[1] == seq else \
-                hook.batch_headers(headers, seq)
-        span = trace.span
-        answer = self.answer
-        trace.send_start = now()
-        if span is None:
-            answer(status, headers, body)
-        elif type(answer) is Reply:  # the traceparent is this answer's own: one more line
-            answer.with_line(status, headers, body, traceparent_line(span))
+            try:
+                body, extra = encode_infer(self.name, MODEL_VERSION, req, result, self.outputs)
+            except Exception as exc:
+                status, headers, body = error_answer(
+                    exc, f"POST /v2/models/{self.name}/infer (encoding the answer)")
+            else:
+                status, headers = 200, _JSON_HEADERS if not extra else [
+                    (b"content-type", b"application/octet-stream")] + [
+                    (k.lower().encode(), v.encode()) for k, v in extra.items()]
+        if self.trace is None:
+            self.answer(status, headers, body)
         else:
-            answer(status, [*headers, (b"traceparent", traceparent_bytes(span))], body)
-        trace.send_end = now()
-        if not plain:  # a plain trace goes over with its batch's (the engine's booking)
-            hook.tracer.finish(trace)
+            self.hook.answer_traced(self.name, self.trace, self.answer, status, headers, body)
 
 
 class _Received:
