@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from batchscope.storage.db import make_engine
 from batchscope.storage.recorder import Recorder
 from batchscope.storage.records import TRACE_FIELDS, ListRecorder, TraceBatch, TraceRow
 from runtime.core.clock import FakeClock
 from runtime.api.errors import QueueFull
 from runtime.core.tracing import (PLAIN_SPAN, PLAIN_TRACE_ID, RequestTrace, full,
-                                  plain_trace)
+                                  parse_traceparent, plain_trace, span_ids, span_line,
+                                  traceparent_bytes)
 from runtime.engine import tracing
-from runtime.engine.otel import FinishedTrace, finished_from, plain_finished
+from runtime.engine.otel import FinishedTrace, SpanIds, finished_from, plain_finished
 from runtime.engine.otel_process import SpanProcess
 from runtime.engine.tracing import Tracer
 
@@ -143,12 +146,12 @@ def test_a_raw_trace_gives_the_spans_times_of_its_timeline():
     clock = FakeClock()
     trace = traced(clock)
     trace.request_end, trace.outcome = clock.now() + 0.0065, "ok"
-    trace.span = (0xAB, 0x12)
+    trace.span = span_line(0xAB, 0x12)
     trace.operation, trace.first_token = "chat", clock.now() + 0.0035
     trace.input_tokens, trace.output_tokens, trace.finish_reasons = 5, 9, ("stop",)
     fields = tuple(getattr(trace, name) for name in TRACE_FIELDS)
     decode = (trace.first_token + 0.001, trace.first_token + 0.002)
-    got = finished_from((fields, 0xAB, 0x12, "chat", trace.first_token, 5, 9, ("stop",),
+    got = finished_from((fields, trace.span, "chat", trace.first_token, 5, 9, ("stop",),
                          decode), clock.to_wall(0.0))
     at = [None if t is None else clock.to_wall(t) for _, t in trace.timeline()]
     assert got == FinishedTrace("m", "chat", 0xAB, 0x12, int("cd" * 8, 16), at[0], at[10],
@@ -157,13 +160,13 @@ def test_a_raw_trace_gives_the_spans_times_of_its_timeline():
                                 input_tokens=5, output_tokens=9, finish_reasons=("stop",),
                                 decode_start_at=clock.to_wall(decode[0]),
                                 decode_end_at=clock.to_wall(decode[1]))
-    unended = finished_from((fields, 0xAB, 0x12, "chat", trace.first_token, 5, 9, ("stop",),
+    unended = finished_from((fields, trace.span, "chat", trace.first_token, 5, 9, ("stop",),
                              (decode[0], None)), clock.to_wall(0.0))
     assert (unended.decode_start_at, unended.decode_end_at) == (got.decode_start_at, None)
     refused = RequestTrace(2, "m", "http", clock.now())  # no receive or send stamps
     refused.request_end = clock.now() + 0.001
-    raw = (tuple(getattr(refused, name) for name in TRACE_FIELDS), 1, 2, "infer", None, None,
-           None, (), None)
+    raw = (tuple(getattr(refused, name) for name in TRACE_FIELDS), span_line(1, 2), "infer",
+           None, None, None, (), None)
     lone = finished_from(raw, clock.to_wall(0.0))
     assert (lone.start_at, lone.end_at) == (clock.to_wall(refused.request_start),
                                             clock.to_wall(refused.request_end))
@@ -178,7 +181,7 @@ def test_the_span_process_counts_the_raw_traces_it_cannot_send():
     for i in range(4):
         trace = traced(clock, i + 1)
         fields = tuple(getattr(trace, name) for name in TRACE_FIELDS)
-        spans.put_raw((fields, i + 1, i + 1, "infer", None, None, None, (), None),
+        spans.put_raw((fields, span_line(i + 1, i + 1), "infer", None, None, None, (), None),
                       clock.to_wall(0.0))
     spans.close(timeout_s=5.0)
     assert spans.dropped == 4 * 3
@@ -291,9 +294,9 @@ def test_plain_traces_with_spans_reach_the_exporter_as_request_traces_would():
     assert got is batch and offset == clock.to_wall(0.0)
     same[0].span = spanned[PLAIN_SPAN]
     fields = tuple(getattr(same[0], name) for name in TRACE_FIELDS)
-    raw = (fields, *spanned[PLAIN_SPAN], "infer", None, None, None, (), None)
+    raw = (fields, spanned[PLAIN_SPAN], "infer", None, None, None, (), None)
     assert plain_finished(got, offset) == [finished_from(raw, offset)]
-    assert plain_finished(got, offset)[0].span_id == spanned[PLAIN_SPAN][1]
+    assert plain_finished(got, offset)[0].span_id == span_ids(spanned[PLAIN_SPAN])[1]
     tracer.close()
 
 
@@ -304,7 +307,43 @@ def test_the_span_process_counts_the_plain_traces_it_cannot_send():
     clock = FakeClock()
     batch, _ = plain_batch(clock, 1, 4)
     for m in batch[-1][:3]:
-        m[PLAIN_SPAN] = (m[PLAIN_TRACE_ID], m[PLAIN_TRACE_ID])
+        m[PLAIN_SPAN] = span_line(m[PLAIN_TRACE_ID], m[PLAIN_TRACE_ID])
     spans.put_plain(batch, clock.to_wall(0.0))  # 3 members with spans, 3 spans each
     spans.close(timeout_s=5.0)
     assert spans.dropped == 3 * 3
+
+
+def test_span_ids_are_drawn_in_blocks_as_valid_traceparent_lines():
+    drawn: list[int] = []
+
+    def source(n: int) -> bytes:  # the first block: zeros, then the bytes counting up
+        drawn.append(n)
+        return bytes(n) if len(drawn) == 1 else bytes(i % 256 for i in range(n))
+
+    ids = SpanIds(block=3, urandom=source)
+    first = [ids.line() for _ in range(3)]
+    assert drawn == [72]  # one draw for the block
+    # all-zero ids are invalid (W3C): made non-zero, and still well formed
+    assert {span_ids(line) for line in first} == {(1, 1)}
+    for line in first:
+        assert parse_traceparent(traceparent_bytes(line)) == ("0" * 31 + "1", "0" * 15 + "1", True)
+        assert line == span_line(1, 1)
+    second = [ids.line() for _ in range(3)]
+    assert drawn == [72, 72] and len(set(second)) == 3
+    expected = {span_line(int.from_bytes(bytes(range(24 * i, 24 * i + 16)), "big"),
+                      int.from_bytes(bytes(range(24 * i + 16, 24 * i + 24)), "big"))
+                for i in range(3)}
+    assert set(second) == expected
+    caller = "ab" * 16
+    child = ids.child_of(caller)
+    assert parse_traceparent(traceparent_bytes(child))[0] == caller
+    assert ids.child_of(None).startswith(b"traceparent: 00-")
+    with pytest.raises(ValueError):
+        SpanIds(block=0)
+
+
+def test_span_ids_from_the_system_source_differ():
+    ids = SpanIds(block=64)
+    lines = [ids.line() for _ in range(200)]
+    assert len(set(lines)) == 200 and len({span_ids(line)[0] for line in lines}) == 200
+    assert all(parse_traceparent(traceparent_bytes(line)) is not None for line in lines)

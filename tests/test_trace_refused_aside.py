@@ -16,6 +16,7 @@ import pytest
 
 from batchscope.storage.records import ListRecorder, TraceRow
 from runtime.api.config import BatchingConfig
+from runtime.core.tracing import span_ids
 from runtime.engine.engine import Engine
 from runtime.models.toys import DoubleModel
 from runtime.server import fastpath
@@ -117,6 +118,6 @@ def test_a_traced_request_refused_after_its_body_was_parsed_aside_carries_its_tr
         assert traces[0].w3c_trace_id == CALLER_TRACE
         assert traces[0].send_start_at is not None and traces[0].send_end_at is not None
         assert len(spans.raw) == 1 and spans.raw[0][0][3] == "rejected"  # its outcome
-        assert f"{spans.raw[0][1]:032x}" == CALLER_TRACE
+        assert f"{span_ids(spans.raw[0][1])[0]:032x}" == CALLER_TRACE
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S * 2))

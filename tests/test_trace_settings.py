@@ -29,8 +29,8 @@ from batchscope.storage.schema import RequestTraceRecord
 from runtime.api.config import ServerConfig
 from runtime.api.errors import ClientError
 from runtime.core.tracing import (DEFAULTS, KEYS, RequestTrace, TraceControl, TraceSampler,
-                                  parse_changes, parse_traceparent, traceparent_bytes,
-                                  traceparent_line)
+                                  parse_changes, parse_traceparent, span_ids, span_line,
+                                  traceparent_bytes)
 from runtime.engine.tracefile import NotATraceFile, TraceFileWriter, append_to_array
 from runtime.engine.tracing import COLUMNS, GRPC_NAMES, HTTP_NAMES
 from runtime.models.toys import DoubleModel, FailingModel
@@ -171,12 +171,13 @@ def test_traceparent_headers():
                 f"ff-{TRACE_ID}-{SPAN_ID}-01", f"00-{TRACE_ID}-{SPAN_ID}-01-more",
                 f"00-{TRACE_ID.upper()}-{SPAN_ID}-01"):
         assert parse_traceparent(bad) is None, bad
-    span = (int(TRACE_ID, 16), int(SPAN_ID, 16))
+    span = span_line(int(TRACE_ID, 16), int(SPAN_ID, 16))
     assert traceparent_bytes(span) == f"00-{TRACE_ID}-{SPAN_ID}-01".encode()
-    assert traceparent_line(span) == b"traceparent: " + traceparent_bytes(span) + b"\r\n"
-    small = (1, 2)  # ids written at their full width
-    assert parse_traceparent(traceparent_line(small)[13:-2]) == ("0" * 31 + "1", "0" * 15 + "2",
-                                                                 True)
+    assert span == b"traceparent: " + traceparent_bytes(span) + b"\r\n"
+    assert span_ids(span) == (int(TRACE_ID, 16), int(SPAN_ID, 16))
+    small = span_line(1, 2)  # ids written at their full width
+    assert parse_traceparent(traceparent_bytes(small)) == ("0" * 31 + "1", "0" * 15 + "2", True)
+    assert span_ids(small) == (1, 2)
 
 
 def test_the_items_of_one_request_widen_its_compute_span_and_stay_in_order():

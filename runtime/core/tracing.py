@@ -66,14 +66,30 @@ BATCH_ID_HEADER = "batchscope-batch-id"
 _BATCH_ID_B = BATCH_ID_HEADER.encode()
 
 
-def traceparent_bytes(span: tuple[int, int]) -> bytes:
-    """The W3C ``traceparent`` value naming span ``(trace id, span id)``, sampled."""
-    return b"00-%032x-%016x-01" % span
+#: a span is named by its answer's ``traceparent`` header line (``span_line``): the
+#: transport writes it as it is, and the ids are read back from it where spans are made
+_TRACE_ID_AT = slice(16, 48)
+_SPAN_ID_AT = slice(49, 65)
+_VALUE_AT = slice(13, 68)
 
 
-def traceparent_line(span: tuple[int, int]) -> bytes:
-    """The HTTP/1.1 header line ``traceparent: <traceparent_bytes(span)>``, in one step."""
-    return b"traceparent: 00-%032x-%016x-01\r\n" % span
+def span_line(trace_id: int, span_id: int) -> bytes:
+    """The ``traceparent`` header line (``traceparent: 00-<trace id>-<span id>-01``, CRLF)
+    naming span ``(trace id, span id)``, sampled: how a trace holds its span's ids
+    (``RequestTrace.span``; the tracer draws them in blocks, ``runtime.engine.otel.SpanIds``)."""
+    return b"traceparent: 00-%032x-%016x-01\r\n" % (trace_id, span_id)
+
+
+def span_ids(span: bytes) -> tuple[int, int]:
+    """(trace id, span id) of a span held as its ``span_line``."""
+    return int(span[_TRACE_ID_AT], 16), int(span[_SPAN_ID_AT], 16)
+
+
+def traceparent_bytes(span: bytes) -> bytes:
+    """The W3C ``traceparent`` value of a span held as its ``span_line``."""
+    return span[_VALUE_AT]
+
+
 #: the trace settings, in the order answers list them
 KEYS = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency",
         "trace_mode")
@@ -459,7 +475,7 @@ class RequestTrace:
     send_end: float | None
     batch_seq: int | None
     outcome: str | None
-    span: tuple[int, int] | None
+    span: bytes | None
     first_token: float | None
     input_tokens: int | None
     output_tokens: int | None
@@ -480,7 +496,7 @@ class RequestTrace:
         self.recv_end = recv_end
         self.request_start = request_start
         # not reached yet; ``batch_seq``: the batch it ran in; ``outcome``: as its
-        # ``RequestRow`` has it (None: not settled yet); ``span``: (trace id, span id) of
+        # ``RequestRow`` has it (None: not settled yet); ``span``: the ``span_line`` of
         # its OpenTelemetry span, drawn when it begins while spans are exported
         # (``runtime.engine.otel``), else None
         self.queue_start = self.compute_start = self.compute_input_end = None
@@ -499,8 +515,7 @@ class RequestTrace:
         exported) and the id of the batch it ran in."""
         out = []
         if self.span is not None:
-            trace_id, span_id = self.span
-            out.append(("traceparent", traceparent_bytes((trace_id, span_id)).decode()))
+            out.append(("traceparent", traceparent_bytes(self.span).decode()))
         if self.batch_seq is not None:
             out.append((BATCH_ID_HEADER, str(self.batch_seq)))
         return out

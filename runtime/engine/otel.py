@@ -24,8 +24,9 @@ Attributes follow the GenAI semantic conventions where they apply
 ``gen_ai.response.finish_reasons``) and vLLM's latency names
 (``gen_ai.latency.time_in_queue``, ``time_to_first_token``, ``e2e``), in seconds.
 
-Off the request path: the event loop only draws the request span's ids when the trace
-begins (so the answer can carry its ``traceparent``) and appends the finished trace to
+Off the request path: the event loop only takes the request span's ids when the trace
+begins (so the answer can carry its ``traceparent``; drawn in blocks, ``SpanIds``) and
+appends the finished trace to
 a bounded queue; a thread of this module builds the spans (``ReadableSpan`` objects
 with the recorded times and ids) and hands them to the SDK's ``BatchSpanProcessor``,
 which exports them from its own thread. While the processor's queue is full the span
@@ -52,7 +53,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from batchscope.storage.records import TRACE_FIELDS, wall_times
+from runtime.core.tracing import span_ids, span_line
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,8 @@ log = logging.getLogger(__name__)
 #: about 3 s of every request traced at 10,000 requests a second, to ride out an
 #: exporter's slow moments; about 400 bytes a trace, some 13 MB when full
 QUEUE_MAX = 32768
+#: span ids drawn at once (``SpanIds``): some 100 kB of lines
+SPAN_ID_BLOCK = 1024
 #: the batches remembered for the spans of their traced members (newest kept)
 BATCHES_KEPT = 4096
 #: while the processor's queue has no room for a trace's spans, the span thread looks
@@ -69,10 +75,57 @@ ROOM_WAIT_S = 2.0
 PROTOCOLS = ("grpc", "http/protobuf")
 
 
-def new_ids(w3c_trace_id: str | None) -> tuple[int, int]:
-    """(trace id, span id) of a request span: the caller's trace when it sent one."""
-    trace_id = int(w3c_trace_id, 16) if w3c_trace_id else random.getrandbits(128) or 1
-    return trace_id, random.getrandbits(64) or 1
+class SpanIds:
+    """The ids of request spans, drawn in blocks, each span held as its answer's
+    ``traceparent`` header line (``runtime.core.tracing.span_line``).
+
+    A traced request's answer carries its span's ``traceparent``, so the ids are drawn
+    when the trace begins, on the event loop. Drawn one by one (two random integers,
+    then written in hex into the header) they cost that thread about as much as the
+    rest of the trace; here ``block`` of them are drawn at once from the operating
+    system's random source, written into their lines with numpy, and each trace takes
+    the next line from ``ready`` (``line``: a list pop). A trace id or span id of all
+    zeros, which W3C Trace Context calls invalid, is made non-zero."""
+
+    def __init__(self, block: int = SPAN_ID_BLOCK,
+                 urandom: Callable[[int], bytes] = os.urandom) -> None:
+        if block < 1:
+            raise ValueError(f"block={block!r} must be at least 1")
+        self.block = block
+        self._urandom = urandom
+        #: lines drawn and not yet taken (the fast path pops from it itself)
+        self.ready: list[bytes] = []
+
+    def line(self) -> bytes:
+        """The next span's line: a new trace id and span id."""
+        ready = self.ready
+        return ready.pop() if ready else self.refill()
+
+    def child_of(self, w3c_trace_id: str | None) -> bytes:
+        """The line of a span in the caller's trace ``w3c_trace_id`` (32 hex digits, as
+        ``parse_traceparent`` gives it), with a new span id; None: a trace of its own."""
+        line = self.line()
+        if not w3c_trace_id:
+            return line
+        return b"traceparent: 00-" + w3c_trace_id.encode() + line[48:]
+
+    def refill(self) -> bytes:
+        """Draw a block into ``ready`` and take its first line."""
+        n = self.block
+        raw = np.frombuffer(bytearray(self._urandom(24 * n)), np.uint8).reshape(n, 24)
+        raw[~raw[:, :16].any(axis=1), 15] = 1  # all zeros names no trace (W3C)
+        raw[~raw[:, 16:].any(axis=1), 23] = 1  # nor span
+        hexed = np.frombuffer(raw.tobytes().hex().encode(), np.uint8).reshape(n, 48)
+        lines = np.empty((n, len(_LINE)), np.uint8)
+        lines[:] = _LINE
+        lines[:, 16:48] = hexed[:, :32]
+        lines[:, 49:65] = hexed[:, 32:]
+        self.ready[:] = lines.view(f"S{len(_LINE)}").ravel().tolist()
+        return self.ready.pop()
+
+
+#: a span's line with its ids left at zero, what ``SpanIds`` writes them into
+_LINE = np.frombuffer(span_line(0, 0), np.uint8)
 
 
 @dataclass(slots=True)
@@ -131,12 +184,14 @@ _FIELDS = len(TRACE_FIELDS)
 
 def finished_from(raw: tuple, wall_offset_s: float) -> FinishedTrace:
     """The ``FinishedTrace`` of a raw trace, as the serving process hands it over without
-    converting anything: ``(fields, trace id, span id, operation, first token, input
-    tokens, output tokens, finish reasons, decode)``, ``fields`` the trace's row values in
+    converting anything: ``(fields, span, operation, first token, input tokens, output
+    tokens, finish reasons, decode)``, ``span`` its ids as their ``traceparent`` line
+    (``runtime.core.tracing.span_line``), ``fields`` the trace's row values in
     ``TRACE_FIELDS`` order with monotonic times (``RequestTrace``), ``decode`` None or
     (start, end or None) of a generation request's decoding, ``wall_offset_s`` what turns
     them into wall-clock seconds."""
-    fields, trace_id, span_id, operation, first, in_tokens, out_tokens, reasons, decode = raw
+    fields, span, operation, first, in_tokens, out_tokens, reasons, decode = raw
+    trace_id, span_id = span_ids(span)
     (_, model, _, outcome, request_id, batch_seq, _, w3c_parent) = fields[:8]
     at = wall_times(fields[8:_FIELDS], wall_offset_s)
     start = at[0] if at[0] is not None else at[2]
@@ -156,14 +211,14 @@ def plain_finished(batch: tuple, wall_offset_s: float) -> list[FinishedTrace]:
     """The ``FinishedTrace`` of each member with spans of a batch of plain traces, as the
     engine's booking hands it over: a ``PLAIN_BATCH_FIELDS`` tuple of
     ``batchscope.storage.records`` (what the members share, held once, then the members,
-    each a ``PLAIN_MEMBER_FIELDS`` sequence whose ``span`` is its (trace id, span id), or
-    None where its spans are not exported). ``wall_offset_s``: what turns its monotonic
+    each a ``PLAIN_MEMBER_FIELDS`` sequence whose ``span`` is its ids' line, or None
+    where its spans are not exported). ``wall_offset_s``: what turns its monotonic
     times into wall-clock seconds. Each is ``finished_from`` of the raw trace the member
     stands for (a member's queue starts at its request's start)."""
     model, protocol, outcome, seq, started, input_end, output_start, ended, end, members = batch
     return [finished_from(((trace_id, model, protocol, outcome, request_id, seq, None, None,
                             recv_start, recv_end, start, start, started, input_end,
-                            output_start, ended, end, send_start, send_end), *span, "infer",
+                            output_start, ended, end, send_start, send_end), span, "infer",
                            None, None, None, (), None), wall_offset_s)
             for trace_id, request_id, recv_start, recv_end, start, send_start, send_end, span,
             *_ in members if span is not None]

@@ -43,7 +43,7 @@ from batchscope.storage.records import TRACE_FIELDS, RecorderLike, TraceBatch, p
 from runtime.api.errors import ClientError, QueueFull
 from runtime.core.tracing import (DEFAULTS, RequestTrace, TraceControl,
                                   parse_traceparent)
-from runtime.engine.otel import new_ids
+from runtime.engine.otel import SpanIds
 from runtime.engine.tracefile import TraceFileWriter, check_writable
 
 #: ``TraceRow`` timestamp columns in order, with Triton's names over HTTP and gRPC
@@ -112,6 +112,8 @@ class Tracer:
                                      grpc_names=list(zip(GRPC_NAMES, COLUMNS)))
         #: the OpenTelemetry exporter (``runtime.engine.otel.OtlpSpans``), when one is set
         self._otel: Any = None
+        #: where the spans' ids come from (drawn while spans are exported)
+        self.span_ids = SpanIds()
         #: traces finished and not yet handed to the recorder, and the flush due for them
         self._pending: list[tuple] = []
         #: batches of plain traces (``plain_batch``) not yet handed over, and their traces
@@ -235,7 +237,7 @@ class Tracer:
                              recv_start, recv_end, operation)
         if self.otel is not None and (w3c is not None and w3c[2]
                                       or self._values(model)["trace_mode"] == "opentelemetry"):
-            trace.span = new_ids(trace.w3c_trace_id)
+            trace.span = self.span_ids.child_of(trace.w3c_trace_id)
         return trace
 
     def begin_plain(self, model: str, request_id: str | None, recv_start: float | None,
@@ -254,8 +256,12 @@ class Tracer:
         self.last_id += 1
         if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
             request_id = request_id[:MAX_REQUEST_ID_CHARS]
+        if kind == _PLAIN:
+            return [self.last_id, request_id, recv_start, recv_end, None, None, None, None,
+                    None, None]
+        ready = self.span_ids.ready
         return [self.last_id, request_id, recv_start, recv_end, None, None, None,
-                new_ids(None) if kind == _PLAIN_SPANS else None, None, None]
+                ready.pop() if ready else self.span_ids.refill(), None, None]
 
     def _plain_kind(self, model: str) -> int:
         """Whether ``model``'s sampled requests of one item are traced plain: not while
@@ -310,7 +316,7 @@ class Tracer:
         self.traced += 1
         fields = _TRACE_FIELDS(trace)  # a tuple of plain values: no work for the GC
         if trace.span is not None and self.otel is not None:
-            self.otel.put_raw((fields, *trace.span, trace.operation, trace.first_token,
+            self.otel.put_raw((fields, trace.span, trace.operation, trace.first_token,
                                trace.input_tokens, trace.output_tokens, trace.finish_reasons,
                                decode), self.clock.to_wall(0.0))
         if self._files_on:

@@ -52,7 +52,7 @@ from typing import Any, Callable
 from runtime.api.errors import ModelNotReady, error_answer
 from runtime.core.tracing import (BATCH_ID_HEADER, PLAIN_BATCH_SEQ, PLAIN_ENDING,
                                   PLAIN_SEND_END, PLAIN_SEND_START, PLAIN_SPAN, full,
-                                  settled, traceparent_bytes, traceparent_line)
+                                  settled, traceparent_bytes)
 from runtime.engine.tracing import outcome_of
 from runtime.server.bounds import MemoryBudget, RequestBounds
 from runtime.server.http1.server import Reply
@@ -302,8 +302,8 @@ class InferHook:
                 trace[PLAIN_SEND_START] = now()
                 if span is None:
                     answer(status, headers, body)
-                elif type(answer) is Reply:  # the traceparent is its own: one more line
-                    answer.with_line(status, headers, body, traceparent_line(span))
+                elif type(answer) is Reply:  # the traceparent line is its own: one more
+                    answer.with_line(status, headers, body, span)
                 else:
                     answer(status, [*headers, (b"traceparent", traceparent_bytes(span))], body)
                 trace[PLAIN_SEND_END] = now()
@@ -316,7 +316,7 @@ class InferHook:
         if span is None:
             answer(status, headers, body)
         elif type(answer) is Reply:
-            answer.with_line(status, headers, body, traceparent_line(span))
+            answer.with_line(status, headers, body, span)
         else:
             answer(status, [*headers, (b"traceparent", traceparent_bytes(span))], body)
         trace.send_end = now()
