@@ -7,6 +7,7 @@ on the recorded values, never on timing."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 
 import pytest
 
@@ -267,16 +268,16 @@ class Exported:
     """Stands where the span exporter would: keeps what the tracer hands it."""
 
     def __init__(self) -> None:
-        self.plains: list[tuple] = []
+        self.records: list[TraceBatch] = []
 
-    def put_plain(self, batch: tuple, wall_offset_s: float) -> None:
-        self.plains.append((batch, wall_offset_s))
+    def put_traces(self, record: TraceBatch) -> None:
+        self.records.append(record)
 
 
 def test_plain_traces_with_spans_reach_the_exporter_as_request_traces_would():
-    """A batch with spanned members goes to the exporter as it is; the traces made of it
-    there are those of the same requests traced as ``RequestTrace`` s; a batch without
-    any does not go."""
+    """The tracer's record goes to the exporter as the recorder gets it; the traces made
+    of its batches there are those of the members with spans, as the same requests traced
+    as ``RequestTrace`` s give them."""
     clock, recorder = FakeClock(), ListRecorder()
     tracer = Tracer(["m", "n"], recorder, "i", clock)
     tracer.otel = exported = Exported()
@@ -288,16 +289,41 @@ def test_plain_traces_with_spans_reach_the_exporter_as_request_traces_would():
     assert tracer.begin("n", "http", plain=True)[PLAIN_SPAN] is None  # its own mode: none
     batch, same = plain_batch(clock, spanned[PLAIN_TRACE_ID], 2)
     batch[-1][0][PLAIN_SPAN] = spanned[PLAIN_SPAN]  # the first member exports spans
-    tracer.plain_batch(batch)
-    tracer.plain_batch(plain_batch(clock, 9, 3)[0])  # none has spans: not handed over
-    [(got, offset)] = exported.plains
-    assert got is batch and offset == clock.to_wall(0.0)
+    other = plain_batch(clock, 9, 3)[0]  # none has spans
+
+    async def kept() -> list:  # on an event loop, kept until the flush
+        tracer.plain_batch(batch)
+        tracer.plain_batch(other)
+        before = list(exported.records)
+        tracer.flush()
+        return before
+
+    assert asyncio.run(kept()) == []
+    [record] = exported.records
+    assert record.batches == [batch, other] and len(recorder.records) == 5  # the same traces
+    offset = record.wall_offset_s
+    assert offset == clock.to_wall(0.0)
     same[0].span = spanned[PLAIN_SPAN]
     fields = tuple(getattr(same[0], name) for name in TRACE_FIELDS)
     raw = (fields, spanned[PLAIN_SPAN], "infer", None, None, None, (), None)
-    assert plain_finished(got, offset) == [finished_from(raw, offset)]
-    assert plain_finished(got, offset)[0].span_id == span_ids(spanned[PLAIN_SPAN])[1]
+    made = [t for b in record.batches for t in plain_finished(b, offset)]
+    assert made == [finished_from(raw, offset)]
+    assert made[0].span_id == span_ids(spanned[PLAIN_SPAN])[1]
+    tracer.flush()  # nothing kept: nothing handed over
+    assert len(exported.records) == 1
     tracer.close()
+
+
+def test_a_trace_record_is_pickled_once_for_both_child_processes():
+    clock = FakeClock()
+    record = TraceBatch("i", clock.to_wall(0.0), [], [plain_batch(clock, 1, 3)[0]])
+    first = pickle.dumps(("TraceBatch", [record], 0.0))
+    packed = record._packed
+    assert packed is not None and packed in first
+    second = pickle.dumps(([], [], [], [record], 0.0, 0.0))  # the span sender's message
+    assert record._packed is packed and packed in second
+    got = pickle.loads(second)[3][0]
+    assert got == record and got.rows() == record.rows()
 
 
 def test_the_span_process_counts_the_plain_traces_it_cannot_send():
@@ -308,7 +334,8 @@ def test_the_span_process_counts_the_plain_traces_it_cannot_send():
     batch, _ = plain_batch(clock, 1, 4)
     for m in batch[-1][:3]:
         m[PLAIN_SPAN] = span_line(m[PLAIN_TRACE_ID], m[PLAIN_TRACE_ID])
-    spans.put_plain(batch, clock.to_wall(0.0))  # 3 members with spans, 3 spans each
+    # 3 members with spans, 3 spans each
+    spans.put_traces(TraceBatch("i", clock.to_wall(0.0), [], [batch]))
     spans.close(timeout_s=5.0)
     assert spans.dropped == 3 * 3
 

@@ -57,7 +57,7 @@ class Spans:
     def put_raw(self, raw: tuple, wall_offset_s: float) -> None:
         self.raw.append(raw)
 
-    def put_plain(self, batch: tuple, wall_offset_s: float) -> None:
+    def put_traces(self, record: object) -> None:
         raise AssertionError("no batch of plain traces is expected here")
 
 

@@ -8,6 +8,8 @@ few attribute stores; nothing here touches the database.
 from __future__ import annotations
 
 import json
+import pickle
+import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import repeat, starmap
@@ -322,9 +324,28 @@ class TraceBatch:
     wall_offset_s: float
     traces: list
     batches: list = field(default_factory=list)
+    #: this record pickled (``packed``), once made
+    _packed: Optional[bytes] = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.traces) + sum(len(b[-1]) for b in self.batches)
+
+    def packed(self) -> bytes:
+        """This record pickled, made once: a record handed to two processes (the database
+        writer's and the span exporter's) is pickled by the first to send it and copied
+        as bytes by the second. Its lists must not change once it is handed over."""
+        packed = self._packed
+        if packed is None:
+            with _PACKING:
+                packed = self._packed
+                if packed is None:
+                    packed = self._packed = pickle.dumps(
+                        (self.instance_id, self.wall_offset_s, self.traces, self.batches),
+                        protocol=5)
+        return packed
+
+    def __reduce__(self) -> tuple:
+        return _unpacked, (self.packed(),)
 
     def model_protocols(self) -> dict[tuple[str, str], int]:
         """(model, protocol) -> how many of its traces are of that model and protocol."""
@@ -362,6 +383,16 @@ class TraceBatch:
     def rows(self) -> list[TraceRow]:
         return list(starmap(TraceRow, self.tuples()))
 
+
+def _unpacked(packed: bytes) -> TraceBatch:
+    """The ``TraceBatch`` that ``TraceBatch.packed`` made ``packed`` of."""
+    batch = TraceBatch(*pickle.loads(packed))
+    batch._packed = packed
+    return batch
+
+
+#: held while a ``TraceBatch`` is pickled: the threads that may send one do so once
+_PACKING = threading.Lock()
 
 #: record types that stand for several rows of a table: their row type
 BATCHED: dict[type, type] = {RequestBatch: RequestRow, TraceBatch: TraceRow}

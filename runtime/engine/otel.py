@@ -615,6 +615,12 @@ class OtlpSpans:
         for trace in plain_finished(batch, wall_offset_s):
             self.put(trace)
 
+    def put_traces(self, record: Any) -> None:
+        """``put_plain`` of each batch of plain traces of a ``TraceBatch`` (its other
+        traces come through ``put_raw``)."""
+        for batch in record.batches:
+            self.put_plain(batch, record.wall_offset_s)
+
     # -- the span thread ----------------------------------------------------------------
     def _dropped_by_processor(self, count: int) -> None:
         self.dropped += count

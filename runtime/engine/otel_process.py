@@ -23,11 +23,13 @@ spans counted;
 ``on_drops`` as ``OtlpSpans`` does. The child inherits the standard ``OTEL_*``
 variables.
 
-Messages: ``(batches, traces, raw traces, plain batches, wall offset, backlog)`` (tuples
+Messages: ``(batches, traces, raw traces, trace records, wall offset, backlog)`` (tuples
 in ``BatchInfo`` and ``FinishedTrace`` field order, and traces as the tracer hands them
 over, monotonic, turned into ``FinishedTrace`` in the child by
-``runtime.engine.otel.finished_from``; a batch of plain traces as the engine's booking
-makes it, its members' traces made by ``runtime.engine.otel.plain_finished``)
+``runtime.engine.otel.finished_from``; the tracer's ``TraceBatch`` records, whose batches
+of plain traces are the engine's booking's, their members' traces made by
+``runtime.engine.otel.plain_finished``: the database writer's process gets the same
+records, and each is pickled once, ``TraceBatch.packed``)
 -> ``(spans handed to the processor, spans dropped)``; ``b"stop"`` -> the
 same counts once the child has exported what it holds (``close``'s timeout).
 """
@@ -83,18 +85,24 @@ def _child_main(conn: Any, endpoint: str, instance_id: str, protocol: str | None
             spans.close(float(msg[len(_STOP):] or 5.0))
             conn.send_bytes(pickle.dumps((spans.spans_out, spans.dropped)))
             return
-        batches, traces, raws, plains, wall_offset_s, backlog = pickle.loads(msg)
+        batches, traces, raws, records, wall_offset_s, backlog = pickle.loads(msg)
         for b in batches:
             spans.batch(BatchInfo(*b))
         for t in traces:
             spans.put(FinishedTrace(*t))
         for r in raws:
             spans.put(finished_from(r, wall_offset_s))
-        for p in plains:
-            spans.put_plain(p, wall_offset_s)
+        for record in records:
+            spans.put_traces(record)
         prio.follow(max(backlog, spans.backlog()))
         conn.send_bytes(pickle.dumps((spans.spans_out, spans.dropped)))
     spans.close(1.0)
+
+
+def _spans_in(record: Any) -> int:
+    """The spans of the plain traces with spans of a ``TraceBatch``."""
+    return sum(spans_of(t) for b in record.batches
+               for t in plain_finished(b, record.wall_offset_s))
 
 
 class SpanProcess:
@@ -115,9 +123,9 @@ class SpanProcess:
         self._traces: collections.deque = collections.deque()
         self._raws: collections.deque = collections.deque()
         self._batches: collections.deque = collections.deque()
-        #: batches of plain traces (``put_plain``), and the members of those put and of
-        #: those taken by the sender thread (each count written by one thread alone)
-        self._plains: collections.deque = collections.deque()
+        #: the tracer's records (``put_traces``), and the plain traces of those put and
+        #: of those taken by the sender thread (each count written by one thread alone)
+        self._records: collections.deque = collections.deque()
         self._plain_put = 0
         self._plain_taken = 0
         #: what turns the raw traces' monotonic times into wall-clock seconds
@@ -184,16 +192,17 @@ class SpanProcess:
         if len(raws) == SEND_AT:
             self._wake.set()
 
-    def put_plain(self, batch: tuple, wall_offset_s: float) -> None:
-        """``put`` of the members with spans of a batch of plain traces, handed over as
-        the batch it is (``plain_finished`` makes their traces in the child)."""
+    def put_traces(self, record: Any) -> None:
+        """``put`` of the plain traces with spans of a ``TraceBatch`` (its other traces
+        come through ``put_raw``), handed over as the record it is: ``plain_finished``
+        makes their traces in the child."""
+        plain = sum(len(b[-1]) for b in record.batches)
         if self._held() >= self.queue_max:
-            self._dropped_here += sum(map(spans_of, plain_finished(batch, wall_offset_s)))
+            self._dropped_here += _spans_in(record)
             return
-        self._wall_offset_s = wall_offset_s
-        self._plains.append(batch)
+        self._records.append(record)
         before = self._plain_put - self._plain_taken
-        self._plain_put += len(batch[-1])
+        self._plain_put += plain
         if before < SEND_AT <= self._plain_put - self._plain_taken:
             self._wake.set()
 
@@ -211,12 +220,12 @@ class SpanProcess:
     def _send(self) -> None:
         # the traces first: a batch is queued before its members finish, so every batch a
         # trace taken here refers to is taken below too
-        traces, raws, batches, plains = self._traces, self._raws, self._batches, self._plains
+        traces, raws, batches, records = self._traces, self._raws, self._batches, self._records
         taken = [traces.popleft() for _ in range(len(traces))]
         raw = [raws.popleft() for _ in range(len(raws))]
-        plain = [plains.popleft() for _ in range(len(plains))]
+        plain = [records.popleft() for _ in range(len(records))]
         infos = [batches.popleft() for _ in range(len(batches))]
-        self._plain_taken += sum(len(b[-1]) for b in plain)
+        self._plain_taken += sum(len(b[-1]) for r in plain for b in r.batches)
         if not taken and not raw and not plain and not infos:
             return
         offset = self._wall_offset_s
@@ -237,11 +246,11 @@ class SpanProcess:
             self._lost(taken, raw, plain, offset)
             self._stop_child()
 
-    def _lost(self, traces: list, raws: list, plains: list, wall_offset_s: float) -> None:
+    def _lost(self, traces: list, raws: list, records: list, wall_offset_s: float) -> None:
         """Count the spans of traces that cannot be sent."""
         self._dropped_here += sum(map(spans_of, traces)) + sum(
             spans_of(finished_from(r, wall_offset_s)) for r in raws) + sum(
-            spans_of(t) for b in plains for t in plain_finished(b, wall_offset_s))
+            map(_spans_in, records))
 
 
     # -- stopping -----------------------------------------------------------------------

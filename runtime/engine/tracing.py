@@ -18,7 +18,11 @@ the settings, a model that writes no trace file) leaner: ``begin_plain`` (also w
 ``begin(..., plain=True)`` calls) gives a plain trace (``runtime.core.tracing.plain_trace``:
 a list of its ids, span ids where spans are exported, receive times), the engine's
 booking stamps the batch it ran in, the transport its send times, and booking hands
-the batch's traced members to ``plain_batch`` together, once they are answered.
+the batch's traced members to ``plain_batch`` together, once they are answered. Every
+``flush`` hands what was kept to the recorder as one ``TraceBatch``; while spans are
+exported the span exporter gets the same record, whose plain members with spans it
+makes spans of (the record is pickled once, by whichever of the two child processes'
+senders takes it first).
 
 A request that carries a W3C ``traceparent`` marked sampled (trace flags ``01``) is
 always traced, whatever the trace settings (also with ``trace_level`` OFF): its
@@ -277,17 +281,11 @@ class Tracer:
     def plain_batch(self, batch: tuple) -> None:
         """Keep the plain traces of one batch's answered members (a
         ``PLAIN_BATCH_FIELDS`` tuple, see ``batchscope.storage.records``) for the next
-        ``flush``, as ``finish`` keeps a trace. The span exporter gets the batch as it is
-        when a member has spans (``put_plain``): its members become the traces ``finish``
-        would hand over in the span process, not here."""
+        ``flush``, as ``finish`` keeps a trace."""
         self._pending_batches.append(batch)
-        members = batch[-1]
-        n = len(members)
+        n = len(batch[-1])
         self.traced += n
         self._pending_plain += n
-        otel = self._otel
-        if otel is not None and any(m[7] is not None for m in members):
-            otel.put_plain(batch, self.clock.to_wall(0.0))  # expanded off this thread
         self._due(len(self._pending) + self._pending_plain)
 
     def _values(self, model: str) -> Mapping[str, Any]:
@@ -347,7 +345,8 @@ class Tracer:
             self.files.put(path, values["log_frequency"], row)
 
     def flush(self) -> None:
-        """Hand the traces finished since the last flush to the recorder."""
+        """Hand the traces finished since the last flush to the recorder, and the
+        batches of plain traces among them to the span exporter (``put_traces``)."""
         timer, self._timer = self._timer, None
         if timer is not None:
             timer.cancel()
@@ -361,6 +360,9 @@ class Tracer:
             self.recorder.put(batch)
         else:
             put_many_of(self.recorder)(batch.rows())
+        otel = self._otel
+        if batches and otel is not None:  # the same record: pickled once for both processes
+            otel.put_traces(batch)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Hand over the traces still kept, write those waiting for the trace file and
