@@ -213,9 +213,9 @@ def test_the_plain_traces_of_a_batch_are_handed_over_together_once_answered():
     assert (started, ended, end) == (attempt.started_s, attempt.ended_s, s.clock.now())
     assert (input_end, output_start) == (attempt.started_s + attempt.input_s,
                                          attempt.ended_s - attempt.output_s)
-    assert members == plain and all(m is p for m, p in zip(members, plain))
-    assert [m[:8] for m in members] == [[1, "r1", 0.5, 0.6, arrived, *plain[0][5:7], None],
-                                        [2, None, None, None, arrived, *plain[1][5:7], None]]
+    assert members == [tuple(p) for p in plain]
+    assert [m[:8] for m in members] == [(1, "r1", 0.5, 0.6, arrived, *plain[0][5:7], None),
+                                        (2, None, None, None, arrived, *plain[1][5:7], None)]
     assert None not in (plain[0][PLAIN_SEND_START], plain[1][PLAIN_SEND_END])
     # the other kind of trace is stamped in place, as before
     assert (full.batch_seq, full.outcome, full.compute_start) == (seq, "ok", attempt.started_s)

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import repeat, starmap
+from operator import itemgetter
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 
@@ -282,7 +283,7 @@ PLAIN_BATCH_FIELDS = ("model", "protocol", "outcome", "batch_seq", "compute_star
 #: what it holds of each member of such a batch (times monotonic; ``span``: its
 #: OpenTelemetry (trace id, span id) where spans are exported, not a column). A member
 #: may hold more values after these (the serving process's own, unread here: the
-#: runtime hands its plain traces over as they are)
+#: runtime hands the values of its plain traces over as they are)
 PLAIN_MEMBER_FIELDS = ("trace_id", "request_id", "recv_start", "recv_end", "request_start",
                        "send_start", "send_end", "span")
 
@@ -302,6 +303,10 @@ def wall_times(times: Sequence[Optional[float]], offset_s: float) -> list[Option
         else:
             at.append(None)
     return at
+
+
+#: a plain member's values up to its send end (``PLAIN_MEMBER_FIELDS`` without ``span``)
+_MEMBER_TIMES = itemgetter(*range(7))
 
 
 @dataclass(slots=True)
@@ -371,7 +376,7 @@ class TraceBatch:
         for (model, protocol, outcome, batch_seq, compute_start, input_end, output_start,
              compute_end, request_end, members) in self.batches:
             for trace_id, request_id, recv_start, recv_end, request_start, send_start, \
-                    send_end, *_ in members:
+                    send_end in map(_MEMBER_TIMES, members):
                 at = wall_times((recv_start, recv_end, request_start, request_start,
                                  compute_start, input_end, output_start, compute_end,
                                  request_end, send_start, send_end), off)

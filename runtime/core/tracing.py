@@ -600,8 +600,8 @@ class RequestTrace:
 #: from its batch, its request start (the engine's queue start), send times and batch;
 #: ``PLAIN_SPAN`` its ``span`` as ``RequestTrace``'s (the tracer sets it where spans are
 #: exported); ``PLAIN_ENDING`` what ``settled`` keeps of an outcome that was not its
-#: batch run to the end, for ``full``. The engine's booking hands the list over as it is
-#: (``batchscope.storage.records.PLAIN_MEMBER_FIELDS`` names the same positions).
+#: batch run to the end, for ``full``. The engine's booking hands its values over as a
+#: tuple (``batchscope.storage.records.PLAIN_MEMBER_FIELDS`` names the same positions).
 (PLAIN_TRACE_ID, PLAIN_REQUEST_ID, PLAIN_RECV_START, PLAIN_RECV_END, PLAIN_REQUEST_START,
  PLAIN_SEND_START, PLAIN_SEND_END, PLAIN_SPAN, PLAIN_BATCH_SEQ, PLAIN_ENDING) = range(10)
 

@@ -270,7 +270,7 @@ class Booking:
         deadlines: list[float | None] = []
         lengths: list[int] | None = [] if model.variable else None
         adapters: list[str | None] | None = [] if batch_adapters is not None else None
-        plain: list[list] | None = None
+        plain: list[tuple] | None = None
         for i in range(start, a.stop):
             req = reqs[i]
             fut = req.future
@@ -285,7 +285,9 @@ class Booking:
                 fut.set_result(outputs[i - start])
                 if plain is None:
                     plain = []
-                plain.append(trace)  # handed over as it is
+                # its values as a tuple: one the garbage collector soon stops tracking,
+                # and that the writer's process unpickles in half a list's time
+                plain.append(tuple(trace))
             else:  # stamped before the answer goes out
                 ended = a.ended_s
                 trace.ran(req.arrived_s, a.started_s, a.started_s + a.input_s,
