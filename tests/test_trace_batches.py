@@ -311,6 +311,13 @@ def test_plain_traces_with_spans_reach_the_exporter_as_request_traces_would():
     assert made[0].span_id == span_ids(spanned[PLAIN_SPAN])[1]
     tracer.flush()  # nothing kept: nothing handed over
     assert len(exported.records) == 1
+
+    async def without_spans() -> None:  # a record with no member with spans: not handed
+        tracer.plain_batch(plain_batch(clock, 20, 2)[0])
+        tracer.flush()
+
+    asyncio.run(without_spans())
+    assert len(exported.records) == 1 and len(recorder.records) == 7
     tracer.close()
 
 

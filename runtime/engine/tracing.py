@@ -19,10 +19,10 @@ the settings, a model that writes no trace file) leaner: ``begin_plain`` (also w
 a list of its ids, span ids where spans are exported, receive times), the engine's
 booking stamps the batch it ran in, the transport its send times, and booking hands
 the batch's traced members to ``plain_batch`` together, once they are answered. Every
-``flush`` hands what was kept to the recorder as one ``TraceBatch``; while spans are
-exported the span exporter gets the same record, whose plain members with spans it
-makes spans of (the record is pickled once, by whichever of the two child processes'
-senders takes it first).
+``flush`` hands what was kept to the recorder as one ``TraceBatch``; when a plain
+trace in it has spans, the span exporter gets the same record and makes spans of its
+plain members with spans (the record is pickled once, by whichever of the two child
+processes' senders takes it first).
 
 A request that carries a W3C ``traceparent`` marked sampled (trace flags ``01``) is
 always traced, whatever the trace settings (also with ``trace_level`` OFF): its
@@ -45,7 +45,7 @@ from typing import Any, Iterable, Mapping
 
 from batchscope.storage.records import TRACE_FIELDS, RecorderLike, TraceBatch, put_many_of
 from runtime.api.errors import ClientError, QueueFull
-from runtime.core.tracing import (DEFAULTS, RequestTrace, TraceControl,
+from runtime.core.tracing import (DEFAULTS, PLAIN_SPAN, RequestTrace, TraceControl,
                                   parse_traceparent)
 from runtime.engine.otel import SpanIds
 from runtime.engine.tracefile import TraceFileWriter, check_writable
@@ -86,6 +86,17 @@ def _holds_trace_array(path: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def _has_spans(batches: list[tuple]) -> bool:
+    """Whether a member of these batches of plain traces has spans (its model's
+    ``trace_mode`` was ``opentelemetry`` when it began): the span exporter gets only
+    those. Stops at the first; with spans exported, that is the first member."""
+    for batch in batches:
+        for member in batch[-1]:
+            if member[PLAIN_SPAN] is not None:
+                return True
+    return False
 
 
 def outcome_of(error: BaseException | None) -> str:
@@ -361,8 +372,8 @@ class Tracer:
         else:
             put_many_of(self.recorder)(batch.rows())
         otel = self._otel
-        if batches and otel is not None:  # the same record: pickled once for both processes
-            otel.put_traces(batch)
+        if batches and otel is not None and _has_spans(batches):
+            otel.put_traces(batch)  # the same record: pickled once for both processes
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Hand over the traces still kept, write those waiting for the trace file and
