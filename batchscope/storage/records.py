@@ -280,8 +280,9 @@ TRACE_FIELDS = ("trace_id", "model", "protocol", "outcome", "request_id", "batch
 PLAIN_BATCH_FIELDS = ("model", "protocol", "outcome", "batch_seq", "compute_start",
                       "compute_input_end", "compute_output_start", "compute_end",
                       "request_end", "members")
-#: what it holds of each member of such a batch (times monotonic; ``span``: its
-#: OpenTelemetry (trace id, span id) where spans are exported, not a column). A member
+#: what it holds of each member of such a batch (times monotonic; ``span``: the ids of
+#: its OpenTelemetry span as its answer's ``traceparent`` line where spans are exported,
+#: else None, not a column). A member
 #: may hold more values after these (the serving process's own, unread here: the
 #: runtime hands the values of its plain traces over as they are)
 PLAIN_MEMBER_FIELDS = ("trace_id", "request_id", "recv_start", "recv_end", "request_start",

@@ -26,15 +26,14 @@ Attributes follow the GenAI semantic conventions where they apply
 
 Off the request path: the event loop only takes the request span's ids when the trace
 begins (so the answer can carry its ``traceparent``; drawn in blocks, ``SpanIds``) and
-appends the finished trace to
-a bounded queue; a thread of this module builds the spans (``ReadableSpan`` objects
-with the recorded times and ids) and hands them to the SDK's ``BatchSpanProcessor``,
-which exports them from its own thread. While the processor's queue is full the span
-thread waits for its exporter to take a batch (a burst of traces is spread over the
-export rather than dropped), and the traces wait in this module's queue; spans are
-dropped only when that queue is full too, or when the exporter has taken nothing for
-``ROOM_WAIT_S`` (an endpoint that does not answer). Spans lost are counted (``dropped``)
-and reported as a ``trace_export_drops`` event.
+appends the finished trace to a bounded queue; a thread of this module builds the spans
+(``ReadableSpan`` objects with the recorded times and ids) and hands them to the SDK's
+``BatchSpanProcessor``, which exports them from its own thread. While the processor's
+queue is full the span thread waits for its exporter to take a batch (a burst of traces
+is spread over the export rather than dropped), and the traces wait in this module's
+queue; spans are dropped only when that queue is full too, or when the exporter has
+taken nothing for ``ROOM_WAIT_S`` (an endpoint that does not answer). Spans lost are
+counted (``dropped``) and reported as a ``trace_export_drops`` event.
 
 The exporter follows the standard variables: ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (or
 ``OTEL_EXPORTER_OTLP_PROTOCOL``): ``grpc`` (the default) or ``http/protobuf``; headers,
