@@ -292,35 +292,29 @@ class InferHook:
         and nothing more (the engine's booking hands it over with its batch's); one that
         got another outcome (``settled``) is answered as the ``RequestTrace`` it makes."""
         now = self.now
-        if type(trace) is list:
-            if trace[PLAIN_ENDING] is None:  # answered from its batch
-                seq = trace[PLAIN_BATCH_SEQ]
-                last = self._batch_headers  # the members of a batch share one prepared head
-                headers = last[2] if last[0] is headers and last[1] == seq else \
-                    self.batch_headers(headers, seq)
-                span = trace[PLAIN_SPAN]
-                trace[PLAIN_SEND_START] = now()
-                if span is None:
-                    answer(status, headers, body)
-                elif type(answer) is Reply:  # the traceparent line is its own: one more
-                    answer.with_line(status, headers, body, span)
-                else:
-                    answer(status, [*headers, (b"traceparent", traceparent_bytes(span))], body)
-                trace[PLAIN_SEND_END] = now()
-                return
+        plain = type(trace) is list and trace[PLAIN_ENDING] is None  # answered from its batch
+        if plain:
+            seq, span = trace[PLAIN_BATCH_SEQ], trace[PLAIN_SPAN]
+        else:
             trace = full(trace, name, now())
-        if trace.batch_seq is not None:
-            headers = self.batch_headers(headers, trace.batch_seq)
-        span = trace.span
-        trace.send_start = now()
+            seq, span = trace.batch_seq, trace.span
+        if seq is not None:  # the members of a batch share one prepared head
+            last = self._batch_headers
+            headers = last[2] if last[0] is headers and last[1] == seq else \
+                self.batch_headers(headers, seq)
+        sent = now()
         if span is None:
             answer(status, headers, body)
-        elif type(answer) is Reply:
+        elif type(answer) is Reply:  # the traceparent line is its own: one more line
             answer.with_line(status, headers, body, span)
         else:
             answer(status, [*headers, (b"traceparent", traceparent_bytes(span))], body)
-        trace.send_end = now()
-        self.tracer.finish(trace)
+        if plain:
+            trace[PLAIN_SEND_START] = sent
+            trace[PLAIN_SEND_END] = now()
+        else:
+            trace.send_start, trace.send_end = sent, now()
+            self.tracer.finish(trace)
 
     def batch_headers(self, headers: list[tuple[bytes, bytes]],
                       seq: int) -> list[tuple[bytes, bytes]]:
