@@ -16,12 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Server:
-    """Starts ``cmd`` and waits until it serves; ``marks``: phrases to count in the log."""
+    """Starts ``cmd`` in ``cwd`` (this checkout's root by default: ``python -m runtime``
+    runs the code there) and waits until it serves; ``marks``: phrases to count in the
+    log."""
 
     def __init__(self, cmd: Sequence[str], timeout_s: float = 120.0,
-                 marks: Sequence[str] = ()) -> None:
+                 marks: Sequence[str] = (), cwd: Path | str = ROOT) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines = 0
         self.tail: list[str] = []
