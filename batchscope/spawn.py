@@ -45,6 +45,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterator, Sequence
 
+from batchscope.threadnames import name_native
+
 _HEADER = struct.Struct("!i")
 _LONG = struct.Struct("!Q")
 #: a frame longer than this has the ``-1`` marker and an 8-byte length
@@ -218,6 +220,7 @@ def lower_priority(idle: bool, nice: int) -> str:
 def _child_entry(target: Callable[..., Any], conn: Connection, args: tuple, idle: bool,
                  nice: int) -> None:
     global _priority
+    name_native(multiprocessing.current_process().name)  # ps, top and perf show the child
     _priority = lower_priority(idle, nice)
     target(conn, *args)
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import psutil
 
 from batchscope.storage.records import DeviceRow, RecorderLike
+from batchscope.threadnames import name_native
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +278,7 @@ class DeviceSampler:
         self.source.close()
 
     def _loop(self) -> None:
+        name_native()
         while not self._stop.is_set():
             try:
                 self.tick()

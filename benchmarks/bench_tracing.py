@@ -21,13 +21,13 @@ modes in turn, ``--rounds`` times:
 After each slice it waits until the receiver has had no span and the database no new row
 for a second, so a slice does not pay for the spans and rows the one before it left.
 Prints each mode's median throughput and p99 and their ratios to ``off`` measured in the
-same run, the spans received against the requests the server says it traced, the spans
-it reported dropped (its counter and its ``trace_export_drops`` events), and each mode's
-CPU time per request in the serving process, its child processes (device process,
-database writer, span process) and the load generator (``benchmarks.cpu_share``), so a
-cost can be told from noise and placed. Each mode's ratio is also given paired round by
-round with its bootstrap 95 % interval (``benchmarks.intervals``): a target is met when
-the whole interval is.
+same run, the spans received against the requests the server says it traced, the spans it
+reported dropped (its counter and its ``trace_export_drops`` events), and each mode's CPU
+time per request in the serving process, its child processes (device process, database
+writer, span process) and the load generator (``benchmarks.cpu_share``), and the serving
+process's by thread, so a cost can be told from noise and placed. Each mode's ratio is
+also given paired round by round with its bootstrap 95 % interval
+(``benchmarks.intervals``): a target is met when the whole interval is.
 
 ``measure`` is the measuring loop, given a running server and a ``Receiver``; the GPU
 script's ``tracing`` section (``benchmarks/gpu/tracing_cost.py``) calls it too. The
@@ -79,6 +79,9 @@ MODES = {
                       "trace_mode": "triton"},
     "off_again": {"trace_level": ["OFF"], "trace_rate": "999"},
 }
+#: the serving process's threads shown in the CPU split: those with at least this many
+#: microseconds a request in some mode
+THREAD_SHOWN_US = 0.01
 #: the modes run when ``--modes`` is not given
 DEFAULT_MODES = ("off", "timestamps", "otel", "otel_1_in_100")
 
@@ -506,6 +509,9 @@ def measure(url: str, db: Path, model: str, modes: Sequence[str], rounds: int, s
             "mean_batch": _median(s["batch"] for s in got),
             "cpu_us": {p: _median(s["cpu"]["cpu_us_per_request"][p] for s in got) for p in parts},
             "cpu_us_total": _median(s["cpu"]["total_cpu_us_per_request"] for s in got),
+            "threads_us": {t: _median(s["cpu"]["serving_threads_us"].get(t, 0.0) for s in got)
+                           for t in sorted({t for s in got
+                                            for t in s["cpu"]["serving_threads_us"]})},
             "share_of_bound": _median(s["cpu"]["share_of_cpu_bound"] for s in got),
             "cores_used": {p: _median(s["cores"][p] for s in got) for p in parts},
             "receiver_us": _median(s["receiver_us"] for s in got),
@@ -579,6 +585,14 @@ def report(result: dict[str, Any]) -> None:
               + f"{m['cpu_us_total']:9.1f}{m['share_of_bound']:16.0%}{m['receiver_us']:15.1f}")
     print("(the OTLP receiver shares the machine's cores but is not in 'in all' nor in the "
           "bound: a collector runs elsewhere in a deployment)")
+    threads = sorted({t for m in modes.values() for t, us in m["threads_us"].items()
+                      if us >= THREAD_SHOWN_US})
+    if threads:
+        print("\nThe serving process by thread (medians, microseconds a request)")
+        print(f"{'mode':16s}" + "".join(f"{t:>17s}" for t in threads))
+        for mode, m in modes.items():
+            print(f"{mode:16s}" + "".join(f"{m['threads_us'].get(t, 0.0):17.2f}"
+                                          for t in threads))
     print(f"traced requests {result['traced']:,} (request_traces rows {result['trace_rows']:,}), "
           f"spans received {result['spans_received']:,}, spans dropped (reported) "
           f"{result['spans_dropped']:,}")

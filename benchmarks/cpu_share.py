@@ -12,6 +12,11 @@ the three used over the run::
 
 Read from ``/proc`` (Linux); the load generator's time is this process's own
 (``os.times``). Time stolen by other tenants of the host shows as CPU nobody used.
+
+The serving process's time is also split by thread (``thread_cpu_s``: the nanosecond
+``schedstat`` of each, by the name the kernel shows, which ``batchscope.threadnames``
+gives the project's threads): a thread that costs the event loop shows there even when
+the process's total barely moves.
 """
 
 from __future__ import annotations
@@ -54,6 +59,27 @@ def tree_cpu_s(root: int) -> dict[int, float]:
     return out
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds each thread of ``pid`` has used so far, summed by thread name (the
+    kernel's ``comm``; threads of one pool share a name). Empty when the process is
+    gone."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                used = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):  # the thread ended, or no schedstat
+            continue
+        out[name] = out.get(name, 0.0) + used
+    return out
+
+
 class CpuShare:
     """The CPU the processes of ``server_pid`` and this process used inside the block."""
 
@@ -61,9 +87,12 @@ class CpuShare:
         self.server_pid = server_pid
         self.cores = cores or os.cpu_count() or 1
         self.used: dict[str, float] = {}
+        #: the serving process's CPU seconds inside the block by thread name
+        self.threads: dict[str, float] = {}
         self.wall_s = 0.0
 
     def __enter__(self) -> "CpuShare":
+        self._threads = thread_cpu_s(self.server_pid)
         self._tree = tree_cpu_s(self.server_pid)
         times = os.times()
         self._self = times.user + times.system
@@ -74,6 +103,9 @@ class CpuShare:
         self.wall_s = time.perf_counter() - self._wall
         times = os.times()
         after = tree_cpu_s(self.server_pid)
+        threads = thread_cpu_s(self.server_pid)
+        self.threads = {name: used - self._threads.get(name, 0.0)
+                        for name, used in threads.items()}
         before = self._tree
         children = sum(after[p] - before.get(p, 0.0) for p in after if p != self.server_pid)
         self.used = {"serving process": after[self.server_pid] - before.get(self.server_pid, 0.0),
@@ -82,11 +114,14 @@ class CpuShare:
 
     def summary(self, requests: int) -> dict[str, Any]:
         """CPU microseconds per request by part, in all, the bound they set on this
-        machine (requests per second) and the share of it the run reached."""
+        machine (requests per second) and the share of it the run reached; the serving
+        process's microseconds per request by thread (``serving_threads_us``)."""
         per = {k: v / max(requests, 1) * 1e6 for k, v in self.used.items()}
+        by_thread = {k: v / max(requests, 1) * 1e6 for k, v in self.threads.items()}
         total_us = sum(per.values())
         bound = self.cores / (total_us / 1e6) if total_us else float("inf")
         rate = requests / self.wall_s if self.wall_s else 0.0
         return {"cpu_us_per_request": per, "total_cpu_us_per_request": total_us,
+                "serving_threads_us": by_thread,
                 "cores": self.cores, "cpu_bound_rps": bound, "rps": rate,
                 "share_of_cpu_bound": rate / bound if bound else 0.0}

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
+
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -137,6 +142,38 @@ def test_cpu_share_reads_a_process_tree_and_works_out_the_bound():
     assert summary["total_cpu_us_per_request"] == pytest.approx(100.0)
     assert summary["cpu_bound_rps"] == pytest.approx(20_000.0)
     assert summary["share_of_cpu_bound"] == pytest.approx(0.5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads are read from /proc")
+def test_cpu_share_splits_the_serving_process_by_named_thread():
+    """A thread that names itself (``batchscope.threadnames``) and spins is found by its
+    name, its CPU inside the block counted to it (a thread is read while it lives: the
+    serving process's threads live as long as it does)."""
+    from benchmarks.cpu_share import CpuShare, thread_cpu_s
+    from batchscope.threadnames import name_native
+
+    spun, done = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        name_native("batchscope-spin")
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        done.wait(30)
+
+    worker = threading.Thread(target=spin)
+    try:
+        with CpuShare(os.getpid(), cores=2) as cpu:
+            worker.start()
+            assert spun.wait(30)
+    finally:
+        done.set()
+        worker.join(30)
+    assert 0.25 < cpu.threads["spin"] < 5.0
+    assert "spin" not in thread_cpu_s(os.getpid())  # ended: nothing left to read
+    summary = cpu.summary(1_000)
+    assert summary["serving_threads_us"]["spin"] == pytest.approx(cpu.threads["spin"] * 1e3)
 
 
 def test_short_runs_ratios_are_the_medians_of_each_rounds_ratios():

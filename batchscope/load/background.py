@@ -23,6 +23,7 @@ import numpy as np
 from batchscope.load import loadgen
 from batchscope.load.loadgen import LoadError, Tally, Until
 from batchscope.load.replay import RecordedTraffic, replay_arrivals
+from batchscope.threadnames import name_native
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class BackgroundLoad:
         self.stop()
 
     def _run(self) -> None:
+        name_native()
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             try:

@@ -51,6 +51,7 @@ from batchscope.storage.records import (BATCHED, EventRow, RequestBatch, TraceBa
                                         put_many_of)
 from batchscope.storage.schema import RequestRecord, RequestTraceRecord
 from batchscope.storage.writer_process import WriterProcess
+from batchscope.threadnames import name_native
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +251,7 @@ class Recorder:
             return self._flush_locked()
 
     def _run(self) -> None:
+        name_native()
         try:
             self._loop()
         except Exception:  # a bug, not a database failure: say so once, then count what comes

@@ -32,6 +32,7 @@ from batchscope.load.background import BackgroundLoad
 from batchscope.load.loadgen import LoadError, longest_length
 from batchscope.load.replay import RecordedTraffic, read_traffic
 from batchscope.storage.db import DatabaseNotFound, make_engine, shown_url
+from batchscope.threadnames import name_native
 from batchscope.tuning import store
 from batchscope.tuning.client import ControlClient, SettingsRefused, TuningError
 from batchscope.tuning.figures import GOODPUT, LATENCY, Objective, Stability
@@ -484,6 +485,7 @@ class TuningJob:
         self.progress = progress
 
     def _run(self) -> None:
+        name_native()
         try:
             self.result = run_tuning(self.options, cancel=self._cancel, on_update=self._update,
                                      say=self.lines.append)

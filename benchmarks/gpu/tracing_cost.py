@@ -99,7 +99,8 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
             "paired_p99": _interval(m["paired_p99"]), "rounds_rps": m["rounds_rps"],
             "rounds_p99_ms": m["rounds_p99_ms"], "mean_batch": m["mean_batch"],
             "cpu_us_per_request": m["cpu_us"], "cpu_us_total": m["cpu_us_total"],
-            "cores_used": m["cores_used"], "receiver_us_per_request": m["receiver_us"],
+            "serving_threads_us": m["threads_us"], "cores_used": m["cores_used"],
+            "receiver_us_per_request": m["receiver_us"],
             "requests": m["requests"], "errors": m["errors"], "traced": m["traced"],
             "spans": m["spans"]}
     keep = ("model", "clients", "slice_s", "rounds", "cores", "traced", "trace_rows",

@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 import torch
 
+from batchscope.threadnames import name_native
 from runtime.core.batcher import Batch
 from runtime.device.executor import batch_attempts
 from runtime.device.oom import Attempt
@@ -183,7 +184,8 @@ class DirectLane:
 
     def _thread(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"direct-{self.model.name}")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"direct-{self.model.name}",
+                                            initializer=name_native)
         return self._pool
 
     def _spill_done(self, done: asyncio.Future, finish: Callable[[list[Attempt]], None],

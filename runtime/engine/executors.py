@@ -46,6 +46,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from batchscope.threadnames import name_native
 from runtime.api.config import BatchingConfig
 from runtime.core.batcher import Batch
 from runtime.device.compiled import compiled_already
@@ -184,6 +185,7 @@ class DeviceThread:
     def _work(self) -> None:
         """Run what the queue holds until the stop mark, or until this thread's batch
         outlived its timeout (a new worker has the queue by then)."""
+        name_native()
         jobs, lock, handoff, loop = self.jobs, self.lock, self.handoff, self.loop
         while True:
             job = jobs.get()

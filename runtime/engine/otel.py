@@ -55,6 +55,7 @@ from typing import Any, Callable
 import numpy as np
 
 from batchscope.storage.records import TRACE_FIELDS, wall_times
+from batchscope.threadnames import name_native
 from runtime.core.tracing import span_ids, span_line
 
 log = logging.getLogger(__name__)
@@ -625,6 +626,7 @@ class OtlpSpans:
         self.dropped += count
 
     def _work(self) -> None:
+        name_native()
         while True:
             self._wake.wait(0.5)
             self._wake.clear()

@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 from batchscope import gctune
 from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_child
+from batchscope.threadnames import name_native
 from runtime.engine.otel import (QUEUE_MAX, BatchInfo, FinishedTrace, OtlpSpans, exporter_for,
                                  finished_from, plain_finished, report_drops, spans_of)
 
@@ -214,6 +215,7 @@ class SpanProcess:
 
     # -- the sender thread --------------------------------------------------------------
     def _work(self) -> None:
+        name_native()
         while True:
             self._wake.wait(SEND_INTERVAL_S)
             self._wake.clear()

@@ -33,6 +33,8 @@ from typing import Any
 
 import orjson
 
+from batchscope.threadnames import name_native
+
 log = logging.getLogger("batchscope.trace")
 
 #: traces waiting to be written at most; more are dropped and counted
@@ -179,6 +181,7 @@ class TraceFileWriter:
         thread.start()
 
     def _run(self) -> None:
+        name_native()
         while not self._stop:
             self._wake.wait(self.flush_interval_s)
             self._wake.clear()

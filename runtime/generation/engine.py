@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
 from batchscope.storage.records import RecorderLike
+from batchscope.threadnames import name_native
 from runtime.core.clock import MonotonicClock
 from runtime.api.errors import (BatchScopeError, ClientError, ModelError, ModelNotReady,
                                 RequestExpired, RequestTooLarge, ShuttingDown, ValidationError)
@@ -166,7 +167,8 @@ class GenerationEngine:
     async def start(self) -> None:
         if self._worker is not None:
             return
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gen-{self.name}")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gen-{self.name}",
+                                            initializer=name_native)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.runner.setup, self.device)
         self._wake = asyncio.Event()

@@ -49,6 +49,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from batchscope.threadnames import name_native
 from runtime.api.errors import ModelNotReady, error_answer
 from runtime.core.tracing import (BATCH_ID_HEADER, PLAIN_BATCH_SEQ, PLAIN_ENDING,
                                   PLAIN_SEND_END, PLAIN_SEND_START, PLAIN_SPAN, full,
@@ -402,5 +403,5 @@ def _parser_pool() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=PARSER_THREADS,
-                                   thread_name_prefix="batchscope-parse")
+                                   thread_name_prefix="batchscope-parse", initializer=name_native)
     return _pool

@@ -31,6 +31,7 @@ import uuid
 from typing import Any, Callable, Iterator, Sequence
 
 from batchscope import gctune
+from batchscope.threadnames import name_native
 from batchscope.version import version
 from runtime.api.config import BatchingConfig, ServerConfig
 from runtime.api.errors import ListenError
@@ -497,6 +498,7 @@ class ServiceThread:
         self.error: BaseException | None = None
 
     def _run(self) -> None:
+        name_native()
         self._loop = new_event_loop()
         try:
             self._loop.run_until_complete(self.service.serve(self._sock))
