@@ -16,19 +16,20 @@ this build against the base paired round by round (throughput and p99, with boot
 (``benchmarks.cpu_share``).
 
 Where ``bench_tracing`` compares settings on one build, this compares builds under one
-setting: a change whose cost hides in waiting (a thread that takes the interpreter lock
+setting (``drive``, two servers served in turn, is what ``bench_tracing --side-by-side``
+uses for two settings on one build): a change whose cost hides in waiting (a thread that takes the interpreter lock
 from the event loop, say) shows here even when instructions counted alone miss it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -46,7 +47,7 @@ from benchmarks.reliability.server import Server  # noqa: E402
 BUILDS = ("base", "this")
 
 
-@contextmanager
+@contextlib.contextmanager
 def checkout(base: str) -> Iterator[Path]:
     """The root of the ``base`` build: a directory as it is, else a detached git worktree
     of the commit ``base`` names, removed afterwards."""
@@ -71,56 +72,79 @@ def checkout(base: str) -> Iterator[Path]:
         shutil.rmtree(where.parent, ignore_errors=True)
 
 
-def compare(roots: dict[str, Path], mode: str, rounds: int, slice_s: float, clients: int,
-            model: str = "mlp", warm_s: float = 2.0, say=print) -> dict[str, Any]:
-    """Serve ``model`` from each build root of ``roots`` (keys ``BUILDS``) side by side in
-    ``mode``; ``rounds`` rounds of one ``slice_s`` window each, the order turned every
-    round. Returns each build's windows (req/s, p99 ms, CPU microseconds a request by
-    part), ``this`` against ``base`` paired round by round (``rps``, ``p99``: an
-    ``Interval``), and each build's medians."""
+def drive(servers: dict[str, tuple[Path, str]], rounds: int, slice_s: float, clients: int,
+          model: str = "mlp", warm_s: float = 2.0, say=print,
+          receiver: Receiver | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Serve ``model`` from two servers at once, each named by its key and started from
+    its build root in its trace mode (``servers``: name -> (root, mode)), both sending
+    spans to ``receiver`` (one of its own when None); ``rounds`` rounds of one
+    ``slice_s`` window each, the order turned every round. Returns each server's
+    windows: req/s, p99 ms, CPU microseconds a request by part."""
     import httpx
 
-    if rounds < 1 or slice_s <= 0:
-        raise ValueError("rounds must be at least 1 and slice_s above 0")
-    windows: dict[str, list[dict[str, Any]]] = {b: [] for b in BUILDS}
-    servers: dict[str, Server] = {}
-    with Receiver() as receiver:
+    if len(servers) != 2 or rounds < 1 or slice_s <= 0:
+        raise ValueError("two servers, rounds at least 1 and slice_s above 0")
+    names = list(servers)
+    windows: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    running: dict[str, Server] = {}
+    with contextlib.ExitStack() as stack:
+        if receiver is None:
+            receiver = stack.enter_context(Receiver())
         try:
-            for build in BUILDS:
-                db = Path(tempfile.mkdtemp(prefix=f"batchscope-{build}-")) / "run.db"
-                servers[build] = Server([sys.executable, "-m", "runtime", "serve", "--model",
-                                         model, "--port", "0", "--db", f"sqlite:///{db}",
-                                         "--otlp-traces-endpoint", receiver.endpoint],
-                                        cwd=roots[build])
-            for build, srv in servers.items():
+            for name, (root, mode) in servers.items():
+                db = Path(tempfile.mkdtemp(prefix="batchscope-side-")) / "run.db"
+                running[name] = Server([sys.executable, "-m", "runtime", "serve", "--model",
+                                        model, "--port", "0", "--db", f"sqlite:///{db}",
+                                        "--otlp-traces-endpoint", receiver.endpoint],
+                                       cwd=root)
+            for name, srv in running.items():
+                mode = servers[name][1]
                 got = httpx.post(f"{srv.url}/v2/trace/setting", json=MODES[mode], timeout=30)
                 if got.status_code != 200:
-                    raise RuntimeError(f"the {build} build refused mode {mode}: {got.text}")
+                    raise RuntimeError(f"server {name} refused mode {mode}: {got.text}")
                 run_load(srv.url, model, concurrency=clients, duration_s=warm_s)
             for r in range(rounds):
-                for build in BUILDS if r % 2 == 0 else BUILDS[::-1]:
-                    srv = servers[build]
+                for name in names if r % 2 == 0 else names[::-1]:
+                    srv = running[name]
                     with CpuShare(srv.proc.pid) as cpu:
                         rep = run_load(srv.url, model, concurrency=clients, duration_s=slice_s)
-                    windows[build].append({"rps": rep.throughput_rps,
-                                           "p99_ms": rep.latency_p99_ms or 0.0,
-                                           "cpu_us": cpu.summary(rep.ok)["cpu_us_per_request"]})
-                say(f"round {r + 1:2d}  base {windows['base'][-1]['rps']:8.0f}  this "
-                    f"{windows['this'][-1]['rps']:8.0f} req/s")
+                    windows[name].append({"rps": rep.throughput_rps,
+                                          "p99_ms": rep.latency_p99_ms or 0.0,
+                                          "cpu_us": cpu.summary(rep.ok)["cpu_us_per_request"]})
+                say(f"round {r + 1:2d}  " + "  ".join(
+                    f"{n} {windows[n][-1]['rps']:8.0f}" for n in names) + " req/s")
         finally:
-            for srv in servers.values():
+            for srv in running.values():
                 srv.stop()
-    base, this = windows["base"], windows["this"]
-    paired: dict[str, Interval] = {
-        "rps": paired_ratio([w["rps"] for w in base], [w["rps"] for w in this]),
-        "p99": paired_ratio([w["p99_ms"] for w in base], [w["p99_ms"] for w in this])}
-    medians = {b: {"rps": statistics.median(w["rps"] for w in windows[b]),
-                   "p99_ms": statistics.median(w["p99_ms"] for w in windows[b]),
-                   "cpu_us": {part: statistics.median(w["cpu_us"][part] for w in windows[b])
-                              for part in windows[b][0]["cpu_us"]}}
-               for b in BUILDS}
+    return windows
+
+
+def paired(windows: dict[str, list[dict[str, Any]]]) -> dict[str, Interval]:
+    """The second server's windows against the first's, round by round: throughput and
+    p99 as ``Interval``s."""
+    first, second = (windows[n] for n in windows)
+    return {figure: paired_ratio([w[key] for w in first], [w[key] for w in second])
+            for figure, key in (("rps", "rps"), ("p99", "p99_ms"))}
+
+
+def medians(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One server's median req/s, p99 and CPU a request by part over its windows."""
+    return {"rps": statistics.median(w["rps"] for w in windows),
+            "p99_ms": statistics.median(w["p99_ms"] for w in windows),
+            "cpu_us": {part: statistics.median(w["cpu_us"][part] for w in windows)
+                       for part in windows[0]["cpu_us"]}}
+
+
+def compare(roots: dict[str, Path], mode: str, rounds: int, slice_s: float, clients: int,
+            model: str = "mlp", warm_s: float = 2.0, say=print) -> dict[str, Any]:
+    """``drive`` of the two builds of ``roots`` (keys ``BUILDS``) in one ``mode``.
+    Returns each build's windows, ``this`` against ``base`` paired round by round
+    (``rps``, ``p99``: an ``Interval``), and each build's medians."""
+    windows = drive({b: (roots[b], mode) for b in BUILDS}, rounds, slice_s, clients, model,
+                    warm_s, say)
     return {"mode": mode, "model": model, "clients": clients, "rounds": rounds,
-            "slice_s": slice_s, "windows": windows, "paired": paired, "medians": medians}
+            "slice_s": slice_s, "windows": windows, "paired": paired(windows),
+            "medians": {b: medians(windows[b]) for b in BUILDS}}
 
 
 def report(got: dict[str, Any], base: str) -> str:

@@ -336,47 +336,24 @@ def encode_costs(requests: int = 3000, repeats: int = 5) -> dict[str, float]:
 def side_by_side(mode: str, rounds: int, slice_s: float, clients: int, model: str,
                  receiver: Receiver) -> dict[str, Any]:
     """Two servers at once, one with ``mode``, the other with tracing off, each load
-    window on one then the other (the order turning each round): no settings change
-    between windows, so no window pays for a switch. The median of the rounds' ratios,
-    and each server's CPU per request over its windows."""
-    import httpx
+    window on one then the other (the order turning each round; ``bench_builds.drive``):
+    no settings change between windows, so no window pays for a switch. The median of the
+    rounds' ratios, and each server's CPU per request over its windows."""
+    from benchmarks.bench_builds import drive, paired  # it imports this module
 
-    servers = []
-    try:
-        for _ in range(2):
-            db = Path(tempfile.mkdtemp()) / "side.db"
-            servers.append(Server([sys.executable, "-m", "runtime", "serve", "--model", model,
-                                   "--port", "0", "--db", f"sqlite:///{db}",
-                                   "--otlp-traces-endpoint", receiver.endpoint]))
-        off, on = servers
-        for srv, settings in ((off, MODES["off"]), (on, MODES[mode])):
-            assert httpx.post(f"{srv.url}/v2/trace/setting", json=settings,
-                              timeout=30).status_code == 200
-            run_load(srv.url, model, concurrency=clients, duration_s=2.0)  # warm
-        got: dict[str, list] = {"off": [], mode: []}
-        cpu: dict[str, list] = {"off": [], mode: []}
-        for r in range(rounds):
-            order = [("off", off), (mode, on)] if r % 2 == 0 else [(mode, on), ("off", off)]
-            for name, srv in order:
-                with CpuShare(srv.proc.pid) as share:
-                    rep = run_load(srv.url, model, concurrency=clients, duration_s=slice_s)
-                got[name].append(rep.throughput_rps)
-                cpu[name].append(share.summary(rep.ok))
-            print(f"round {r + 1}: off {got['off'][-1]:8.0f}  {mode} {got[mode][-1]:8.0f} req/s",
-                  flush=True)
-    finally:
-        for srv in servers:
-            srv.stop()
+    windows = drive({"off": (ROOT, "off"), mode: (ROOT, mode)}, rounds, slice_s, clients,
+                    model, say=lambda line: print(line, flush=True), receiver=receiver)
+    got = {name: [w["rps"] for w in ws] for name, ws in windows.items()}
     ratio = statistics.median(b / a for a, b in zip(got["off"], got[mode]))
-    paired = paired_ratio(got["off"], got[mode])
-    per = {name: statistics.median(c["total_cpu_us_per_request"] for c in cpu[name])
-           for name in cpu}
+    interval = paired(windows)["rps"]
+    per = {name: statistics.median(sum(w["cpu_us"].values()) for w in ws)
+           for name, ws in windows.items()}
     print(f"\n{model}, {clients} clients, two servers side by side, {rounds} rounds of "
-          f"{slice_s:g} s each: {mode} / off {ratio:.3f}, paired {paired.text()} (medians {statistics.median(got['off']):.0f}"
-          f" and {statistics.median(got[mode]):.0f} req/s); CPU per request (server, its "
-          f"children, load generator): off {per['off']:.1f} us, {mode} {per[mode]:.1f} us; "
-          f"spans received {receiver.spans:,}")
-    return {"ratio": ratio, "paired": paired, "rps": got, "cpu": per}
+          f"{slice_s:g} s each: {mode} / off {ratio:.3f}, paired {interval.text()} (medians "
+          f"{statistics.median(got['off']):.0f} and {statistics.median(got[mode]):.0f} "
+          f"req/s); CPU per request (server, its children, load generator): off "
+          f"{per['off']:.1f} us, {mode} {per[mode]:.1f} us; spans received {receiver.spans:,}")
+    return {"ratio": ratio, "paired": interval, "rps": got, "cpu": per}
 
 
 def _say(line: str) -> None:

@@ -53,3 +53,15 @@ def test_an_unknown_commit_is_refused_with_gits_reason():
     with pytest.raises(SystemExit, match="cannot check 'no-such-commit-xyz' out"):
         with checkout("no-such-commit-xyz"):
             pass
+
+
+def test_tracings_side_by_side_drives_two_settings_of_one_build(capsys):
+    from benchmarks.bench_tracing import Receiver, side_by_side
+
+    with Receiver() as receiver:
+        got = side_by_side("otel_1_in_100", rounds=2, slice_s=0.5, clients=4, model="mlp",
+                           receiver=receiver)
+    assert set(got["rps"]) == {"off", "otel_1_in_100"}
+    assert all(len(v) == 2 and min(v) > 0 for v in got["rps"].values())
+    assert got["paired"].rounds == 2 and got["cpu"]["off"] > 0
+    assert "two servers side by side, 2 rounds" in capsys.readouterr().out
