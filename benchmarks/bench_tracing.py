@@ -1,10 +1,11 @@
 """What tracing costs: the same server, trace settings changed between slices.
 
 Starts ``batchscope serve --model mlp --otlp-traces-endpoint ...`` with an OTLP gRPC
-receiver in a child process of its own (it counts the spans it gets), then drives
-``mlp`` with ``--clients`` closed-loop clients in slices of ``--slice-s`` seconds,
-changing the trace settings through ``POST /v2/trace/setting`` between slices, the
-modes in turn, ``--rounds`` times:
+receiver in a child process of its own (it counts the spans it gets; it runs in the idle
+CPU class, taking only the CPU time the server leaves as a collector on another machine
+would, unless ``--receiver-normal``), then drives ``mlp`` with ``--clients`` closed-loop
+clients in slices of ``--slice-s`` seconds, changing the trace settings through ``POST
+/v2/trace/setting`` between slices, the modes in turn, ``--rounds`` times:
 
 * ``off``: ``trace_level`` OFF (the default; the tracing code is there, idle);
 * ``timestamps``: every request traced (``trace_rate`` 1), its Triton timestamps a
@@ -150,15 +151,21 @@ def _same(data: bytes) -> bytes:
     return data
 
 
-def receive_main() -> None:
+def receive_main(idle: bool = False) -> None:
     """The receiver's process (``Receiver``): a gRPC server whose ``TraceService.Export``
     counts the request's spans and answers an empty ``ExportTraceServiceResponse``. It
     prints its port (or ``error ...``), then its span count for each line it reads, and
-    stops when its input closes."""
+    stops when its input closes. ``idle``: first lower its CPU priority
+    (``batchscope.spawn.lower_priority``: ``SCHED_IDLE`` where Linux has it)."""
     import threading
     from concurrent import futures
 
     import grpc
+
+    if idle:
+        from batchscope.spawn import lower_priority
+
+        lower_priority(True, 19)
 
     lock = threading.Lock()
     count = [0]
@@ -191,13 +198,19 @@ class Receiver:
     """An OTLP gRPC trace receiver in a process of its own (``receive_main``) that counts
     the spans it gets (``spans``); it needs ``grpcio`` alone. ``port`` on 127.0.0.1.
 
+    ``idle`` (the default): the receiver runs in the idle CPU class (``SCHED_IDLE``, else
+    ``nice`` 19), so it takes only CPU time the server leaves, as a collector on a machine
+    of its own would; its CPU is still measured. False: at normal priority, competing with
+    the server for the cores as a collector on the same machine does.
+
     A plain child interpreter, not a ``multiprocessing`` one: a spawned child re-runs the
     parent's ``__main__``, which in a test process may be a script that is gone."""
 
-    def __init__(self, start_s: float = 60.0) -> None:
+    def __init__(self, start_s: float = 60.0, idle: bool = True) -> None:
+        self.idle = idle
         self._proc = subprocess.Popen(
             [sys.executable, "-c", "from benchmarks.bench_tracing import receive_main; "
-                                   "receive_main()"],
+                                   f"receive_main(idle={idle!r})"],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = select.select([self._proc.stdout], [], [], start_s)[0]
         got = self._proc.stdout.readline().strip() if ready else f"no answer in {start_s:g} s"
@@ -498,6 +511,7 @@ def measure(url: str, db: Path, model: str, modes: Sequence[str], rounds: int, s
     rows, drops = _traces_in(db)
     return {"model": model, "clients": clients, "slice_s": slice_s, "rounds": done,
             "cores": os.cpu_count(), "modes": figures,
+            "receiver_idle": getattr(receiver, "idle", False),
             "traced": sum(m["traced"] for m in figures.values()),
             "trace_rows_at_start": rows_at_start, "trace_rows": rows - rows_at_start,
             "spans_at_start": spans_at_start, "spans_received": receiver.spans - spans_at_start,
@@ -560,8 +574,11 @@ def report(result: dict[str, Any]) -> None:
     for mode, m in modes.items():
         print(f"{mode:16s}" + "".join(f"{m['cpu_us'][p]:22.1f}" for p in parts)
               + f"{m['cpu_us_total']:9.1f}{m['share_of_bound']:16.0%}{m['receiver_us']:15.1f}")
-    print("(the OTLP receiver shares the machine's cores but is not in 'in all' nor in the "
-          "bound: a collector runs elsewhere in a deployment)")
+    print("(the OTLP receiver shares the machine's cores"
+          + (", in the idle CPU class: it takes only the CPU time serving leaves,"
+             if result.get("receiver_idle") else ", at normal priority,")
+          + " and is not in 'in all' nor in the bound: a collector runs elsewhere in a "
+          "deployment)")
     threads = sorted({t for m in modes.values() for t, us in m["threads_us"].items()
                       if us >= THREAD_SHOWN_US})
     if threads:
@@ -586,6 +603,10 @@ def main() -> None:
     ap.add_argument("--slice-s", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--model", default="mlp")
+    ap.add_argument("--receiver-normal", action="store_true",
+                    help="run the OTLP receiver at normal CPU priority, competing with the "
+                         "server for the cores (default: the idle class, as a collector "
+                         "elsewhere)")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
                     help="the modes to alternate, comma-separated (off always included)")
     args = ap.parse_args()
@@ -601,7 +622,7 @@ def main() -> None:
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}; the modes: {', '.join(MODES)}")
-    with Receiver() as receiver:
+    with Receiver(idle=not args.receiver_normal) as receiver:
         if args.side_by_side:
             side_by_side(args.side_by_side, args.rounds, args.slice_s, args.clients, args.model,
                          receiver)

@@ -5,6 +5,7 @@ through its gRPC generic handler."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import types
@@ -113,3 +114,11 @@ def test_the_receiver_answers_an_exporter_and_counts_its_spans(monkeypatch):
                 answer = export(request(shape), timeout=30)
                 assert answer == ExportTraceServiceResponse()
         assert receiver.spans == 10
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_receiver_runs_in_the_idle_class_unless_asked_not_to():
+    with Receiver() as idle, Receiver(idle=False) as normal:
+        assert idle.spans == 0 and normal.spans == 0  # both up and answering
+        assert os.sched_getscheduler(idle.pid) == os.SCHED_IDLE
+        assert os.sched_getscheduler(normal.pid) == os.SCHED_OTHER
