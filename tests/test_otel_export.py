@@ -359,6 +359,31 @@ def test_spans_lost_to_a_full_queue_are_counted_and_reported(monkeypatch):
     assert reports and reports[-1][1] == spans.dropped
 
 
+def plain(seq: int, first: int, n: int, spans: bool = True) -> tuple:
+    """A batch of ``n`` plain traces (``PLAIN_BATCH_FIELDS``), monotonic times."""
+    ids = otel.SpanIds()
+    members = [[first + i, None, 1.0, 1.001, 1.002, 1.01, 1.011,
+                ids.line() if spans else None, seq, None] for i in range(n)]
+    return ("m", "http", "ok", seq, 1.003, 1.004, 1.006, 1.008, 1.009, members)
+
+
+def test_batches_of_plain_traces_are_queued_whole_and_dropped_whole():
+    from batchscope.storage.records import TraceBatch
+    exporter = KeepingExporter()
+    spans = OtlpSpans("unused", "i", exporter=exporter, queue_max=40)
+    spans.batch(batch(1))
+    spans.batch(batch(2))
+    # more members than the queue holds: dropped whole, every span counted; then one that
+    # fits, and one with no member with spans (nothing queued)
+    spans.put_traces(TraceBatch("i", 1e9, [], [plain(1, 0, 50), plain(2, 50, 30),
+                                                plain(2, 80, 5, spans=False)]))
+    spans.close(timeout_s=60.0)
+    assert spans.dropped == 50 * 3
+    assert len(exporter.names) == spans.spans_out == 30 * 3 + 1
+    assert exporter.names.count("infer m") == 30 and exporter.names.count("batch m") == 1
+    assert spans.backlog() == 0.0
+
+
 def test_nvtx_ranges_never_raise_without_cuda(monkeypatch):
     monkeypatch.setenv(nvtx.ENV, "1")
     try:

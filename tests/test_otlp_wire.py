@@ -17,7 +17,8 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from runtime.engine.otel import BatchInfo, FinishedTrace, SpanBuilder
+from runtime.engine.otel import (BatchInfo, FinishedTrace, SpanBuilder, SpanIds, plain_finished,
+                                 plain_spans_of, spans_of)
 from runtime.engine.otlp_wire import Unsupported, WireSpan, encode_request, fast_grpc_exporter
 from tests.test_otel_export import GrpcReceiver, Received
 
@@ -86,6 +87,46 @@ def test_spans_written_at_once_are_the_bytes_of_the_sdk_s_spans():
     assert len(built[True]) == len(built[False])
     assert encode_request(built[True]) == encode_request(built[False])
     assert all(s.context.trace_flags.sampled for s in built[True])
+
+
+@pytest.mark.parametrize("wire", [True, False])
+def test_plain_traces_spans_are_those_of_their_finished_traces(wire):
+    """``SpanBuilder.plain_spans`` writes a batch of plain traces' spans straight from its
+    members: the same bytes (the same random ids) as ``spans`` of each member's
+    ``FinishedTrace`` (``plain_finished``), whatever times are missing or out of order,
+    with or without the batch's ``BatchInfo``; and as many as it says it makes."""
+    ids = SpanIds()
+    rng = random.Random(3)
+    cases = []
+    for seq in range(60):
+        t0 = 1000.0 + seq * 1e-3
+        members = []
+        for i in range(rng.randint(1, 9)):
+            t = t0 - rng.random() * 1e-3
+            members.append([seq * 10 + i, f"q{i}" if i % 3 == 0 else None,
+                            None if i % 4 == 1 else t - 1e-4, t - 5e-5 if i % 5 else None,
+                            t, t0 + 2e-3 if i % 6 else None, t0 + 2.1e-3 if i % 7 else None,
+                            ids.line() if i % 4 != 2 else None, seq, None])
+        started = None if seq % 11 == 5 else t0 - (1e-4 if seq % 5 == 0 else -1e-4)
+        batch = ("mlp", "http", (None, "ok", "error")[seq % 3], seq, started, t0 + 2e-4,
+                 t0 + 8e-4, None if seq % 13 == 1 else t0 + 9e-4, t0 + 1e-3, members)
+        info = BatchInfo(seq, "mlp", 1.7e9 + t0, 1.7e9 + t0 + 1e-3, len(members), 32,
+                         len(members), len(members), None, "dynamic", 1, "ok")
+        cases.append((batch, info if seq % 4 else None))
+    offset = 1.7e9
+    old, new = SpanBuilder(RESOURCE, "i-1", wire=wire), SpanBuilder(RESOURCE, "i-1", wire=wire)
+    random.seed(11)
+    expected = [s for batch, info in cases for t in plain_finished(batch, offset)
+                for s in old.spans(t, info)]
+    random.seed(11)
+    counted, made = 0, []
+    for batch, info in cases:
+        counted += new.plain_count(batch, info)
+        made += new.plain_spans(batch, offset, info)
+    assert len(made) == len(expected) == counted
+    assert encode_request(made) == encode_request(expected)
+    assert sum(map(plain_spans_of, (b for b, _ in cases))) == sum(
+        spans_of(t) for b, _ in cases for t in plain_finished(b, offset))
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -68,8 +68,8 @@ _BATCH_ID_B = BATCH_ID_HEADER.encode()
 
 #: a span is named by its answer's ``traceparent`` header line (``span_line``): the
 #: transport writes it as it is, and the ids are read back from it where spans are made
-_TRACE_ID_AT = slice(16, 48)
-_SPAN_ID_AT = slice(49, 65)
+TRACE_ID_AT = slice(16, 48)
+SPAN_ID_AT = slice(49, 65)
 _VALUE_AT = slice(13, 68)
 
 
@@ -82,7 +82,7 @@ def span_line(trace_id: int, span_id: int) -> bytes:
 
 def span_ids(span: bytes) -> tuple[int, int]:
     """(trace id, span id) of a span held as its ``span_line``."""
-    return int(span[_TRACE_ID_AT], 16), int(span[_SPAN_ID_AT], 16)
+    return int(span[TRACE_ID_AT], 16), int(span[SPAN_ID_AT], 16)
 
 
 def traceparent_bytes(span: bytes) -> bytes:

@@ -44,6 +44,7 @@ batch sizes from ``OTEL_BSP_*``; the resource from ``OTEL_SERVICE_NAME`` and
 
 from __future__ import annotations
 
+import binascii
 import collections
 import logging
 import os
@@ -56,7 +57,8 @@ import numpy as np
 
 from batchscope.storage.records import TRACE_FIELDS, wall_times
 from batchscope.threadnames import name_native
-from runtime.core.tracing import span_ids, span_line
+from runtime.core.tracing import (PLAIN_REQUEST_START, PLAIN_SPAN, SPAN_ID_AT, TRACE_ID_AT,
+                                  span_ids, span_line)
 
 log = logging.getLogger(__name__)
 
@@ -331,14 +333,7 @@ class SpanBuilder:
         out = []
         links: tuple = ()
         if batch is not None:
-            key = (batch.model, batch.seq)
-            ids = self.batch_spans.get(key)
-            if ids is None:
-                span, ids = self.batch_span(batch)
-                out.append(span)
-                self.batch_spans[key] = ids
-                while len(self.batch_spans) > BATCHES_KEPT:
-                    self.batch_spans.popitem(last=False)
+            ids = self._batch_ids(batch, out)
             links = ((*ids, {"batchscope.batch.id": batch.seq}),)
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": t.operation, "gen_ai.request.model": t.model,
@@ -379,58 +374,120 @@ class SpanBuilder:
         """``spans`` of a request model's trace written straight as ``WireSpan``s, the
         same bytes: what repeats (the constant attributes, a batch's attributes and its
         link) is written once and joined; the children share the request's id bytes."""
+        out: list = []
+        links, battrs = self._batch_blocks(batch, out) if batch is not None else (b"", b"")
+        self._wire_request(out, t.trace_id.to_bytes(16, "big"), t.span_id.to_bytes(8, "big"),
+                           t.parent_span_id, self._named(t.operation, t.model),
+                           self._outcome_block(t.outcome), t.outcome != "ok", t.start_at,
+                           t.end_at, t.request_id, t.queue_start_at, t.compute_start_at,
+                           t.compute_end_at, links, battrs)
+        return out
+
+    def plain_spans(self, batch: tuple, wall_offset_s: float, info: BatchInfo | None) -> list:
+        """The spans of the members with spans of a batch of plain traces (as
+        ``plain_finished`` takes it), in order: for each, ``spans(t, info)`` of its
+        ``FinishedTrace`` ``t``, the same spans (the same bytes, random ids drawn in the same
+        order). Written straight from the members where spans are written at once
+        (``wire``), without making their ``FinishedTrace``s; what the members share (the
+        batch's times and blocks, the name, the outcome) is read once."""
+        if not self.wire:
+            return [span for t in plain_finished(batch, wall_offset_s)
+                    for span in self.spans(t, info)]
+        model, _, outcome, _, started, input_end, output_start, ended, end, members = batch
+        out: list = []
+        links, battrs = self._batch_blocks(info, out) if info is not None else (b"", b"")
+        outcome = outcome or "error"
+        named, block = self._named("infer", model), self._outcome_block(outcome)
+        failed = outcome != "ok"
+        request, unhex = self._wire_request, binascii.unhexlify
+        for _, request_id, recv_start, recv_end, start, send_start, send_end, span, *_ in members:
+            if span is None:
+                continue
+            at = wall_times((recv_start, recv_end, start, start, started, input_end,
+                             output_start, ended, end, send_start, send_end), wall_offset_s)
+            begin = at[0] if at[0] is not None else at[2]
+            finish = at[10]
+            if finish is None:
+                finish = at[9] if at[9] is not None else at[8] if at[8] is not None else begin
+            request(out, unhex(span[TRACE_ID_AT]), unhex(span[SPAN_ID_AT]), None, named,
+                    block, failed, begin, finish, request_id, at[3], at[4], at[7], links,
+                    battrs)
+        return out
+
+    def _batch_blocks(self, batch: BatchInfo, out: list) -> tuple[bytes, bytes]:
+        """(the link to ``batch``'s span, its members' batch attributes), written once a
+        batch; the batch's span is appended to ``out`` when it is made (its first member)."""
         ow = self._ow
-        out = []
-        links = battrs = b""
-        if batch is not None:
-            seq = batch.seq
-            key = (batch.model, seq)
-            ids = self.batch_spans.get(key)
-            if ids is None:
-                span, ids = self.batch_span(batch)
-                out.append(span)
-                self.batch_spans[key] = ids
-                while len(self.batch_spans) > BATCHES_KEPT:
-                    self.batch_spans.popitem(last=False)
-            held = self._blocks.get(key)
-            if held is None or held[2] is not batch or held[3] != ids:
-                held = (ow.link_block(*ids, {"batchscope.batch.id": seq}), ow.attributes_block({
-                    "batchscope.batch.id": seq, "batchscope.batch.size": batch.size,
-                    "batchscope.batch.padded_size": batch.padded_elements,
-                    "batchscope.batch.bucket": -2 if batch.bucket is None else batch.bucket,
-                    "batchscope.batch.policy": batch.policy,
-                    "batchscope.batch.settings_version": batch.settings_version}), batch, ids)
-                self._blocks[key] = held
-                while len(self._blocks) > BATCHES_KEPT:
-                    self._blocks.popitem(last=False)
-            links, battrs = held[0], held[1]
-        named = self._heads.get((t.operation, t.model))
-        if named is None:  # (its name field, its constant attributes)
-            named = self._heads[(t.operation, t.model)] = (
-                ow.name_field(f"{t.operation} {t.model}"), ow.attributes_block(
-                    {"gen_ai.operation.name": t.operation, "gen_ai.request.model": t.model}))
-        outcome = self._outcomes.get(t.outcome)
-        if outcome is None:
-            outcome = self._outcomes[t.outcome] = ow.attributes_block(
-                {"batchscope.request.outcome": t.outcome,
+        seq = batch.seq
+        key = (batch.model, seq)
+        ids = self._batch_ids(batch, out)
+        held = self._blocks.get(key)
+        if held is None or held[2] is not batch or held[3] != ids:
+            held = (ow.link_block(*ids, {"batchscope.batch.id": seq}), ow.attributes_block({
+                "batchscope.batch.id": seq, "batchscope.batch.size": batch.size,
+                "batchscope.batch.padded_size": batch.padded_elements,
+                "batchscope.batch.bucket": -2 if batch.bucket is None else batch.bucket,
+                "batchscope.batch.policy": batch.policy,
+                "batchscope.batch.settings_version": batch.settings_version}), batch, ids)
+            self._blocks[key] = held
+            while len(self._blocks) > BATCHES_KEPT:
+                self._blocks.popitem(last=False)
+        return held[0], held[1]
+
+    def _batch_ids(self, batch: BatchInfo, out: list) -> tuple[int, int]:
+        """(trace id, span id) of ``batch``'s span, which is made and appended to ``out``
+        the first time (the newest ``BATCHES_KEPT`` batches' ids are kept)."""
+        key = (batch.model, batch.seq)
+        ids = self.batch_spans.get(key)
+        if ids is None:
+            span, ids = self.batch_span(batch)
+            out.append(span)
+            self.batch_spans[key] = ids
+            while len(self.batch_spans) > BATCHES_KEPT:
+                self.batch_spans.popitem(last=False)
+        return ids
+
+    def _named(self, operation: str, model: str) -> tuple[bytes, bytes]:
+        """A request span's name field and its constant attributes, written once."""
+        named = self._heads.get((operation, model))
+        if named is None:
+            ow = self._ow
+            named = self._heads[(operation, model)] = (
+                ow.name_field(f"{operation} {model}"), ow.attributes_block(
+                    {"gen_ai.operation.name": operation, "gen_ai.request.model": model}))
+        return named
+
+    def _outcome_block(self, outcome: str) -> bytes:
+        """A request span's attributes that follow its outcome, written once."""
+        block = self._outcomes.get(outcome)
+        if block is None:
+            block = self._outcomes[outcome] = self._ow.attributes_block(
+                {"batchscope.request.outcome": outcome,
                  "batchscope.instance.id": self.instance_id})
-        start, end = t.start_at, t.end_at
+        return block
+
+    def _wire_request(self, out: list, tid: bytes, mine: bytes, parent: int | None,
+                      named: tuple[bytes, bytes], outcome: bytes, failed: bool, start: float,
+                      end: float,
+                      request_id: str | None, queued: float | None, started: float | None,
+                      ended: float | None, links: bytes, battrs: bytes) -> None:
+        """Append a request span (trace id ``tid``, span id ``mine``, both as bytes) and its
+        ``queue`` and ``compute`` children to ``out`` as ``WireSpan``s; ``outcome`` its
+        ``_outcome_block``, ``failed`` whether its status is an error."""
+        ow = self._ow
         pack = ow.pack_double
         parts = [named[1], self._e2e, pack(end - start), outcome]
-        if t.request_id:
-            parts.append(ow.attributes_block({"batchscope.request.id": t.request_id}))
-        queued, started, ended = t.queue_start_at, t.compute_start_at, t.compute_end_at
+        if request_id:
+            parts.append(ow.attributes_block({"batchscope.request.id": request_id}))
         if queued is not None and started is not None:
             parts += (self._in_queue, pack(started - queued))
         parts.append(battrs)
-        parent = t.parent_span_id
-        tid, mine = t.trace_id.to_bytes(16, "big"), t.span_id.to_bytes(8, "big")
         wire_span, scope, resource = self._wire_span, self.scope, self.resource
         out.append(wire_span(ow.server_span(
             tid, mine, parent, parent is not None, named[0], _ns(start), _ns(max(end, start)),
-            b"".join(parts), links, t.outcome != "ok"), resource, scope))
+            b"".join(parts), links, failed), resource, scope))
         if queued is None and started is None:
-            return out
+            return
         child = ow.child_span
         if queued is not None:
             z = started if started is not None else end
@@ -441,12 +498,16 @@ class SpanBuilder:
             out.append(wire_span(child(tid, random.getrandbits(64) or 1, mine,
                                        self._compute_name, _ns(started), _ns(max(z, started))),
                                  resource, scope))
-        return out
 
     def count(self, t: FinishedTrace, batch: BatchInfo | None) -> int:
         """How many spans ``spans(t, batch)`` would make."""
         return int(batch is not None and (batch.model, batch.seq) not in self.batch_spans) \
             + spans_of(t)
+
+    def plain_count(self, batch: tuple, info: BatchInfo | None) -> int:
+        """How many spans ``plain_spans(batch, ..., info)`` would make."""
+        return int(info is not None and (info.model, info.seq) not in self.batch_spans) \
+            + plain_spans_of(batch)
 
     @staticmethod
     def _phases(t: FinishedTrace) -> list[tuple[str, float, float]]:
@@ -488,6 +549,21 @@ def spans_of(t: FinishedTrace) -> int:
     if t.compute_start_at is not None:
         n += 1 + _decoded(t)
     return n
+
+
+def plain_spans_of(batch: tuple) -> int:
+    """``spans_of`` summed over the members with spans of a batch of plain traces (as
+    ``plain_finished`` takes it; the batch's own span aside), counted from the members: a
+    member's ``queue`` span starts at its request's start, its ``compute`` span at the
+    batch's."""
+    started = batch[4] is not None
+    return sum(1 + (member[PLAIN_REQUEST_START] is not None) + started
+               for member in batch[-1] if member[PLAIN_SPAN] is not None)
+
+
+def plain_traces_of(batch: tuple) -> int:
+    """The members with spans of a batch of plain traces."""
+    return sum(member[PLAIN_SPAN] is not None for member in batch[-1])
 
 
 def report_drops(exporter: Any) -> None:
@@ -572,8 +648,12 @@ class OtlpSpans:
         self._room = _room_of(inner)
         self.endpoint = endpoint
         self.on_drops = on_drops
+        #: finished traces, and batches of plain traces ``(batch, wall offset, members)``
         self.queue: collections.deque = collections.deque()
         self.queue_max = queue_max
+        #: traces queued and taken by the span thread (each count written by one thread)
+        self._put = 0
+        self._taken = 0
         #: by (model, seq), as ``SpanBuilder.batch_spans``
         self.batches: collections.OrderedDict[tuple[str, int], BatchInfo] = \
             collections.OrderedDict()
@@ -599,10 +679,11 @@ class OtlpSpans:
 
     def put(self, trace: FinishedTrace) -> None:
         """Queue a finished trace for its spans; dropped (and counted) when full."""
-        if len(self.queue) >= self.queue_max:
+        if self._put - self._taken >= self.queue_max:
             self.dropped += spans_of(trace)
             return
         self.queue.append(trace)
+        self._put += 1
         if len(self.queue) == 1:
             self._wake.set()
 
@@ -611,9 +692,19 @@ class OtlpSpans:
         self.put(finished_from(raw, wall_offset_s))
 
     def put_plain(self, batch: tuple, wall_offset_s: float) -> None:
-        """``put`` of the members with spans of a batch of plain traces (``plain_finished``)."""
-        for trace in plain_finished(batch, wall_offset_s):
-            self.put(trace)
+        """Queue the members with spans of a batch of plain traces (as ``plain_finished``
+        takes it) as one entry: the span thread writes their spans together
+        (``SpanBuilder.plain_spans``). They are queued, or dropped and counted, together."""
+        members = plain_traces_of(batch)
+        if not members:
+            return
+        if self._put - self._taken + members > self.queue_max:
+            self.dropped += plain_spans_of(batch)
+            return
+        self.queue.append((batch, wall_offset_s, members))
+        self._put += members
+        if len(self.queue) == 1:
+            self._wake.set()
 
     def put_traces(self, record: Any) -> None:
         """``put_plain`` of each batch of plain traces of a ``TraceBatch`` (its other
@@ -637,20 +728,30 @@ class OtlpSpans:
 
     def _drain(self) -> None:
         room = self._room
+        builder, on_end = self.builder, self.processor.on_end
         while self.queue:
             t = self.queue.popleft()
-            with self.lock:
-                batch = self.batches.get((t.model, t.batch_seq)) \
-                    if t.batch_seq is not None else None
-            if room is not None:
-                wanted = self.builder.count(t, batch)
-                if room() < wanted and not self._wait_for_room(room, wanted):
-                    self.dropped += wanted
-                    continue
+            if type(t) is tuple:  # a batch of plain traces (``put_plain``)
+                plain, offset, members = t
+                self._taken += members
+                with self.lock:
+                    batch = self.batches.get((plain[0], plain[3]))
+                wanted = room is not None and builder.plain_count(plain, batch)
+            else:
+                self._taken += 1
+                with self.lock:
+                    batch = self.batches.get((t.model, t.batch_seq)) \
+                        if t.batch_seq is not None else None
+                wanted = room is not None and builder.count(t, batch)
+            if wanted and room() < wanted and not self._wait_for_room(room, wanted):
+                self.dropped += wanted
+                continue
             try:
-                for span in self.builder.spans(t, batch):
-                    self.processor.on_end(span)
-                    self.spans_out += 1
+                spans = builder.plain_spans(plain, offset, batch) if type(t) is tuple \
+                    else builder.spans(t, batch)
+                for span in spans:
+                    on_end(span)
+                self.spans_out += len(spans)
             except Exception:  # noqa: BLE001 - a bad trace must not stop the exporter
                 log.exception("could not build the spans of a trace")
 
@@ -668,7 +769,7 @@ class OtlpSpans:
     def backlog(self) -> float:
         """How full the span thread's queue is, 0..1 (the span process's priority
         follows it)."""
-        return len(self.queue) / self.queue_max
+        return (self._put - self._taken) / self.queue_max
 
     def _report(self) -> None:
         report_drops(self)

@@ -27,11 +27,11 @@ Messages: ``(batches, traces, raw traces, trace records, wall offset, backlog)``
 in ``BatchInfo`` and ``FinishedTrace`` field order, and traces as the tracer hands them
 over, monotonic, turned into ``FinishedTrace`` in the child by
 ``runtime.engine.otel.finished_from``; the tracer's ``TraceBatch`` records, whose batches
-of plain traces are the engine's booking's, their members' traces made by
-``runtime.engine.otel.plain_finished``: the database writer's process gets the same
-records, and each is pickled once, ``TraceBatch.packed``)
--> ``(spans handed to the processor, spans dropped)``; ``b"stop"`` -> the
-same counts once the child has exported what it holds (``close``'s timeout).
+of plain traces are the engine's booking's, their members' spans written straight from
+them, ``runtime.engine.otel.SpanBuilder.plain_spans``: the database writer's process gets
+the same records, and each is pickled once, ``TraceBatch.packed``) -> ``(spans handed to
+the processor, spans dropped)``; ``b"stop"`` -> the same counts once the child has
+exported what it holds (``close``'s timeout).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from batchscope import gctune
 from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_child
 from batchscope.threadnames import name_native
 from runtime.engine.otel import (QUEUE_MAX, BatchInfo, FinishedTrace, OtlpSpans, exporter_for,
-                                 finished_from, plain_finished, report_drops, spans_of)
+                                 finished_from, plain_spans_of, report_drops, spans_of)
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +108,7 @@ def _child_main(conn: Any, endpoint: str, instance_id: str, protocol: str | None
 
 def _spans_in(record: Any) -> int:
     """The spans of the plain traces with spans of a ``TraceBatch``."""
-    return sum(spans_of(t) for b in record.batches
-               for t in plain_finished(b, record.wall_offset_s))
+    return sum(map(plain_spans_of, record.batches))
 
 
 class SpanProcess:
@@ -201,8 +200,8 @@ class SpanProcess:
 
     def put_traces(self, record: Any) -> None:
         """``put`` of the plain traces with spans of a ``TraceBatch`` (its other traces
-        come through ``put_raw``), handed over as the record it is: ``plain_finished``
-        makes their traces in the child."""
+        come through ``put_raw``), handed over as the record it is: the child writes
+        their spans from it (``SpanBuilder.plain_spans``)."""
         plain = sum(len(b[-1]) for b in record.batches)
         if self._held() >= self.queue_max:
             self._dropped_here += _spans_in(record)
