@@ -467,10 +467,13 @@ def measure(url: str, db: Path, model: str, modes: Sequence[str], rounds: int, s
                 with CpuShare(server_pid) as cpu:
                     rep = run_load(url, model, concurrency=clients, duration_s=slice_s)
                 ended, receiving = time.time(), _cpu_s(receiver.pid) - receiving
-                settle(receiver, db)
+                with CpuShare(server_pid) as after:  # what the slice left to its processes
+                    settle(receiver, db)
                 (now,) = _metrics(http, TRACED)
                 slices[mode].append({
                     "report": rep, "cpu": cpu.summary(rep.ok),
+                    "after_us": (after.used["serving process"]
+                                 + after.used["its child processes"]) / max(rep.ok, 1) * 1e6,
                     "cores": {part: used / cpu.wall_s for part, used in cpu.used.items()},
                     "receiver_us": receiving / max(rep.ok, 1) * 1e6,
                     "batch": mean_batch_size(db, began, ended),
@@ -505,6 +508,7 @@ def measure(url: str, db: Path, model: str, modes: Sequence[str], rounds: int, s
             "share_of_bound": _median(s["cpu"]["share_of_cpu_bound"] for s in got),
             "cores_used": {p: _median(s["cores"][p] for s in got) for p in parts},
             "receiver_us": _median(s["receiver_us"] for s in got),
+            "after_us": _median(s["after_us"] for s in got),
             "requests": sum(r.ok for r in reps),
             "errors": sum(sum(r.errors_by_status.values()) for r in reps),
             "traced": int(sum(s["traced"] for s in got)), "spans": sum(s["spans"] for s in got)}
@@ -570,15 +574,18 @@ def report(result: dict[str, Any]) -> None:
     print("\nCPU per request (medians, microseconds): where each mode's cost goes")
     parts = list(modes["off"]["cpu_us"])
     print(f"{'mode':16s}" + "".join(f"{p:>22s}" for p in parts) + f"{'in all':>9s}"
-          f"{'share of bound':>16s}{'OTLP receiver':>15s}")
+          f"{'share of bound':>16s}{'OTLP receiver':>15s}{'after the slice':>17s}")
     for mode, m in modes.items():
         print(f"{mode:16s}" + "".join(f"{m['cpu_us'][p]:22.1f}" for p in parts)
-              + f"{m['cpu_us_total']:9.1f}{m['share_of_bound']:16.0%}{m['receiver_us']:15.1f}")
+              + f"{m['cpu_us_total']:9.1f}{m['share_of_bound']:16.0%}{m['receiver_us']:15.1f}"
+              + _num(m.get("after_us"), 17, 1))
     print("(the OTLP receiver shares the machine's cores"
           + (", in the idle CPU class: it takes only the CPU time serving leaves,"
              if result.get("receiver_idle") else ", at normal priority,")
           + " and is not in 'in all' nor in the bound: a collector runs elsewhere in a "
-          "deployment)")
+          "deployment; 'after the slice': the server's and its children's CPU while the "
+          "benchmark waited for them to go quiet, a request of the slice: work a slice left, "
+          "which a slice this short does not pay for and a steady load does)")
     threads = sorted({t for m in modes.values() for t, us in m["threads_us"].items()
                       if us >= THREAD_SHOWN_US})
     if threads:

@@ -101,6 +101,7 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
             "cpu_us_per_request": m["cpu_us"], "cpu_us_total": m["cpu_us_total"],
             "serving_threads_us": m["threads_us"], "cores_used": m["cores_used"],
             "receiver_us_per_request": m["receiver_us"],
+            "after_slice_us_per_request": m.get("after_us"),
             "requests": m["requests"], "errors": m["errors"], "traced": m["traced"],
             "spans": m["spans"]}
     keep = ("model", "clients", "slice_s", "rounds", "cores", "traced", "trace_rows",
