@@ -89,6 +89,29 @@ def test_spans_written_at_once_are_the_bytes_of_the_sdk_s_spans():
     assert all(s.context.trace_flags.sampled for s in built[True])
 
 
+def test_a_batch_of_two_resources_mixed_encodes_as_the_sdk_encodes_it():
+    """``encode_request`` takes a batch of one resource and scope in one pass, and groups
+    any other batch by resource and scope: spans of two resources interleaved, written at
+    once and as the SDK's, give the SDK's encoding of the SDK's spans."""
+    other = Resource.create({"service.name": "batchscope", "service.instance.id": "i-2"})
+    now = time.time()
+    built = {}
+    for wire in (False, True):
+        builders = [SpanBuilder(RESOURCE, "i-1", wire=wire), SpanBuilder(other, "i-2", wire=wire)]
+        random.seed(5)
+        built[wire] = [s for i in range(40) for s in builders[i % 3 == 0].spans(
+            FinishedTrace("mlp", "infer", 7 + i, 9 + i, None, now, now + 0.01, now + 0.001,
+                          now + 0.004, now + 0.009, "ok", i // 4),
+            BatchInfo(i // 4, "mlp", now + 0.004, now + 0.009, 4, 32, 4, 4, None, "dynamic",
+                      2, "ok"))]
+    assert all(type(s) is WireSpan for s in built[True])
+    same(built[False])
+    assert encode_request(built[True]) == encode_request(built[False])
+    one = [s for s in built[True] if s.resource is RESOURCE]  # one resource: one pass
+    assert ExportTraceServiceRequest.FromString(encode_request(one)) == encode_spans(
+        [s for s in built[False] if s.resource is RESOURCE])
+
+
 @pytest.mark.parametrize("wire", [True, False])
 def test_plain_traces_spans_are_those_of_their_finished_traces(wire):
     """``SpanBuilder.plain_spans`` writes a batch of plain traces' spans straight from its

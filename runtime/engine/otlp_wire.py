@@ -421,6 +421,10 @@ def _scope(scope: Any) -> bytes:
 def encode_request(spans: Sequence[Any]) -> bytes:
     """The ``ExportTraceServiceRequest`` of ``spans`` (``ReadableSpan``), serialized;
     raises ``Unsupported`` for a span it cannot write."""
+    pieces = _one_scope(spans)
+    if pieces is not None:  # the common batch: WireSpans of one resource and scope
+        first = spans[0]
+        return _resource_spans(first.resource, [(first.instrumentation_scope, pieces)])
     # grouped by identity: Resource.__hash__ writes its attributes as JSON on every call,
     # and a process has one resource and one scope
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
@@ -432,20 +436,51 @@ def encode_request(spans: Sequence[Any]) -> bytes:
         kept = held[1].get(id(scope))
         if kept is None:
             kept = held[1][id(scope)] = (scope, [])
-        kept[1].append(span.wire if type(span) is WireSpan else _span(span))
-    out = []
-    for resource, by_scope in groups.values():
-        body = [_field(b"\x0a", _resource(resource))]  # ResourceSpans.resource = 1
-        for scope, encoded in by_scope.values():
-            inner = [_field(b"\x0a", _scope(scope))]  # ScopeSpans.scope = 1
-            inner += (_field(b"\x12", s) for s in encoded)  # spans = 2
-            if scope is not None and scope.schema_url:
-                inner.append(_field(b"\x1a", scope.schema_url.encode()))
-            body.append(_field(b"\x12", b"".join(inner)))  # scope_spans = 2
-        if resource.schema_url:
-            body.append(_field(b"\x1a", resource.schema_url.encode()))
-        out.append(_field(b"\x0a", b"".join(body)))  # resource_spans = 1
-    return b"".join(out)
+        kept[1].append(_field(b"\x12", span.wire if type(span) is WireSpan else _span(span)))
+    return b"".join(_resource_spans(resource, list(by_scope.values()))
+                    for resource, by_scope in groups.values())
+
+
+#: the varints of lengths up to 16 kB, the lengths of spans
+_LENGTHS = [_varint(n) for n in range(0x4000)]
+
+
+def _one_scope(spans: Sequence[Any]) -> list[bytes] | None:
+    """The ``ScopeSpans.spans`` fields of ``spans``, as pieces to join, when every one is
+    a ``WireSpan`` of the first's resource and scope (the batches this module's builder
+    makes); else None. One pass, no grouping."""
+    if not spans or type(spans[0]) is not WireSpan:
+        return None
+    first = spans[0]
+    resource, scope = first.resource, first.instrumentation_scope
+    if not scope:
+        return None
+    pieces: list[bytes] = []
+    append, lengths = pieces.append, _LENGTHS
+    for span in spans:
+        if type(span) is not WireSpan or span.resource is not resource \
+                or span.instrumentation_scope is not scope:
+            return None
+        wire = span.wire
+        n = len(wire)
+        append(b"\x12")  # ScopeSpans.spans = 2
+        append(lengths[n] if n < 0x4000 else _varint(n))
+        append(wire)
+    return pieces
+
+
+def _resource_spans(resource: Any, scopes: list[tuple[Any, list[bytes]]]) -> bytes:
+    """One ``ExportTraceServiceRequest.resource_spans`` field: ``resource`` and, for each
+    (scope, its ``spans`` fields written already), a ``ScopeSpans``."""
+    body = [_field(b"\x0a", _resource(resource))]  # ResourceSpans.resource = 1
+    for scope, spans in scopes:
+        inner = [_field(b"\x0a", _scope(scope)), *spans]  # ScopeSpans.scope = 1
+        if scope is not None and scope.schema_url:
+            inner.append(_field(b"\x1a", scope.schema_url.encode()))
+        body.append(_field(b"\x12", b"".join(inner)))  # scope_spans = 2
+    if resource.schema_url:
+        body.append(_field(b"\x1a", resource.schema_url.encode()))
+    return _field(b"\x0a", b"".join(body))  # resource_spans = 1
 
 
 #: the gRPC method the OTLP trace exporter calls
