@@ -12,7 +12,7 @@ import pickle
 import pytest
 
 from batchscope.storage.db import make_engine
-from batchscope.storage.recorder import Recorder
+from batchscope.storage.recorder import Recorder, TeeRecorder
 from batchscope.storage.records import TRACE_FIELDS, ListRecorder, TraceBatch, TraceRow
 from runtime.core.clock import FakeClock
 from runtime.api.errors import QueueFull
@@ -319,6 +319,41 @@ def test_plain_traces_with_spans_reach_the_exporter_as_request_traces_would():
     asyncio.run(without_spans())
     assert len(exported.records) == 1 and len(recorder.records) == 7
     tracer.close()
+
+
+class Handed:
+    """A recorder that keeps the records it is handed, and says whether it would send
+    them to another process (``pickles_records``)."""
+
+    accepts_request_batches = True
+    dropped = 0
+
+    def __init__(self, pickles: bool) -> None:
+        self.pickles_records = pickles
+        self.records: list = []
+
+    def put(self, record) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("pickles", [True, False])
+def test_the_flush_packs_a_record_that_goes_to_another_process(pickles, tmp_path):
+    clock, recorder = FakeClock(), Handed(pickles)
+    tracer = Tracer(["m"], recorder, "i", clock)
+    tracer.plain_batch(plain_batch(clock, 1, 3)[0])  # no event loop: flushed at once
+    [record] = recorder.records
+    assert (record._packed is not None) == pickles
+    if pickles:  # the bytes of the record as it is
+        assert pickle.loads(pickle.dumps(record)).tuples() == record.tuples()
+    # the real recorder says so where its rows go to the database writer's process
+    for writer_process in (True, False):
+        real = Recorder(make_engine(f"sqlite:///{tmp_path}/{writer_process}.db"),
+                        writer_process=writer_process)
+        assert real.pickles_records == writer_process
+        real.close()
+    assert TeeRecorder(Handed(False), Handed(True)).pickles_records
+    assert not TeeRecorder(Handed(False), ListRecorder()).pickles_records
+    assert SpanProcess.pickles_records
 
 
 def test_a_trace_record_is_pickled_once_for_both_child_processes():

@@ -199,6 +199,11 @@ class Recorder:
         return len(self._buffer)
 
     @property
+    def pickles_records(self) -> bool:
+        """Whether the records go to another process (the database writer's), pickled."""
+        return self.process is not None
+
+    @property
     def healthy(self) -> bool:
         """False while the last write attempt failed."""
         return not self._failing
@@ -518,6 +523,10 @@ class TeeRecorder:
     @property
     def dropped(self) -> int:
         return sum(getattr(t, "dropped", 0) for t in self.targets)
+
+    @property
+    def pickles_records(self) -> bool:
+        return any(getattr(t, "pickles_records", False) for t in self.targets)
 
     def start(self) -> None:
         for target in self.targets:

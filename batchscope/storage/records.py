@@ -412,7 +412,8 @@ class RecorderLike(Protocol):
     offer ``put_many(records)`` (a list, kept in order) for the rows of one batch;
     ``put_many_of`` falls back to ``put`` for those that do not. One that sets
     ``accepts_request_batches = True`` is handed ``RequestBatch`` and ``TraceBatch``
-    records; others get their rows."""
+    records; others get their rows. One whose ``pickles_records`` is True sends them to
+    another process: a ``TraceBatch`` comes packed already (``TraceBatch.packed``)."""
 
     def put(self, record: Record) -> None: ...
 

@@ -167,6 +167,9 @@ class SpanProcess:
     def dropped(self) -> int:
         return self._dropped_here + self._dropped_there
 
+    #: the records it is handed go to the child process, pickled
+    pickles_records = True
+
     # -- on the event loop --------------------------------------------------------------
     def batch(self, info: BatchInfo) -> None:
         """Remember a batch that has a traced member (its span is made with the first)."""

@@ -21,8 +21,11 @@ booking stamps the batch it ran in, the transport its send times, and booking ha
 the batch's traced members to ``plain_batch`` together, once they are answered. Every
 ``flush`` hands what was kept to the recorder as one ``TraceBatch``; when a plain
 trace in it has spans, the span exporter gets the same record and makes spans of its
-plain members with spans (the record is pickled once, by whichever of the two child
-processes' senders takes it first).
+plain members with spans. Where either sends the record to a child process (the
+database writer's, the span process) it is pickled once, by ``flush``
+(``TraceBatch.packed``): 256 traces at a time, while they are in the cache, rather than
+all of half a second's at once on a sender thread, which held the event loop for
+milliseconds.
 
 A request that carries a W3C ``traceparent`` marked sampled (trace flags ``01``) is
 always traced, whatever the trace settings (also with ``trace_level`` OFF): its
@@ -367,12 +370,18 @@ class Tracer:
         if not pending and not batches:
             return
         batch = TraceBatch(self.instance_id, self.clock.to_wall(0.0), pending, batches)
+        otel = self._otel
+        spans = batches and otel is not None and _has_spans(batches)
+        if (self._batches and getattr(self.recorder, "pickles_records", False)) or (
+                spans and getattr(otel, "pickles_records", False)):
+            # pickled here, in a small piece while its traces are in the cache: by a
+            # sender thread, hundreds of these at once held the event loop for milliseconds
+            batch.packed()
         if self._batches:
             self.recorder.put(batch)
         else:
             put_many_of(self.recorder)(batch.rows())
-        otel = self._otel
-        if batches and otel is not None and _has_spans(batches):
+        if spans:
             otel.put_traces(batch)  # the same record: pickled once for both processes
 
     def close(self, timeout_s: float = 5.0) -> None:
