@@ -338,8 +338,10 @@ class TraceBatch:
 
     def packed(self) -> bytes:
         """This record pickled, made once: a record handed to two processes (the database
-        writer's and the span exporter's) is pickled by the first to send it and copied
-        as bytes by the second. Its lists must not change once it is handed over."""
+        writer's and the span exporter's) is pickled once and copied as bytes by both.
+        The tracer packs it as it hands it over (``Tracer.flush``), in a small piece while
+        its traces are in the cache; else the first thread to send it does. Its lists must
+        not change once it is handed over."""
         packed = self._packed
         if packed is None:
             with _PACKING:
