@@ -468,9 +468,9 @@ class SpanBuilder:
 
     def _wire_request(self, out: list, tid: bytes, mine: bytes, parent: int | None,
                       named: tuple[bytes, bytes], outcome: bytes, failed: bool, start: float,
-                      end: float,
-                      request_id: str | None, queued: float | None, started: float | None,
-                      ended: float | None, links: bytes, battrs: bytes) -> None:
+                      end: float, request_id: str | None, queued: float | None,
+                      started: float | None, ended: float | None, links: bytes,
+                      battrs: bytes) -> None:
         """Append a request span (trace id ``tid``, span id ``mine``, both as bytes) and its
         ``queue`` and ``compute`` children to ``out`` as ``WireSpan``s; ``outcome`` its
         ``_outcome_block``, ``failed`` whether its status is an error."""

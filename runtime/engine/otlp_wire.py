@@ -441,8 +441,8 @@ def encode_request(spans: Sequence[Any]) -> bytes:
                     for resource, by_scope in groups.values())
 
 
-#: the varints of lengths up to 16 kB, the lengths of spans
-_LENGTHS = [_varint(n) for n in range(0x4000)]
+#: the varints of lengths up to 2 kB, the lengths of almost every span
+_LENGTHS = [_varint(n) for n in range(0x800)]
 
 
 def _one_scope(spans: Sequence[Any]) -> list[bytes] | None:
@@ -464,7 +464,7 @@ def _one_scope(spans: Sequence[Any]) -> list[bytes] | None:
         wire = span.wire
         n = len(wire)
         append(b"\x12")  # ScopeSpans.spans = 2
-        append(lengths[n] if n < 0x4000 else _varint(n))
+        append(lengths[n] if n < 0x800 else _varint(n))
         append(wire)
     return pieces
 

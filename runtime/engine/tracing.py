@@ -374,9 +374,7 @@ class Tracer:
         spans = batches and otel is not None and _has_spans(batches)
         if (self._batches and getattr(self.recorder, "pickles_records", False)) or (
                 spans and getattr(otel, "pickles_records", False)):
-            # pickled here, in a small piece while its traces are in the cache: by a
-            # sender thread, hundreds of these at once held the event loop for milliseconds
-            batch.packed()
+            batch.packed()  # here, in a small piece (module doc)
         if self._batches:
             self.recorder.put(batch)
         else:
