@@ -505,6 +505,9 @@ def measure(url: str, db: Path, model: str, modes: Sequence[str], rounds: int, s
             "threads_us": {t: _median(s["cpu"]["serving_threads_us"].get(t, 0.0) for s in got)
                            for t in sorted({t for s in got
                                             for t in s["cpu"]["serving_threads_us"]})},
+            "children_us": {c: _median(s["cpu"]["children_us"].get(c, 0.0) for s in got)
+                            for c in sorted({c for s in got
+                                             for c in s["cpu"]["children_us"]})},
             "share_of_bound": _median(s["cpu"]["share_of_cpu_bound"] for s in got),
             "cores_used": {p: _median(s["cores"][p] for s in got) for p in parts},
             "receiver_us": _median(s["receiver_us"] for s in got),
@@ -594,6 +597,14 @@ def report(result: dict[str, Any]) -> None:
         for mode, m in modes.items():
             print(f"{mode:16s}" + "".join(f"{m['threads_us'].get(t, 0.0):17.2f}"
                                           for t in threads))
+    children = sorted({c for m in modes.values() for c, us in m.get("children_us", {}).items()
+                       if us >= THREAD_SHOWN_US})
+    if children:
+        print("\nIts child processes, by child (medians, microseconds a request)")
+        print(f"{'mode':16s}" + "".join(f"{c:>17s}" for c in children))
+        for mode, m in modes.items():
+            print(f"{mode:16s}" + "".join(f"{m['children_us'].get(c, 0.0):17.2f}"
+                                          for c in children))
     print(f"traced requests {result['traced']:,} (request_traces rows {result['trace_rows']:,}), "
           f"spans received {result['spans_received']:,}, spans dropped (reported) "
           f"{result['spans_dropped']:,}")

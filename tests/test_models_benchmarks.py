@@ -116,14 +116,16 @@ def test_bench_adapters_runs_every_scenario(capsys):
 
 def test_cpu_share_reads_a_process_tree_and_works_out_the_bound():
     """The CPU of a server's children is counted (a child that does a fixed amount of
-    work and then waits, under a parent that only waits), and the bound follows from the
-    CPU per request."""
+    work and then waits, under a parent that only waits), by child too, and the bound
+    follows from the CPU per request."""
     import subprocess
     import sys
 
     from benchmarks.cpu_share import CpuShare, tree_cpu_s
 
-    child = "import sys; sum(range(20_000_000)); print('done', flush=True); sys.stdin.read()"
+    child = ("import sys; from batchscope.threadnames import name_native; "
+             "name_native('batchscope-summer'); sum(range(20_000_000)); "
+             "print('done', flush=True); sys.stdin.read()")
     parent = subprocess.Popen([sys.executable, "-c",
                                f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -133,6 +135,8 @@ def test_cpu_share_reads_a_process_tree_and_works_out_the_bound():
             assert len(tree_cpu_s(parent.pid)) == 2
         assert cpu.used["its child processes"] > 0.05  # 20M additions: about a second
         assert cpu.used["its child processes"] > 5 * cpu.used["serving process"]
+        # split by child, by the name it gave itself (``batchscope.threadnames``)
+        assert cpu.children["summer"] == pytest.approx(cpu.used["its child processes"])
     finally:
         parent.stdin.close()
         parent.wait(30)
