@@ -121,16 +121,19 @@ def test_plain_traces_spans_are_those_of_their_finished_traces(wire):
     ids = SpanIds()
     rng = random.Random(3)
     cases = []
-    for seq in range(60):
+    for seq in range(200):
         t0 = 1000.0 + seq * 1e-3
         members = []
         for i in range(rng.randint(1, 9)):
             t = t0 - rng.random() * 1e-3
+            sent = t0 + rng.uniform(8e-4, 2e-3)  # some before the batch's answer (t0 + 1 ms)
             members.append([seq * 10 + i, f"q{i}" if i % 3 == 0 else None,
-                            None if i % 4 == 1 else t - 1e-4, t - 5e-5 if i % 5 else None,
-                            t, t0 + 2e-3 if i % 6 else None, t0 + 2.1e-3 if i % 7 else None,
+                            None if i % 4 == 1 else t - 1e-4,
+                            t - rng.uniform(-2e-5, 5e-5) if i % 5 else None,
+                            t, sent if i % 6 else None,
+                            sent + rng.uniform(-2e-5, 1e-4) if i % 7 else None,
                             ids.line() if i % 4 != 2 else None, seq, None])
-        started = None if seq % 11 == 5 else t0 - (1e-4 if seq % 5 == 0 else -1e-4)
+        started = None if seq % 11 == 5 else t0 - rng.uniform(-1e-4, 3e-4)
         batch = ("mlp", "http", (None, "ok", "error")[seq % 3], seq, started, t0 + 2e-4,
                  t0 + 8e-4, None if seq % 13 == 1 else t0 + 9e-4, t0 + 1e-3, members)
         info = BatchInfo(seq, "mlp", 1.7e9 + t0, 1.7e9 + t0 + 1e-3, len(members), 32,

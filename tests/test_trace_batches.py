@@ -220,6 +220,37 @@ def test_plain_traces_give_the_rows_of_the_same_request_traces():
     assert record.model_protocols() == {("m", "http"): 4}
 
 
+def test_plain_rows_put_any_member_s_times_in_order_as_a_trace_row_does():
+    """``TraceBatch.tuples`` takes a member whose times come in order around its batch's
+    as they are and puts any other member's in order one by one: every row is the row a
+    ``RequestTrace`` with the same times gives (``wall_times`` over its timeline), whatever
+    times are missing or out of order, the batch's own included."""
+    import random
+
+    from batchscope.storage.records import wall_times
+
+    rng = random.Random(5)
+    offset, batches, expected = 1.7e9, [], []
+    for seq in range(200):
+        t0 = 1000.0 + seq * 1e-3
+        shared = [None if rng.random() < 0.15 else t0 + d + rng.uniform(-2e-4, 2e-4)
+                  for d in (1e-4, 2e-4, 5e-4, 8e-4, 1e-3)]
+        members = []
+        for i in range(rng.randint(1, 6)):
+            start = t0 - rng.uniform(-2e-4, 1e-3)
+            recv = [None if rng.random() < 0.1 else start - rng.uniform(-1e-5, 1e-4),
+                    None if rng.random() < 0.1 else start - rng.uniform(-1e-5, 5e-5)]
+            send = [None if rng.random() < 0.1 else t0 + rng.uniform(8e-4, 2e-3)]
+            send.append(None if rng.random() < 0.1 else (send[0] or t0) + rng.uniform(-1e-5, 1e-4))
+            members.append((seq * 10 + i, f"r{i}" if i % 2 else None, *recv, start, *send, None))
+            at = wall_times((*recv, start, start, *shared, *send), offset)
+            expected.append(("i", "m", seq * 10 + i, "http", "ok", at[2], at[8],
+                             f"r{i}" if i % 2 else None, seq, at[0], at[1], at[3], at[4],
+                             at[5], at[6], at[7], at[9], at[10], None, None))
+        batches.append(("m", "http", "ok", seq, *shared, members))
+    assert TraceBatch("i", offset, [], batches).tuples() == expected
+
+
 def test_plain_batches_are_kept_and_flushed_with_the_other_traces(monkeypatch):
     monkeypatch.setattr(tracing, "FLUSH_EVERY", 5)
     clock, recorder = FakeClock(), ListRecorder()

@@ -378,8 +378,25 @@ class TraceBatch:
                         at[10], w3c_trace, w3c_parent))
         for (model, protocol, outcome, batch_seq, compute_start, input_end, output_start,
              compute_end, request_end, members) in self.batches:
+            # the batch's own times, put in order once; a member whose times come in
+            # order before and after them (the common case) needs nothing put in order
+            shared = wall_times((compute_start, input_end, output_start, compute_end,
+                                 request_end), 0.0)
+            known = [t for t in shared if t is not None]
+            first, last = (known[0], known[-1]) if known else (None, None)
+            c0, c1, c2, c3, c4 = (None if t is None else t + off for t in shared)
             for trace_id, request_id, recv_start, recv_end, request_start, send_start, \
                     send_end in map(_MEMBER_TIMES, members):
+                if recv_start is not None and recv_end is not None and send_start is not None \
+                        and send_end is not None \
+                        and recv_start <= recv_end <= request_start <= (
+                            request_start if first is None else first) \
+                        and (request_start if last is None else last) <= send_start <= send_end:
+                    start = request_start + off
+                    out.append((inst, model, trace_id, protocol, outcome, start, c4,
+                                request_id, batch_seq, recv_start + off, recv_end + off, start,
+                                c0, c1, c2, c3, send_start + off, send_end + off, None, None))
+                    continue
                 at = wall_times((recv_start, recv_end, request_start, request_start,
                                  compute_start, input_end, output_start, compute_end,
                                  request_end, send_start, send_end), off)

@@ -400,9 +400,44 @@ class SpanBuilder:
         named, block = self._named("infer", model), self._outcome_block(outcome)
         failed = outcome != "ok"
         request, unhex = self._wire_request, binascii.unhexlify
+        shared = self._shared_times(batch) if started is not None and ended is not None \
+            else None
+        if shared is not None:  # the common batch: its members' spans joined from parts
+            ow, rand, wire_span = self._ow, random.getrandbits, self._wire_span
+            resource, scope, pack, pack64 = self.resource, self.scope, ow.pack_double, \
+                ow.pack_fixed64
+            id_head, span_head, parent_head = ow.ID_HEAD, ow.SPAN_HEAD, ow.PARENT_HEAD
+            last, started_w, server_head, attrs_head, server_end, queue_head, queue_end, \
+                compute_parts = self._batch_parts(shared, wall_offset_s, named, links, battrs,
+                                                  failed)
+            in_queue = self._in_queue
         for _, request_id, recv_start, recv_end, start, send_start, send_end, span, *_ in members:
             if span is None:
                 continue
+            if shared is not None and recv_start is not None and recv_end is not None \
+                    and send_start is not None and send_end is not None \
+                    and recv_start <= recv_end <= start <= started \
+                    and last <= send_start <= send_end:
+                # nothing of this member's to put in order (``wall_times``): its times are
+                # as recorded, its batch's shared; the same bytes as ``_wire_request``'s
+                begin, finish, queued = (recv_start + wall_offset_s, send_end + wall_offset_s,
+                                         start + wall_offset_s)
+                begin_ns, finish_ns = int(begin * 1e9), int(finish * 1e9)
+                if begin_ns and finish_ns:
+                    tid, mine = unhex(span[TRACE_ID_AT]), unhex(span[SPAN_ID_AT])
+                    out.append(wire_span(b"".join((
+                        id_head, tid, span_head, mine, server_head, pack64(begin_ns), ow.END_HEAD,
+                        pack64(finish_ns), attrs_head, pack(finish - begin), block,
+                        ow.attributes_block({"batchscope.request.id": request_id})
+                        if request_id else b"", in_queue, pack(started_w - queued),
+                        server_end)), resource, scope))
+                    out.append(wire_span(b"".join((
+                        id_head, tid, span_head, (rand(64) or 1).to_bytes(8, "big"), parent_head,
+                        mine, queue_head, pack64(int(queued * 1e9)), queue_end)), resource, scope))
+                    out.append(wire_span(b"".join((
+                        id_head, tid, span_head, (rand(64) or 1).to_bytes(8, "big"), parent_head,
+                        mine, compute_parts)), resource, scope))
+                    continue
             at = wall_times((recv_start, recv_end, start, start, started, input_end,
                              output_start, ended, end, send_start, send_end), wall_offset_s)
             begin = at[0] if at[0] is not None else at[2]
@@ -413,6 +448,33 @@ class SpanBuilder:
                     block, failed, begin, finish, request_id, at[3], at[4], at[7], links,
                     battrs)
         return out
+
+    @staticmethod
+    def _shared_times(batch: tuple) -> tuple[list, float] | None:
+        """The times a batch of plain traces gives all its members (compute start, inputs
+        ready, outputs taken, compute end, answered), each put no earlier than the one
+        before (``wall_times``, offset 0), and the last of them."""
+        shared = wall_times(batch[4:9], 0.0)
+        last = next(t for t in reversed(shared) if t is not None)
+        return shared, last
+
+    def _batch_parts(self, shared: tuple[list, float], offset_s: float, named: tuple,
+                     links: bytes, battrs: bytes, failed: bool) -> tuple:
+        """What ``plain_spans`` writes once a batch for its members whose times need no
+        putting in order: (the shared times' last, monotonic; the compute start, wall
+        clock; the parts of the request span before its start,
+        its attributes before ``e2e``'s value and what follows its attributes; the
+        ``queue`` span's parts before its start and after it; the ``compute`` span's
+        after its parent)."""
+        ow = self._ow
+        times, last = shared
+        started_w, ended_w = times[0] + offset_s, times[3] + offset_s
+        started_b = ow.pack_fixed64(int(started_w * 1e9))
+        return (last, started_w, ow.server_head(named[0]), named[1] + self._e2e,
+                battrs + ow.server_end(links, failed), ow.child_head(self._queue_name),
+                ow.END_HEAD + started_b + ow.CHILD_END,
+                ow.child_head(self._compute_name) + started_b + ow.END_HEAD
+                + ow.pack_fixed64(int(ended_w * 1e9)) + ow.CHILD_END)
 
     def _batch_blocks(self, batch: BatchInfo, out: list) -> tuple[bytes, bytes]:
         """(the link to ``batch``'s span, its members' batch attributes), written once a

@@ -332,6 +332,32 @@ def child_span(trace_id: bytes, span_id: int, parent: bytes, name: str | bytes, 
                      b"\x41", _PACK_FIXED64(end_ns), _UNSET, _CHILD_FLAGS))
 
 
+#: the parts ``child_span`` and ``server_span`` write around what changes from span to
+#: span, for a writer that joins a batch's spans itself (``SpanBuilder.plain_spans``):
+#: ``ID_HEAD`` trace id ``SPAN_HEAD`` span id [``PARENT_HEAD`` parent id], then
+#: ``child_head(name)`` (or ``server_head``) start ``END_HEAD`` end, then a child's
+#: ``CHILD_END`` (a server span's attributes and ``server_end``)
+ID_HEAD, SPAN_HEAD, PARENT_HEAD, END_HEAD = b"\x0a\x10", b"\x12\x08", b"\x22\x08", b"\x41"
+#: a time's eight bytes, as they follow ``child_head``/``server_head`` and ``END_HEAD``
+pack_fixed64 = _PACK_FIXED64
+
+
+def child_head(named: bytes) -> bytes:
+    """An ``INTERNAL`` span's name (``name_field``) and kind, up to its start time."""
+    return named + _INTERNAL + b"\x39"
+
+
+def server_head(named: bytes) -> bytes:
+    """A ``SERVER`` span's name (``name_field``) and kind, up to its start time."""
+    return named + _SERVER + b"\x39"
+
+
+def server_end(links: bytes, error: bool) -> bytes:
+    """What follows a ``SERVER`` span's attributes: its links (``link_block``), status
+    and flags, under a local parent or none."""
+    return links + (_ERROR if error else _UNSET) + _CHILD_FLAGS
+
+
 def server_span(trace_id: bytes, span_id: bytes, parent_span_id: int | None,
                 parent_remote: bool, named: bytes, start_ns: int, end_ns: int,
                 attributes: bytes, links: bytes, error: bool) -> bytes:
@@ -385,6 +411,7 @@ _CHILD_FLAGS = b"\x85\x01" + _LOCAL_FLAGS
 _REMOTE_CHILD_FLAGS = b"\x85\x01" + _REMOTE_FLAGS
 _INTERNAL = b"\x30" + _SMALL[_KIND[0]]  # Span.kind of the SDK's SpanKind.INTERNAL (0)
 _SERVER = b"\x30" + _SMALL[_KIND[1]]  # and of SpanKind.SERVER (1)
+CHILD_END = _UNSET + _CHILD_FLAGS
 _resources: dict[int, tuple[Any, bytes]] = {}
 _scopes: dict[int, tuple[Any, bytes]] = {}
 
