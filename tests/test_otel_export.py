@@ -359,6 +359,38 @@ def test_spans_lost_to_a_full_queue_are_counted_and_reported(monkeypatch):
     assert reports and reports[-1][1] == spans.dropped
 
 
+def test_spans_handed_to_the_processor_together_queue_as_one_by_one():
+    """``_emit_all`` puts a list of spans into the SDK's batch processor's queue as its
+    ``on_end`` of each would: the same queue, the oldest pushed out past its bound and
+    counted as dropped, its exporting thread woken once a batch is waiting."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from runtime.engine.otlp_wire import WireSpan
+
+    made = [WireSpan(bytes([i]), None, None) for i in range(30)]
+    seen = []
+    for together in (False, True):
+        processor = BatchSpanProcessor(KeepingExporter(), max_queue_size=16,
+                                       max_export_batch_size=8,
+                                       schedule_delay_millis=3_600_000)
+        inner, dropped = processor._batch_processor, []
+        inner._metrics = otel._DropCounter(inner._metrics, dropped.append)
+        # its thread waits on the event it has; this one records the wake-ups alone
+        waiting, inner._worker_awaken = inner._worker_awaken, threading.Event()
+        emit = otel._emit_all(processor)
+        assert emit.__name__ == "emit"  # this SDK shows its queue: one step a list
+        woken = []
+        for i in range(0, 30, 7):
+            (emit if together else lambda spans: [processor.on_end(s) for s in spans])(
+                made[i:i + 7])
+            woken.append(inner._worker_awaken.is_set())
+        seen.append(([s.wire for s in inner._queue], sum(dropped), woken))
+        inner._worker_awaken = waiting
+        processor.shutdown()
+    assert seen[0] == seen[1]
+    assert seen[1][1] == 14 and seen[1][2] == [False, True, True, True, True]
+
+
 def plain(seq: int, first: int, n: int, spans: bool = True) -> tuple:
     """A batch of ``n`` plain traces (``PLAIN_BATCH_FIELDS``), monotonic times."""
     ids = otel.SpanIds()

@@ -685,6 +685,42 @@ def _room_of(processor: Any) -> Callable[[], int] | None:
     return lambda: bound - len(queue)
 
 
+def _emit_all(processor: Any) -> Callable[[list], None]:
+    """``processor.on_end`` of each span of a list, in one step where the SDK's batch
+    processor shows its queue: the spans go into the same queue, under the same bound
+    (what does not fit pushes out the oldest, counted as dropped) and wake its exporting
+    thread as ``emit`` does, without a Python call and an ``os.getpid`` a span (0.47 us a
+    span, a third of the span thread's work). Span by span where this SDK's processor is
+    made otherwise, shut down, or inherited by a forked process (``on_end`` handles
+    those)."""
+    on_end = processor.on_end
+    inner = getattr(processor, "_batch_processor", None)
+    queue = getattr(inner, "_queue", None)
+
+    def each(spans: list) -> None:
+        for span in spans:
+            on_end(span)
+
+    if type(queue) is not collections.deque or queue.maxlen is None or not all(
+            hasattr(inner, name) for name in ("_shutdown", "_pid", "_metrics",
+                                              "_max_export_batch_size", "_worker_awaken")):
+        return each
+    bound, awake = queue.maxlen, inner._worker_awaken
+
+    def emit(spans: list) -> None:
+        if inner._shutdown or inner._pid != os.getpid():
+            each(spans)
+            return
+        over = len(queue) + len(spans) - bound
+        if over > 0:
+            log.warning("the span processor's queue is full: %d spans dropped", over)
+            inner._metrics.drop_items(over)
+        queue.extendleft(spans)
+        if len(queue) >= inner._max_export_batch_size and not awake.is_set():
+            awake.set()
+    return emit
+
+
 class OtlpSpans:
     """The span thread, the SDK's ``BatchSpanProcessor`` and the exporter (module doc)."""
 
@@ -708,6 +744,7 @@ class OtlpSpans:
         #: would not fit is dropped before its spans are built (building them, and the
         #: processor turning each away with a log record, cost more than sending one)
         self._room = _room_of(inner)
+        self._emit = _emit_all(self.processor)
         self.endpoint = endpoint
         self.on_drops = on_drops
         #: finished traces, and batches of plain traces ``(batch, wall offset, members)``
@@ -790,7 +827,7 @@ class OtlpSpans:
 
     def _drain(self) -> None:
         room = self._room
-        builder, on_end = self.builder, self.processor.on_end
+        builder, emit = self.builder, self._emit
         while self.queue:
             t = self.queue.popleft()
             if type(t) is tuple:  # a batch of plain traces (``put_plain``)
@@ -811,8 +848,7 @@ class OtlpSpans:
             try:
                 spans = builder.plain_spans(plain, offset, batch) if type(t) is tuple \
                     else builder.spans(t, batch)
-                for span in spans:
-                    on_end(span)
+                emit(spans)
                 self.spans_out += len(spans)
             except Exception:  # noqa: BLE001 - a bad trace must not stop the exporter
                 log.exception("could not build the spans of a trace")
