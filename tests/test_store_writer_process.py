@@ -70,33 +70,6 @@ def test_rows_arrive_exactly_through_the_child(db):
     assert rec.dropped == 0 and rec.written == 790
 
 
-def test_a_flush_is_one_message_and_a_failed_group_costs_only_its_rows(db):
-    """Every record type of a flush goes to the child in one message, each written in a
-    transaction of its own: a type the database refuses (its table gone) is dropped and
-    counted, the others are written, and the child stays."""
-    rec = Recorder(db, max_rows_per_flush=10_000, writer_process=True)
-    rec.put(request(0))
-    assert rec.flush() == 1  # the child is up
-    messages = []
-    send = rec.process.insert_groups
-
-    def counted(groups):
-        messages.append([cls for cls, _ in groups])
-        return send(groups)
-
-    rec.process.insert_groups = counted
-    with db.begin() as conn:
-        conn.exec_driver_sql("DROP TABLE batches")
-    rec.put_many([request(i) for i in range(1, 31)])
-    for i in range(5):
-        rec.put(batch(i))
-    assert rec.flush() == 30
-    assert messages == [[RequestRow, BatchRow]]
-    assert rec.dropped_by_kind == {"batches": 5} and not rec.healthy
-    assert count(db, RequestRecord) == 31 and rec.process.starts == 1
-    rec.close()
-
-
 def test_writer_thread_and_child_together(db):
     rec = Recorder(db, flush_interval_s=0.01, max_rows_per_flush=500, writer_process=True)
     rec.start()

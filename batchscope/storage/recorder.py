@@ -332,14 +332,9 @@ class Recorder:
         return written
 
     def _write_each(self, groups: dict[type, list]) -> int:
-        if self.process is not None:  # every group in one message (writer_process doc)
+        if self.process is not None:
             self.process.backlog = len(self._buffer) / self.buffer_size
-            try:
-                errors: list = self.process.insert_groups(list(groups.items()))
-            except Exception as exc:  # the child did not start, answer or live: all lost
-                errors = [exc] * len(groups)
-            return sum(self._booked(cls, group, error)
-                       for (cls, group), error in zip(groups.items(), errors))
+            return sum(self._write(cls, group, self.process.insert) for cls, group in groups.items())
         inserts = self._inserts
         if not inserts.sqlite:
             return sum(self._write(cls, group, inserts.insert_core) for cls, group in groups.items())
@@ -360,19 +355,13 @@ class Recorder:
         return written
 
     def _write(self, cls: type, group: list, insert_rows: Callable[[type, list], None]) -> int:
+        kind = KIND_OF[cls]
+        n = rows_in(cls, group)
         try:
             insert_rows(cls, group)
         except Exception as exc:  # the database is down, locked, full...: drop, count, back off
-            return self._booked(cls, group, exc)
-        return self._booked(cls, group, None)
-
-    def _booked(self, cls: type, group: list, error: BaseException | None) -> int:
-        """Count a group's rows written (``error`` None) or dropped; the rows written."""
-        kind = KIND_OF[cls]
-        n = rows_in(cls, group)
-        if error is not None:
             self._count_write_drops(cls, n)
-            self._note_failure(type(error).__name__, f"writing {n} {kind} rows failed: {error}")
+            self._note_failure(type(exc).__name__, f"writing {n} {kind} rows failed: {exc}")
             return 0
         self.written += n
         self.written_by_kind[kind] = self.written_by_kind.get(kind, 0) + n

@@ -23,18 +23,11 @@ While the recorder's buffer fills up (``URGENT_BACKLOG``) the child leaves
 ``SCHED_IDLE`` for a normal policy at ``nice`` 10 and returns once it has caught up, so
 a machine whose CPUs are never idle still gets its rows written.
 
-One message a flush: ``([(type name, tuples), ...], backlog)`` -> ``b"ok"`` + the
-child's priority when every group was written, else a pickled list with, for each
-group, None (written) or ``(exception name, message)``. Each group is its own
-transaction, as in the recorder's thread. One message rather than one per record type:
-each answer wakes the recorder's thread, which then takes the interpreter lock from the
-event loop, and on a machine whose cores serving fills the loop waits for that thread
-to be scheduled (with every request traced a flush carried three types, and its three
-answers were three such waits). A group's failure is a ``RemoteWriteError`` for it
-(``insert_groups``; ``insert`` raises it), which the recorder treats like any database
-failure (rows dropped and counted, back off). A child that dies or does not answer
-within ``reply_timeout_s`` is stopped and every group's rows counted as dropped; the
-next write starts a new one.
+One message per record type and flush: ``(type name, tuples, backlog)`` -> ``b"ok"`` +
+the child's priority, or a pickled ``(exception name, message)``. A failure raises ``RemoteWriteError`` in the parent,
+which the recorder treats like any database failure (rows dropped and counted, back
+off). A child that dies or does not answer within ``reply_timeout_s`` is stopped and
+its rows counted as dropped; the next write starts a new one.
 
 The child opens the database without creating anything (``make_engine(create=False)``):
 when the SQLite file is deleted under it, the recorder (in the parent) notices, creates
@@ -79,7 +72,7 @@ class RemoteWriteError(Exception):
 
 
 def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = None) -> None:
-    """Receive ``(groups, backlog)``, insert each group, answer; until told to stop or
+    """Receive ``(type name, rows, backlog)``, insert, answer; until told to stop or
     orphaned. Started by ``spawn_child``, which has set the CPU priority already."""
     prio = BacklogPriority(child_priority(), nice, URGENT_BACKLOG, CALM_BACKLOG)
     from batchscope.storage.db import make_engine
@@ -106,41 +99,33 @@ def _child_main(conn: Any, url: str, nice: int, busy_timeout_ms: int | None = No
         if msg == _STOP:
             break
         try:
-            groups, backlog = pickle.loads(msg)
-        except Exception as exc:  # noqa: BLE001 - a bad message: every group failed
-            conn.send_bytes(pickle.dumps([(type(exc).__name__, str(exc)[:500])]))
-            continue
-        prio.follow(backlog)
-        failed: list = []
-        for name, rows in groups:
+            name, rows, backlog = pickle.loads(msg)
+            prio.follow(backlog)
+            if name in batched:  # one record per many rows: its rows, built here
+                cls = batched[name]
+                rows = list(chain.from_iterable(b.tuples() for b in rows))
+            else:
+                cls = classes[name]
+            if inserts.sqlite:
+                if raw is None:
+                    raw = engine.raw_connection()
+                inserts.insert_sqlite(raw, cls, rows, tuples=True)
+            else:
+                inserts.insert_core(cls, rows, tuples=True)
+            prio.observe()  # a starved write may have been given a fair share meanwhile
+            conn.send_bytes(_OK + prio.state.encode())
+        except Exception as exc:  # database failure: tell the parent, start clean
+            if raw is not None:
+                try:
+                    if raw.is_valid:
+                        raw.invalidate()
+                except Exception:
+                    pass
+                raw = None
             try:
-                if name in batched:  # one record per many rows: its rows, built here
-                    cls = batched[name]
-                    rows = list(chain.from_iterable(b.tuples() for b in rows))
-                else:
-                    cls = classes[name]
-                if inserts.sqlite:
-                    if raw is None:
-                        raw = engine.raw_connection()
-                    inserts.insert_sqlite(raw, cls, rows, tuples=True)
-                else:
-                    inserts.insert_core(cls, rows, tuples=True)
-                failed.append(None)
-            except Exception as exc:  # database failure: told to the parent, start clean
-                if raw is not None:
-                    try:
-                        if raw.is_valid:
-                            raw.invalidate()
-                    except Exception:
-                        pass
-                    raw = None
-                failed.append((type(exc).__name__, str(exc)[:500]))
-        prio.observe()  # a starved write may have been given a fair share meanwhile
-        try:
-            conn.send_bytes(_OK + prio.state.encode() if not any(failed)
-                            else pickle.dumps(failed))
-        except (OSError, ValueError):
-            break
+                conn.send_bytes(pickle.dumps((type(exc).__name__, str(exc)[:500])))
+            except (OSError, ValueError):
+                break
     if raw is not None:
         raw.close()
     engine.dispose()
@@ -195,29 +180,18 @@ class WriterProcess:
     def insert(self, cls: type, rows: list) -> None:
         """Write ``rows`` (records of type ``cls``) in one transaction in the child,
         starting it if needed; ``RemoteWriteError`` when that did not happen."""
-        (error,) = self.insert_groups([(cls, rows)])
-        if error is not None:
-            raise error
-
-    def insert_groups(self, groups: list[tuple[type, list]]) -> list[RemoteWriteError | None]:
-        """Write each ``(cls, rows)`` group in a transaction of its own in the child, all
-        in one message, starting the child if needed: for each group None (written) or
-        the ``RemoteWriteError`` that says why not. ``RemoteWriteError`` raised when the
-        child could not be started, did not answer or exited (no group written)."""
         if self._proc is None or not self._proc.is_alive():
             if self._proc is not None:
                 self.stop()
             self._start()
-        items = []
-        for cls, rows in groups:
-            if cls in BATCHED:  # column lists and tuples pickle cheaply; rows built there
-                items.append((cls.__name__, rows))
-                continue
+        if cls in BATCHED:  # column lists and tuples pickle cheaply; the rows are built there
+            items: list = rows
+        else:
             getter = self._getters.get(cls)
             if getter is None:
                 getter = self._getters[cls] = attrgetter(*cls.__slots__)
-            items.append((cls.__name__, list(map(getter, rows))))
-        payload = pickle.dumps((items, self.backlog), protocol=5)
+            items = list(map(getter, rows))
+        payload = pickle.dumps((cls.__name__, items, self.backlog), protocol=5)
         conn = self._conn
         try:
             conn.send_bytes(payload)
@@ -230,13 +204,10 @@ class WriterProcess:
             self.stop()
             raise RemoteWriteError("the database writer process exited; a new one starts "
                                    "with the next write") from None
-        if reply.startswith(_OK):
-            self.priority = reply[len(_OK):].decode() or self.priority
-            return [None] * len(groups)
-        failed = pickle.loads(reply)
-        if len(failed) != len(groups):  # the message itself was refused
-            failed = failed[:1] * len(groups)
-        return [None if f is None else RemoteWriteError(f"{f[0]}: {f[1]}") for f in failed]
+        if not reply.startswith(_OK):
+            name, message = pickle.loads(reply)
+            raise RemoteWriteError(f"{name}: {message}")
+        self.priority = reply[len(_OK):].decode() or self.priority
 
     def _answered(self, conn: Any, timeout_s: float) -> bool:
         """Whether the child answers within ``timeout_s``; past ``STARVED_AFTER_S`` an
