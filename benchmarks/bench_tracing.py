@@ -554,6 +554,19 @@ def resolution(aa: Interval | None) -> str | None:
             f"its interval's span ({aa.high - aa.low:.1%}) is not resolved by this run")
 
 
+def _split(modes: dict[str, Any], key: str, title: str) -> None:
+    """A table of each mode's CPU a request by the parts in ``key`` (a thread, a child
+    process), the parts that reach ``THREAD_SHOWN_US`` in some mode."""
+    parts = sorted({p for m in modes.values() for p, us in m.get(key, {}).items()
+                    if us >= THREAD_SHOWN_US})
+    if not parts:
+        return
+    print(f"\n{title} (medians, microseconds a request)")
+    print(f"{'mode':16s}" + "".join(f"{p:>17s}" for p in parts))
+    for mode, m in modes.items():
+        print(f"{mode:16s}" + "".join(f"{m.get(key, {}).get(p, 0.0):17.2f}" for p in parts))
+
+
 def report(result: dict[str, Any]) -> None:
     """Print ``measure``'s figures: a table of the modes, one of their CPU, the spans."""
     modes = result["modes"]
@@ -589,22 +602,8 @@ def report(result: dict[str, Any]) -> None:
           "deployment; 'after the slice': the server's and its children's CPU while the "
           "benchmark waited for them to go quiet, a request of the slice: work a slice left, "
           "which a slice this short does not pay for and a steady load does)")
-    threads = sorted({t for m in modes.values() for t, us in m["threads_us"].items()
-                      if us >= THREAD_SHOWN_US})
-    if threads:
-        print("\nThe serving process by thread (medians, microseconds a request)")
-        print(f"{'mode':16s}" + "".join(f"{t:>17s}" for t in threads))
-        for mode, m in modes.items():
-            print(f"{mode:16s}" + "".join(f"{m['threads_us'].get(t, 0.0):17.2f}"
-                                          for t in threads))
-    children = sorted({c for m in modes.values() for c, us in m.get("children_us", {}).items()
-                       if us >= THREAD_SHOWN_US})
-    if children:
-        print("\nIts child processes, by child (medians, microseconds a request)")
-        print(f"{'mode':16s}" + "".join(f"{c:>17s}" for c in children))
-        for mode, m in modes.items():
-            print(f"{mode:16s}" + "".join(f"{m['children_us'].get(c, 0.0):17.2f}"
-                                          for c in children))
+    _split(modes, "threads_us", "The serving process by thread")
+    _split(modes, "children_us", "Its child processes, by child")
     print(f"traced requests {result['traced']:,} (request_traces rows {result['trace_rows']:,}), "
           f"spans received {result['spans_received']:,}, spans dropped (reported) "
           f"{result['spans_dropped']:,}")
