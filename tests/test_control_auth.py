@@ -88,6 +88,47 @@ def test_cross_site_and_non_json_control_requests_are_refused(headers, status, f
     assert error.http_status == status and fragment in error.message
 
 
+def test_every_copy_of_origin_and_sec_fetch_site_counts():
+    """Before: only the first copy was read, so a second, cross-site one (as a proxy
+    that joins headers may pass on) went through."""
+    from starlette.datastructures import Headers
+
+    for extra in ([(b"origin", b"http://127.0.0.1:8000"), (b"origin", b"http://evil.example")],
+                  [(b"sec-fetch-site", b"none"), (b"sec-fetch-site", b"cross-site")]):
+        headers = Headers(raw=[(b"host", b"127.0.0.1:8000"),
+                               (b"content-type", b"application/json"), *extra])
+        error = refused(AuthConfig(), headers, method="POST")
+        assert isinstance(error, Forbidden), error
+    one = Headers(raw=[(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
+                       (b"origin", b"http://127.0.0.1:8000")])
+    assert AuthConfig().check("POST", one, "127.0.0.1") == "loopback"
+
+
+@pytest.mark.parametrize("auth, headers, fragment", [
+    (AuthConfig(), {"host": "127.0.0.1:8000", "origin": "https://evil.example"},
+     "other origins"),
+    (AuthConfig(), {"host": "127.0.0.1:8000", "sec-fetch-site": "cross-site"},
+     "Sec-Fetch-Site: cross-site"),
+    # DNS rebinding: the page's name resolves to 127.0.0.1; without a token, refused
+    (AuthConfig(), {"host": "evil.example:8000"}, "loopback address in Host"),
+    (AuthConfig(token=TOKEN, loopback_only=False),
+     {"host": "models.example:8000", "origin": "https://evil.example"}, "other origins"),
+])
+def test_a_costly_read_is_refused_to_other_sites_and_rebound_names(auth, headers, fragment):
+    with pytest.raises(Forbidden) as info:
+        auth.check_costly_read(headers)
+    assert fragment in info.value.message
+
+
+def test_a_costly_read_needs_no_token():
+    AuthConfig().check_costly_read({"host": "127.0.0.1:8000"})
+    AuthConfig().check_costly_read({"host": "localhost:8000",
+                                    "origin": "http://localhost:8000"})
+    AuthConfig().check_costly_read({})  # HTTP/1.0: no Host
+    # a server with a token, reached by its own name from a script
+    AuthConfig(token=TOKEN, loopback_only=False).check_costly_read({"host": "models:8000"})
+
+
 def test_without_token_only_loopback_peers_may_change_settings():
     error = refused(AuthConfig(), LOCAL, peer="192.168.1.20")
     assert isinstance(error, Unauthorized) and "Authorization: Bearer <token>" in error.message

@@ -418,3 +418,45 @@ def test_a_postgresql_table_locked_by_another_program_fails_in_seconds(backend,
     assert "lock timeout" in line and not (tmp_path / "t.json").exists()
     r = _cli("--db", url, *WINDOW, "-o", str(tmp_path / "t.json"))  # once it is released
     assert r.returncode == 0, r.stderr
+
+
+def test_a_full_temporary_folder_for_sqlite_s_sorts_is_told_as_no_room(tmp_path):
+    """Before: ``cannot read the database: database or disk is full`` (exit 2, and a 503
+    from the server's export) when SQLite's sort of a large window found its temporary
+    folder full, though the database and the output's disk were fine."""
+    big = recorded_sqlite(tmp_path / "big.db", END, batches_per_s=600)
+    with _tmpfs(tmp_path / "small", "4k") as small:
+        r = subprocess.run(CLI + ["--db", big, *WINDOW, "-o", str(tmp_path / "t.pftrace")],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "SQLITE_TMPDIR": str(small)})
+        line = _one_line(r, EXIT_NO_ROOM)
+    assert "SQLite found no room for its temporary files" in line
+    assert f"they go to {small}: free some space there, set SQLITE_TMPDIR" in line
+    assert not (tmp_path / "t.pftrace").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--max-rows", "99999999999999999999"], "is not between 1 and 1,000,000,000"),
+    (["--max-rows", "0"], "is not between 1 and 1,000,000,000"),
+    (["--max-rows", "many"], "'many' is not a whole number"),
+])
+def test_max_rows_out_of_bounds_is_refused_before_reading(recorded, tmp_path, args, words):
+    """Before: a huge ``--max-rows`` reached SQLite and was blamed on the database."""
+    r = _cli("--db", recorded, *WINDOW, *args, "-o", str(tmp_path / "t.json"))
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_date_too_early_for_the_time_zone_is_told_to_be_before_1970(recorded, tmp_path):
+    """Before: ``year 0 is out of range``, with no hint."""
+    line = _one_line(_cli("--db", recorded, "--start", "0001-01-01", "--end", "1970-01-02",
+                          "-o", str(tmp_path / "t.json")))
+    assert "'0001-01-01' is before 1970; give a later time" in line
+
+
+def test_a_dash_writes_the_trace_to_stdout_and_wants_its_format(recorded):
+    r = _cli("--db", recorded, *WINDOW, "--format", "json", "-o", "-")
+    assert r.returncode == 0, r.stderr
+    _assert_valid(r.stdout.encode(), "json")
+    assert r.stderr.startswith("wrote /dev/stdout (json, ")
+    line = _one_line(_cli("--db", recorded, *WINDOW, "-o", "-"))
+    assert line.endswith("name its format too: --format perfetto or --format json")

@@ -108,12 +108,52 @@ def grpc_settings(stub, model: str = "", **settings: list[str]) -> dict[str, lis
     ("null", "JSON object"),
     ('{"trace_rate": "1"', "JSON object"),
     (b'{"trace_rate": "\xff"}', "JSON object"),
+    # what was wrong was not said: the body is an object, but not one this server reads
+    (b'{"trace_rate": "\xff"}', "not valid UTF-8"),
+    ('{"trace_rate": "6"}'.encode("utf-16"), "not valid UTF-8"),
+    ('{"trace_rate": ' + "[" * 100_000 + "]" * 100_000 + "}", "depth limit exceeded"),
+    ('{"trace_rate": ' + "1" * 4400 + "}", "number is infinity"),
 ])
 def test_a_bad_body_gets_a_short_400_and_changes_nothing(http, body, words):
     r = http.post("/v2/trace/setting", content=body,
                   headers={"Content-Type": "application/json"})
     assert words in refused(r)
     assert http.get("/v2/trace/setting").json() == RESET
+
+
+def test_a_body_that_starts_with_a_byte_order_mark_is_read(http):
+    r = http.post("/v2/trace/setting", content=b"\xef\xbb\xbf" + b'{"trace_rate": "6"}',
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["trace_rate"] == "6", r.text
+
+
+def test_opentelemetry_mode_is_refused_on_a_server_with_no_otlp_endpoint(http, stub):
+    """Before: taken (200), and traced requests then made spans that went nowhere."""
+    for route in ("/v2/trace/setting", "/v2/models/a/trace/setting"):
+        error = refused(http.post(route, json={"trace_mode": "opentelemetry"}))
+        assert "--otlp-traces-endpoint" in error
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_settings(stub, "a", trace_mode=["opentelemetry"])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert http.get("/v2/models/a/trace/setting").json() == RESET
+
+
+def test_a_global_change_is_checked_for_the_models_that_inherit_it(http, tmp_path):
+    """Before: a model with a file of its own inherited the global ``log_frequency`` (200),
+    and its traces went to a ``.0`` file that is no trace array: every one dropped."""
+    own = str(tmp_path / "m.json")
+    r = http.post("/v2/models/a/trace/setting", json={"trace_file": own})
+    assert r.status_code == 200, r.text
+    (tmp_path / "m.json.0").write_text("not an array")
+    error = refused(http.post("/v2/trace/setting", json={"log_frequency": "3"}))
+    assert "model 'a' inherits this change" in error and "m.json.0" in error
+    assert http.get("/v2/trace/setting").json() == RESET
+    # a model that sets both keys itself inherits neither: the change is taken
+    r = http.post("/v2/models/a/trace/setting", json={"log_frequency": "0"})
+    assert r.status_code == 200, r.text
+    r = http.post("/v2/trace/setting", json={"log_frequency": "3"})
+    assert r.status_code == 200 and r.json()["log_frequency"] == "3", r.text
+    assert http.get("/v2/models/a/trace/setting").json()["log_frequency"] == "0"
 
 
 def test_clearing_log_frequency_while_setting_a_trace_file_is_taken(served, http, stub,
@@ -219,16 +259,34 @@ def test_two_traceparents_or_one_with_stray_bytes_name_no_parent(served, http):
     ("end=1e308", "the year 2255"),
     ("end=-1e308", "before 1970"),
     # already refused well
-    ("last=0", "more than 0"),
-    ("last=nan", "more than 0"),
-    ("last=inf", "more than 0"),
+    ("last=0", "a window of 0.001 to 600 seconds"),
     ("last=abc", "numbers of seconds"),
     ("end=", "numbers of seconds"),
-    ("end=nan", "not finite"),
     ("format=svg", "perfetto or json"),
+    # were told in the command line's words: its options (an ISO date, now, -10s, a
+    # start) are not this route's
+    ("end=nan", "give finite numbers of seconds (end: epoch seconds"),
+    ("last=nan", "give finite numbers of seconds"),
+    ("last=inf", "give finite numbers of seconds"),
+    ("end=now", "end: epoch seconds, e.g. 1767225600"),
+    ("end=0", "give a later end or a smaller last"),
+    # a window too short to have a start before its end at this end
+    ("last=1e-7&end=1796583460", "a window of 0.001 to 600 seconds"),
 ])
 def test_a_bad_export_query_gets_a_short_400(http, query, words):
     assert words in refused(http.get(f"/v2/trace/export?{query}"))
+
+
+@pytest.mark.parametrize("headers, words", [
+    ({"Origin": "https://evil.example"}, "other origins"),
+    ({"Sec-Fetch-Site": "cross-site"}, "Sec-Fetch-Site: cross-site"),
+    # DNS rebinding: a page whose name resolves to 127.0.0.1 read every recorded request
+    ({"Host": "attacker.example:8000", "Origin": "http://attacker.example:8000"},
+     "loopback address in Host"),
+])
+def test_an_export_is_refused_to_other_sites_and_rebound_names(http, headers, words):
+    assert words in refused(http.get("/v2/trace/export?last=5&format=json", headers=headers),
+                            403)
 
 
 def test_an_export_that_cannot_make_its_folder_fails_alone(http, monkeypatch, tmp_path):

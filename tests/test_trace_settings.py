@@ -135,6 +135,29 @@ def test_a_model_with_its_own_count_samples_on_its_own():
     assert control.effective("b")["trace_count"] == "0" and not control.active
 
 
+def test_a_spent_count_stays_spent_when_a_model_gets_settings_of_its_own():
+    """A model's own sampler goes on from the count it stood at: a change of another of
+    its settings, or clearing its count, never gives back traces already taken."""
+    control = TraceControl(["a", "b"])
+    control.update(None, parse_changes({"trace_level": ["TIMESTAMPS"], "trace_rate": "1",
+                                        "trace_count": "2"}))
+    assert sum(control.sample("a") for _ in range(5)) == 2
+    assert control.update("a", parse_changes({"log_frequency": "0"}))["trace_count"] == "0"
+    assert control.update("a", parse_changes({"trace_rate": "2"}))["trace_count"] == "0"
+    assert sum(control.sample("a") for _ in range(5)) == 0
+    # a count of its own set, then cleared: it goes on from the global count left (0)
+    control.update("a", parse_changes({"trace_count": "3"}))
+    assert sum(control.sample("a") for _ in range(2)) == 1  # rate 2: the first of two
+    assert control.update("a", parse_changes({"trace_count": None}))["trace_count"] == "0"
+    assert sum(control.sample("a") for _ in range(5)) == 0
+    # a model on the global count mid-way takes over what is left of it
+    control.update(None, parse_changes({"trace_count": "4"}))
+    assert sum(control.sample("b") for _ in range(1)) == 1
+    control.update("b", parse_changes({"trace_rate": "1"}))
+    assert control.effective("b")["trace_count"] == "3"
+    assert sum(control.sample("b") for _ in range(10)) == 3
+
+
 @pytest.mark.parametrize("doc, fragment", [
     ({"trace_rat": "10"}, "trace_file, trace_level, trace_rate, trace_count, log_frequency, "
                           "trace_mode"),
@@ -684,3 +707,18 @@ def test_start_up_trace_config_takes_triton_short_keys_and_refuses_bad_ones():
                        ("colour=red", "trace_colour")):
         with pytest.raises(UsageError, match=words):
             trace_config([bad])
+    # spans need somewhere to go: the mode is refused without an OTLP endpoint
+    with pytest.raises(UsageError, match="give --otlp-traces-endpoint URL too"):
+        trace_config(["mode=opentelemetry"])
+    assert trace_config(["mode=OpenTelemetry"], "http://127.0.0.1:4317") == (
+        ("mode", "OpenTelemetry"),)
+
+
+def test_a_service_without_an_endpoint_refuses_opentelemetry_at_start(tmp_path):
+    from runtime.api.config import ServerConfig
+    from runtime.api.errors import ConfigError
+    from runtime.server.service import Service
+
+    config = ServerConfig(database_url=None, trace_config=(("mode", "opentelemetry"),))
+    with pytest.raises(ConfigError, match="--trace-config: trace_mode \"opentelemetry\""):
+        Service({"m": DoubleModel()}, None, config)

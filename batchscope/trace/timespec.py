@@ -52,7 +52,10 @@ def parse_time(text: str, *, now: float) -> float:
         when = datetime.fromisoformat(raw[:-1] + "+00:00" if raw.endswith(("Z", "z")) else raw)
     except ValueError:
         raise ValueError(f"{text!r} is not a time: give {ACCEPTED}") from None
-    return when.timestamp()  # a naive time is local time
+    try:
+        return when.timestamp()  # a naive time is local time
+    except (ValueError, OverflowError):  # a date too early for the local time zone's rules
+        raise ValueError(f"{text!r} is before 1970; give a later time: {ACCEPTED}") from None
 
 
 def parse_seconds(text: str) -> float:

@@ -404,11 +404,17 @@ class TraceControl:
             self._own.pop(model, None)  # back on the global sampler
             return
         self.overrides[model] = own
-        values = {**self.values, **own}
         before = self._own.get(model)
         if before is None or _SAMPLING.intersection(changes):
-            self._own[model] = self._sampler(values, values["trace_count"] if (
-                before is None or "trace_count" in changes) else before.left)
+            # its count goes on from where it stands (a spent one stays spent), unless
+            # this change sets it; cleared, it goes on from the global count left
+            if changes.get("trace_count") is not None:
+                left = changes["trace_count"]
+            elif before is None or "trace_count" in changes:
+                left = self._global.left
+            else:
+                left = before.left
+            self._own[model] = self._sampler({**self.values, **own}, left)
 
     def _sample_own(self, model: str) -> bool:
         """``sample`` while some model has a sampler of its own."""

@@ -164,19 +164,39 @@ class Tracer:
         """Apply checked changes (``runtime.core.tracing.parse_changes``); the effective
         settings after them. A ``trace_file`` whose folder does not exist, that the
         server cannot write, or that holds something other than a trace array, is refused;
-        so is a ``log_frequency`` whose first file (``trace_file.0``) would be."""
+        so is a ``log_frequency`` whose first file (``trace_file.0``) would be, for the
+        settings changed and for every model that inherits the change. ``trace_mode``
+        ``opentelemetry`` is refused on a server without a span exporter."""
+        if changes.get("trace_mode") == "opentelemetry" and self._otel is None:
+            raise ClientError('trace_mode "opentelemetry" sends spans to an OTLP endpoint, and '
+                              "this server was started without one; start it with "
+                              '--otlp-traces-endpoint URL, or keep trace_mode "triton"')
         path = changes.get("trace_file")
-        if "trace_file" in changes or "log_frequency" in changes:
+        files = "trace_file" in changes or "log_frequency" in changes
+        # the scopes whose file changes: the one changed, and for a global change every
+        # model that inherits a changed key
+        scopes = [model]
+        if files and model is None:
+            scopes += [name for name, own in self.control.overrides.items()
+                       if any(k not in own for k in ("trace_file", "log_frequency")
+                              if k in changes)]
+        for scope in scopes if files else ():
             # the file the traces will go to once changed (a value cleared: the one that
             # applies again), checked whichever of the two changed
-            target = self._after(model, changes, "trace_file")
+            target = self._after_in(scope, model, changes, "trace_file")
             if target:
-                every = self._after(model, changes, "log_frequency")
-                now = self.control.values_of(model)
-                self._check_file(target, every, (target, every > 0) == (
-                    now["trace_file"], now["log_frequency"] > 0))
-        if "trace_file" in changes or "log_frequency" in changes:
-            before = self.control.values_of(model)["trace_file"]
+                every = self._after_in(scope, model, changes, "log_frequency")
+                now = self.control.values_of(scope)
+                try:
+                    self._check_file(target, every, (target, every > 0) == (
+                        now["trace_file"], now["log_frequency"] > 0))
+                except ClientError as exc:
+                    if scope == model:
+                        raise
+                    raise ClientError(f"model {scope!r} inherits this change, and its "
+                                      f"file would be refused: {exc.message}") from None
+        for scope in scopes if files else ():
+            before = self.control.values_of(scope)["trace_file"]
             if before:
                 self.files.reset(before)
         settings = self.control.update(model, changes)
@@ -187,6 +207,15 @@ class Tracer:
         self._files_on = bool(control.values["trace_file"]) or any(
             own.get("trace_file") for own in control.overrides.values())
         return settings
+
+    def _after_in(self, scope: str | None, model: str | None, changes: Mapping[str, Any],
+                  key: str) -> Any:
+        """The value of ``key`` for ``scope`` (a model, or None: the server) once
+        ``changes`` to ``model``'s settings (None: the global ones) apply."""
+        if scope == model:
+            return self._after(model, changes, key)
+        own = self.control.overrides.get(scope, {})  # a global change reaching a model
+        return own[key] if key in own else self._after(None, changes, key)
 
     def _after(self, model: str | None, changes: Mapping[str, Any], key: str) -> Any:
         """The value of ``key`` for ``model`` (None: the server) once ``changes`` apply."""

@@ -27,6 +27,9 @@ the identity it is recorded under, or raises an error that
    posts without one): a form or ``text/plain`` post always carries one, and a page
    that sends a body without one from another site sends its ``Origin`` too (rule 1).
 
+``check_costly_read(headers)`` applies rule 1 (and, without a token, the loopback
+``Host``) to a ``GET`` that is costly and hands out recordings: the trace export.
+
 ``check_rpc(authorization, peer)`` decides a control call over gRPC, which no browser
 can make (there is no origin or body type to check): rule 2, and without a token the
 peer must be a loopback address.
@@ -220,6 +223,20 @@ class AuthConfig:
                               f"application/json' (this one has {shown})")
         return self.identity
 
+    def check_costly_read(self, headers: Mapping[str, str]) -> None:
+        """A ``GET`` that costs the server work and hands out what it recorded (a trace
+        export): no token needed, but rule 1 as for a control request (cross-site
+        pages refused), and on a server without a token a ``Host`` that names loopback
+        (a page whose name was made to resolve to 127.0.0.1 may not read it either)."""
+        self._check_same_origin(headers)
+        host = headers.get("host")
+        if self.token is None and self.loopback_only and host is not None \
+                and not is_loopback(_host_name(host.strip())):
+            raise Forbidden(f"this server has no control token, so it hands out recordings "
+                            f"only to requests that name its loopback address in Host (got "
+                            f"{host[:100]!r}); use http://127.0.0.1:PORT, or give the server "
+                            "a token")
+
     def check_rpc(self, authorization: str | None, peer: str | None) -> str:
         """The identity of a control call over gRPC with the ``authorization`` metadata
         (``Bearer <token>``) from ``peer`` (its address), or ``Unauthorized`` or
@@ -239,24 +256,24 @@ class AuthConfig:
     # -- the steps --------------------------------------------------------------------
     @staticmethod
     def _check_same_origin(headers: Mapping[str, str]) -> None:
-        # a browser's word that the page is another site's counts whatever Origin says
-        site = (headers.get("sec-fetch-site") or "").strip().lower()
-        if site in ("cross-site", "same-site"):
-            raise Forbidden(f"control requests from web pages of other sites are refused "
-                            f"(Sec-Fetch-Site: {site}); send them from a script or a "
-                            "command-line client")
-        origin = headers.get("origin")
-        if origin is None:
-            return
+        # a browser's word that the page is another site's counts whatever Origin says;
+        # every copy of a header counts (a proxy may join a forged one to the real one)
+        for site in _every(headers, "sec-fetch-site"):
+            site = site.strip().lower()
+            if site in ("cross-site", "same-site"):
+                raise Forbidden(f"control requests from web pages of other sites are refused "
+                                f"(Sec-Fetch-Site: {site[:40]}); send them from a script or a "
+                                "command-line client")
         host = headers.get("host")
-        parts = urlsplit(origin.strip())
-        same = (host is not None and parts.scheme in ("http", "https")
-                and _authority(parts.netloc, parts.scheme) == _authority(host))
-        if not same:
-            raise Forbidden(f"control requests from web pages of other origins are refused "
-                            f"(Origin {origin[:100]!r} is not this server, "
-                            f"{(host or 'no Host')[:100]!r}); send them from a script or a "
-                            "command-line client")
+        for origin in _every(headers, "origin"):
+            parts = urlsplit(origin.strip())
+            same = (host is not None and parts.scheme in ("http", "https")
+                    and _authority(parts.netloc, parts.scheme) == _authority(host))
+            if not same:
+                raise Forbidden(f"control requests from web pages of other origins are "
+                                f"refused (Origin {origin[:100]!r} is not this server, "
+                                f"{(host or 'no Host')[:100]!r}); send them from a script or "
+                                "a command-line client")
 
     def _check_token(self, authorization: str | None) -> None:
         assert self.token is not None
@@ -285,6 +302,16 @@ class AuthConfig:
             raise Forbidden(f"without a control token, control requests must name this "
                             f"machine's loopback address in Host (got {host[:100]!r}); use "
                             "http://127.0.0.1:PORT, or give the server a token")
+
+
+def _every(headers: Mapping[str, str], name: str) -> list[str]:
+    """Every value of header ``name`` (lowercase) a request carried: ASGI's ``Headers``
+    hold them all (``getlist``); a plain mapping, one."""
+    getlist = getattr(headers, "getlist", None)
+    if getlist is not None:
+        return getlist(name)
+    value = headers.get(name)
+    return [] if value is None else [value]
 
 
 def auth_for_listening(host: str, token: str | None) -> AuthConfig:

@@ -237,13 +237,22 @@ class Service:
         (tracing then defaults to ``TIMESTAMPS``, mode ``opentelemetry``). Its exporter."""
         from runtime.core.tracing import config_changes
 
+        from runtime.api.errors import ClientError, ConfigError
+
         pairs = list(server.trace_config)
         if server.otlp_traces_endpoint:  # the flags, after these, may say otherwise
             pairs[:0] = [("trace_level", "TIMESTAMPS"), ("trace_mode", "opentelemetry")]
         tracer = self.engine.tracer
-        if pairs:
-            tracer.update(None, config_changes(pairs))
+
+        def configured() -> None:  # the settings at start, once the exporter (if any) is set
+            if pairs:
+                try:
+                    tracer.update(None, config_changes(pairs))
+                except ClientError as exc:
+                    raise ConfigError(f"--trace-config: {exc.message}") from None
+
         if not server.otlp_traces_endpoint:
+            configured()
             return None
         from batchscope.storage.records import EventRow
         from runtime.engine.otel_process import SpanProcess
@@ -256,7 +265,6 @@ class Service:
                         "queue was full; raise OTEL_BSP_MAX_QUEUE_SIZE or lower trace_rate",
                 details_json=f'{{"dropped": {new}, "total": {total}}}'))
 
-        from runtime.api.errors import ConfigError
         try:
             spans = SpanProcess(server.otlp_traces_endpoint, self.instance_id, on_drops=dropped)
         except ImportError as exc:
@@ -266,6 +274,11 @@ class Service:
         except (RuntimeError, ValueError) as exc:
             raise ConfigError(f"--otlp-traces-endpoint: {exc}") from None
         self.engine.export_spans(spans)
+        try:
+            configured()
+        except ConfigError:
+            spans.close()
+            raise
         self.metrics.bind(spans_dropped=lambda: spans.dropped)
         return spans
 

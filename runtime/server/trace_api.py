@@ -92,15 +92,20 @@ def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return doc
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
 def read_changes(body: bytes) -> dict[str, Any]:
     """The checked changes of a trace setting request body (400 before anything changes)."""
     check_json_size(len(body), "the trace setting request", "send only the settings to change")
+    body = body.removeprefix(_BOM)  # JSON's RFC 8259 lets a reader ignore one
     try:
         doc = orjson.loads(body) if body.strip() else {}
-    except orjson.JSONDecodeError:
-        raise ClientError('the body must be a JSON object of trace settings, e.g. '
-                          '{"trace_level": ["TIMESTAMPS"], "trace_rate": "100"}; the trace '
-                          f"settings are {', '.join(KEYS)}") from None
+    except orjson.JSONDecodeError as exc:
+        raise ClientError(f"the body is not JSON this server reads ({str(exc)[:200]}); send "
+                          'a JSON object of trace settings in UTF-8, e.g. {"trace_level": '
+                          '["TIMESTAMPS"], "trace_rate": "100"}; the trace settings are '
+                          f"{', '.join(KEYS)}") from None
     if isinstance(doc, dict) and doc:  # valid JSON (orjson said so): now its keys, once each
         try:
             doc = json.loads(body, object_pairs_hook=_no_repeats)
@@ -139,6 +144,8 @@ def trace_routes() -> list[Route]:
 # -- trace export from the running server -------------------------------------------------
 #: the longest window the server exports, seconds, and the most rows (batches + requests)
 EXPORT_MAX_S = 600.0
+#: the shortest (a millisecond: the window's start stays below its end at any epoch time)
+EXPORT_MIN_S = 0.001
 EXPORT_MAX_ROWS = 200_000
 #: how long one export may take before it is abandoned
 EXPORT_TIMEOUT_S = 120.0
@@ -157,6 +164,8 @@ class _Exports:
 async def export_trace(request: Request) -> Response:
     """``GET /v2/trace/export?last=10&format=perfetto|json[&model=M][&end=EPOCH]``: the
     recorded window as a trace file (see ``batchscope.trace``)."""
+    auth: AuthConfig = getattr(request.app.state, "auth", None) or DEFAULT_AUTH
+    auth.check_costly_read(request.headers)
     url = getattr(request.app.state, "trace_db_url", None)
     if not url:
         raise RouteNotFound("this server records nothing (--no-record), so it has no trace "
@@ -176,9 +185,13 @@ async def export_trace(request: Request) -> Response:
         last = float(q.get("last", "10"))
         end = float(q["end"]) if "end" in q else time.time()
     except ValueError:
-        raise ClientError("last and end must be numbers of seconds") from None
-    if not 0 < last <= EXPORT_MAX_S:
-        raise ClientError(f"last={last:g}: give a window of more than 0 and at most "
+        raise ClientError("last and end must be numbers of seconds (end: epoch seconds, "
+                          "e.g. 1767225600)") from None
+    if not (math.isfinite(last) and math.isfinite(end)):
+        raise ClientError(f"last={last:g}, end={end:g}: give finite numbers of seconds (end: "
+                          "epoch seconds, e.g. 1767225600)")
+    if not EXPORT_MIN_S <= last <= EXPORT_MAX_S:
+        raise ClientError(f"last={last:g}: give a window of {EXPORT_MIN_S:g} to "
                           f"{EXPORT_MAX_S:g} seconds (longer ones: batchscope trace)")
     # an end far out of range is said to be so (end - last would round to end itself and
     # be told it does not start before its end)
@@ -190,7 +203,7 @@ async def export_trace(request: Request) -> Response:
         raise ClientError(f"end={end:g} is before 1970 (epoch second 0); give the epoch "
                           "seconds the window ends at, e.g. now's")
     try:  # the window the export would read, checked here: a bad one is the client's
-        check_window(end - last, end)
+        check_window(end - last, end, fix_start="a later end or a smaller last")
     except ValueError as exc:
         raise ClientError(f"end={q.get('end', 'now')[:40]}, last={last:g}: {exc}") from None
     model = q.get("model")
@@ -264,10 +277,10 @@ def export_failed(status: int, stderr: str, local: bool) -> Exception:
         return RequestTooLarge(line.split("; or raise --max-rows")[0][:400])
     if not local:
         log.warning("trace export failed (exit %s): %s", status, line[:1000])
-    if status == EXIT_NO_ROOM:
+    if status == EXIT_NO_ROOM:  # the line's hint of -o is the CLI's, not the route's
         return InsufficientStorage(
             "the server's temporary folder has no room for the trace file"
-            + (f" ({line[:300]})" if local else "")
+            + (f" ({line.split(': free some space')[0][:300]})" if local else "")
             + "; ask for a shorter window, or retry once there is room")
     said = f": {line[:300]}" if local else " (the server's log says why)"
     return ServerBusy(f"the export failed{said}; retry in a few seconds, or export with "

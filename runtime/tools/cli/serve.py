@@ -42,7 +42,8 @@ def _serve(args: argparse.Namespace) -> int:
                           recorder_process=args.recorder_process, grpc_port=args.grpc_port,
                           drain_timeout_s=args.drain_timeout_s,
                           otlp_traces_endpoint=args.otlp_traces_endpoint,
-                          trace_config=trace_config(args.trace_config), nvtx=args.nvtx,
+                          trace_config=trace_config(args.trace_config,
+                                                    args.otlp_traces_endpoint), nvtx=args.nvtx,
                           device_nice=args.device_nice,
                           **({} if args.direct_max_compute_ms is None else
                              {"direct_max_compute_ms": args.direct_max_compute_ms}))

@@ -233,8 +233,10 @@ def serve_auth(args: argparse.Namespace, environ: Any = None) -> Any:
         raise UsageError(f"batchscope serve: {exc.message}") from None
 
 
-def trace_config(pairs: list[str]) -> tuple[tuple[str, str], ...]:
-    """``--trace-config KEY=VALUE`` flags, checked as ``/v2/trace/setting`` checks them."""
+def trace_config(pairs: list[str], otlp_endpoint: str | None = None
+                 ) -> tuple[tuple[str, str], ...]:
+    """``--trace-config KEY=VALUE`` flags, checked as ``/v2/trace/setting`` checks them
+    (``mode=opentelemetry`` needs ``otlp_endpoint``, ``--otlp-traces-endpoint``)."""
     from runtime.api.errors import ClientError
     from runtime.core.tracing import config_changes
 
@@ -245,9 +247,12 @@ def trace_config(pairs: list[str]) -> tuple[tuple[str, str], ...]:
         if not sep or not key:
             raise UsageError(f"--trace-config {pair!r}: give KEY=VALUE, e.g. rate=100")
         try:
-            config_changes([(key, value)])
+            changes = config_changes([(key, value)])
         except ClientError as exc:
             raise UsageError(f"--trace-config {pair!r}: {exc.message}") from None
+        if changes.get("trace_mode") == "opentelemetry" and not otlp_endpoint:
+            raise UsageError(f"--trace-config {pair!r}: spans go to an OTLP endpoint; give "
+                             "--otlp-traces-endpoint URL too, or leave the mode triton")
         out.append((key, value))
     return tuple(out)
 

@@ -35,9 +35,26 @@ def _add_trace(sub: Any) -> None:
     p.add_argument("--format", choices=("perfetto", "json"), default=None,
                    help="perfetto (.pftrace) or json (Chrome Trace Event); default: from the "
                         "-o name, which it must not contradict")
-    p.add_argument("--max-rows", type=int, default=None,
-                   help="refuse a window holding more batches and requests (default 1,000,000)")
-    p.add_argument("-o", "--out", required=True, help="output file, e.g. run.pftrace or run.json")
+    p.add_argument("--max-rows", type=_max_rows, default=None,
+                   help="refuse a window holding more batches and requests (default "
+                        "1,000,000; at most 1,000,000,000: the rows are read into memory)")
+    p.add_argument("-o", "--out", required=True, help="output file, e.g. run.pftrace or run.json; - for standard output "
+                        "(with --format)")
+
+
+#: the most rows ``--max-rows`` may allow (some 1 KB of memory each while read)
+MOST_ROWS = 1_000_000_000
+
+
+def _max_rows(text: str) -> int:
+    """``--max-rows``: a whole number from 1 to ``MOST_ROWS``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
+    if not 1 <= value <= MOST_ROWS:
+        raise argparse.ArgumentTypeError(f"{text[:40]} is not between 1 and {MOST_ROWS:,}")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -77,6 +94,11 @@ def _trace(args: argparse.Namespace) -> int:
                          ) from None
     from sqlalchemy.exc import SQLAlchemyError
 
+    if args.out == "-":  # standard output, as most tools take it
+        if args.format is None:
+            raise UsageError("batchscope trace: -o - writes the trace to standard output; "
+                             "name its format too: --format perfetto or --format json")
+        args.out = "/dev/stdout"
     try:
         fmt = format_for(_checked_out(args.out), args.format)
         w = window_from(args.start, args.end, args.last, now=time.time(), model=args.model,
@@ -88,8 +110,6 @@ def _trace(args: argparse.Namespace) -> int:
         check_database_url(url, "--db" if args.db is not None else f"${ENV_URL}")
     except UsageError as exc:
         raise UsageError(f"batchscope trace: {exc}") from None
-    if args.max_rows is not None and args.max_rows < 1:
-        raise UsageError(f"batchscope trace: --max-rows {args.max_rows} must be 1 or more")
     kwargs = {} if args.max_rows is None else {"max_rows": args.max_rows}
     engine = None
     try:
@@ -102,6 +122,9 @@ def _trace(args: argparse.Namespace) -> int:
     except (DatabaseNotFound, UnknownName) as exc:
         return _fail(f"batchscope trace: {exc}")
     except SQLAlchemyError as exc:
+        if "database or disk is full" in str(exc).lower():
+            _fail(f"batchscope trace: {_temp_full(exc)}")
+            return EXIT_NO_ROOM
         return _fail(f"batchscope trace: {_database_problem(exc, url, engine)}")
     except OSError as exc:
         _fail(f"batchscope trace: cannot write {args.out}: {_write_problem(exc, args.out)}")
@@ -207,6 +230,14 @@ def _database_problem(exc: BaseException, url: str, engine) -> str:
         return (f"cannot connect to the database at {where} ({first}); check that its "
                 "server is running and that the URL names its host and port")
     return f"cannot read the database: {first}"
+
+
+def _temp_full(exc: BaseException) -> str:
+    """SQLite ran out of room while reading (its sorts spill to temporary files)."""
+    where = os.environ.get("SQLITE_TMPDIR") or os.environ.get("TMPDIR") or "/var/tmp or /tmp"
+    return (f"SQLite found no room for its temporary files while reading this window "
+            f"({_first_line(exc)[:200]}); they go to {where}: free some space there, set "
+            "SQLITE_TMPDIR to a folder on a disk with room, or export a shorter window")
 
 
 def _wal(path: str | None) -> bool:
