@@ -262,3 +262,29 @@ def test_counts_and_waits_read_as_words_and_an_empty_window_has_no_lane_ticks(tw
     axis = json.loads(empty.to_json())["layout"]["yaxis"]
     assert axis.get("visible") is False and not axis.get("tickvals")
     assert "no batch" in empty.layout.annotations[0].text
+
+
+def test_marks_are_one_trace_per_kind_of_one_symbol_and_colour(db):
+    """Refused, expired, cancelled and bypass requests on a model's marks lane: one trace
+    per kind with one symbol and one colour (a symbol and a colour per point made a
+    window of 180,000 expired requests take 20 s to build), each point with its hover."""
+    kinds = ["rejected", "expired", "expired", "cancelled"]
+    stored(db, [batch("vm-a", "encoder", 1, 1.0, 2.0, size=1),
+                request("vm-a", "encoder", 1, 0.9, 2.0),
+                *[request("vm-a", "encoder", None, 3.0 + i, 3.5 + i, outcome=k)
+                  for i, k in enumerate(kinds)],
+                request("vm-a", "encoder", None, 8.0, 8.1, bypass=True)])
+    fig = timeline_chart.timeline(timeline_rows(db, Window(T0, T0 + 10)))
+    marks = {t.name: t for t in fig.data if t.name and t.name.startswith("encoder ")
+             and t.customdata is None}
+    assert sorted(marks) == ["encoder bypass", "encoder cancelled", "encoder expired",
+                             "encoder rejected"]
+    assert len(marks["encoder expired"].x) == 2 and len(marks["encoder bypass"].x) == 1
+    for t in marks.values():
+        assert isinstance(t.marker.symbol, str) and isinstance(t.marker.color, str)
+        assert len(t.hovertext) == len(t.x)
+    assert marks["encoder bypass"].marker.color != timeline_chart.FAILED_BATCH
+    assert marks["encoder expired"].hovertext[0].startswith("expired · priority 1 · waited")
+    # the models' colours are never the red of failed batches and refused requests
+    colors = timeline_chart.model_colors([f"m{i}" for i in range(12)]).values()
+    assert not {"#EF553B", "#FF6692", timeline_chart.FAILED_BATCH} & set(colors)
