@@ -524,3 +524,106 @@ def test_generation_requests_become_spans_with_prefill_decode_and_token_counts(t
                                          "'decoder'")).scalars())
     assert rows == joined and recorded == [joined[0], joined[0], joined[1]]  # n=2: two rows
     assert set(joined) <= numbered
+
+
+def refusing_receiver(status: int) -> ThreadingHTTPServer:
+    """An OTLP/HTTP collector that answers every export with ``status`` (and counts them)."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.server.exports += 1
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.exports = 0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("status", [400, 500])
+def test_spans_a_collector_refuses_are_counted_as_dropped(status):
+    """Before: only a full queue counted; a collector answering every export with an
+    error lost every span and the count stayed 0."""
+    server = refusing_receiver(status)
+    reports = []
+    try:
+        spans = OtlpSpans(f"http://127.0.0.1:{server.server_address[1]}", "i",
+                          protocol="http/protobuf",
+                          on_drops=lambda new, total: reports.append(total))
+        spans.batch(batch(1))
+        for n in range(20):
+            spans.put(trace(n))
+        spans.close(timeout_s=30.0)
+    finally:
+        server.shutdown()
+    assert server.exports >= 1
+    assert spans.spans_out == 20 * 3 + 1 and spans.dropped == spans.spans_out
+    assert reports and reports[-1] == spans.dropped
+
+
+def test_closing_towards_a_collector_that_never_answers_ends_in_its_time_and_counts_all():
+    """A port that takes the connection and never answers: the SDK's flush and shutdown
+    waited on the export for the exporter's own timeout and retries (51 s for a close of
+    5 s); now ``close`` ends within its time (a generous bound here: a liveness check)
+    and counts every span it could not send, the one export under way included."""
+    import socket
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    held = []
+    stop = threading.Event()
+
+    def accept() -> None:  # take connections, read nothing, answer nothing
+        silent.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(silent.accept()[0])
+            except OSError:
+                pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        spans = OtlpSpans(f"http://127.0.0.1:{silent.getsockname()[1]}", "i",
+                          protocol="http/protobuf")
+        spans.batch(batch(1))
+        for n in range(50):
+            spans.put(trace(n))
+        assert wait_until(lambda: not spans.queue, limit=2000)
+        began = time.monotonic()
+        spans.close(timeout_s=1.0)
+        took = time.monotonic() - began
+    finally:
+        stop.set()
+        for conn in held:
+            conn.close()
+        silent.close()
+    assert took < 10.0, took
+    assert spans.spans_out == 50 * 3 + 1 and spans.dropped == spans.spans_out
+
+
+def test_once_the_collector_takes_nothing_a_trace_that_does_not_fit_is_dropped_at_once(
+        monkeypatch):
+    """Before: each trace waited ``ROOM_WAIT_S`` in turn, so an outage was counted one
+    trace every 2 s while the queue behind grew; now the first wait that runs out stalls
+    the span thread's waiting until the processor has room again."""
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "2")
+    monkeypatch.setattr(otel, "ROOM_WAIT_S", 0.5)  # 200 waits in turn: 100 s
+    exporter = SlowExporter()
+    spans = OtlpSpans("unused", "i", exporter=exporter, queue_max=1000)
+    spans.batch(batch(1))
+    for n in range(200):
+        spans.put(trace(n))
+    assert wait_until(lambda: not spans.queue, limit=2000)  # at most 10 s
+    assert spans.dropped >= 190 * 3
+    exporter.release.set()
+    spans.close()
+    batch_span = int(("m", 1) in spans.builder.batch_spans)
+    assert exporter.exported + spans.dropped == 200 * 3 + batch_span

@@ -413,6 +413,26 @@ def test_the_span_process_counts_the_plain_traces_it_cannot_send():
     assert spans.dropped == 3 * 3
 
 
+def test_the_span_process_closes_in_its_time_counting_what_a_dead_collector_never_got():
+    """Nothing listens at the endpoint: the exporter retries each export until its own
+    timeout, and closing took 12-14 s past a drain of 5 s, the spans still queued lost
+    without a count. Now it ends within its time (a generous bound: a liveness check)
+    and every span handed to its processor is counted as dropped."""
+    import time
+
+    spans = SpanProcess("http://127.0.0.1:9", "i")
+    clock = FakeClock()
+    for seq in range(1, 21):
+        batch, _ = plain_batch(clock, seq * 10, 4)
+        for m in batch[-1]:
+            m[PLAIN_SPAN] = span_line(m[PLAIN_TRACE_ID], m[PLAIN_TRACE_ID])
+        spans.put_traces(TraceBatch("i", clock.to_wall(0.0), [], [batch]))
+    began = time.monotonic()
+    spans.close(timeout_s=1.5)
+    assert time.monotonic() - began < 10.0
+    assert spans.spans_out == 20 * 4 * 3 and spans.dropped == spans.spans_out
+
+
 def test_span_ids_are_drawn_in_blocks_as_valid_traceparent_lines():
     drawn: list[int] = []
 

@@ -32,10 +32,14 @@ appends the finished trace to a bounded queue; a thread of this module builds th
 queue is full the span thread waits for its exporter to take a batch (a burst of traces
 is spread over the export rather than dropped), and the traces wait in this module's
 queue; spans are dropped only when that queue is full too, or when the exporter has
-taken nothing for ``ROOM_WAIT_S`` (an endpoint that does not answer). Spans lost are
+taken nothing for ``ROOM_WAIT_S`` (an endpoint that does not answer: from then on, until
+the processor has room again, each trace that does not fit is dropped at once). The
+spans of an export that failed (the collector down, refusing, past its timeout) are
+lost too, and so are those left unexported when ``close`` runs out of time. All are
 counted (``dropped``) and reported as a ``trace_export_drops`` event.
 
-The exporter follows the standard variables: ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (or
+The exporter follows the standard variables (checked at start,
+``runtime.engine.otel_config``): ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (or
 ``OTEL_EXPORTER_OTLP_PROTOCOL``): ``grpc`` (the default) or ``http/protobuf``; headers,
 timeouts, compression and TLS from ``OTEL_EXPORTER_OTLP_*``; the processor's queue and
 batch sizes from ``OTEL_BSP_*``; the resource from ``OTEL_SERVICE_NAME`` and
@@ -50,8 +54,9 @@ import logging
 import os
 import random
 import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -662,8 +667,9 @@ class _DropCounter:
 def exporter_for(endpoint: str, protocol: str | None = None) -> Any:
     """The OTLP span exporter for ``endpoint`` over ``protocol`` (default: the
     standard variables', else ``grpc``)."""
-    protocol = (protocol or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip().lower()
+    from runtime.engine.otel_config import protocol_of
+
+    protocol = protocol_of(protocol, os.environ)
     if protocol == "grpc":  # the SDK's exporter, its encoding ours (runtime.engine.otlp_wire)
         from runtime.engine.otlp_wire import fast_grpc_exporter
         insecure = endpoint.startswith("http://") or None
@@ -674,6 +680,48 @@ def exporter_for(endpoint: str, protocol: str | None = None) -> Any:
             endpoint = endpoint.rstrip("/") + "/v1/traces"
         return fast_http_exporter(endpoint=endpoint)
     raise ValueError(f"OTLP protocol {protocol!r} is not supported; use one of {PROTOCOLS}")
+
+
+class _CountingExporter:
+    """The exporter, with the spans of every export that failed (the collector down,
+    refusing or past its timeout) counted as dropped through ``on_failed``: the SDK's
+    processor logs such a failure and goes on, its spans lost."""
+
+    def __init__(self, inner: Any, on_failed: Callable[[int], None]) -> None:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self._inner = inner
+        self._on_failed = on_failed
+        self._success = SpanExportResult.SUCCESS
+        #: the spans of the export under way (the processor exports one batch at a time)
+        self.in_flight = 0
+        self._given_up = False
+
+    def export(self, spans: Sequence[Any]) -> Any:
+        self.in_flight = len(spans)
+        try:
+            result = self._inner.export(spans)
+        except Exception:
+            self._failed(len(spans))
+            raise
+        finally:
+            self.in_flight = 0
+        if result != self._success:
+            self._failed(len(spans))
+        return result
+
+    def _failed(self, n: int) -> None:
+        if not self._given_up:
+            self._on_failed(n)
+
+    def give_up(self) -> int:
+        """The spans of the export under way, counted as lost now (closing ran out of
+        time); its failure, should it come later, is not counted again."""
+        self._given_up = True
+        return self.in_flight
+
+    def __getattr__(self, name: str) -> Any:  # shutdown, force_flush, takes_wire_spans...
+        return getattr(self._inner, name)
 
 
 def _room_of(processor: Any) -> Callable[[], int] | None:
@@ -733,7 +781,8 @@ class OtlpSpans:
         attributes = {"service.instance.id": instance_id}
         if not os.environ.get("OTEL_SERVICE_NAME"):
             attributes["service.name"] = "batchscope"
-        exporter = exporter or exporter_for(endpoint, protocol)
+        exporter = self._exporter = _CountingExporter(
+            exporter or exporter_for(endpoint, protocol), self._dropped_by_processor)
         self.builder = SpanBuilder(Resource.create(attributes), instance_id,
                                    wire=bool(getattr(exporter, "takes_wire_spans", False)))
         self.processor = BatchSpanProcessor(exporter)
@@ -764,6 +813,9 @@ class OtlpSpans:
         self._wake = threading.Event()
         #: set once closing has waited its time: ends a wait for room at once
         self._room_wake = threading.Event()
+        #: a wait for room ran out (the collector takes nothing): until room comes back,
+        #: what does not fit is dropped at once, not after a wait of its own
+        self._stalled = False
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="otlp-spans", daemon=True)
         self._thread.start()
@@ -858,10 +910,12 @@ class OtlpSpans:
         has not within ``ROOM_WAIT_S``, or once ``close`` has waited its time."""
         waited = 0.0
         while room() < wanted:
-            if self._room_wake.is_set() or waited >= ROOM_WAIT_S:
+            if self._stalled or self._room_wake.is_set() or waited >= ROOM_WAIT_S:
+                self._stalled = True
                 return False
             self._room_wake.wait(ROOM_POLL_S)
             waited += ROOM_POLL_S
+        self._stalled = False
         return True
 
     def backlog(self) -> float:
@@ -873,12 +927,47 @@ class OtlpSpans:
         report_drops(self)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Build what is queued, export it (up to ``timeout_s``) and stop."""
+        """Build what is queued and export it, then stop: all within ``timeout_s`` (the
+        SDK's flush and shutdown wait on an export as long as the exporter's own timeout
+        and retries, so they run on a thread of their own, waited for until then). What
+        is left unexported then is counted as dropped."""
+        deadline = time.monotonic() + timeout_s
         self._closed = True
         self._wake.set()
-        self._thread.join(timeout_s)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         self._room_wake.set()
-        try:
-            self.processor.force_flush(int(timeout_s * 1000))
-        finally:
-            self.processor.shutdown()
+        processor = self.processor
+
+        def finish() -> None:
+            try:
+                processor.force_flush(max(1, int((deadline - time.monotonic()) * 1000)))
+            finally:
+                processor.shutdown()
+
+        ender = threading.Thread(target=finish, name="otlp-spans-close", daemon=True)
+        ender.start()
+        ender.join(max(0.0, deadline - time.monotonic()))
+        if ender.is_alive() or self._thread.is_alive():  # out of time: count what is left
+            self.dropped += self._exporter.give_up() + self._left_unexported()
+        self._report()
+
+    def _left_unexported(self) -> int:
+        """The spans still waiting in the processor's queue and the traces' spans still in
+        this one (counted once: each is taken out as it is counted)."""
+        left = 0
+        inner = getattr(self.processor, "_batch_processor", None)
+        queue = getattr(inner, "_queue", None)
+        if isinstance(queue, collections.deque):
+            while queue:
+                try:
+                    queue.pop()
+                except IndexError:  # taken by the exporting thread meanwhile
+                    break
+                left += 1
+        while self.queue:
+            try:
+                t = self.queue.popleft()
+            except IndexError:
+                break
+            left += plain_spans_of(t[0]) if type(t) is tuple else spans_of(t)
+        return left

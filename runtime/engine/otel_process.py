@@ -38,14 +38,17 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import pickle
 import threading
+import time
 from operator import attrgetter
 from typing import Any, Callable
 
 from batchscope import gctune
 from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_child
 from batchscope.threadnames import name_native
+from runtime.engine import otel_config
 from runtime.engine.otel import (QUEUE_MAX, BatchInfo, FinishedTrace, OtlpSpans, exporter_for,
                                  finished_from, plain_spans_of, report_drops, spans_of)
 
@@ -66,6 +69,8 @@ REPLY_TIMEOUT_S = 30.0
 #: backlog (0..1) at which the idle child asks for a share of a CPU, and gives it back
 URGENT_BACKLOG = 0.25
 CALM_BACKLOG = 0.05
+#: of ``close``'s time, what the child leaves for its answer and its exit
+CLOSE_MARGIN_S = 0.3
 _READY = b"ready"
 _STOP = b"stop"
 _TRACE_TUPLE = attrgetter(*FinishedTrace.__slots__)
@@ -120,7 +125,8 @@ class SpanProcess:
     def __init__(self, endpoint: str, instance_id: str, *, protocol: str | None = None,
                  on_drops: Callable[[int, int], None] | None = None,
                  queue_max: int = QUEUE_MAX, nice: int = 0) -> None:
-        exporter_for(endpoint, protocol)  # missing packages or a bad protocol: here
+        otel_config.check(endpoint, protocol, os.environ)  # ConfigurationError: here
+        exporter_for(endpoint, protocol)  # missing packages: here
         import opentelemetry.sdk.trace.export  # noqa: F401
         self.endpoint = endpoint
         self.on_drops = on_drops
@@ -265,23 +271,27 @@ class SpanProcess:
 
     # -- stopping -----------------------------------------------------------------------
     def close(self, timeout_s: float = 5.0) -> None:
-        """Hand over what is queued, let the child export it (up to ``timeout_s``), stop."""
+        """Hand over what is queued, let the child export it and stop: within
+        ``timeout_s`` and a fraction of a second (the child counts as dropped what it
+        could not export by then)."""
+        deadline = time.monotonic() + timeout_s
         self._closed = True
         self._wake.set()
-        self._thread.join(timeout_s)
+        self._thread.join(max(0.0, deadline - time.monotonic()) * 0.5)
         conn = self._conn
         if conn is not None:
+            left = max(0.0, deadline - time.monotonic())
             try:
-                conn.send_bytes(_STOP + str(timeout_s).encode())
-                if conn.poll(timeout_s + 5.0):
+                conn.send_bytes(_STOP + str(max(0.1, left - CLOSE_MARGIN_S)).encode())
+                if conn.poll(left):
                     self.spans_out, self._dropped_there = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 pass
-            self._stop_child()
+            self._stop_child(timeout_s=CLOSE_MARGIN_S)
         report_drops(self)
 
-    def _stop_child(self) -> None:
+    def _stop_child(self, timeout_s: float = 2.0) -> None:
         proc, conn = self._proc, self._conn
         self._conn = None
         if conn is not None:
-            stop_child(proc, conn, _STOP, timeout_s=2.0)
+            stop_child(proc, conn, _STOP, timeout_s=timeout_s)

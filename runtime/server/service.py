@@ -52,6 +52,8 @@ KEEP_ALIVE_S = 60
 #: the default drain timeout: from the signal to the end of ``serve()``, at most this
 #: long (``ServerConfig.drain_timeout_s``, ``--drain-timeout-s``; ``runtime.server.drain``)
 GRACEFUL_SHUTDOWN_S = DRAIN_TIMEOUT_S
+#: the least time the span export gets to send what it holds as the server stops
+SPANS_CLOSE_MIN_S = 0.2
 
 
 def open_database_child(url: str) -> Any:
@@ -200,12 +202,17 @@ class Service:
             self.engine.tracer.control.add_models(self.generation.engines)
             for gen in self.generation.engines.values():
                 gen.tracer = self.engine.tracer
+        from runtime.api.errors import BatchScopeError, ConfigError
+
         for model, name, path in adapters:
             gen = self.generation.engines.get(model) if self.generation is not None else None
-            if gen is not None:
-                gen.register_adapter(name, path, requested_by="start")
-            else:
-                self.engine.register_adapter(model, name, path, requested_by="start")
+            try:
+                if gen is not None:
+                    gen.register_adapter(name, path, requested_by="start")
+                else:
+                    self.engine.register_adapter(model, name, path, requested_by="start")
+            except BatchScopeError as exc:
+                raise ConfigError(f"--adapter {model}:{name}={path}: {exc.message}") from None
         self.on_started = on_started
         self._recorder = recorder
         #: every served model, for the start-up event saying what serves each
@@ -255,14 +262,17 @@ class Service:
             configured()
             return None
         from batchscope.storage.records import EventRow
+        from runtime.engine.otel_config import ConfigurationError
         from runtime.engine.otel_process import SpanProcess
 
         def dropped(new: int, total: int) -> None:
             recorder.put(EventRow(
                 instance_id=self.instance_id, model=None, at=tracer.clock.to_wall(
                     tracer.clock.now()), kind="trace_export_drops", severity="warning",
-                message=f"{new} OpenTelemetry spans dropped ({total} so far): the export "
-                        "queue was full; raise OTEL_BSP_MAX_QUEUE_SIZE or lower trace_rate",
+                message=f"{new} OpenTelemetry spans dropped ({total} so far): the collector "
+                        f"at {server.otlp_traces_endpoint[:200]} did not take them, or the "
+                        "export queue was full; check the collector, or raise "
+                        "OTEL_BSP_MAX_QUEUE_SIZE or lower trace_rate",
                 details_json=f'{{"dropped": {new}, "total": {total}}}'))
 
         try:
@@ -271,6 +281,8 @@ class Service:
             raise ConfigError(f"--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP "
                               f"exporters ({exc.name} is missing): pip install "
                               "'batchscope[otel]'") from None
+        except ConfigurationError as exc:  # the line names the flag or the variable
+            raise ConfigError(str(exc)) from None
         except (RuntimeError, ValueError) as exc:
             raise ConfigError(f"--otlp-traces-endpoint: {exc}") from None
         self.engine.export_spans(spans)
@@ -367,7 +379,9 @@ class Service:
             await self.grpc.stop(self.server_config.drain_timeout_s if grace_s is None
                                  else grace_s)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, spans_timeout_s: float = 5.0) -> None:
+        """Stop everything ``startup`` started; the span export gets ``spans_timeout_s``
+        to send what it holds (what it cannot is counted as dropped)."""
         try:
             await self._stop_grpc()
             await self.autopilot.stop()
@@ -375,7 +389,7 @@ class Service:
                 await self.generation.stop()
             await self.engine.stop()
             if self.spans is not None:
-                await asyncio.to_thread(self.spans.close)
+                await asyncio.to_thread(self.spans.close, spans_timeout_s)
         finally:
             if self.sampler is not None:
                 await asyncio.to_thread(self.sampler.stop)
@@ -454,7 +468,9 @@ class Service:
                     self.engine.stop(drain_timeout_s=clock.left(STOP_FINAL_S)),
                     http.shutdown(clock.left(STOP_FINAL_S)), grpc)
         finally:
-            await self.shutdown()
+            # the span export gets what is left but the rest of shutdown's reserve
+            await self.shutdown(spans_timeout_s=max(SPANS_CLOSE_MIN_S,
+                                                    clock.left(STOP_FINAL_S)))
         log.info("stopped %.2f s after the signal (drain timeout %.1f s)", clock.elapsed(),
                  clock.timeout_s)
 

@@ -113,8 +113,8 @@ def run_service(models: dict, configs: dict, server: Any, *, device: str = "cpu"
         service = Service(models, configs, server, device=device, instance_id=instance_id,
                           generation=generation, on_started=announce, auth=auth,
                           adapters=adapters, own_process=True)
-    except BatchScopeError as exc:
-        raise UsageError(f"--adapter: {exc.message}") from None
+    except BatchScopeError as exc:  # it names the flag it is about
+        raise UsageError(exc.message) from None
     except (DatabaseUnavailable, DatabaseNotFound, SchemaTooNew, SQLAlchemyError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UsageError(f"cannot open the database at {server.database_url}: {first[:300]}; "
