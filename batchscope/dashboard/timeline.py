@@ -34,7 +34,15 @@ and written to ``timeline_end`` before the region reads it, so a region that fin
 dashboard's local time (``scope.fmt_time``), their zone named wherever one is shown; the
 trace downloads are named by the window's start on that clock, with its UTC offset.
 A pick's message (a number that names no batch, say) is kept in ``NOTE`` by its callback
-and shown on the page until the next pick.
+and shown on the page until the next pick. A number the page could not go to is kept in
+``NUMBER_TRIED`` with what it was looked up in, and each page run decides anew
+(:func:`number_again`, a pure function) what holds now: the box acts only when its text
+changes, so once the model, instance or sidebar's window is changed as its note says,
+the page looks it up again or goes to it itself, and a note of the batch lying outside the
+sidebar's window is said of the window shown, never of an older one. Likewise the note of
+why following stopped by itself is shown only while the view it was said of is
+(:func:`stop_note_shown`): a shorter window may hold few enough batches to follow, and a
+window not live cannot follow at all.
 """
 
 from __future__ import annotations
@@ -76,13 +84,14 @@ DRAWN = "timeline_drawn"
 #: the batch last picked by a click on the chart, and the view clicked: (instance, seq, view)
 CLICKED = "timeline_clicked"
 NUMBER = "timeline_batch_number"
-#: a number typed that named nothing of the model and instance shown: (text, model,
-#: instance); tried again once either changes (its note says to change them)
+#: a number typed that the page could not go to (a :class:`NumberTried`): looked up again
+#: once the model, instance or database changes, gone to once the sidebar's window holds it
 NUMBER_TRIED = "timeline_number_tried"
 MODELS = "timeline_models"
 #: a pick's message: (where it is shown, "number" or "table"; the text)
 NOTE = "timeline_note"
-#: why the window stopped following by itself
+#: why the window stopped following by itself: (the view it stopped in, see
+#: :func:`following_view`; the note)
 STOP_NOTE = "timeline_stop_note"
 #: the last region run's cost: ((length, model, instance), seconds); the cadence in effect
 COST = "timeline_cost"
@@ -171,10 +180,31 @@ def too_many_to_follow(bars: int) -> bool:
 
 def stop_note(bars: int) -> str:
     """Why a window of ``bars`` batches and steps stopped following the clock."""
-    return (f"Follow live stopped by itself: the window holds {bars:,} batches and steps, "
+    return (f"Follow live stopped by itself: the window held {bars:,} batches and steps, "
             f"more than the {LIVE_MAX_BARS:,} a live page redraws at every refresh (the tab "
             "would do little else). The window stays where it stopped; to follow the clock, "
             "choose a shorter window and press Follow live.")
+
+
+def following_view(scope: Scope, model: str | None, length_s: float) -> tuple:
+    """What a live window shows, as far as how many batches it holds goes: its length, the
+    model (None: all), the instance, the database and the sidebar's window's length. The
+    end is left out: a window moved by the slider is the one that stopped, looked at
+    elsewhere. Lengths are rounded to the millisecond, as a live window's are computed
+    from the clock anew at each run."""
+    return (round(float(length_s), 3), model, scope.instance, scope.db_url, scope.snapshot,
+            round(scope.duration_s, 3))
+
+
+def stop_note_shown(kept: tuple | None, view: tuple, live: bool) -> str | None:
+    """The note of why following stopped by itself (``kept``: the view it stopped in and
+    the note, or None) while the page still shows that ``view`` of a ``live`` window, else
+    None. A view changed since (a shorter window, another model...) may hold few enough
+    batches to follow, so the count the note gives is not that window's; a window that is
+    not live has its Follow live off, so the note's advice to press it cannot be taken."""
+    if kept is None or not live or kept[0] != view:
+        return None
+    return kept[1]
 
 
 def not_found_note(text: str, other: dict | None, model: str | None,
@@ -191,6 +221,67 @@ def not_found_note(text: str, other: dict | None, model: str | None,
                 "picker) to go to it")
     return (f"{kind} {text} ran on instance {other['instance_id']}, not on {instance}: choose "
             f"{other['instance_id']} (or all) in the sidebar's Instance picker to go to it")
+
+
+def outside_window_note(kind: str, text: str, started_at: float, start_s: float,
+                        end_s: float, live: bool) -> str | None:
+    """Why ``kind`` ("batch" or "step") ``text``, which started at ``started_at``, is not
+    gone to in the sidebar's window ``start_s``..``end_s`` (a ``live`` one holds anything
+    after its start), or None when the window holds it."""
+    when = f"it started {fmt_time(started_at)} {zone(started_at)}"
+    if started_at < start_s:
+        return (f"{kind} {text} ran before the time window the sidebar sets ({when}): choose "
+                "a longer window, or a custom one that holds it, and the page goes to it")
+    if not live and started_at >= end_s:
+        return (f"{kind} {text} ran after the time window the sidebar sets ({when}): end that "
+                "window later, and the page goes to it")
+    return None
+
+
+class NumberTried(NamedTuple):
+    """A number typed that the page could not go to, and what it was looked up in."""
+
+    #: the box's text, stripped
+    text: str
+    #: the model (None: all models) and instance (None: any) it was looked up for
+    model: str | None
+    instance: str | None
+    #: the database: its URL and the snapshot's name (None: the live database)
+    source: tuple[str, str | None]
+    #: the batch or step found (:func:`find_numbered`), which the sidebar's window did not
+    #: hold; None: none of that number of the model and instance
+    found: dict | None
+
+
+class NumberAgain(NamedTuple):
+    """What the page does with a number it could not go to (:func:`number_again`)."""
+
+    #: "find": look the number up again; "go": go to the batch found; None: say ``note``
+    action: str | None
+    #: what the page says of the number now, when it does neither
+    note: str | None = None
+
+
+def number_again(tried: NumberTried | None, text: str, model: str | None,
+                 instance: str | None, source: tuple[str, str | None], start_s: float,
+                 end_s: float, live: bool) -> NumberAgain | None:
+    """What a page run does with ``tried``, the number the page could not go to, now that
+    the box holds ``text`` and the page shows ``model`` on ``instance`` of ``source`` in
+    the sidebar's window ``start_s``..``end_s`` (``live``, or not). The box acts only when
+    its text changes, so the page acts itself once its note's advice is taken: with the
+    model, instance or database changed, it looks the number up again ("find"); with the
+    sidebar's window holding the batch found, it goes to it ("go"); else it says why not,
+    of the window shown (a note said of an older window may no longer be true). None:
+    nothing to do (no such number there, its note stands; or another text typed since)."""
+    if tried is None or tried.text != text:
+        return None
+    if (tried.model, tried.instance, tried.source) != (model, instance, source):
+        return NumberAgain("find")
+    if tried.found is None:
+        return None
+    note = outside_window_note(tried.found["kind"], text, float(tried.found["started_at"]),
+                               start_s, end_s, live)
+    return NumberAgain("go") if note is None else NumberAgain(None, note)
 
 
 def find_numbered(engine: Engine, seq: int, model: str | None,
@@ -223,7 +314,10 @@ SLOWEST_COLUMNS = {
     "outcome": st.column_config.TextColumn("outcome"),
     "latency_ms": st.column_config.NumberColumn("latency (ms)", format="%.2f"),
     "queue_ms": st.column_config.NumberColumn("queue wait (ms)", format="%.2f"),
-    "compute_ms": st.column_config.NumberColumn("compute (ms)", format="%.2f"),
+    "compute_ms": st.column_config.NumberColumn(
+        "start to answer (ms)", format="%.2f",
+        help="latency less queue wait: from its batch's start to its answer, the batch's "
+             "compute and the answer handed back (a batch's compute alone is in its header)"),
     "model": st.column_config.TextColumn("model"),
     "finished": st.column_config.NumberColumn("finished (s after the window's start)",
                                               format="%.3f"),
@@ -231,7 +325,8 @@ SLOWEST_COLUMNS = {
 #: the picked batch's requests table: its column, its name on the page, times in ms
 MEMBER_COLUMNS = (("priority", "priority", False), ("length", "length", False),
                   ("outcome", "outcome", False), ("queue_wait_s", "queue wait (ms)", True),
-                  ("compute_s", "compute (ms)", True), ("latency_s", "latency (ms)", True),
+                  ("compute_s", "start to answer (ms)", True),
+                  ("latency_s", "latency (ms)", True),
                   ("ttft_s", "first token (ms)", True), ("prompt_tokens", "prompt tokens", False),
                   ("output_tokens", "output tokens", False), ("bypass", "bypass", False))
 #: columns a generation model's requests fill, shown only when one of them holds a value
@@ -316,8 +411,16 @@ def render(scope: Scope) -> None:
     at = window_end(w.start_s, w.end_s, float(length),
                     edge if scope.snapshot is None else w.end_s,
                     None if kept is None else kept.timestamp())
-    if _number_to_retry(model, scope.instance):
-        _picked_by_number(engine, scope, model, at.length_s)
+    again = number_again(st.session_state.get(NUMBER_TRIED),
+                         st.session_state.get(NUMBER, "").strip(), model, scope.instance,
+                         _source(scope), scope.start_s, scope.end_s, scope.live)
+    if again is not None and again.action is None:
+        _say("number", again.note)  # said of the sidebar's window shown now
+    elif again is not None:
+        if again.action == "find":
+            _picked_by_number(engine, scope, model, at.length_s)
+        else:
+            _go_to(st.session_state[NUMBER_TRIED].found, at.length_s)
         if NOTE not in st.session_state:
             st.rerun()  # it landed: the window moved to it
     following = _follow_button(right, scope)
@@ -336,8 +439,12 @@ def render(scope: Scope) -> None:
         end_s = at.end_s
     else:
         end_s = _end_slider(mid, at)
-    if not following and STOP_NOTE in st.session_state:
-        mid.info(st.session_state[STOP_NOTE])
+    stopped = stop_note_shown(st.session_state.get(STOP_NOTE),
+                              following_view(scope, model, at.length_s), scope.live)
+    if stopped is None:  # said of another window, or one that cannot follow
+        st.session_state.pop(STOP_NOTE, None)
+    elif not following:
+        mid.info(stopped)
     _show_note("number")
     every = _cadence(scope, model, at.length_s) if end_s is None else None
     st.session_state[EVERY] = every
@@ -435,7 +542,8 @@ def region(engine: Engine, scope: Scope, model: str | None, length_s: float,
         if following and scope.live and too_many_to_follow(bars):
             st.session_state[FOLLOWING] = False
             st.session_state[END] = _as_end(end)
-            st.session_state[STOP_NOTE] = stop_note(bars)
+            st.session_state[STOP_NOTE] = (following_view(scope, model, length_s),
+                                           stop_note(bars))
             st.rerun(scope="app")
         selected = _selected(rows)
         charted = rows  # the chart draws the window alone, the picked batch's rows apart
@@ -557,7 +665,7 @@ def _pick(inst: str, seq: int) -> None:
 
 
 def _picked_on_chart() -> None:
-    st.session_state.pop(NOTE, None)
+    _forget_number()
     points = st.session_state["timeline_chart"].selection.get("points", [])
     for p in points:
         data = p.get("customdata")
@@ -570,7 +678,7 @@ def _picked_on_chart() -> None:
 
 
 def _picked_in_table(key: str) -> None:
-    st.session_state.pop(NOTE, None)
+    _forget_number()
     picked = st.session_state[key].selection.get("rows", [])
     table = st.session_state.get("timeline_slowest_rows")
     if picked and table is not None and picked[0] < len(table):
@@ -582,11 +690,25 @@ def _picked_in_table(key: str) -> None:
             _pick(inst, int(seq))
 
 
+def _forget_number() -> None:
+    """A new pick: the last one's message goes, and a number the page could not go to is
+    no longer gone to later (the pick made since is the one shown)."""
+    st.session_state.pop(NOTE, None)
+    st.session_state.pop(NUMBER_TRIED, None)
+
+
+def _source(scope: Scope) -> tuple[str, str | None]:
+    """The database a scope reads: its URL and the snapshot's name (None: live)."""
+    return scope.db_url, scope.snapshot
+
+
 def _picked_by_number(engine: Engine, scope: Scope, model: str | None,
                       length_s: float) -> None:
     """Go to the batch typed (of ``model``, None: any): the window stops following and
-    centres on it. What stops it is kept for the page to say (``NOTE``)."""
-    st.session_state.pop(NOTE, None)
+    centres on it. What stops it is kept for the page to say (``NOTE``), and the number
+    with what it was looked up in (``NUMBER_TRIED``) for the page to act on once the
+    note's advice is taken (:func:`number_again`)."""
+    _forget_number()
     text = st.session_state.get(NUMBER, "").strip()
     if not text:  # the box was emptied
         return
@@ -594,23 +716,28 @@ def _picked_by_number(engine: Engine, scope: Scope, model: str | None,
     if seq is None:
         _say("number", f"a batch number is a whole number ≥ 0, not {text[:40]!r}")
         return
-    st.session_state.pop(NUMBER_TRIED, None)
     found = find_numbered(engine, seq, model, scope.instance)
     if found is None:
         other = None if model is None and scope.instance is None \
             else find_numbered(engine, seq, None, None)
         _say("number", not_found_note(text, other, model, scope.instance))
-        st.session_state[NUMBER_TRIED] = (text, model, scope.instance)
-        return
-    kind = found["kind"]
-    if float(found["started_at"]) < scope.start_s:
-        _say("number", f"{kind} {text} ran before the time window the sidebar sets; choose a "
-                       "longer window (or a custom one) to go to it")
-        return
-    if not scope.live and float(found["started_at"]) >= scope.end_s:
-        _say("number", f"{kind} {text} ran after the time window the sidebar sets; end that "
-                       "window later to go to it")
-        return
+    else:
+        found = {"kind": found["kind"], "key": found["key"],
+                 "started_at": float(found["started_at"]), "ended_at": float(found["ended_at"])}
+        outside = outside_window_note(found["kind"], text, found["started_at"], scope.start_s,
+                                      scope.end_s, scope.live)
+        if outside is None:
+            _go_to(found, length_s)
+            return
+        _say("number", outside)
+    st.session_state[NUMBER_TRIED] = NumberTried(text, model, scope.instance, _source(scope),
+                                                 found)
+
+
+def _go_to(found: dict, length_s: float) -> None:
+    """Show the batch or step ``found`` (:func:`find_numbered`) in a stopped window of
+    ``length_s`` centred on it; the number's note and retry go with it."""
+    _forget_number()
     ended = float(found["ended_at"])
     time.sleep(behind_edge_in_s(ended, time.time()))  # under a second, for the newest batch
     _pick(*found["key"])
@@ -618,27 +745,53 @@ def _picked_by_number(engine: Engine, scope: Scope, model: str | None,
     st.session_state[END] = _as_end(ended + length_s / 2)
 
 
-def _number_to_retry(model: str | None, instance: str | None) -> bool:
-    """Whether the number in the box named nothing of the model and instance shown when
-    typed, and those have changed since (as its note said to do): the box acts only when
-    its text changes, so the page tries it again itself."""
-    tried = st.session_state.get(NUMBER_TRIED)
-    return (tried is not None and tried[0] == st.session_state.get(NUMBER, "").strip()
-            and (tried[1], tried[2]) != (model, instance))
-
-
 def step_header(steps: pd.DataFrame, inst: str, step_id: int) -> str:
     """What the page says of a picked generation step (row ``step_id`` of ``inst``), as a
-    picked batch gets its line: number, model, sequences, tokens, time, KV cache."""
+    picked batch gets its line: number, model, sequences, tokens, time, KV cache. The
+    sequences are the engine's counts: those that ran in the step, and those it left
+    waiting when it scheduled the step."""
     row = steps[(steps["instance_id"] == inst) & (steps["id"] == step_id)].iloc[0]
     name = timeline_chart.step_name(row["seq"] if "seq" in row else None).capitalize()
     return (f"**{name}** · {row['model']} · {int(row['running'])} running, "
-            f"{int(row['waiting'])} waiting · ended {fmt_time(float(row['at']))}  \n"
+            f"{int(row['waiting'])} waiting (the engine's counts as it scheduled the step) · "
+            f"ended {fmt_time(float(row['at']))}  \n"
             f"step {1000 * row['step_s']:.2f} ms · prefill "
             f"{timeline_chart.count(int(row['prefill_tokens']), 'token')} · decode "
             f"{timeline_chart.count(int(row['decode_tokens']), 'token')} · KV blocks "
             f"{int(row['blocks_used'])} used, {int(row['blocks_free'])} free · preempted "
             f"{int(row['preemptions'])}")
+
+
+def step_sequences_note(steps: pd.DataFrame, inst: str, step_id: int,
+                        sequences: pd.DataFrame) -> str | None:
+    """Why the chart of picked step ``step_id`` of ``inst`` draws another number of
+    ``sequences`` than its header's running and waiting, or None where they agree. The
+    header gives the engine's counts as it scheduled the step (the sequences that ran in
+    it, those left waiting); the chart draws every sequence recorded alive at some moment
+    of the step (arrived by its end, ended after its start): one that arrived while the
+    step ran is in the chart, waiting, and in neither count (it joined a later step). A
+    sequence's row is written when it ends, so one counted that has not ended yet is not
+    drawn."""
+    row = steps[(steps["instance_id"] == inst) & (steps["id"] == step_id)].iloc[0]
+    running, waiting = int(row["running"]), int(row["waiting"])
+    drawn, counted = len(sequences), running + waiting
+    if drawn == counted:
+        return None
+    arrived = int((sequences["arrived_at"].astype(float) > float(row["started_at"])).sum())
+    why = [f"The chart below draws {timeline_chart.count(drawn, 'sequence')}: every one "
+           f"recorded alive at some moment of the step, where the {running} running and "
+           f"{waiting} waiting above were counted as it was scheduled."]
+    if arrived:
+        why.append(f"{arrived:,} of them arrived while it ran, after that count: waiting, "
+                   "in neither number (each joined a later step).")
+    others = drawn - arrived
+    if others > counted:
+        why.append(f"{others - counted:,} more were alive but in neither count (arrived as "
+                   "it was scheduled, ended as it began, or had no work in it).")
+    elif others < counted:
+        why.append(f"{counted - others:,} counted are not drawn: a sequence is recorded "
+                   "when it ends, and these had not (or were not recorded).")
+    return " ".join(why)
 
 
 def _show_selected(rows: TimelineRows, key: tuple[str, int]) -> None:
@@ -667,6 +820,9 @@ def _show_selected(rows: TimelineRows, key: tuple[str, int]) -> None:
                        "before it started: the batch was split and retried")
     else:
         st.markdown(step_header(rows.steps, inst, -seq))
+        differs = step_sequences_note(rows.steps, inst, -seq, part)
+        if differs is not None:
+            st.caption(differs)
     st.plotly_chart(fig, key="timeline_members", config={"displaylogo": False})
     if len(part):
         st.dataframe(requests_table(part), hide_index=True)
