@@ -26,6 +26,7 @@ from batchscope.testing import synthetic
 from batchscope.trace import ExportSummary, UnknownName, check_names, export_trace, format_for
 from batchscope.trace.check import read_chrome, read_perfetto
 from batchscope.trace.perfetto import protos
+from batchscope.trace import timespec
 from batchscope.trace.timespec import (DEFAULT_LAST_S, check_window, parse_seconds, parse_time,
                                        utc_text, window_from)
 from tests.factories import recorded_sqlite
@@ -117,6 +118,9 @@ def test_perfetto_trace_holds_every_row_at_its_recorded_time(filled, tmp_path):
         assert s.name == f"batch {row.seq} n={row.batch_size}/{row.max_batch_size}" + (
             "" if row.outcome == "ok" else f" {row.outcome}")
         assert s.args["seq"] == row.seq and s.args["policy"] == row.policy
+        # a batch of no bucket says so, rather than leaving the argument out
+        assert s.args["bucket"] == ("none" if row.bucket is None or row.bucket != row.bucket
+                                    else row.bucket)
     # batches of one model overlap here, so they need more than one lane
     assert any("· batches · lane 2" in name for name in got.track_names.values())
 
@@ -475,7 +479,10 @@ def test_time_options():
     for bad in ("yesterday", "-10", "nan", "-5x"):
         with pytest.raises(ValueError, match="not a time"):
             parse_time(bad, now=now)
-    assert window_from(None, None, None, now=now) == Window(now - DEFAULT_LAST_S, now)
+    # by default it ends 1 s back, when the runtime's rows are surely written
+    lag = timespec.WRITTEN_LAG_S
+    assert window_from(None, None, None, now=now) == Window(now - lag - DEFAULT_LAST_S,
+                                                            now - lag)
     assert window_from(None, "-5s", 20, now=now, model="m") == Window(now - 25, now - 5, "m")
     with pytest.raises(ValueError, match="not both"):
         window_from("-5s", None, 3, now=now)
@@ -554,13 +561,17 @@ def test_the_running_server_exports_its_recent_window(tmp_path, monkeypatch):
         engine = make_engine(url)
         assert wait_until(lambda: timeline_rows(engine, Window(0, 4e9)).requests_in_window >= 20,
                           limit=400)
-        got = http.get("/v2/trace/export", params={"last": "120"})
+        # the rows are written (waited for above): a window ending now holds them (by
+        # default it ends 1 s back, where the recorder has surely written its rows)
+        import time
+        now = {"last": "120", "end": repr(time.time())}
+        got = http.get("/v2/trace/export", params=now)
         assert got.status_code == 200, got.text
         assert got.headers["content-disposition"].endswith('.pftrace"')
         read = read_perfetto(got.content)
         assert read.ok, read.problems
         assert sum(s.category == "request" for s in read.slices) >= 20
-        as_json = http.get("/v2/trace/export", params={"last": "120", "format": "json"})
+        as_json = http.get("/v2/trace/export", params={**now, "format": "json"})
         assert as_json.status_code == 200 and read_chrome(as_json.content).ok
         for params, status, words in (({"last": "0"}, 400, "a window of 0.001 to 600"),
                                       ({"format": "svg"}, 400, "perfetto or json"),
@@ -574,7 +585,7 @@ def test_the_running_server_exports_its_recent_window(tmp_path, monkeypatch):
             r = http.get("/v2/trace/export", params=params)
             assert r.status_code == status and words in r.json()["error"], (params, r.text)
         monkeypatch.setattr(trace_api, "EXPORT_MAX_ROWS", 5)  # the window holds 20 requests
-        r = http.get("/v2/trace/export", params={"last": "120"})
+        r = http.get("/v2/trace/export", params=now)
         assert r.status_code == 413, r.text
         said = r.json()["error"]
         assert "more than 5" in said and "--max-rows" not in said, said
@@ -682,3 +693,25 @@ def test_a_step_slice_is_named_by_what_it_computed():
     assert _step_name(120, 3) == "prefill+decode"
     assert _step_name(0, 3) == "decode"
     assert _step_name(None, 3) == "decode"
+
+
+def test_a_window_that_ends_in_the_last_second_says_its_last_rows_may_be_missing(tmp_path):
+    """Before: a window ending at now (the default) silently lacked the rows the recorder
+    had not written yet (its last half second or so, and traced requests without their
+    timestamps); the default end is 1 s back now, and a window that ends later says so
+    in the file and on the command line."""
+    from batchscope.trace.timespec import recent_note
+
+    assert recent_note(100.0, 101.0) is None and recent_note(99.0, 101.0) is None
+    said = recent_note(100.75, 101.0)
+    assert said.startswith("the window ends 0.25 s before it was read") and "last 0.75 s" in said
+    engine = make_engine(f"sqlite:///{tmp_path / 'empty.db'}")
+    try:
+        out = tmp_path / "t.json"
+        summary = export_trace(engine, Window(90.0, 100.5), str(out), "json", now=101.0)
+        assert any("may be missing" in n for n in summary.notes)
+        assert "may be missing" in json.loads(out.read_text())["otherData"]["notes"]
+        summary = export_trace(engine, Window(90.0, 99.5), str(out), "json", now=101.0)
+        assert not any("may be missing" in n for n in summary.notes)
+    finally:
+        engine.dispose()

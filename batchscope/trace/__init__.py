@@ -219,17 +219,26 @@ def __getattr__(name: str) -> Any:
 
 
 def export_trace(engine: Engine, window: Window, out: str | os.PathLike | BinaryIO,
-                 fmt: str = "perfetto", *, max_rows: int | None = None) -> ExportSummary:
+                 fmt: str = "perfetto", *, max_rows: int | None = None,
+                 now: float | None = None) -> ExportSummary:
     """Write the trace of ``window`` to ``out`` (a path, or a binary file left open) in
     ``fmt`` (``perfetto`` or ``json``); see the module doc. A path is written whole or
     not at all (``_write_whole``). Raises ``WindowTooLarge`` (nothing written) past
-    ``max_rows`` batches and requests (default ``MAX_ROWS`` of the timeline queries), ``ValueError`` for an unknown format."""
+    ``max_rows`` batches and requests (default ``MAX_ROWS`` of the timeline queries), ``ValueError`` for an unknown format.
+    ``now``: when the window is read (epoch seconds); a window that ends less than
+    ``timespec.WRITTEN_LAG_S`` before it gets a note that its last rows may be missing."""
     if fmt not in ("perfetto", "json"):
         raise ValueError(f"unknown trace format {fmt!r}; use perfetto or json")
     from batchscope.analysis.queries.timeline import MAX_ROWS, timeline_rows
     from batchscope.trace import layout as layout_module
 
     rows = timeline_rows(engine, window, max_rows=MAX_ROWS if max_rows is None else max_rows)
+    if now is not None:
+        from batchscope.trace.timespec import recent_note
+
+        note = recent_note(window.end_s, now)
+        if note is not None:
+            rows.notes.append(note)
     laid = layout_module.build(rows)
     if fmt == "perfetto":
         from batchscope.trace import perfetto as writer

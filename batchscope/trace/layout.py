@@ -385,9 +385,10 @@ def build(rows: TimelineRows) -> Layout:
             counts.events += len(idx)
 
     notes_track = None
-    if not processes:  # one note: there is nothing to draw
+    if not processes:  # nothing to draw: the notes say why (the first, that it is empty)
         notes = [f"{NO_DATA}: " + (rows.notes[0] if rows.notes
-                                   else "nothing was recorded in this window")]
+                                   else "nothing was recorded in this window"),
+                 *rows.notes[1:]]
     if notes:
         notes_track = b.add(Track(uuid=b.uuid(), pid=0, tid=b.tid(), name="BatchScope export",
                                   kind="notes", rank=0), _note_source(notes, rows.window))
@@ -487,7 +488,9 @@ def _batch_source(idx, cols, start, end, flows_in):
                 name += f" {outcome}"
             args = _args((
                 ("batch_id", cols["id"][i]), ("seq", cols["seq"][i]), ("batch_size", size),
-                ("max_batch_size", top), ("bucket", cols["bucket"][i]),
+                ("max_batch_size", top),
+                # "none": the batch had no bucket (fixed-size inputs), not a value left out
+                ("bucket", "none" if cols["bucket"][i] is None else cols["bucket"][i]),
                 ("real_elements", real), ("padded_elements", padded),
                 ("padding_share", round(1.0 - real / padded, 6) if real is not None and padded
                  else None),

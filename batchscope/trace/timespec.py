@@ -4,9 +4,11 @@ A time is epoch seconds (``1767225600.5``), an ISO 8601 date and time
 (``2026-01-01T12:00:00``, local time unless it names a zone, ``Z`` for UTC), ``now``,
 or an offset back from now (``-10s``, ``-1.5m``, ``-2h``, ``-500ms``).
 ``window_from(start, end, last_s, now=...)`` turns the three options into a ``Window``:
-by default the last ``DEFAULT_LAST_S`` seconds before the end (itself ``now`` unless
-given). Anything it cannot read, and a window outside 1970..``LATEST_S``, is a
-``ValueError`` that says what it accepts.
+by default the last ``DEFAULT_LAST_S`` seconds before the end, itself ``WRITTEN_LAG_S``
+before now unless given: a runtime's recorder writes its rows every half second, so the
+last moments before now may not be in the database yet (``recent_note`` says so of a
+window that ends in them). Anything it cannot read, and a window outside
+1970..``LATEST_S``, is a ``ValueError`` that says what it accepts.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ if TYPE_CHECKING:  # the server checks windows without the dashboard packages
 
 #: the window when neither a start nor a length is given
 DEFAULT_LAST_S = 10.0
+#: how long before now a runtime's rows are surely written: two of its recorder's flushes
+#: (``batchscope.storage.recorder.FLUSH_INTERVAL_S``, 0.5 s by default), as the timeline
+#: page's live edge
+WRITTEN_LAG_S = 1.0
 #: the latest time a window may reach (2255-03-14): a trace holds nanoseconds in 64-bit
 #: integers, which end in 2262
 LATEST_S = 9_000_000_000.0
@@ -76,7 +82,7 @@ def window_from(start: str | None, end: str | None, last_s: float | None, *, now
                 model: str | None = None, instance_id: str | None = None) -> Window:
     """The window of the options (see module doc); ``ValueError`` when they clash. A
     window the checks refuse is reported with the options that were given."""
-    end_s = parse_time(end, now=now) if end is not None else now
+    end_s = parse_time(end, now=now) if end is not None else now - WRITTEN_LAG_S
     if last_s is not None:
         if start is not None:
             raise ValueError("give --start or --last, not both")
@@ -96,6 +102,18 @@ def window_from(start: str | None, end: str | None, last_s: float | None, *, now
                  fix_end="an earlier --end" if end is not None else "an earlier end")
     from batchscope.analysis.queries.window import Window
     return Window(start_s, end_s, model, instance_id)
+
+
+def recent_note(end_s: float, now: float) -> str | None:
+    """What a trace of a window ending at ``end_s``, read at ``now``, says of its last
+    moments when the runtime may not have written them yet (None: it has)."""
+    missing = end_s - (now - WRITTEN_LAG_S)
+    if missing <= 0:
+        return None
+    return (f"the window ends {max(0.0, now - end_s):.2f} s before it was read, and a "
+            "runtime writes its rows every half second: batches and requests of its last "
+            f"{missing:.2f} s may be missing; end it at least "
+            f"{WRITTEN_LAG_S:g} s back (the default) for all of them")
 
 
 def utc_text(epoch_s: float) -> str:

@@ -49,7 +49,7 @@ from starlette.routing import Route
 
 from batchscope.storage.db import ENV_URL
 from batchscope.trace.exits import EXIT_NO_ROOM, EXIT_TOO_MANY_ROWS
-from batchscope.trace.timespec import LATEST_S, check_window
+from batchscope.trace.timespec import LATEST_S, WRITTEN_LAG_S, check_window
 from runtime.api.errors import (ClientError, InsufficientStorage, ModelNotFound, QueueFull, RequestTooLarge,
                                 RouteNotFound, ServerBusy)
 from runtime.core.tracing import KEYS, parse_changes, quoted
@@ -183,7 +183,8 @@ async def export_trace(request: Request) -> Response:
         raise ClientError(f"format={fmt[:40]!r}: give perfetto or json")
     try:
         last = float(q.get("last", "10"))
-        end = float(q["end"]) if "end" in q else time.time()
+        # by default 1 s back: by then the recorder has written the window's rows
+        end = float(q["end"]) if "end" in q else time.time() - WRITTEN_LAG_S
     except ValueError:
         raise ClientError("last and end must be numbers of seconds (end: epoch seconds, "
                           "e.g. 1767225600)") from None

@@ -27,7 +27,9 @@ def _add_trace(sub: Any) -> None:
                                               "sqlite:///data/batchscope.db)")
     p.add_argument("--start", default=None, help="window start: epoch seconds, ISO date and "
                                                  "time, now, or back from now (-30s, -5m)")
-    p.add_argument("--end", default=None, help="window end, written the same way (default: now)")
+    p.add_argument("--end", default=None, help="window end, written the same way (default: 1 s "
+                                               "ago, when the runtime's rows are surely "
+                                               "written)")
     p.add_argument("--last", type=_seconds, default=None, metavar="SECONDS",
                    help="window length back from its end, instead of --start (default 10)")
     p.add_argument("--model", default=None, help="only this model (default: all)")
@@ -101,7 +103,8 @@ def _trace(args: argparse.Namespace) -> int:
         args.out = "/dev/stdout"
     try:
         fmt = format_for(_checked_out(args.out), args.format)
-        w = window_from(args.start, args.end, args.last, now=time.time(), model=args.model,
+        now = time.time()
+        w = window_from(args.start, args.end, args.last, now=now, model=args.model,
                         instance_id=args.instance)
     except ValueError as exc:
         raise UsageError(f"batchscope trace: {exc}") from None
@@ -115,7 +118,7 @@ def _trace(args: argparse.Namespace) -> int:
     try:
         engine = make_engine(bounded_url(url), create=False)
         check_names(engine, w)
-        summary = export_trace(engine, w, args.out, fmt, **kwargs)
+        summary = export_trace(engine, w, args.out, fmt, now=now, **kwargs)
     except WindowTooLarge as exc:
         _fail(f"batchscope trace: {exc}; or raise --max-rows (the rows are read into memory)")
         return EXIT_TOO_MANY_ROWS
