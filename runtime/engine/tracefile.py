@@ -5,7 +5,11 @@
 "ns"}`` in the order they happen (Triton's steady-clock nanoseconds; here wall-clock
 nanoseconds since the epoch, so traces line up with the database rows and with other
 processes). ``TraceFileWriter`` writes the same, with ``request_id`` when the client
-sent an ``id`` and the W3C ids of a request that carried a ``traceparent``:
+sent an ``id`` (left out when empty, as Triton does) and the W3C ids of a request that
+carried a ``traceparent``. A gRPC handler is given its request already read, so a gRPC
+trace has no time of its own for ``GRPC_WAITREAD_START``: the file writes it equal to
+``GRPC_WAITREAD_END`` (the database row leaves it empty), since Triton's
+``trace_summary.py`` counts only the gRPC traces that carry it:
 
 * ``put(path, log_frequency, row)`` only appends to a bounded buffer (at most
   ``max_pending`` traces; one more is dropped and counted), and a daemon thread writes
@@ -53,14 +57,16 @@ def trace_entry(row: Any, names: list[tuple[str, str]]) -> dict[str, Any]:
     """The Triton trace object of a ``TraceRow``: ``names`` maps its columns to Triton's
     timestamp names, in order."""
     doc: dict[str, Any] = {"id": row.trace_id, "model_name": row.model, "model_version": 1}
-    if row.request_id is not None:
+    if row.request_id:  # Triton leaves an empty id out
         doc["request_id"] = row.request_id
     if row.w3c_trace_id is not None:
         doc["w3c_trace_id"] = row.w3c_trace_id
         doc["w3c_parent_span_id"] = row.w3c_parent_span_id
-    doc["timestamps"] = [{"name": name, "ns": int(round(at * 1e9))}
-                         for name, column in names
-                         if (at := getattr(row, column)) is not None]
+    stamps = [{"name": name, "ns": int(round(at * 1e9))} for name, column in names
+              if (at := getattr(row, column)) is not None]
+    if stamps and stamps[0]["name"] == "GRPC_WAITREAD_END":  # no start seen (module doc)
+        stamps.insert(0, {"name": "GRPC_WAITREAD_START", "ns": stamps[0]["ns"]})
+    doc["timestamps"] = stamps
     return doc
 
 

@@ -367,6 +367,8 @@ class InferenceHandlers:
         trace.send_start = tracer.clock.now()
         if context is not None:  # a call of its own: its metadata says what HTTP headers do
             await context.send_initial_metadata(trace.answer_headers())
+            if _finish_when_sent(context, tracer, trace):
+                return reply
         tracer.finish(trace)
         return reply
 
@@ -435,3 +437,31 @@ class InferenceHandlers:
             reader.cancel()
             for task in list(running):
                 task.cancel()
+
+
+def _finish_when_sent(context: Any, tracer: Any, trace: Any) -> bool:
+    """Have ``trace`` finished once its call has ended (the answer and its status sent):
+    its ``send_end`` (Triton's GRPC_SEND_END) is stamped then, on the event loop. False
+    where this gRPC has no such callback (the trace is finished now, without it)."""
+    loop = asyncio.get_running_loop()
+
+    def finish(at: float) -> None:
+        trace.send_end = at
+        tracer.finish(trace)
+
+    def ended(_context: Any) -> None:
+        at = tracer.clock.now()
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop:
+            finish(at)
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(finish, at)
+
+    try:
+        context.add_done_callback(ended)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return False
+    return True
