@@ -19,7 +19,15 @@ GOOD = "http://127.0.0.1:4317"
 @pytest.mark.parametrize("endpoint", ["http://127.0.0.1:4317", "https://collector:4318/x",
                                       "http://[::1]:4317", "http://collector"])
 def test_urls_with_a_scheme_a_host_and_a_port_that_exists_are_taken(endpoint):
-    check_endpoint(endpoint)
+    check_endpoint(endpoint)  # over HTTP a URL without a port is its scheme's
+
+
+def test_over_grpc_the_endpoint_names_its_port():
+    check_endpoint(GOOD, "grpc")
+    with pytest.raises(ConfigurationError, match="give the collector's gRPC port"):
+        check_endpoint("http://collector", "grpc")  # was dialled at 443
+    with pytest.raises(ConfigurationError, match="gRPC port"):
+        check("http://collector", None, {})  # gRPC: the default protocol
 
 
 @pytest.mark.parametrize("endpoint, words", [
@@ -51,7 +59,10 @@ def test_an_endpoint_the_exporter_would_misread_is_refused(endpoint, words):
     ({"OTEL_BSP_SCHEDULE_DELAY": "-1"}, "OTEL_BSP_SCHEDULE_DELAY=-1 must be at least 1"),
     ({"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "100000"}, "more than the queue holds"),
     ({"OTEL_BSP_MAX_QUEUE_SIZE": "10", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "11"},
-     "OTEL_BSP_MAX_QUEUE_SIZE, 10"),
+     "OTEL_BSP_MAX_QUEUE_SIZE, 10)"),
+    # a queue smaller than the default batch: the SDK refused it in the child, blaming the
+    # endpoint flag
+    ({"OTEL_BSP_MAX_QUEUE_SIZE": "100"}, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE (512, the default)"),
     ({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "nan"}, "is not a positive number"),
     ({"OTEL_EXPORTER_OTLP_TIMEOUT": "0"}, "OTEL_EXPORTER_OTLP_TIMEOUT='0'"),
 ])

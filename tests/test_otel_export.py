@@ -627,3 +627,47 @@ def test_once_the_collector_takes_nothing_a_trace_that_does_not_fit_is_dropped_a
     spans.close()
     batch_span = int(("m", 1) in spans.builder.batch_spans)
     assert exporter.exported + spans.dropped == 200 * 3 + batch_span
+
+
+def test_after_an_outage_a_burst_is_waited_for_again(monkeypatch):
+    """The stall (drop at once what does not fit) lasts until the processor has room
+    again: before, it lasted for good, and every later burst that filled the processor's
+    queue for a moment lost spans."""
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "8")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4")
+    monkeypatch.setattr(otel, "ROOM_WAIT_S", 0.05)
+    exporter = SlowExporter()
+    spans = OtlpSpans("unused", "i", exporter=exporter, queue_max=10_000)
+    spans.batch(batch(1))
+    for n in range(20):  # the exporter holds its first export: an outage
+        spans.put(trace(n))
+    assert wait_until(lambda: not spans.queue, limit=2000)
+    lost = spans.dropped
+    assert lost > 0
+    exporter.release.set()  # the collector is back
+    assert wait_until(lambda: spans._room() >= 8, limit=2000)
+    monkeypatch.setattr(otel, "ROOM_WAIT_S", 60.0)  # a burst is waited for, not dropped
+    for n in range(20, 320):
+        spans.put(trace(n))
+    spans.close(timeout_s=60.0)
+    assert spans.dropped == lost
+    batch_span = int(("m", 1) in spans.builder.batch_spans)
+    assert exporter.exported + spans.dropped == 320 * 3 + batch_span
+
+
+def test_a_close_out_of_time_counts_every_span_once(monkeypatch):
+    """A collector that never answers and a close that runs out of time: each span put is
+    counted as dropped exactly once, whichever thread dropped it (the event loop's queue,
+    the span thread, the processor's, the export under way, what was left). Before, the
+    counts of other threads were overwritten as ``close`` added what was left."""
+    exporter = SlowExporter()  # holds its first export for 10 s: past this close
+    spans = OtlpSpans("unused", "i", exporter=exporter, queue_max=5_000)
+    spans.batch(batch(1))
+    n = 20_000
+    for i in range(n):
+        spans.put(trace(i))
+    spans.close(timeout_s=0.3)
+    batch_span = int(("m", 1) in spans.builder.batch_spans)
+    assert exporter.exported == 0
+    assert spans.dropped == n * 3 + batch_span
+    exporter.release.set()

@@ -479,6 +479,9 @@ def test_time_options():
     for bad in ("yesterday", "-10", "nan", "-5x"):
         with pytest.raises(ValueError, match="not a time"):
             parse_time(bad, now=now)
+    # a start in the last second before the default end says why it is refused
+    with pytest.raises(ValueError, match="not before the default end, 1 s ago.*--end now"):
+        window_from("-500ms", None, None, now=now)
     # by default it ends 1 s back, when the runtime's rows are surely written
     lag = timespec.WRITTEN_LAG_S
     assert window_from(None, None, None, now=now) == Window(now - lag - DEFAULT_LAST_S,

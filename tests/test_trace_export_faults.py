@@ -457,6 +457,20 @@ def test_a_dash_writes_the_trace_to_stdout_and_wants_its_format(recorded):
     r = _cli("--db", recorded, *WINDOW, "--format", "json", "-o", "-")
     assert r.returncode == 0, r.stderr
     _assert_valid(r.stdout.encode(), "json")
-    assert r.stderr.startswith("wrote /dev/stdout (json, ")
+    assert r.stderr.startswith("wrote standard output (json, ")
     line = _one_line(_cli("--db", recorded, *WINDOW, "-o", "-"))
     assert line.endswith("name its format too: --format perfetto or --format json")
+
+
+def test_a_dash_into_a_redirected_file_appends_rather_than_replaces(recorded, tmp_path):
+    """``-o -`` writes a stream: ``>> file`` keeps what the file held (``-o /dev/stdout``
+    wrote a new file and renamed it over the one redirected to)."""
+    kept = tmp_path / "log.txt"
+    kept.write_bytes(b"before\n")
+    with open(kept, "ab") as out:
+        r = subprocess.run(CLI + ["--db", recorded, *WINDOW, "--format", "json", "-o", "-"],
+                           stdout=out, stderr=subprocess.PIPE, text=False, timeout=120)
+    assert r.returncode == 0, r.stderr
+    data = kept.read_bytes()
+    assert data.startswith(b"before\n")
+    _assert_valid(data[len(b"before\n"):], "json")

@@ -98,6 +98,10 @@ def window_from(start: str | None, end: str | None, last_s: float | None, *, now
         fix_start = "a shorter --last" + (" or a later --end" if end is not None else "")
     else:  # the default length back from --end
         fix_start = f"a later --end (the window is the {DEFAULT_LAST_S:g} s before it)"
+    if end is None and start is not None and start_s >= end_s:
+        raise ValueError(f"--start {start!r} is not before the default end, {WRITTEN_LAG_S:g} "
+                         "s ago (by then the runtime's rows are surely written); give an "
+                         "earlier --start, or --end now")
     check_window(start_s, end_s, fix_start=fix_start,
                  fix_end="an earlier --end" if end is not None else "an earlier end")
     from batchscope.analysis.queries.window import Window

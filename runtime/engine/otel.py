@@ -79,6 +79,8 @@ BATCHES_KEPT = 4096
 #: again this often, for at most ``ROOM_WAIT_S`` (then the trace is dropped and counted)
 ROOM_POLL_S = 0.002
 ROOM_WAIT_S = 2.0
+#: how long ``close``, out of time, lets the span thread finish the trace in its hands
+ABANDON_JOIN_S = 0.05
 PROTOCOLS = ("grpc", "http/protobuf")
 
 
@@ -696,29 +698,29 @@ class _CountingExporter:
         #: the spans of the export under way (the processor exports one batch at a time)
         self.in_flight = 0
         self._given_up = False
+        #: an export's end and ``give_up`` each count its spans, never both
+        self._lock = threading.Lock()
 
     def export(self, spans: Sequence[Any]) -> Any:
-        self.in_flight = len(spans)
+        n = len(spans)
+        with self._lock:
+            self.in_flight = n
+        result = None
         try:
             result = self._inner.export(spans)
-        except Exception:
-            self._failed(len(spans))
-            raise
+            return result
         finally:
-            self.in_flight = 0
-        if result != self._success:
-            self._failed(len(spans))
-        return result
-
-    def _failed(self, n: int) -> None:
-        if not self._given_up:
-            self._on_failed(n)
+            with self._lock:
+                self.in_flight = 0
+                if result != self._success and not self._given_up:
+                    self._on_failed(n)
 
     def give_up(self) -> int:
         """The spans of the export under way, counted as lost now (closing ran out of
         time); its failure, should it come later, is not counted again."""
-        self._given_up = True
-        return self.in_flight
+        with self._lock:
+            self._given_up = True
+            return self.in_flight
 
     def __getattr__(self, name: str) -> Any:  # shutdown, force_flush, takes_wire_spans...
         return getattr(self._inner, name)
@@ -808,6 +810,10 @@ class OtlpSpans:
         self.lock = threading.Lock()
         #: spans (and traces refused by our queue) lost, and spans handed to the processor
         self.dropped = 0
+        self._count_lock = threading.Lock()
+        #: set once ``close`` has run out of time: what the span thread still takes is
+        #: counted as dropped rather than handed to a processor nothing exports any more
+        self._abandoned = False
         self.reported = 0
         self.spans_out = 0
         self._wake = threading.Event()
@@ -831,7 +837,7 @@ class OtlpSpans:
     def put(self, trace: FinishedTrace) -> None:
         """Queue a finished trace for its spans; dropped (and counted) when full."""
         if self._put - self._taken >= self.queue_max:
-            self.dropped += spans_of(trace)
+            self._count(spans_of(trace))
             return
         self.queue.append(trace)
         self._put += 1
@@ -850,7 +856,7 @@ class OtlpSpans:
         if not members:
             return
         if self._put - self._taken + members > self.queue_max:
-            self.dropped += plain_spans_of(batch)
+            self._count(plain_spans_of(batch))
             return
         self.queue.append((batch, wall_offset_s, members))
         self._put += members
@@ -865,7 +871,13 @@ class OtlpSpans:
 
     # -- the span thread ----------------------------------------------------------------
     def _dropped_by_processor(self, count: int) -> None:
-        self.dropped += count
+        self._count(count)
+
+    def _count(self, spans: int) -> None:
+        """Count ``spans`` as dropped: from the event loop's thread, the span thread, the
+        processor's exporting thread and ``close`` alike (one lock: no count lost)."""
+        with self._count_lock:
+            self.dropped += spans
 
     def _work(self) -> None:
         name_native()
@@ -894,9 +906,16 @@ class OtlpSpans:
                     batch = self.batches.get((t.model, t.batch_seq)) \
                         if t.batch_seq is not None else None
                 wanted = room is not None and builder.count(t, batch)
-            if wanted and room() < wanted and not self._wait_for_room(room, wanted):
-                self.dropped += wanted
+            if self._abandoned:
+                self._count(plain_spans_of(plain) if type(t) is tuple else spans_of(t))
                 continue
+            if wanted:
+                if room() < wanted:
+                    if not self._wait_for_room(room, wanted):
+                        self._count(wanted)
+                        continue
+                else:
+                    self._stalled = False  # room again: the next wait is a wait
             try:
                 spans = builder.plain_spans(plain, offset, batch) if type(t) is tuple \
                     else builder.spans(t, batch)
@@ -948,7 +967,9 @@ class OtlpSpans:
         ender.start()
         ender.join(max(0.0, deadline - time.monotonic()))
         if ender.is_alive() or self._thread.is_alive():  # out of time: count what is left
-            self.dropped += self._exporter.give_up() + self._left_unexported()
+            self._abandoned = True  # the span thread counts what it still takes
+            self._thread.join(ABANDON_JOIN_S)  # and finishes the trace in hand, if it can
+            self._count(self._exporter.give_up() + self._left_unexported())
         self._report()
 
     def _left_unexported(self) -> int:

@@ -28,8 +28,9 @@ TAKE_ALL_SAMPLERS = ("always_on", "parentbased_always_on")
 #: the delay and the timeout)
 _BSP = ("OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_EXPORT_TIMEOUT", "OTEL_BSP_MAX_QUEUE_SIZE",
         "OTEL_BSP_MAX_EXPORT_BATCH_SIZE")
-#: the SDK's default queue size, which the batch size may not exceed
+#: the SDK's default queue and batch sizes (the batch may not exceed the queue)
 _DEFAULT_QUEUE = 2048
+_DEFAULT_BATCH = 512
 #: the exporters' timeouts: a positive number
 _TIMEOUTS = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
 
@@ -56,9 +57,10 @@ def protocol_of(protocol: str | None, environ: Mapping[str, str]) -> str:
     return "grpc"
 
 
-def check_endpoint(endpoint: str) -> None:
+def check_endpoint(endpoint: str, protocol: str = "http/protobuf") -> None:
     """``ConfigurationError`` unless ``endpoint`` is an http(s) URL with a host and, if
-    it names one, a port from 1 to 65535."""
+    it names one, a port from 1 to 65535; over gRPC it must name one (a gRPC target
+    without a port is dialled at 443)."""
     shown = endpoint.strip()[:200]
     try:
         parts = urlsplit(endpoint.strip())
@@ -73,6 +75,10 @@ def check_endpoint(endpoint: str) -> None:
     if port == 0:
         raise ConfigurationError(f"--otlp-traces-endpoint {shown!r}: port 0 is no port; give "
                                  "the collector's (4317 for gRPC, 4318 for HTTP)")
+    if port is None and protocol == "grpc":
+        raise ConfigurationError(f"--otlp-traces-endpoint {shown!r}: give the collector's "
+                                 "gRPC port, e.g. http://HOST:4317 (without one it is "
+                                 "dialled at 443)")
 
 
 def _whole(name: str, value: str) -> int:
@@ -99,12 +105,15 @@ def check_environment(environ: Mapping[str, str]) -> None:
             "caller's sampled traceparent; unset it, or set it to always_on")
     numbers = {name: _whole(name, environ[name]) for name in _BSP
                if environ.get(name, "").strip()}
-    batch = numbers.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE")
+    batch = numbers.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", _DEFAULT_BATCH)
     queue = numbers.get("OTEL_BSP_MAX_QUEUE_SIZE", _DEFAULT_QUEUE)
-    if batch is not None and batch > queue:
-        raise ConfigurationError(f"OTEL_BSP_MAX_EXPORT_BATCH_SIZE={batch} is more than the "
-                                 f"queue holds (OTEL_BSP_MAX_QUEUE_SIZE, {queue}); give at "
-                                 "most that")
+    if batch > queue:
+        raise ConfigurationError(
+            f"OTEL_BSP_MAX_EXPORT_BATCH_SIZE ({batch}"
+            f"{'' if 'OTEL_BSP_MAX_EXPORT_BATCH_SIZE' in numbers else ', the default'}) is "
+            f"more than the queue holds (OTEL_BSP_MAX_QUEUE_SIZE, {queue}"
+            f"{'' if 'OTEL_BSP_MAX_QUEUE_SIZE' in numbers else ', the default'}); make the "
+            "batch size at most the queue size")
     for name in _TIMEOUTS:
         value = environ.get(name, "").strip()
         if not value:
@@ -120,6 +129,7 @@ def check_environment(environ: Mapping[str, str]) -> None:
 
 def check(endpoint: str, protocol: str | None, environ: Mapping[str, str]) -> str:
     """Check the whole configuration (module doc); the protocol it uses."""
-    check_endpoint(endpoint)
+    chosen = protocol_of(protocol, environ)
+    check_endpoint(endpoint, chosen)
     check_environment(environ)
-    return protocol_of(protocol, environ)
+    return chosen

@@ -69,8 +69,8 @@ REPLY_TIMEOUT_S = 30.0
 #: backlog (0..1) at which the idle child asks for a share of a CPU, and gives it back
 URGENT_BACKLOG = 0.25
 CALM_BACKLOG = 0.05
-#: of ``close``'s time, what the child leaves for its answer and its exit
-CLOSE_MARGIN_S = 0.3
+#: of ``close``'s time, what is left for the child's answer, and for its exit
+CLOSE_MARGIN_S = 0.2
 _READY = b"ready"
 _STOP = b"stop"
 _TRACE_TUPLE = attrgetter(*FinishedTrace.__slots__)
@@ -149,6 +149,8 @@ class SpanProcess:
         self.spans_out = 0
         self._wake = threading.Event()
         self._closed = False
+        #: held while the pipe is used: the sender thread's rounds and ``close``
+        self._conn_lock = threading.Lock()
         child = spawn_child(_child_main, (endpoint, instance_id, protocol, queue_max, nice),
                             name="batchscope-otlp-spans", idle=True, nice=nice)
         self._proc, self._conn = child.process, child.conn
@@ -245,22 +247,24 @@ class SpanProcess:
         if not taken and not raw and not plain and not infos:
             return
         offset = self._wall_offset_s
-        if self._conn is None:
-            self._lost(taken, raw, plain, offset)
-            return
-        payload = pickle.dumps((list(map(_BATCH_TUPLE, infos)), list(map(_TRACE_TUPLE, taken)),
-                                raw, plain, offset, self._held() / self.queue_max),
-                               protocol=5)
-        try:
-            self._conn.send_bytes(payload)
-            if not self._conn.poll(REPLY_TIMEOUT_S):
-                raise TimeoutError
-            self.spans_out, self._dropped_there = pickle.loads(self._conn.recv_bytes())
-        except (EOFError, OSError, TimeoutError):
-            log.error("the OpenTelemetry span process %s; spans are dropped from now on",
-                      "did not answer" if self._proc.is_alive() else "exited")
-            self._lost(taken, raw, plain, offset)
-            self._stop_child()
+        with self._conn_lock:  # ``close`` uses the pipe too: one at a time
+            conn = self._conn
+            if conn is None:
+                self._lost(taken, raw, plain, offset)
+                return
+            payload = pickle.dumps((list(map(_BATCH_TUPLE, infos)),
+                                    list(map(_TRACE_TUPLE, taken)), raw, plain, offset,
+                                    self._held() / self.queue_max), protocol=5)
+            try:
+                conn.send_bytes(payload)
+                if not conn.poll(REPLY_TIMEOUT_S):
+                    raise TimeoutError
+                self.spans_out, self._dropped_there = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError, TimeoutError):
+                log.error("the OpenTelemetry span process %s; spans are dropped from now on",
+                          "did not answer" if self._proc.is_alive() else "exited")
+                self._lost(taken, raw, plain, offset)
+                self._stop_child()
 
     def _lost(self, traces: list, raws: list, records: list, wall_offset_s: float) -> None:
         """Count the spans of traces that cannot be sent."""
@@ -278,17 +282,35 @@ class SpanProcess:
         self._closed = True
         self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()) * 0.5)
-        conn = self._conn
-        if conn is not None:
-            left = max(0.0, deadline - time.monotonic())
-            try:
-                conn.send_bytes(_STOP + str(max(0.1, left - CLOSE_MARGIN_S)).encode())
-                if conn.poll(left):
-                    self.spans_out, self._dropped_there = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                pass
-            self._stop_child(timeout_s=CLOSE_MARGIN_S)
+        # the pipe, once the sender thread's last hand-over is done with it
+        if not self._conn_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            log.error("the OpenTelemetry span process did not take the last spans in time; "
+                      "what it holds is lost")
+            self._lost(*self._take_all())
+            report_drops(self)
+            return
+        try:
+            self._lost(*self._take_all())  # put after the sender's last round: not sent
+            conn = self._conn
+            if conn is not None:
+                budget = max(0.1, deadline - time.monotonic() - 2 * CLOSE_MARGIN_S)
+                try:
+                    conn.send_bytes(_STOP + str(budget).encode())
+                    if conn.poll(budget + CLOSE_MARGIN_S):
+                        self.spans_out, self._dropped_there = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    pass
+                self._stop_child(timeout_s=CLOSE_MARGIN_S / 2)
+        finally:
+            self._conn_lock.release()
         report_drops(self)
+
+    def _take_all(self) -> tuple[list, list, list, float]:
+        """What waits for the sender thread, taken out (to be counted as lost)."""
+        take = [self._traces, self._raws, self._records]
+        traces, raws, records = ([q.popleft() for _ in range(len(q))] for q in take)
+        self._batches.clear()
+        return traces, raws, records, self._wall_offset_s
 
     def _stop_child(self, timeout_s: float = 2.0) -> None:
         proc, conn = self._proc, self._conn

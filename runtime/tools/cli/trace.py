@@ -96,13 +96,14 @@ def _trace(args: argparse.Namespace) -> int:
                          ) from None
     from sqlalchemy.exc import SQLAlchemyError
 
-    if args.out == "-":  # standard output, as most tools take it
-        if args.format is None:
-            raise UsageError("batchscope trace: -o - writes the trace to standard output; "
-                             "name its format too: --format perfetto or --format json")
-        args.out = "/dev/stdout"
+    # -o -: standard output, as most tools take it, written as a stream (a file it is
+    # redirected to is appended to or written, never replaced as -o FILE is)
+    to_stdout = args.out == "-"
+    if to_stdout and args.format is None:
+        raise UsageError("batchscope trace: -o - writes the trace to standard output; "
+                         "name its format too: --format perfetto or --format json")
     try:
-        fmt = format_for(_checked_out(args.out), args.format)
+        fmt = args.format if to_stdout else format_for(_checked_out(args.out), args.format)
         now = time.time()
         w = window_from(args.start, args.end, args.last, now=now, model=args.model,
                         instance_id=args.instance)
@@ -118,7 +119,10 @@ def _trace(args: argparse.Namespace) -> int:
     try:
         engine = make_engine(bounded_url(url), create=False)
         check_names(engine, w)
-        summary = export_trace(engine, w, args.out, fmt, now=now, **kwargs)
+        summary = export_trace(engine, w, sys.stdout.buffer if to_stdout else args.out, fmt,
+                               now=now, **kwargs)
+        if to_stdout:
+            sys.stdout.buffer.flush()
     except WindowTooLarge as exc:
         _fail(f"batchscope trace: {exc}; or raise --max-rows (the rows are read into memory)")
         return EXIT_TOO_MANY_ROWS
@@ -130,7 +134,8 @@ def _trace(args: argparse.Namespace) -> int:
             return EXIT_NO_ROOM
         return _fail(f"batchscope trace: {_database_problem(exc, url, engine)}")
     except OSError as exc:
-        _fail(f"batchscope trace: cannot write {args.out}: {_write_problem(exc, args.out)}")
+        where = "standard output" if to_stdout else args.out
+        _fail(f"batchscope trace: cannot write {where}: {_write_problem(exc, args.out)}")
         return EXIT_NO_ROOM if exc.errno in (errno.ENOSPC, errno.EDQUOT) else EXIT_USAGE
     except ImportError as exc:  # the perfetto package, imported when a trace is written
         raise UsageError(f"batchscope trace: {exc.name} is not installed; install it with: "
@@ -144,7 +149,9 @@ def _trace(args: argparse.Namespace) -> int:
         if engine is not None:
             engine.dispose()
     # the trace went to stdout (-o /dev/stdout): the summary must not follow it there
-    told = sys.stderr if _is_stdout(args.out) else sys.stdout
+    told = sys.stderr if to_stdout or _is_stdout(args.out) else sys.stdout
+    if to_stdout:
+        args.out = "standard output"
     written = summary.bytes_written
     size = f"{written / 1e6:.1f} MB" if written >= 100_000 else f"{written:,} bytes"
     where = "ui.perfetto.dev" if fmt == "perfetto" else "ui.perfetto.dev or chrome://tracing"
