@@ -637,15 +637,22 @@ def plain_traces_of(batch: tuple) -> int:
 
 def report_drops(exporter: Any) -> None:
     """Tell ``exporter.on_drops(new, total)`` of the spans dropped since it was last told
-    (``exporter.dropped`` against ``exporter.reported``)."""
-    dropped = exporter.dropped
-    if dropped > exporter.reported and exporter.on_drops is not None:
+    (``exporter.dropped`` against ``exporter.reported``). Threads that report at once
+    (a sender's last round and ``close``) each tell a share, never the same one twice."""
+    with _REPORTING:
+        dropped = exporter.dropped
+        if dropped <= exporter.reported or exporter.on_drops is None:
+            return
         new = dropped - exporter.reported
         exporter.reported = dropped
-        try:
-            exporter.on_drops(new, dropped)
-        except Exception:  # noqa: BLE001
-            log.exception("could not report dropped spans")
+    try:
+        exporter.on_drops(new, dropped)
+    except Exception:  # noqa: BLE001
+        log.exception("could not report dropped spans")
+
+
+#: held while a count of dropped spans is taken as reported
+_REPORTING = threading.Lock()
 
 
 class _DropCounter:
