@@ -228,14 +228,9 @@ class AuthConfig:
         export): no token needed, but rule 1 as for a control request (cross-site
         pages refused), and on a server without a token a ``Host`` that names loopback
         (a page whose name was made to resolve to 127.0.0.1 may not read it either)."""
-        self._check_same_origin(headers)
-        host = headers.get("host")
-        if self.token is None and self.loopback_only and host is not None \
-                and not is_loopback(_host_name(host.strip())):
-            raise Forbidden(f"this server has no control token, so it hands out recordings "
-                            f"only to requests that name its loopback address in Host (got "
-                            f"{host[:100]!r}); use http://127.0.0.1:PORT, or give the server "
-                            "a token")
+        self._check_same_origin(headers, "trace exports")
+        if self.token is None and self.loopback_only:
+            _check_loopback_host(headers, "trace exports")
 
     def check_rpc(self, authorization: str | None, peer: str | None) -> str:
         """The identity of a control call over gRPC with the ``authorization`` metadata
@@ -255,13 +250,13 @@ class AuthConfig:
 
     # -- the steps --------------------------------------------------------------------
     @staticmethod
-    def _check_same_origin(headers: Mapping[str, str]) -> None:
+    def _check_same_origin(headers: Mapping[str, str], what: str = "control requests") -> None:
         # a browser's word that the page is another site's counts whatever Origin says;
         # every copy of a header counts (a proxy may join a forged one to the real one)
         for site in _every(headers, "sec-fetch-site"):
             site = site.strip().lower()
             if site in ("cross-site", "same-site"):
-                raise Forbidden(f"control requests from web pages of other sites are refused "
+                raise Forbidden(f"{what} from web pages of other sites are refused "
                                 f"(Sec-Fetch-Site: {site[:40]}); send them from a script or a "
                                 "command-line client")
         host = headers.get("host")
@@ -270,7 +265,7 @@ class AuthConfig:
             same = (host is not None and parts.scheme in ("http", "https")
                     and _authority(parts.netloc, parts.scheme) == _authority(host))
             if not same:
-                raise Forbidden(f"control requests from web pages of other origins are "
+                raise Forbidden(f"{what} from web pages of other origins are "
                                 f"refused (Origin {origin[:100]!r} is not this server, "
                                 f"{(host or 'no Host')[:100]!r}); send them from a script or "
                                 "a command-line client")
@@ -297,11 +292,18 @@ class AuthConfig:
             raise Unauthorized(f"this server has no control token, so it accepts control "
                                f"requests from this machine only ({peer or 'unknown peer'} is "
                                f"not); {_HOW_TO_CONFIGURE}, then {_HOW_TO_SEND}")
-        host = headers.get("host")
-        if host is not None and not is_loopback(_host_name(host.strip())):
-            raise Forbidden(f"without a control token, control requests must name this "
-                            f"machine's loopback address in Host (got {host[:100]!r}); use "
-                            "http://127.0.0.1:PORT, or give the server a token")
+        _check_loopback_host(headers, "control requests")
+
+
+def _check_loopback_host(headers: Mapping[str, str], what: str) -> None:
+    """``Forbidden`` unless the request's ``Host`` (if any) names a loopback address: on a
+    server without a token, a page whose name was made to resolve to 127.0.0.1 (DNS
+    rebinding) is refused so."""
+    host = headers.get("host")
+    if host is not None and not is_loopback(_host_name(host.strip())):
+        raise Forbidden(f"without a control token, {what} must name this machine's "
+                        f"loopback address in Host (got {host[:100]!r}); use "
+                        "http://127.0.0.1:PORT, or give the server a token")
 
 
 def _every(headers: Mapping[str, str], name: str) -> list[str]:
