@@ -307,7 +307,7 @@ def encode_costs(requests: int = 3000, repeats: int = 5) -> dict[str, float]:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.sdk.resources import Resource
 
-    from runtime.engine.otel import BatchInfo, FinishedTrace, SpanBuilder
+    from runtime.engine.otel_spans import BatchInfo, FinishedTrace, SpanBuilder
     from runtime.engine.otlp_wire import encode_request
 
     now = time.time()

@@ -16,7 +16,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from runtime.api.config import ServerConfig
 from runtime.device import nvtx
 from runtime.engine import otel
-from runtime.engine.otel import BatchInfo, FinishedTrace, OtlpSpans, SpanBuilder, spans_of
+from runtime.engine.otel import OtlpSpans
+from runtime.engine.otel_spans import BatchInfo, FinishedTrace, SpanBuilder, SpanIds, spans_of
 from runtime.generation.http import _decoding
 from runtime.generation.scheduler import Sequence
 from runtime.models.toys import DoubleModel
@@ -393,7 +394,7 @@ def test_spans_handed_to_the_processor_together_queue_as_one_by_one():
 
 def plain(seq: int, first: int, n: int, spans: bool = True) -> tuple:
     """A batch of ``n`` plain traces (``PLAIN_BATCH_FIELDS``), monotonic times."""
-    ids = otel.SpanIds()
+    ids = SpanIds()
     members = [[first + i, None, 1.0, 1.001, 1.002, 1.01, 1.011,
                 ids.line() if spans else None, seq, None] for i in range(n)]
     return ("m", "http", "ok", seq, 1.003, 1.004, 1.006, 1.008, 1.009, members)

@@ -75,7 +75,7 @@ def test_a_batchscope_export_is_counted_as_the_sdk_encodes_it():
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.resources import Resource as SdkResource
 
-    from runtime.engine.otel import BatchInfo, FinishedTrace, SpanBuilder
+    from runtime.engine.otel_spans import BatchInfo, FinishedTrace, SpanBuilder
     from runtime.engine.otlp_wire import encode_request
 
     now = time.time()

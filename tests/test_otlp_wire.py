@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from runtime.engine.otel import (BatchInfo, FinishedTrace, SpanBuilder, SpanIds, plain_finished,
-                                 plain_spans_of, spans_of)
+from runtime.engine.otel_spans import (BatchInfo, FinishedTrace, SpanBuilder, SpanIds,
+                                       plain_finished, plain_spans_of, spans_of)
 from runtime.engine.otlp_wire import Unsupported, WireSpan, encode_request, fast_grpc_exporter
 from tests.test_otel_export import GrpcReceiver, Received
 

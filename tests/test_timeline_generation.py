@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from batchscope.analysis.queries import Window
 from batchscope.analysis.queries.timeline import find_step, timeline_rows, with_members
 from batchscope.dashboard import timeline
+from batchscope.dashboard import timeline_decisions as decisions
 from batchscope.presentation import timeline_chart
 from batchscope.storage.schema import RequestRecord
 from batchscope.testing import synthetic
@@ -73,7 +74,7 @@ def test_a_step_is_found_by_its_number_and_a_batch_of_that_number_comes_first(de
     assert timeline.find_numbered(engine, batch, None, None)["kind"] == "batch"
     assert timeline.find_numbered(engine, batch, "decoder", None)["kind"] == "step"
     assert timeline.find_numbered(engine, 2**70, None, None) is None
-    said = timeline.not_found_note(str(seq), step, "mlp", None)
+    said = decisions.not_found_note(str(seq), step, "mlp", None)
     assert said.startswith(f"step {seq} is a step of decoder, not of mlp"), said
 
 
@@ -106,7 +107,7 @@ def test_a_picked_step_is_described_and_marked_among_its_sequences(decoder):
     assert len(band) == 1
     assert band[0].x0 == pytest.approx(step["started_at"] - t0)
     assert band[0].x1 == pytest.approx(step["at"] - t0)
-    said = timeline.step_header(rows.steps, step["instance_id"], int(step["id"]))
+    said = decisions.step_header(rows.steps, step["instance_id"], int(step["id"]))
     assert said.startswith(f"**Step {int(step['seq'])}** · decoder · "
                            f"{int(step['running'])} running, {int(step['waiting'])} waiting")
     assert (f"KV blocks {int(step['blocks_used'])} used, {int(step['blocks_free'])} free · "

@@ -14,9 +14,9 @@ from sqlalchemy.orm import Session
 
 from batchscope.analysis.queries import Window
 from batchscope.analysis.queries.timeline import timeline_rows, with_members
-from batchscope.dashboard import timeline
+from batchscope.dashboard import timeline_decisions as decisions
 from batchscope.dashboard.scope import Scope, fmt_time
-from batchscope.dashboard.timeline import NumberAgain, NumberTried
+from batchscope.dashboard.timeline_decisions import NumberAgain, NumberTried
 from batchscope.presentation import timeline_chart
 from batchscope.storage.schema import GenerationStep, RequestRecord
 from tests.factories import run_app
@@ -39,7 +39,7 @@ def _scope(minutes: float, *, ago_min: float = 0.0, model: str | None = "mlp",
 
 def _again(tried: NumberTried | None, typed: str, scope: Scope,
            model: str | None = "mlp") -> NumberAgain | None:
-    return timeline.number_again(tried, typed, model, scope.instance,
+    return decisions.number_again(tried, typed, model, scope.instance,
                                  (scope.db_url, scope.snapshot), scope.start_s, scope.end_s,
                                  scope.live)
 
@@ -47,20 +47,20 @@ def _again(tried: NumberTried | None, typed: str, scope: Scope,
 # -- a number the page could not go to (pure) ---------------------------------------------
 def test_a_batch_outside_the_sidebar_s_window_says_which_side_and_when_it_ran():
     started = BATCH["started_at"]
-    when = f"it started {fmt_time(started)} {timeline.zone(started)}"
+    when = f"it started {fmt_time(started)} {decisions.zone(started)}"
     one = _scope(1)
-    said = timeline.outside_window_note("batch", "100", started, one.start_s, one.end_s, True)
+    said = decisions.outside_window_note("batch", "100", started, one.start_s, one.end_s, True)
     assert said == (f"batch 100 ran before the time window the sidebar sets ({when}): choose "
                     "a longer window, or a custom one that holds it, and the page goes to it")
     hour = _scope(60)
-    assert timeline.outside_window_note("batch", "100", started, hour.start_s, hour.end_s,
+    assert decisions.outside_window_note("batch", "100", started, hour.start_s, hour.end_s,
                                         True) is None
     past = _scope(10, ago_min=30)  # 40 to 30 minutes ago: the batch ran after it
-    said = timeline.outside_window_note("step", "100", started, past.start_s, past.end_s, False)
+    said = decisions.outside_window_note("step", "100", started, past.start_s, past.end_s, False)
     assert said == (f"step 100 ran after the time window the sidebar sets ({when}): end that "
                     "window later, and the page goes to it")
     # a live window holds what started after its end as of its scope (the clock moved on)
-    assert timeline.outside_window_note("batch", "100", one.end_s + 5, one.start_s,
+    assert decisions.outside_window_note("batch", "100", one.end_s + 5, one.start_s,
                                         one.end_s, True) is None
 
 
@@ -97,23 +97,23 @@ def test_the_stop_note_goes_with_the_view_it_was_said_of():
     """The reviewer's steps: 15 min, Window 300 s stops following; then Window 10 s, the
     sidebar's 1 min, a custom window in the past."""
     quarter = _scope(15)
-    view = timeline.following_view(quarter, "mlp", 300)
-    kept = (view, timeline.stop_note(52_756))
-    assert timeline.stop_note_shown(kept, view, True) == kept[1]
+    view = decisions.following_view(quarter, "mlp", 300)
+    kept = (view, decisions.stop_note(52_756))
+    assert decisions.stop_note_shown(kept, view, True) == kept[1]
     assert "held 52,756 batches and steps" in kept[1]
     # the same view at a later run: the sidebar's window computed from a later clock
     later = Scope(**{**quarter.__dict__, "start_s": NOW + 1.7 - 900.0, "end_s": NOW + 1.7})
-    assert timeline.stop_note_shown(kept, timeline.following_view(later, "mlp", 300.0),
+    assert decisions.stop_note_shown(kept, decisions.following_view(later, "mlp", 300.0),
                                     True) == kept[1]
-    for other in (timeline.following_view(quarter, "mlp", 10),  # a shorter window
-                  timeline.following_view(_scope(1), "mlp", 60),  # the sidebar's 1 min
-                  timeline.following_view(quarter, None, 300),  # all models
-                  timeline.following_view(_scope(15, instance="inst-2"), "mlp", 300)):
-        assert timeline.stop_note_shown(kept, other, True) is None, other
+    for other in (decisions.following_view(quarter, "mlp", 10),  # a shorter window
+                  decisions.following_view(_scope(1), "mlp", 60),  # the sidebar's 1 min
+                  decisions.following_view(quarter, None, 300),  # all models
+                  decisions.following_view(_scope(15, instance="inst-2"), "mlp", 300)):
+        assert decisions.stop_note_shown(kept, other, True) is None, other
     past = _scope(15, ago_min=30)  # not live: Follow live is off, so no advice to press it
-    assert timeline.stop_note_shown(kept, timeline.following_view(past, "mlp", 300),
+    assert decisions.stop_note_shown(kept, decisions.following_view(past, "mlp", 300),
                                     False) is None
-    assert timeline.stop_note_shown(None, view, True) is None
+    assert decisions.stop_note_shown(None, view, True) is None
 
 
 # -- a picked step: the header's counts and the chart's sequences (real rows) -------------
@@ -150,17 +150,17 @@ def test_a_step_s_header_says_what_its_counts_are_and_why_the_chart_draws_more(s
     engine, t0 = step_2563
     rows, sid, fig, part = _picked(engine, t0, 2563)
     assert "2 sequences" in fig.layout.title.text and len(part) == 2
-    header = timeline.step_header(rows.steps, "gen-1", sid)
+    header = decisions.step_header(rows.steps, "gen-1", sid)
     assert header.startswith("**Step 2563** · decoder · 1 running, 0 waiting (the engine's "
                              "counts as it scheduled the step)"), header
-    said = timeline.step_sequences_note(rows.steps, "gen-1", sid, part)
+    said = decisions.step_sequences_note(rows.steps, "gen-1", sid, part)
     assert said == ("The chart below draws 2 sequences: every one recorded alive at some "
                     "moment of the step, where the 1 running and 0 waiting above were counted "
                     "as it was scheduled. 1 of them arrived while it ran, after that count: "
                     "waiting, in neither number (each joined a later step).")
     # step 2564 ran both: the counts and the chart agree, nothing more is said
     rows, sid, fig, part = _picked(engine, t0, 2564)
-    assert len(part) == 2 and timeline.step_sequences_note(rows.steps, "gen-1", sid, part) is None
+    assert len(part) == 2 and decisions.step_sequences_note(rows.steps, "gen-1", sid, part) is None
 
 
 def test_a_step_s_sequences_not_yet_recorded_are_said_to_be_missing(step_2563):
@@ -168,7 +168,7 @@ def test_a_step_s_sequences_not_yet_recorded_are_said_to_be_missing(step_2563):
     with engine.begin() as conn:  # step 2564 counted 5: three have not ended yet
         conn.execute(text("UPDATE generation_steps SET running = 5 WHERE seq = 2564"))
     rows, sid, _, part = _picked(engine, t0, 2564)
-    said = timeline.step_sequences_note(rows.steps, "gen-1", sid, part)
+    said = decisions.step_sequences_note(rows.steps, "gen-1", sid, part)
     assert said.startswith("The chart below draws 2 sequences") and said.endswith(
         "3 counted are not drawn: a sequence is recorded when it ends, and these had not "
         "(or were not recorded).")
@@ -214,7 +214,7 @@ def test_the_page_goes_to_a_number_once_the_sidebar_s_window_holds_it(app_db):
 
 def test_the_stop_note_goes_once_the_window_changes_and_never_shows_where_it_cannot_follow(
         app_db, monkeypatch):
-    monkeypatch.setattr(timeline, "LIVE_MAX_BARS", 300)  # 300 s of 4 batches a second: over
+    monkeypatch.setattr(decisions, "LIVE_MAX_BARS", 300)  # 300 s of 4 batches a second: over
     at = run_app("timeline")
     at.selectbox(key="timeline_length").set_value(300).run()
     _ok(at)

@@ -15,9 +15,10 @@ import pandas as pd
 import pytest
 from sqlalchemy import text
 
-from batchscope.dashboard import timeline
+from batchscope.dashboard import timeline_decisions as decisions
 from batchscope.dashboard.scope import fmt_time
-from batchscope.dashboard.timeline import WindowEnd, parse_batch_number, stale_tick, window_end
+from batchscope.dashboard.timeline_decisions import (WindowEnd, parse_batch_number, stale_tick,
+                                                     window_end)
 from batchscope.presentation import timeline_chart
 from tests.factories import run_app
 
@@ -114,18 +115,18 @@ def test_the_chart_names_its_start_in_the_zone_it_is_given(new_york):
     t = 1_800_000_000.5  # 2027-01-15 08:00:00.500 UTC, 03:00 in New York (EST)
     assert timeline_chart.clock(t) == "08:00:00.500 UTC"  # the default stays UTC
     assert timeline_chart.clock(t, None) == "03:00:00.500 EST"  # local, as fmt_time
-    assert fmt_time(t).endswith("03:00:00") and timeline.zone(t) == "EST"
+    assert fmt_time(t).endswith("03:00:00") and decisions.zone(t) == "EST"
 
 
 def test_a_trace_download_is_named_on_the_page_s_clock_with_its_offset(new_york):
     winter, summer = 1_800_000_000.5, 1_784_000_000.0  # EST (-0500), EDT (-0400)
-    assert timeline.trace_file_name(winter, ".pftrace") == "batchscope-20270115T030000-0500.pftrace"
+    assert decisions.trace_file_name(winter, ".pftrace") == "batchscope-20270115T030000-0500.pftrace"
     assert fmt_time(winter) == "2027-01-15 03:00:00"  # the caption's clock, the same time
-    assert timeline.trace_file_name(summer, ".json") == "batchscope-20260713T233320-0400.json"
+    assert decisions.trace_file_name(summer, ".json") == "batchscope-20260713T233320-0400.json"
     # the same moment in other zones: other names, so downloads from two zones never collide
-    assert timeline.trace_file_name(winter, ".json", timezone.utc) == \
+    assert decisions.trace_file_name(winter, ".json", timezone.utc) == \
         "batchscope-20270115T080000+0000.json"
-    assert timeline.trace_file_name(winter, ".json", ZoneInfo("Asia/Kolkata")) == \
+    assert decisions.trace_file_name(winter, ".json", ZoneInfo("Asia/Kolkata")) == \
         "batchscope-20270115T133000+0530.json"
 
 
@@ -134,7 +135,7 @@ def test_caption_axis_and_slider_show_one_clock_and_name_it(app_db, new_york):
     stop_following(at)
     assert not at.exception, [e.value for e in at.exception]
     end = at.session_state["timeline_window_end"]
-    zone = timeline.zone(end)
+    zone = decisions.zone(end)
     caption = next(c.value for c in at.caption if "batches" in c.value)
     assert caption.startswith(f"{fmt_time(end - 10)} → {fmt_time(end)} {zone} ·"), caption
     spec = json.loads(at.get("plotly_chart")[0].proto.spec)
@@ -177,7 +178,7 @@ def test_a_timeline_window_as_long_as_the_sidebar_s_with_follow_off_settles(app_
         at.selectbox(key="timeline_length").set_value(length).run()
         end = _settled(at)
         # ends at the live edge (now, less the recorder's write delay), not in the future
-        assert before - timeline.LIVE_LAG_S <= end <= time.time() - timeline.LIVE_LAG_S
+        assert before - decisions.LIVE_LAG_S <= end <= time.time() - decisions.LIVE_LAG_S
         assert not len(at.slider)
         scope = at.session_state["scope"]
         assert abs((scope.end_s - scope.start_s) - 30.0) < 1e-6
@@ -255,12 +256,12 @@ def test_a_live_window_ends_once_the_recorder_has_written_its_rows():
 
     from batchscope.storage.recorder import Recorder
     flush = inspect.signature(Recorder.__init__).parameters["flush_interval_s"].default
-    assert timeline.RECORDER_FLUSH_S == flush
-    assert timeline.LIVE_LAG_S >= 2 * flush  # a flush that began just before is written
+    assert decisions.RECORDER_FLUSH_S == flush
+    assert decisions.LIVE_LAG_S >= 2 * flush  # a flush that began just before is written
 
 
 def test_the_live_cadence_stretches_with_what_a_refresh_costs():
-    every = timeline.live_every_s
+    every = decisions.live_every_s
     assert every(None, 3.0, 2.0) is None  # not live, or paused
     assert every(2.0, None, None) == 2.0  # nothing measured yet: the sidebar's
     assert every(2.0, 0.1, None) == 2.0 and every(1.5, 0.2, None) == 1.5  # cheap
@@ -281,24 +282,24 @@ def test_the_live_cadence_stretches_with_what_a_refresh_costs():
 
 
 def test_a_batch_that_just_ended_is_shown_once_it_is_behind_the_live_edge():
-    now, lag = 1_000_000.0, timeline.LIVE_LAG_S
-    assert timeline.behind_edge_in_s(now - 5, now) == 0.0  # long behind it
-    assert timeline.behind_edge_in_s(now - lag, now) == 0.0
-    assert timeline.behind_edge_in_s(now - lag / 4, now) == pytest.approx(3 * lag / 4)
-    assert timeline.behind_edge_in_s(now + 30, now) == lag  # never more than the lag
+    now, lag = 1_000_000.0, decisions.LIVE_LAG_S
+    assert decisions.behind_edge_in_s(now - 5, now) == 0.0  # long behind it
+    assert decisions.behind_edge_in_s(now - lag, now) == 0.0
+    assert decisions.behind_edge_in_s(now - lag / 4, now) == pytest.approx(3 * lag / 4)
+    assert decisions.behind_edge_in_s(now + 30, now) == lag  # never more than the lag
 
 
 def test_a_refresh_costs_its_run_and_the_browser_s_drawing_and_big_windows_stop():
-    assert timeline.refresh_cost_s(0.2, 0) == 0.2
-    assert timeline.refresh_cost_s(0.2, 8000) == pytest.approx(0.2 + 8000 * timeline.DRAW_S_PER_BAR)
-    assert not timeline.too_many_to_follow(timeline.LIVE_MAX_BARS)
-    assert timeline.too_many_to_follow(timeline.LIVE_MAX_BARS + 1)
-    said = timeline.stop_note(35_123)
-    assert "35,123 batches and steps" in said and f"{timeline.LIVE_MAX_BARS:,}" in said
+    assert decisions.refresh_cost_s(0.2, 0) == 0.2
+    assert decisions.refresh_cost_s(0.2, 8000) == pytest.approx(0.2 + 8000 * decisions.DRAW_S_PER_BAR)
+    assert not decisions.too_many_to_follow(decisions.LIVE_MAX_BARS)
+    assert decisions.too_many_to_follow(decisions.LIVE_MAX_BARS + 1)
+    said = decisions.stop_note(35_123)
+    assert "35,123 batches and steps" in said and f"{decisions.LIVE_MAX_BARS:,}" in said
 
 
 def test_a_number_of_another_model_or_instance_says_which_and_how_to_see_it():
-    note = timeline.not_found_note
+    note = decisions.not_found_note
     assert note("7", None, "encoder", None) == \
         "there is no batch or generation step 7 in this database"
     mlp = {"model": "mlp", "instance_id": "a"}
@@ -355,14 +356,14 @@ def test_all_models_are_one_choice_away_and_a_number_of_another_model_says_so(ap
 def test_a_batch_picked_by_a_click_leaves_the_chart_clicked_as_it_was():
     view = (100.0, 110.0, "mlp", None, 40, 0, 3)
     picked = ("inst", 7)
-    assert timeline.marked(None, view, None, None) is None
-    assert timeline.marked(picked, view, None, (view, None)) == picked  # by number or table
+    assert decisions.marked(None, view, None, None) is None
+    assert decisions.marked(picked, view, None, (view, None)) == picked  # by number or table
     # by a click on this view: the chart as it was drawn, its mark (none, or an older pick)
-    assert timeline.marked(picked, view, ("inst", 7, view), (view, None)) is None
-    assert timeline.marked(picked, view, ("inst", 7, view), (view, ("inst", 3))) == ("inst", 3)
+    assert decisions.marked(picked, view, ("inst", 7, view), (view, None)) is None
+    assert decisions.marked(picked, view, ("inst", 7, view), (view, ("inst", 3))) == ("inst", 3)
     moved = (101.0, 111.0, *view[2:])  # the window moved since the click: marked anew
-    assert timeline.marked(picked, moved, ("inst", 7, view), (view, None)) == picked
-    assert timeline.marked(picked, view, ("inst", 8, view), (view, None)) == picked
+    assert decisions.marked(picked, moved, ("inst", 7, view), (view, None)) == picked
+    assert decisions.marked(picked, view, ("inst", 8, view), (view, None)) == picked
 
 
 def test_a_click_on_a_bar_leaves_the_chart_s_figure_as_it_was(app_db):

@@ -20,7 +20,7 @@ from runtime.core.tracing import (PLAIN_SPAN, PLAIN_TRACE_ID, RequestTrace, full
                                   parse_traceparent, plain_trace, span_ids, span_line,
                                   traceparent_bytes)
 from runtime.engine import tracing
-from runtime.engine.otel import FinishedTrace, SpanIds, finished_from, plain_finished
+from runtime.engine.otel_spans import FinishedTrace, SpanIds, finished_from, plain_finished
 from runtime.engine.otel_process import SpanProcess
 from runtime.engine.tracing import Tracer
 

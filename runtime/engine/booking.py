@@ -61,7 +61,7 @@ from runtime.core.request import PendingRequest
 from runtime.core.tracing import PLAIN_BATCH_SEQ, PLAIN_REQUEST_START, settled, span_of
 from runtime.device.oom import Attempt
 from runtime.device.timeouts import FLOOR_S, MULTIPLE
-from runtime.engine.otel import BatchInfo
+from runtime.engine.otel_spans import BatchInfo
 from runtime.engine.served import ServedModel
 
 log = logging.getLogger("batchscope.engine")

@@ -26,9 +26,9 @@ variables.
 Messages: ``(batches, traces, raw traces, trace records, wall offset, backlog)`` (tuples
 in ``BatchInfo`` and ``FinishedTrace`` field order, and traces as the tracer hands them
 over, monotonic, turned into ``FinishedTrace`` in the child by
-``runtime.engine.otel.finished_from``; the tracer's ``TraceBatch`` records, whose batches
+``runtime.engine.otel_spans.finished_from``; the tracer's ``TraceBatch`` records, whose batches
 of plain traces are the engine's booking's, their members' spans written straight from
-them, ``runtime.engine.otel.SpanBuilder.plain_spans``: the database writer's process gets
+them, ``runtime.engine.otel_spans.SpanBuilder.plain_spans``: the database writer's process gets
 the same records, and each is pickled once, ``TraceBatch.packed``) -> ``(spans handed to
 the processor, spans dropped)``; ``b"stop"`` -> the same counts once the child has
 exported what it holds (``close``'s timeout).
@@ -49,8 +49,8 @@ from batchscope import gctune
 from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_child
 from batchscope.threadnames import name_native
 from runtime.engine import otel_config
-from runtime.engine.otel import (QUEUE_MAX, BatchInfo, FinishedTrace, OtlpSpans, exporter_for,
-                                 finished_from, plain_spans_of, report_drops, spans_of)
+from runtime.engine.otel import QUEUE_MAX, OtlpSpans, exporter_for, report_drops
+from runtime.engine.otel_spans import BatchInfo, FinishedTrace, finished_from, plain_spans_of, spans_of
 
 log = logging.getLogger(__name__)
 

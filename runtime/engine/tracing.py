@@ -50,7 +50,7 @@ from batchscope.storage.records import TRACE_FIELDS, RecorderLike, TraceBatch, p
 from runtime.api.errors import ClientError, QueueFull
 from runtime.core.tracing import (DEFAULTS, PLAIN_SPAN, RequestTrace, TraceControl,
                                   parse_traceparent)
-from runtime.engine.otel import SpanIds
+from runtime.engine.otel_spans import SpanIds
 from runtime.engine.tracefile import TraceFileWriter, check_writable
 
 #: ``TraceRow`` timestamp columns in order, with Triton's names over HTTP and gRPC
@@ -341,7 +341,7 @@ class Tracer:
         """Record ``trace`` once its request is answered (``error``: what it ended with,
         when the engine did not settle it). Never raises into the answer path.
         ``decode``: a generation request's decoding, (start, end or None), monotonic
-        seconds, for its ``decode`` span (``runtime.engine.otel.FinishedTrace``); None:
+        seconds, for its ``decode`` span (``runtime.engine.otel_spans.FinishedTrace``); None:
         no choice of it decoded past its first token, or not a generation request.
 
         The trace is kept with one list append; ``flush`` hands the kept traces to the

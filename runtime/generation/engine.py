@@ -34,7 +34,7 @@ from batchscope.threadnames import name_native
 from runtime.core.clock import MonotonicClock
 from runtime.api.errors import (BatchScopeError, ClientError, ModelError, ModelNotReady,
                                 RequestExpired, RequestTooLarge, ShuttingDown, ValidationError)
-from runtime.engine.otel import BatchInfo
+from runtime.engine.otel_spans import BatchInfo
 from runtime.generation.config import GenerationConfig
 from runtime.generation.model import GenerationModel
 from runtime.generation.runner import StepRunner
@@ -390,7 +390,7 @@ class GenerationEngine:
     def _traced_step(self, step: int, started_s: float, now: float, out: Any,
                      failed: bool) -> None:
         """A step that a request whose spans are exported joined: its span, made once
-        with the first of them (``runtime.engine.otel.BatchInfo``: a step's shape)."""
+        with the first of them (``runtime.engine.otel_spans.BatchInfo``: a step's shape)."""
         otel = getattr(self.tracer, "otel", None)
         if otel is None:
             return
