@@ -2,7 +2,8 @@
 ``python -m benchmarks.reliability.hostile`` (which runs the same strategies for
 minutes).
 
-One server process (mlp, encoder, decoder; HTTP and gRPC) takes requests drawn by
+One server process (mlp, encoder, decoder; HTTP and gRPC; recording to a SQLite file of
+its own, so that the trace export reads a real database) takes requests drawn by
 ``hypothesis`` (derandomized: the same requests every run) from each family of
 ``benchmarks.reliability.hostile``. Every one must be answered with a status under 500
 (gRPC: a refusal's status), with a JSON ``error`` when refused, and quickly; a prober
@@ -17,14 +18,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.reliability.hostile import (HTTP_STRATEGIES, MEMORY_LIMIT_MB, Prober,
-                                            good_request, grpc_infer, start_server,
-                                            stop_server)
+from benchmarks.reliability.hostile import (GRPC_STRATEGIES, HTTP_STRATEGIES, MEMORY_LIMIT_MB,
+                                            Prober, good_request, start_server, stop_server)
 
 pytestmark = pytest.mark.slow
 
-STRATEGIES = {**HTTP_STRATEGIES, "grpc infer": grpc_infer()}
-EXAMPLES = {"gzip bomb": 6, "headers": 12}
+STRATEGIES = {**HTTP_STRATEGIES, **GRPC_STRATEGIES}
+#: a real export starts a process of its own: a few of them
+EXAMPLES = {"gzip bomb": 6, "headers": 12, "trace export": 25}
 #: examples of every other family
 DEFAULT_EXAMPLES = 100
 #: a refusal slower than this fails (the benchmark holds them to 1 s; a shared CI core
@@ -35,8 +36,8 @@ _SETTINGS = settings(deadline=None, derandomize=True, database=None,
 
 
 @pytest.fixture(scope="module")
-def running():
-    server, target = start_server()
+def running(tmp_path_factory):
+    server, target = start_server(str(tmp_path_factory.mktemp("hostile") / "hostile.db"))
     try:
         for _ in range(10):
             assert good_request(target).status == 200

@@ -471,6 +471,8 @@ def test_unknown_keys_bad_values_and_unknown_models_are_refused(http):
     assert r.status_code == 400
     r = http.post("/v2/trace/setting", json={"trace_file": "/no/such/folder/t.json"})
     assert r.status_code == 400 and "does not exist" in r.json()["error"]
+    r = http.post("/v2/trace/setting", json={"trace_file": "/dev/null/t.json"})
+    assert r.status_code == 400 and "'/dev/null' is not a folder" in r.json()["error"], r.text
     # a file the server cannot make: refused now, not every trace dropped later
     for unwritable in ("/proc/t.json", f"{tempfile.gettempdir()}/{'n' * 300}.json"):
         r = http.post("/v2/trace/setting", json={"trace_file": unwritable})

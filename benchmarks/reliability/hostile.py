@@ -7,8 +7,12 @@ defaults otherwise) in a child process and sends it requests drawn from the
 ``hypothesis`` strategies below: KServe v2 JSON and binary bodies (shapes that declare
 huge or empty batches, dimensions past any bound, wrong sizes, gzip bombs), gRPC
 ``ModelInferRequest``s, OpenAI completions, chat and embeddings (``n``, ``max_tokens``,
-prompt and input lists, long texts), control API changes that must be refused, and
-floods of headers. While they run, a prober asks ``GET /v2/health/live`` every 20 ms
+prompt and input lists, long texts), control API changes that must be refused, floods
+of headers, and the trace surfaces: W3C ``traceparent`` headers on inference requests
+(well formed, sampled or not, malformed, repeated), Triton's trace settings over HTTP
+and gRPC (valid changes too, so that tracing at every request meets the other families'
+requests) and the trace export's parameters. The server records to a throw-away SQLite
+file, as ``batchscope serve`` does by default, so the export reads a real database. While they run, a prober asks ``GET /v2/health/live`` every 20 ms
 on its own connection: its slowest answer bounds how long the event loop stalled.
 
 Every request must be answered within a second with a status under 500 (a 503 saying
@@ -27,11 +31,13 @@ import functools
 import gzip
 import http.client
 import json
+import os
 import re
 import signal
 import string
 import struct
 import sys
+import tempfile
 import time
 import warnings
 from collections import Counter
@@ -63,8 +69,9 @@ class HttpAttack:
 @dataclass(frozen=True)
 class GrpcAttack:
     what: str
-    #: a serialized ``ModelInferRequest``
+    #: a serialized request message of ``method`` (``ModelInferRequest`` by default)
     message: bytes
+    method: str = "ModelInfer"
 
 
 # -- strategies ---------------------------------------------------------------------------
@@ -90,6 +97,29 @@ _params = st.one_of(st.none(), st.dictionaries(
                      "binary_data_size", "x"]), _scalar, max_size=4), _json)
 
 
+_HEX = "0123456789abcdef"
+#: a W3C ``traceparent``: well formed (sampled or not), or malformed in each way the
+#: standard names (all-zero ids, version ff, upper case, more after a version 00 header),
+#: or any header text (printable ASCII: what an HTTP client can send)
+_traceparent = st.one_of(
+    st.builds(lambda t, p, f: f"00-{t}-{p}-{f}", st.text(_HEX, min_size=32, max_size=32),
+              st.text(_HEX, min_size=16, max_size=16), st.sampled_from(["01", "00", "ff", "03"])),
+    st.sampled_from(["00-" + "0" * 32 + "-" + "1" * 16 + "-01",
+                     "00-" + "1" * 32 + "-" + "0" * 16 + "-01",
+                     "ff-" + "1" * 32 + "-" + "1" * 16 + "-01",
+                     "00-" + "A" * 32 + "-" + "B" * 16 + "-01",
+                     "00-" + "1" * 32 + "-" + "1" * 16 + "-01-extra",
+                     "01-" + "1" * 32 + "-" + "1" * 16 + "-01-more", "", " ", "-" * 55]),
+    st.text(string.printable.strip("\r\n\x0b\x0c"), max_size=80),
+    st.integers(0, 9000).map(lambda n: "00-" + "1" * n))
+
+
+def _traceparents(draw) -> list[tuple[str, str]]:
+    """None, one or several ``traceparent`` headers (several name no one parent)."""
+    return [("traceparent", draw(_traceparent)) for _ in range(draw(st.sampled_from([0, 0, 1,
+                                                                                     1, 2, 3])))]
+
+
 @st.composite
 def kserve_json(draw) -> HttpAttack:
     model = draw(st.sampled_from([*MODELS, "nope"]))
@@ -110,7 +140,8 @@ def kserve_json(draw) -> HttpAttack:
         if draw(st.booleans()):
             doc[key] = draw(_params if key == "parameters" else _json)
     body = json.dumps(doc).encode()
-    headers: list[tuple[str, str]] = [("content-type", "application/json")]
+    headers: list[tuple[str, str]] = [("content-type", "application/json"),
+                                      *_traceparents(draw)]
     if draw(st.integers(0, 5)) == 0:
         headers.append(("content-encoding", "gzip"))
         body = gzip.compress(body)
@@ -183,7 +214,7 @@ def openai(draw) -> HttpAttack:
         if draw(st.integers(0, 2)) == 0:
             body[key] = draw(values)
     return HttpAttack(f"openai {route}", "POST", f"/v1/{route}", json.dumps(body).encode(),
-                      (("content-type", "application/json"),))
+                      (("content-type", "application/json"), *_traceparents(draw)))
 
 
 @st.composite
@@ -199,6 +230,105 @@ def control(draw) -> HttpAttack:
     body = draw(st.one_of(st.just(json.dumps(changes).encode()), st.binary(max_size=50)))
     return HttpAttack("control", draw(st.sampled_from(["POST", "PATCH"])),
                       f"/v2/models/{model}/batching", body, (("content-type", "application/json"),))
+
+
+@st.composite
+def traced_requests(draw) -> HttpAttack:
+    """Good requests (KServe, OpenAI completion and embeddings) with any ``traceparent``
+    headers: each is answered, traced where a well-formed sampled header asks for it or
+    the trace settings sample it, its spans joining the caller's trace."""
+    route = draw(st.sampled_from(["kserve", "kserve", "completions", "embeddings"]))
+    if route == "kserve":
+        path, doc = "/v2/models/mlp/infer", {"inputs": [{
+            "name": "INPUT0", "shape": [1, 256], "datatype": "FP32", "data": [0.25] * 256}]}
+        if draw(st.booleans()):
+            doc["id"] = draw(st.text(string.ascii_letters, max_size=300))
+    elif route == "completions":
+        path, doc = "/v1/completions", {"model": GENERATION, "prompt": "ab", "max_tokens": 2,
+                                        "stream": draw(st.booleans())}
+    else:
+        path, doc = "/v1/embeddings", {"model": "encoder", "input": ["ab", "cd"]}
+    return HttpAttack("traced requests", "POST", path, json.dumps(doc).encode(),
+                      (("content-type", "application/json"), *_traceparents(draw)))
+
+
+#: Triton's trace settings (``runtime.core.tracing.KEYS``), and misspelt or unknown ones
+_TRACE_KEYS = ["trace_level", "trace_rate", "trace_count", "log_frequency", "trace_mode",
+               "trace_file"]
+_BAD_TRACE_KEYS = ["TRACE_LEVEL", "trace-rate", "nope", ""]
+
+
+def _trace_keys(draw) -> list[str]:
+    """Some of Triton's trace settings, now and then with an unknown one among them."""
+    keys = draw(st.lists(st.sampled_from(_TRACE_KEYS), max_size=3, unique=True))
+    if draw(st.integers(0, 3)) == 0:
+        keys.append(draw(st.sampled_from(_BAD_TRACE_KEYS)))
+    return keys
+
+_count_text = st.one_of(st.integers(-3, 2000).map(str), _huge.map(str),
+                        st.sampled_from(["1.5", "1e3", " 10", "0x10", "", "-0", "+5", "１０",
+                                         "NaN", "inf"]))
+_TRACE_VALUES = {
+    "trace_level": st.one_of(st.lists(st.sampled_from(["OFF", "TIMESTAMPS", "TENSORS", "off",
+                                                       "x", ""]), max_size=3),
+                             st.sampled_from(["TIMESTAMPS", "OFF"])),
+    "trace_rate": _count_text, "trace_count": _count_text, "log_frequency": _count_text,
+    "trace_mode": st.sampled_from(["triton", "triton", "opentelemetry", "TRITON", "x", ""]),
+    # never a file the server could write: a directory, a missing one, nothing
+    "trace_file": st.sampled_from(["", "/", "/proc", "/nonexistent-batchscope-dir/t.json",
+                                   "/dev/null/t.json", "\x00"]),
+}
+
+
+@st.composite
+def trace_settings(draw) -> HttpAttack:
+    """Triton's trace settings read or changed, globally or for a model: valid changes
+    (tracing every request, a count, OFF again) among bad keys, values, types and bodies."""
+    model = draw(st.sampled_from([None, None, None, *MODELS, GENERATION, "nope", "%2e%2e",
+                                  "a" * 300]))
+    path = "/v2/trace/setting" if model is None else f"/v2/models/{model}/trace/setting"
+    if draw(st.integers(0, 4)) == 0:
+        return HttpAttack("trace settings", draw(st.sampled_from(["GET", "PUT", "DELETE"])),
+                          path)
+    doc = {}
+    for key in _trace_keys(draw):
+        values = _TRACE_VALUES.get(key, _json)
+        doc[key] = draw(st.one_of(values, st.lists(values, max_size=2), st.none(), _scalar)
+                        if draw(st.integers(0, 3)) == 0 else values)
+    body = json.dumps(doc).encode()
+    body = draw(st.sampled_from([body, body, b"\xef\xbb\xbf" + body,  # a UTF-8 BOM
+                                 body[:-1] + b',"trace_rate":"1","trace_rate":"2"}'
+                                 if len(body) > 2 else body,  # a key twice
+                                 b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe{}",
+                                 json.dumps([doc]).encode()]))
+    content_type = draw(st.sampled_from(["application/json", "application/json",
+                                         "application/json", "text/plain", None]))
+    headers = (("content-type", content_type),) if content_type else ()
+    return HttpAttack("trace settings", "POST", path, body, headers)
+
+
+_export_value = st.one_of(st.sampled_from(["1", "0.5", "10", "0", "-1", "601", "1e309", "nan",
+                                           "inf", "perfetto", "json", "chrome", "mlp", "nope",
+                                           "1767225600", "-62135596800", "99999999999", ""]),
+                          st.text(string.ascii_letters + string.digits + ".-+:%", max_size=20))
+
+
+@st.composite
+def trace_export(draw) -> HttpAttack:
+    """``GET /v2/trace/export`` with any parameters: windows too long, too short, not
+    numbers, before 1970 or far ahead, unknown formats and keys, a key twice."""
+    from urllib.parse import quote
+
+    keys = draw(st.lists(st.sampled_from(["last", "format", "model", "end"]), max_size=4))
+    if draw(st.integers(0, 3)) == 0:  # the CLI's flags, and none at all
+        keys.append(draw(st.sampled_from(["start", "max_rows", "x", ""])))
+    if draw(st.integers(0, 3)) == 0:  # a small window that exists: a real export
+        keys = ["last", "format"]
+        pairs = [("last", "1"), ("format", draw(st.sampled_from(["json", "perfetto"])))]
+    else:
+        pairs = [(k, draw(_export_value)) for k in keys]
+    query = "&".join(f"{k}={quote(v)}" for k, v in pairs)
+    return HttpAttack("trace export", "GET", "/v2/trace/export" + ("?" + query if query else ""))
 
 
 @st.composite
@@ -248,6 +378,20 @@ def grpc_infer(draw) -> GrpcAttack:
 
 
 @st.composite
+def grpc_trace_setting(draw) -> GrpcAttack:
+    """The gRPC ``TraceSetting`` call, with the HTTP family's keys and values."""
+    from runtime.server.grpc.protocol import message
+
+    request = message("TraceSettingRequest")(model_name=draw(st.sampled_from(
+        ["", *MODELS, GENERATION, "nope", "a" * 300])))
+    for key in _trace_keys(draw):
+        value = draw(_TRACE_VALUES.get(key, st.text(max_size=8)))
+        values = value if isinstance(value, list) else [value]
+        request.settings[key].value.extend(draw(st.sampled_from([values, [], values * 2])))
+    return GrpcAttack("grpc trace setting", request.SerializeToString(), "TraceSetting")
+
+
+@st.composite
 def other_routes(draw) -> HttpAttack:
     """Any route with any method and body: metadata, readiness, statistics, the
     repository index, metrics, unknown paths."""
@@ -267,8 +411,15 @@ def other_routes(draw) -> HttpAttack:
 
 HTTP_STRATEGIES = {"kserve json": kserve_json(), "kserve binary": kserve_binary(),
                    "openai": openai(), "control": control(), "headers": header_flood(),
-                   "gzip bomb": compressed_bomb(), "other routes": other_routes()}
-ANY_ATTACK = st.one_of(*HTTP_STRATEGIES.values(), grpc_infer())
+                   "gzip bomb": compressed_bomb(), "other routes": other_routes(),
+                   "trace settings": trace_settings(), "trace export": trace_export(),
+                   "traced requests": traced_requests()}
+GRPC_STRATEGIES = {"grpc infer": grpc_infer(), "grpc trace setting": grpc_trace_setting()}
+#: every family but the export's, drawn alike; a trace export (a process of its own,
+#: about a second) is drawn once every ``EXPORT_EVERY_S`` instead
+ANY_ATTACK = st.one_of(*(s for k, s in HTTP_STRATEGIES.items() if k != "trace export"),
+                       *GRPC_STRATEGIES.values())
+EXPORT_EVERY_S = 5.0
 
 
 # -- sending and checking -----------------------------------------------------------------
@@ -298,14 +449,15 @@ class Target:
         self.host, self.port = match.group(1), int(match.group(2))
         self.grpc_address = grpc_address
         self._conn: http.client.HTTPConnection | None = None
-        self._call = None
+        self._calls: dict[str, Any] = {}
         if grpc_address is not None:
             import grpc
 
             self._channel = grpc.insecure_channel(grpc_address)
-            self._call = self._channel.unary_unary(
-                "/inference.GRPCInferenceService/ModelInfer",
+            self._calls = {method: self._channel.unary_unary(
+                f"/inference.GRPCInferenceService/{method}",
                 request_serializer=lambda b: b, response_deserializer=lambda b: b)
+                for method in ("ModelInfer", "TraceSetting")}
 
     def send(self, attack: HttpAttack | GrpcAttack) -> Outcome:
         start = time.perf_counter()
@@ -346,8 +498,8 @@ class Target:
         import grpc
 
         try:
-            self._call(attack.message, timeout=10)
-            return Outcome(attack.what, "OK", time.perf_counter() - start)
+            self._calls[attack.method](attack.message, timeout=10)
+            return Outcome(attack.what, 200, time.perf_counter() - start)  # gRPC's OK
         except grpc.RpcError as exc:
             code = exc.code()
             seconds = time.perf_counter() - start
@@ -430,9 +582,13 @@ def good_request(target: Target) -> Outcome:
                                   (("content-type", "application/json"),)))
 
 
-def start_server(extra: tuple[str, ...] = ()) -> tuple[Server, Target]:
-    server = Server([sys.executable, "-m", "runtime", "serve", "--port", "0", "--grpc-port", "0", "--no-record",
-                     "--model", "mlp", "--model", "encoder", "--model", "decoder", *extra])
+def start_server(db_path: str | None = None,
+                 extra: tuple[str, ...] = ()) -> tuple[Server, Target]:
+    """The server, recording to SQLite file ``db_path`` (None: recording nothing)."""
+    record = ["--no-record"] if db_path is None else ["--db", f"sqlite:///{db_path}"]
+    server = Server([sys.executable, "-m", "runtime", "serve", "--port", "0", "--grpc-port", "0",
+                     *record, "--model", "mlp", "--model", "encoder", "--model", "decoder",
+                     *extra])
     match = None
     for line in server.tail:
         match = re.search(r"grpc: (\S+:\d+)", line) or match
@@ -476,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")  # .example() outside a test says it is for exploration
-    server, target = start_server()
+    folder = tempfile.TemporaryDirectory(prefix="batchscope-hostile-")
+    server, target = start_server(os.path.join(folder.name, "hostile.db"))
     try:
         for _ in range(20):  # warm-up: the first answers of each model allocate
             good_request(target)
@@ -487,8 +644,13 @@ def main(argv: list[str] | None = None) -> int:
         report = Report()
         end = time.monotonic() + args.minutes * 60
         sent: list[tuple[float, float, str]] = []
+        next_export = time.monotonic()
         while time.monotonic() < end:
-            attack = ANY_ATTACK.example()
+            if time.monotonic() >= next_export:
+                attack = HTTP_STRATEGIES["trace export"].example()
+                next_export = time.monotonic() + EXPORT_EVERY_S
+            else:
+                attack = ANY_ATTACK.example()
             start = time.perf_counter()
             report.add(target.send(attack))
             sent.append((start, time.perf_counter(), attack.what))
@@ -500,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         target.close()
         exit_s = stop_server(server)
+        folder.cleanup()
     result = {
         "minutes": args.minutes, "requests": report.sent,
         "failed": report.failed, "slowest_answer_ms": round(report.slowest_s * 1e3, 1),

@@ -235,8 +235,9 @@ class Tracer:
         thread may be appending to)."""
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
+            what = "is not a folder" if os.path.exists(folder) else "does not exist"
             raise ClientError(f"trace_file {path[:200]!r}: the folder {folder[:200]!r} "
-                              "does not exist; give a file in an existing folder")
+                              f"{what}; give a file in an existing folder")
         if os.path.isdir(path):
             raise ClientError(f"trace_file {path[:200]!r} is a folder; give a file path")
         first = f"{path}.0" if every > 0 else path
