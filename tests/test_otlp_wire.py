@@ -80,8 +80,7 @@ def test_spans_written_at_once_are_the_bytes_of_the_sdk_s_spans():
         cases.append((t, batch if i % 8 else None))
     built = {}
     for wire in (False, True):
-        builder = SpanBuilder(RESOURCE, "i-1", wire=wire)
-        random.seed(7)  # the batch and child spans' ids
+        builder = SpanBuilder(RESOURCE, "i-1", wire=wire, ids=random.Random(7))
         built[wire] = [s for t, b in cases for s in builder.spans(t, b)]
     assert all(type(s) is WireSpan for s in built[True])
     assert len(built[True]) == len(built[False])
@@ -97,8 +96,8 @@ def test_a_batch_of_two_resources_mixed_encodes_as_the_sdk_encodes_it():
     now = time.time()
     built = {}
     for wire in (False, True):
-        builders = [SpanBuilder(RESOURCE, "i-1", wire=wire), SpanBuilder(other, "i-2", wire=wire)]
-        random.seed(5)
+        builders = [SpanBuilder(RESOURCE, "i-1", wire=wire, ids=random.Random(5)),
+                    SpanBuilder(other, "i-2", wire=wire, ids=random.Random(6))]
         built[wire] = [s for i in range(40) for s in builders[i % 3 == 0].spans(
             FinishedTrace("mlp", "infer", 7 + i, 9 + i, None, now, now + 0.01, now + 0.001,
                           now + 0.004, now + 0.009, "ok", i // 4),
@@ -140,11 +139,10 @@ def test_plain_traces_spans_are_those_of_their_finished_traces(wire):
                          len(members), len(members), None, "dynamic", 1, "ok")
         cases.append((batch, info if seq % 4 else None))
     offset = 1.7e9
-    old, new = SpanBuilder(RESOURCE, "i-1", wire=wire), SpanBuilder(RESOURCE, "i-1", wire=wire)
-    random.seed(11)
+    old = SpanBuilder(RESOURCE, "i-1", wire=wire, ids=random.Random(11))
+    new = SpanBuilder(RESOURCE, "i-1", wire=wire, ids=random.Random(11))
     expected = [s for batch, info in cases for t in plain_finished(batch, offset)
                 for s in old.spans(t, info)]
-    random.seed(11)
     counted, made = 0, []
     for batch, info in cases:
         counted += new.plain_count(batch, info)

@@ -213,7 +213,8 @@ class SpanBuilder:
     its OTLP message at once (for the gRPC exporter of ``otlp_wire``, which sends them as
     they are); else the SDK's ``ReadableSpan``s (any exporter)."""
 
-    def __init__(self, resource: Any, instance_id: str, *, wire: bool = False) -> None:
+    def __init__(self, resource: Any, instance_id: str, *, wire: bool = False,
+                 ids: random.Random | None = None) -> None:
         from opentelemetry import trace as api
         from opentelemetry.sdk.trace import ReadableSpan
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -227,6 +228,10 @@ class SpanBuilder:
         self._kinds = {kind: kind.value for kind in api.SpanKind}
         self.resource = resource
         self.instance_id = instance_id
+        #: draws the ids of the spans made here (batch spans, ``queue`` and ``compute``): a
+        #: generator of its own (``ids``: one seeded, for a test), so that no other thread
+        #: drawing from the ``random`` module changes which ids a builder makes
+        self._bits = (ids if ids is not None else random.Random()).getrandbits
         self.scope = InstrumentationScope("batchscope.runtime")
         self.wire = wire
         if wire:
@@ -279,7 +284,7 @@ class SpanBuilder:
 
     def batch_span(self, b: BatchInfo) -> tuple[Any, tuple[int, int]]:
         """(the span, its (trace id, span id)) of batch ``b``."""
-        ids = (random.getrandbits(128) or 1, random.getrandbits(64) or 1)
+        ids = (self._bits(128) or 1, self._bits(64) or 1)
         step = b.prefill_tokens is not None
         extra = {"batchscope.step.prefill_tokens": b.prefill_tokens,
                  "batchscope.step.decode_tokens": b.decode_tokens} if step else {}
@@ -340,7 +345,7 @@ class SpanBuilder:
                               t.end_at, kind=self._server, attributes=attributes, links=links,
                               error=failed))
         for name, a, z in self._phases(t):
-            out.append(self._span(name, t.trace_id, random.getrandbits(64) or 1, t.span_id,
+            out.append(self._span(name, t.trace_id, self._bits(64) or 1, t.span_id,
                                   False, a, z))
         return out
 
@@ -377,7 +382,7 @@ class SpanBuilder:
         shared = self._shared_times(batch) if started is not None and ended is not None \
             else None
         if shared is not None:  # the common batch: its members' spans joined from parts
-            ow, rand, wire_span = self._ow, random.getrandbits, self._wire_span
+            ow, rand, wire_span = self._ow, self._bits, self._wire_span
             resource, scope, pack, pack64 = self.resource, self.scope, ow.pack_double, \
                 ow.pack_fixed64
             id_head, span_head, parent_head = ow.ID_HEAD, ow.SPAN_HEAD, ow.PARENT_HEAD
@@ -527,11 +532,11 @@ class SpanBuilder:
         child = ow.child_span
         if queued is not None:
             z = started if started is not None else end
-            out.append(wire_span(child(tid, random.getrandbits(64) or 1, mine, self._queue_name,
+            out.append(wire_span(child(tid, self._bits(64) or 1, mine, self._queue_name,
                                        _ns(queued), _ns(max(z, queued))), resource, scope))
         if started is not None:
             z = ended if ended is not None else end
-            out.append(wire_span(child(tid, random.getrandbits(64) or 1, mine,
+            out.append(wire_span(child(tid, self._bits(64) or 1, mine,
                                        self._compute_name, _ns(started), _ns(max(z, started))),
                                  resource, scope))
 
