@@ -219,7 +219,7 @@ def test_the_stop_note_goes_once_the_window_changes_and_never_shows_where_it_can
     at.selectbox(key="timeline_length").set_value(300).run()
     _ok(at)
     said = [i.value for i in at.info if i.value.startswith("Follow live stopped by itself")]
-    assert len(said) == 1 and "more than the 300 a live page" in said[0], said
+    assert len(said) == 1 and "more than the 300 batches a live page" in said[0], said
     assert "timeline_follow" in {b.key for b in at.button}
     at.selectbox(key="timeline_length").set_value(10).run()  # about 40: few enough
     _ok(at)

@@ -296,6 +296,23 @@ def test_a_refresh_costs_its_run_and_the_browser_s_drawing_and_big_windows_stop(
     assert decisions.too_many_to_follow(decisions.LIVE_MAX_BARS + 1)
     said = decisions.stop_note(35_123)
     assert "35,123 batches and steps" in said and f"{decisions.LIVE_MAX_BARS:,}" in said
+    assert "refused" not in said
+
+
+def test_marked_requests_weigh_on_a_live_window_as_a_share_of_a_batch_each():
+    """An overloaded server refuses tens of thousands of requests a second, each a mark
+    the live page sends and draws at every refresh: 180,000 of them are about 10 MB."""
+    per = decisions.MARKS_PER_BAR
+    limit = decisions.LIVE_MAX_BARS
+    assert decisions.live_load(100, 50 * per) == 150
+    assert decisions.refresh_cost_s(0.2, 100, 50 * per) == pytest.approx(
+        0.2 + 150 * decisions.DRAW_S_PER_BAR)
+    assert not decisions.too_many_to_follow(2_000, (limit - 2_000) * per)
+    assert decisions.too_many_to_follow(2_000, (limit - 2_000) * per + per)
+    assert decisions.too_many_to_follow(0, 180_000)  # a 10-s window of a server refusing
+    said = decisions.stop_note(2_000, 180_000)
+    assert "2,000 batches and steps and 180,000 refused, expired, cancelled or bypassed" \
+        in said and f"{2_000 + 180_000 // per:,} batches in all" in said, said
 
 
 def test_a_number_of_another_model_or_instance_says_which_and_how_to_see_it():

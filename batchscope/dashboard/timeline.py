@@ -317,11 +317,12 @@ def region(engine: Engine, scope: Scope, model: str | None, length_s: float,
     try:
         rows = timeline_rows(engine, w, max_rows=PAGE_MAX_ROWS, requests="marks")
         bars = len(rows.batches) + len(rows.steps)
-        if following and scope.live and too_many_to_follow(bars):
+        marks = int(timeline_chart.marked_requests(rows.requests).sum())
+        if following and scope.live and too_many_to_follow(bars, marks):
             st.session_state[FOLLOWING] = False
             st.session_state[END] = _as_end(end)
             st.session_state[STOP_NOTE] = (following_view(scope, model, length_s),
-                                           stop_note(bars))
+                                           stop_note(bars, marks))
             st.rerun(scope="app")
         selected = _selected(rows)
         charted = rows  # the chart draws the window alone, the picked batch's rows apart
@@ -354,7 +355,7 @@ def region(engine: Engine, scope: Scope, model: str | None, length_s: float,
     st.plotly_chart(fig, key="timeline_chart", on_select=_picked_on_chart,
                     selection_mode=("points", "box"), config={"displaylogo": False})
     st.session_state[COST] = ((length_s, model, scope.instance),
-                              refresh_cost_s(time.perf_counter() - began, bars))
+                              refresh_cost_s(time.perf_counter() - began, bars, marks))
     _downloads(engine, w, len(rows.batches) + rows.requests_in_window)
     chosen, slow = st.columns([3, 2])
     with slow:

@@ -53,6 +53,10 @@ DRAW_S_PER_BAR = 0.15e-3
 #: a live window of more batches and steps than this stops following: each refresh sends
 #: and redraws all of them (about 3 MB of figure for 10,000), more than a tab keeps up with
 LIVE_MAX_BARS = 10_000
+#: marks (refused, expired, cancelled, bypassed requests) that weigh as one batch: a mark
+#: is a point with a hover text, about 54 bytes of figure (5.4 MB for 100,000), a bar
+#: about 300
+MARKS_PER_BAR = 5
 
 
 class WindowEnd(NamedTuple):
@@ -100,10 +104,18 @@ def live_every_s(refresh_s: float | None, cost_s: float | None,
     return current_s
 
 
-def refresh_cost_s(run_s: float, bars: int) -> float:
+def live_load(bars: int, marks: int = 0) -> float:
+    """What a live refresh of ``bars`` batches and steps and ``marks`` marked requests
+    (refused, expired, cancelled, bypassed) sends and redraws, in batches: a mark weighs
+    ``1 / MARKS_PER_BAR`` of one."""
+    return bars + marks / MARKS_PER_BAR
+
+
+def refresh_cost_s(run_s: float, bars: int, marks: int = 0) -> float:
     """What one live refresh costs: ``run_s``, the region's run (read, build and send the
-    figure), and the browser's drawing of its ``bars`` batches and steps."""
-    return run_s + bars * DRAW_S_PER_BAR
+    figure), and the browser's drawing of its ``bars`` batches and steps and ``marks``
+    marked requests."""
+    return run_s + live_load(bars, marks) * DRAW_S_PER_BAR
 
 
 def behind_edge_in_s(t: float, now: float) -> float:
@@ -112,16 +124,23 @@ def behind_edge_in_s(t: float, now: float) -> float:
     return min(LIVE_LAG_S, max(0.0, t - (now - LIVE_LAG_S)))
 
 
-def too_many_to_follow(bars: int) -> bool:
-    """Whether a live window of ``bars`` batches and steps stops following."""
-    return bars > LIVE_MAX_BARS
+def too_many_to_follow(bars: int, marks: int = 0) -> bool:
+    """Whether a live window of ``bars`` batches and steps and ``marks`` marked requests
+    stops following (an overloaded server refuses tens of thousands a second)."""
+    return live_load(bars, marks) > LIVE_MAX_BARS
 
 
-def stop_note(bars: int) -> str:
-    """Why a window of ``bars`` batches and steps stopped following the clock."""
-    return (f"Follow live stopped by itself: the window held {bars:,} batches and steps, "
-            f"more than the {LIVE_MAX_BARS:,} a live page redraws at every refresh (the tab "
-            "would do little else). The window stays where it stopped; to follow the clock, "
+def stop_note(bars: int, marks: int = 0) -> str:
+    """Why a window of ``bars`` batches and steps and ``marks`` marked requests stopped
+    following the clock."""
+    held = f"{bars:,} batches and steps"
+    if marks:
+        held += (f" and {marks:,} refused, expired, cancelled or bypassed requests (each a "
+                 f"mark, {MARKS_PER_BAR} of them as much to send and draw as a batch: "
+                 f"{live_load(bars, marks):,.0f} batches in all)")
+    return (f"Follow live stopped by itself: the window held {held}, more than the "
+            f"{LIVE_MAX_BARS:,} batches a live page redraws at every refresh (the tab would "
+            "do little else). The window stays where it stopped; to follow the clock, "
             "choose a shorter window and press Follow live.")
 
 

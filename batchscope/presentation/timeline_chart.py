@@ -212,7 +212,7 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
                             failed=None, start_col="started_at", end_col="at",
                             scatter=scatter)
         mr = r[(r["instance_id"] == inst) & (r["model"] == model)]
-        refused = mr[mr["outcome"].isin(REFUSED) | mr["bypass"]]
+        refused = mr[marked_requests(mr)]
         if len(refused):
             y = lanes.add(f"{name} · refused / expired / cancelled / bypass")
             traces += _marks(refused, y, t0, name, scatter)
@@ -320,6 +320,12 @@ def _bars(df: pd.DataFrame, ys: np.ndarray, t0: float, name: str, color: str,
 #: how each kind of mark is drawn on a model's "refused / expired" lane
 _MARK_STYLES = {"rejected": ("x", FAILED_BATCH), "expired": ("hourglass", FAILED_BATCH),
                 "cancelled": ("circle-open", FAILED_BATCH), "bypass": ("diamond-open", "#555")}
+
+
+def marked_requests(requests: pd.DataFrame) -> pd.Series:
+    """Which of ``requests`` the chart draws as marks: refused, expired, cancelled or
+    bypass ones."""
+    return requests["outcome"].isin(REFUSED) | requests["bypass"].astype(bool)
 
 
 def _marks(df: pd.DataFrame, y: int, t0: float, name: str,
