@@ -14,12 +14,15 @@ answered 200, and SIGTERM stops it.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.reliability.hostile import (GRPC_STRATEGIES, HTTP_STRATEGIES, MEMORY_LIMIT_MB,
                                             Prober, good_request, start_server, stop_server)
+from benchmarks.reliability.server import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +40,13 @@ _SETTINGS = settings(deadline=None, derandomize=True, database=None,
 
 @pytest.fixture(scope="module")
 def running(tmp_path_factory):
+    before = set(os.listdir(ROOT))
     server, target = start_server(str(tmp_path_factory.mktemp("hostile") / "hostile.db"))
     try:
         for _ in range(10):
             assert good_request(target).status == 200
         state = {"server": server, "target": target, "rss_start": server.rss_mb(),
-                 "prober": Prober(target), "sent": 0}
+                 "prober": Prober(target), "sent": 0, "root_before": before}
         yield state
     finally:
         target.close()
@@ -71,3 +75,7 @@ def test_afterwards_memory_is_flat_it_serves_and_stops_on_sigterm(running):
     assert server.rss_mb() - running["rss_start"] <= MEMORY_LIMIT_MB
     assert good_request(target).status == 200
     assert stop_server(server) < 30
+    # no trace file, nor anything else, written into the checkout (tools' hidden folders,
+    # such as hypothesis's own, aside)
+    new = set(os.listdir(ROOT)) - running["root_before"]
+    assert {name for name in new if not name.startswith(".")} == set()

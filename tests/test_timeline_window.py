@@ -120,7 +120,8 @@ def test_the_chart_names_its_start_in_the_zone_it_is_given(new_york):
 
 def test_a_trace_download_is_named_on_the_page_s_clock_with_its_offset(new_york):
     winter, summer = 1_800_000_000.5, 1_784_000_000.0  # EST (-0500), EDT (-0400)
-    assert decisions.trace_file_name(winter, ".pftrace") == "batchscope-20270115T030000-0500.pftrace"
+    assert decisions.trace_file_name(winter, ".pftrace") == \
+        "batchscope-20270115T030000-0500.pftrace"
     assert fmt_time(winter) == "2027-01-15 03:00:00"  # the caption's clock, the same time
     assert decisions.trace_file_name(summer, ".json") == "batchscope-20260713T233320-0400.json"
     # the same moment in other zones: other names, so downloads from two zones never collide
@@ -291,7 +292,8 @@ def test_a_batch_that_just_ended_is_shown_once_it_is_behind_the_live_edge():
 
 def test_a_refresh_costs_its_run_and_the_browser_s_drawing_and_big_windows_stop():
     assert decisions.refresh_cost_s(0.2, 0) == 0.2
-    assert decisions.refresh_cost_s(0.2, 8000) == pytest.approx(0.2 + 8000 * decisions.DRAW_S_PER_BAR)
+    assert decisions.refresh_cost_s(0.2, 8000) == pytest.approx(
+        0.2 + 8000 * decisions.DRAW_S_PER_BAR)
     assert not decisions.too_many_to_follow(decisions.LIVE_MAX_BARS)
     assert decisions.too_many_to_follow(decisions.LIVE_MAX_BARS + 1)
     said = decisions.stop_note(35_123)
@@ -311,8 +313,12 @@ def test_marked_requests_weigh_on_a_live_window_as_a_share_of_a_batch_each():
     assert decisions.too_many_to_follow(2_000, (limit - 2_000) * per + per)
     assert decisions.too_many_to_follow(0, 180_000)  # a 10-s window of a server refusing
     said = decisions.stop_note(2_000, 180_000)
-    assert "2,000 batches and steps and 180,000 refused, expired, cancelled or bypassed" \
-        in said and f"{2_000 + 180_000 // per:,} batches in all" in said, said
+    assert "2,000 batches and steps and 180,000 refused, expired, cancelled or bypassed " \
+        "requests" in said and f"the equivalent of {2_000 + 180_000 // per:,} batches" in said
+    # one mark past the limit: the equivalent said is past it too, never equal to it
+    said = decisions.stop_note(limit, 1)
+    assert "1 refused, expired, cancelled or bypassed request (" in said
+    assert f"the equivalent of {limit + 1:,} batches" in said, said
 
 
 def test_a_number_of_another_model_or_instance_says_which_and_how_to_see_it():

@@ -19,8 +19,8 @@ Live, the window ends ``LIVE_LAG_S`` before now, once the recorder has written t
 of its last moments, so the page counts what a download of the same window holds. The
 live region (a fragment) refreshes every ``live_every_s``: the sidebar's refresh, or
 ``COST_FACTOR`` times what its last run took to read and draw when that is longer; a
-window of more than ``LIVE_MAX_BARS`` batches and steps stops following, saying why
-(both in ``timeline_decisions``).
+window of more than ``LIVE_MAX_BARS`` batches and steps (its marked requests counted,
+five to a batch) stops following, saying why (both in ``timeline_decisions``).
 
 Following the clock is kept in ``FOLLOWING``, a key no widget owns, and started or
 stopped with buttons: a timer run of the fragment sent while a pick is being handled

@@ -50,8 +50,9 @@ COST_FACTOR = 5.0
 #: figure of 3,154 batches in about 456 ms; see docs/tracing.md), counted into a refresh's
 #: cost since the page cannot time the browser
 DRAW_S_PER_BAR = 0.15e-3
-#: a live window of more batches and steps than this stops following: each refresh sends
-#: and redraws all of them (about 3 MB of figure for 10,000), more than a tab keeps up with
+#: a live window of more batches and steps than this (marks counted at ``MARKS_PER_BAR``
+#: to a batch) stops following: each refresh sends and redraws all of them (about 3 MB of
+#: figure for 10,000 batches), more than a tab keeps up with
 LIVE_MAX_BARS = 10_000
 #: marks (refused, expired, cancelled, bypassed requests) that weigh as one batch: a mark
 #: is a point with a hover text, about 54 bytes of figure (5.4 MB for 100,000), a bar
@@ -126,8 +127,9 @@ def behind_edge_in_s(t: float, now: float) -> float:
 
 def too_many_to_follow(bars: int, marks: int = 0) -> bool:
     """Whether a live window of ``bars`` batches and steps and ``marks`` marked requests
-    stops following (an overloaded server refuses tens of thousands a second)."""
-    return live_load(bars, marks) > LIVE_MAX_BARS
+    stops following (an overloaded server refuses tens of thousands a second). Counted
+    in whole numbers: ``live_load`` past ``LIVE_MAX_BARS``."""
+    return bars * MARKS_PER_BAR + marks > LIVE_MAX_BARS * MARKS_PER_BAR
 
 
 def stop_note(bars: int, marks: int = 0) -> str:
@@ -135,9 +137,9 @@ def stop_note(bars: int, marks: int = 0) -> str:
     following the clock."""
     held = f"{bars:,} batches and steps"
     if marks:
-        held += (f" and {marks:,} refused, expired, cancelled or bypassed requests (each a "
-                 f"mark, {MARKS_PER_BAR} of them as much to send and draw as a batch: "
-                 f"{live_load(bars, marks):,.0f} batches in all)")
+        kinds = timeline_chart.count(marks, "refused, expired, cancelled or bypassed request")
+        held += (f" and {kinds} (marks, {MARKS_PER_BAR} of which weigh as much as one batch: the "
+                 f"equivalent of {math.ceil(live_load(bars, marks)):,} batches)")
     return (f"Follow live stopped by itself: the window held {held}, more than the "
             f"{LIVE_MAX_BARS:,} batches a live page redraws at every refresh (the tab would "
             "do little else). The window stays where it stopped; to follow the clock, "

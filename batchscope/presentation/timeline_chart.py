@@ -186,7 +186,7 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
     colors = model_colors(model for _, model in keys)
     lanes = Lanes()
     traces: list = []
-    marks = int((r["outcome"].isin(REFUSED) | r["bypass"]).sum()) if len(r) else 0
+    marks = int(marked_requests(r).sum()) if len(r) else 0
     scatter = go.Scatter if len(b) + len(s) + marks <= SVG_POINTS_MAX else go.Scattergl
     for inst, model in keys:
         name = f"{model} @ {inst[:12]}" if several else model

@@ -12,8 +12,10 @@ of headers, and the trace surfaces: W3C ``traceparent`` headers on inference req
 (well formed, sampled or not, malformed, repeated), Triton's trace settings over HTTP
 and gRPC (valid changes too, so that tracing at every request meets the other families'
 requests) and the trace export's parameters. The server records to a throw-away SQLite
-file, as ``batchscope serve`` does by default, so the export reads a real database. While they run, a prober asks ``GET /v2/health/live`` every 20 ms
-on its own connection: its slowest answer bounds how long the event loop stalled.
+file, as ``batchscope serve`` does by default, so the export reads a real database, and
+runs in that file's folder, so that no file it writes lands in this checkout. While they
+run, a prober asks ``GET /v2/health/live`` every 20 ms on its own connection: its slowest
+answer bounds how long the event loop stalled.
 
 Every request must be answered within a second with a status under 500 (a 503 saying
 the request's own, too short, timeout passed in the queue is that request's one proper
@@ -46,7 +48,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from benchmarks.reliability.server import Server
+from benchmarks.reliability.server import ROOT, Server
 
 #: what the generated requests name: the served models and their inputs
 MODELS = {"mlp": ("INPUT0", "FP32", [256]), "encoder": ("INPUT_IDS", "INT64", [-1])}
@@ -179,8 +181,9 @@ def _bomb(size: int, json_doc: bool) -> bytes:
 def compressed_bomb(draw) -> HttpAttack:
     """A small gzip body that inflates far past any limit, or to a huge JSON document."""
     body = _bomb(draw(st.sampled_from([8 << 20, 70 << 20])), draw(st.booleans()))
-    return HttpAttack("gzip bomb", "POST", f"/v2/models/{draw(st.sampled_from(list(MODELS)))}/infer",
-                      body, (("content-encoding", "gzip"), ("content-type", "application/json")))
+    model = draw(st.sampled_from(list(MODELS)))
+    return HttpAttack("gzip bomb", "POST", f"/v2/models/{model}/infer", body,
+                      (("content-encoding", "gzip"), ("content-type", "application/json")))
 
 
 _prompt = st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 2**40), max_size=40),
@@ -265,6 +268,7 @@ def _trace_keys(draw) -> list[str]:
         keys.append(draw(st.sampled_from(_BAD_TRACE_KEYS)))
     return keys
 
+
 _count_text = st.one_of(st.integers(-3, 2000).map(str), _huge.map(str),
                         st.sampled_from(["1.5", "1e3", " 10", "0x10", "", "-0", "+5", "１０",
                                          "NaN", "inf"]))
@@ -280,6 +284,18 @@ _TRACE_VALUES = {
 }
 
 
+def _trace_value(draw, key: str) -> Any:
+    """A value for trace setting ``key``: mostly of its own kind, now and then of a wrong
+    type. A ``trace_file`` is never any other text (a relative path or one under ``/``
+    would be a file the server may write)."""
+    values = _TRACE_VALUES.get(key, _json)
+    if draw(st.integers(0, 3)):
+        return draw(values)
+    wrong = st.one_of(st.lists(values, max_size=2), st.none(), st.integers(), st.booleans(),
+                      st.floats(allow_nan=False))
+    return draw(wrong if key == "trace_file" else st.one_of(wrong, _scalar))
+
+
 @st.composite
 def trace_settings(draw) -> HttpAttack:
     """Triton's trace settings read or changed, globally or for a model: valid changes
@@ -290,11 +306,7 @@ def trace_settings(draw) -> HttpAttack:
     if draw(st.integers(0, 4)) == 0:
         return HttpAttack("trace settings", draw(st.sampled_from(["GET", "PUT", "DELETE"])),
                           path)
-    doc = {}
-    for key in _trace_keys(draw):
-        values = _TRACE_VALUES.get(key, _json)
-        doc[key] = draw(st.one_of(values, st.lists(values, max_size=2), st.none(), _scalar)
-                        if draw(st.integers(0, 3)) == 0 else values)
+    doc = {key: _trace_value(draw, key) for key in _trace_keys(draw)}
     body = json.dumps(doc).encode()
     body = draw(st.sampled_from([body, body, b"\xef\xbb\xbf" + body,  # a UTF-8 BOM
                                  body[:-1] + b',"trace_rate":"1","trace_rate":"2"}'
@@ -431,8 +443,11 @@ class Outcome:
     detail: str = ""
 
     def failed(self, limit_s: float = ANSWER_LIMIT_S) -> bool:
-        """A 5xx, a dropped connection, an error without a JSON ``error``, or a refusal
-        slower than ``limit_s`` (work that was accepted may take its time)."""
+        """A 5xx, a dropped connection, an error without a JSON ``error``, a refusal
+        slower than ``limit_s`` (work that was accepted may take its time), or a good
+        request (``traced requests``, whatever its ``traceparent``) not answered 200."""
+        if self.what == "traced requests" and self.status != 200:
+            return True
         if self.status == 503 and "past its timeout" in self.detail:
             return False  # it asked for a deadline it could not meet, and was told at it
         if not isinstance(self.status, int) or self.status >= 500:
@@ -584,11 +599,15 @@ def good_request(target: Target) -> Outcome:
 
 def start_server(db_path: str | None = None,
                  extra: tuple[str, ...] = ()) -> tuple[Server, Target]:
-    """The server, recording to SQLite file ``db_path`` (None: recording nothing)."""
+    """The server, recording to SQLite file ``db_path`` and running in its folder (a file
+    a relative path names lands there; None: recording nothing, running in this
+    checkout)."""
     record = ["--no-record"] if db_path is None else ["--db", f"sqlite:///{db_path}"]
+    where = {} if db_path is None else {"cwd": os.path.dirname(os.path.abspath(db_path)),
+                                        "code": ROOT}
     server = Server([sys.executable, "-m", "runtime", "serve", "--port", "0", "--grpc-port", "0",
                      *record, "--model", "mlp", "--model", "encoder", "--model", "decoder",
-                     *extra])
+                     *extra], **where)
     match = None
     for line in server.tail:
         match = re.search(r"grpc: (\S+:\d+)", line) or match

@@ -17,12 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class Server:
     """Starts ``cmd`` in ``cwd`` (this checkout's root by default: ``python -m runtime``
-    runs the code there) and waits until it serves; ``marks``: phrases to count in the
-    log."""
+    runs the code there; ``code``: the checkout whose code runs wherever ``cwd`` is) and
+    waits until it serves; ``marks``: phrases to count in the log."""
 
     def __init__(self, cmd: Sequence[str], timeout_s: float = 120.0,
-                 marks: Sequence[str] = (), cwd: Path | str = ROOT) -> None:
+                 marks: Sequence[str] = (), cwd: Path | str = ROOT,
+                 code: Path | None = None) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        if code is not None:
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(code), *filter(None, [os.environ.get("PYTHONPATH")])])
         self.proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines = 0

@@ -76,7 +76,8 @@ _VALUE_AT = slice(13, 68)
 def span_line(trace_id: int, span_id: int) -> bytes:
     """The ``traceparent`` header line (``traceparent: 00-<trace id>-<span id>-01``, CRLF)
     naming span ``(trace id, span id)``, sampled: how a trace holds its span's ids
-    (``RequestTrace.span``; the tracer draws them in blocks, ``runtime.engine.otel_spans.SpanIds``)."""
+    (``RequestTrace.span``; the tracer draws them in blocks,
+    ``runtime.engine.otel_spans.SpanIds``)."""
     return b"traceparent: 00-%032x-%016x-01\r\n" % (trace_id, span_id)
 
 

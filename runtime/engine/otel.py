@@ -41,8 +41,8 @@ from typing import Any, Callable, Sequence
 
 from batchscope.threadnames import name_native
 from runtime.engine.otel_spans import (BATCHES_KEPT, BatchInfo, FinishedTrace, SpanBuilder,
-                                       finished_from, plain_finished, plain_spans_of,
-                                       plain_traces_of, spans_of)
+                                       finished_from, plain_spans_of, plain_traces_of,
+                                       spans_of)
 
 log = logging.getLogger(__name__)
 
@@ -280,9 +280,10 @@ class OtlpSpans:
         self.put(finished_from(raw, wall_offset_s))
 
     def put_plain(self, batch: tuple, wall_offset_s: float) -> None:
-        """Queue the members with spans of a batch of plain traces (as ``plain_finished``
-        takes it) as one entry: the span thread writes their spans together
-        (``SpanBuilder.plain_spans``). They are queued, or dropped and counted, together."""
+        """Queue the members with spans of a batch of plain traces (as
+        ``otel_spans.plain_finished`` takes it) as one entry: the span thread writes their
+        spans together (``SpanBuilder.plain_spans``). They are queued, or dropped and
+        counted, together."""
         members = plain_traces_of(batch)
         if not members:
             return

@@ -50,7 +50,8 @@ from batchscope.spawn import BacklogPriority, child_priority, spawn_child, stop_
 from batchscope.threadnames import name_native
 from runtime.engine import otel_config
 from runtime.engine.otel import QUEUE_MAX, OtlpSpans, exporter_for, report_drops
-from runtime.engine.otel_spans import BatchInfo, FinishedTrace, finished_from, plain_spans_of, spans_of
+from runtime.engine.otel_spans import (BatchInfo, FinishedTrace, finished_from, plain_spans_of,
+                                       spans_of)
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,11 @@ Attributes follow the GenAI semantic conventions where they apply
 (``gen_ai.latency.time_in_queue``, ``time_to_first_token``, ``e2e``), in seconds.
 
 The event loop only takes a request span's ids when its trace begins (``SpanIds``, drawn
-in blocks, so that the answer can carry its ``traceparent``); everything else here runs
-on the span thread (``SpanBuilder``), from what the serving process handed over
+in blocks, so that the answer can carry its ``traceparent``); the spans are built on the
+span thread (``SpanBuilder``), from what the serving process handed over
 (``finished_from``, ``plain_finished``). ``spans_of`` and ``plain_spans_of`` count the
-spans a trace makes without making them, for the drop counts.
+spans a trace makes without making them, for the drop counts (the serving process's
+span sender, ``runtime.engine.otel_process``, counts what it drops with them too).
 """
 
 from __future__ import annotations
