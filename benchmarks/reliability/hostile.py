@@ -66,6 +66,8 @@ class HttpAttack:
     path: str
     body: bytes = b""
     headers: tuple[tuple[str, str], ...] = ()
+    #: a good request: answered 200 whatever else it carries (see ``Outcome.failed``)
+    good: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,7 @@ def traced_requests(draw) -> HttpAttack:
     else:
         path, doc = "/v1/embeddings", {"model": "encoder", "input": ["ab", "cd"]}
     return HttpAttack("traced requests", "POST", path, json.dumps(doc).encode(),
-                      (("content-type", "application/json"), *_traceparents(draw)))
+                      (("content-type", "application/json"), *_traceparents(draw)), good=True)
 
 
 #: Triton's trace settings (``runtime.core.tracing.KEYS``), and misspelt or unknown ones
@@ -441,12 +443,14 @@ class Outcome:
     status: int | str
     seconds: float
     detail: str = ""
+    #: the request was a good one (``HttpAttack.good``): anything but 200 fails
+    good: bool = False
 
     def failed(self, limit_s: float = ANSWER_LIMIT_S) -> bool:
         """A 5xx, a dropped connection, an error without a JSON ``error``, a refusal
         slower than ``limit_s`` (work that was accepted may take its time), or a good
-        request (``traced requests``, whatever its ``traceparent``) not answered 200."""
-        if self.what == "traced requests" and self.status != 200:
+        request not answered 200."""
+        if self.good and self.status != 200:
             return True
         if self.status == 503 and "past its timeout" in self.detail:
             return False  # it asked for a deadline it could not meet, and was told at it
@@ -478,6 +482,11 @@ class Target:
         start = time.perf_counter()
         if isinstance(attack, GrpcAttack):
             return self._send_grpc(attack, start)
+        outcome = self._send_http(attack, start)
+        outcome.good = attack.good
+        return outcome
+
+    def _send_http(self, attack: HttpAttack, start: float) -> Outcome:
         conn = self._conn or http.client.HTTPConnection(self.host, self.port, timeout=10)
         self._conn = None
         try:
