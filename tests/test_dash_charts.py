@@ -83,7 +83,39 @@ def test_empty_data_gives_annotated_empty_figures():
     empty = pd.DataFrame(columns=["t", "latency_p50", "latency_p95", "latency_p99"])
     fig = charts.latency(empty)
     assert not fig.data and fig.layout.annotations[0].text == "no data in this window"
+    assert fig.layout.xaxis.visible is False and fig.layout.yaxis.visible is False
+    device = charts.device(pd.DataFrame())
+    assert device.layout.yaxis2.visible is False  # every axis of a grid
     assert not charts.padding(pd.DataFrame()).data
+
+
+def first_second(bundle) -> dict:
+    """The bundle as a runtime started a second ago gives it: each time series' last
+    row, the events of its last second."""
+    last = bundle["requests_t"]["t"].max()
+    events = bundle["events"][bundle["events"]["at"] > last - 1]
+    return {**{k: (v.iloc[-1:] if k.endswith("_t") else v) for k, v in bundle.items()},
+            "events": events}
+
+
+def test_a_window_just_begun_spans_a_readable_time(bundle):
+    """One summary row a series (the first second of a runtime) is drawn over
+    ``MIN_SPAN_S`` ending just after it, each lone point marked; a longer window keeps
+    plotly's own range."""
+    short = charts.build_all(first_second(bundle), slo_ms=20)
+    full = charts.build_all(bundle, slo_ms=20)
+    for key in ("latency", "throughput", "wait_compute", "queue_depth", "device", "generation"):
+        fig = short[key]
+        lo, hi = (pd.Timestamp(v) for v in fig.layout.xaxis.range)
+        assert (hi - lo).total_seconds() == pytest.approx(charts.MIN_SPAN_S), key
+        xs = [pd.Timestamp(x) for tr in fig.data if tr.x is not None for x in tr.x]
+        assert lo <= min(xs) and max(xs) < hi, key
+        lone = [tr for tr in fig.data if tr.type == "scatter" and tr.x is not None
+                and len(tr.x) == 1 and "lines" in (tr.mode or "")]
+        assert lone and all("markers" in tr.mode for tr in lone), key
+        assert full[key].layout.xaxis.range is None, key
+        assert all(tr.mode != "lines+markers" for tr in full[key].data
+                   if tr.name in ("p50", "served req/s", "queue wait", "mean", "running")), key
 
 
 def test_settings_marker_hover_survives_bad_details():
@@ -134,6 +166,8 @@ def every_figure(bundle) -> dict:
     empty = {k: v.iloc[:0] for k, v in bundle.items()}
     nothing = charts.build_all({**empty, "headline": bundle["headline"]})
     figs.update({f"empty {k}": v for k, v in nothing.items()})
+    begun = charts.build_all(first_second(bundle), slo_ms=20)
+    figs.update({f"begun {k}": v for k, v in begun.items()})
     timeline, table, fleet_row = fleet_frames()
     figs["fleet_throughput"] = fleet_charts.throughput_by_instance(timeline)
     figs["fleet_latency"] = fleet_charts.latency_by_instance(table, fleet_row)

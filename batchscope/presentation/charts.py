@@ -108,6 +108,10 @@ def _base(title: str, *, height: int = 320, closest: bool = False, grid: str | N
 
 
 def _empty(fig: go.Figure, what: str = "no data in this window") -> go.Figure:
+    """``fig`` saying ``what``, with no axes: an empty figure's would be plotly's
+    placeholder scale (-1 to 4, 0 to 6), which reads as data."""
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
     return _annotate(fig, [dict(text=what, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
                                 font=dict(color="#888"))])
 
@@ -211,6 +215,31 @@ def _axis(title: str, **more) -> dict:
     return dict(title=dict(text=title), **more)
 
 
+#: the least time a time chart's x axis spans: a window that has only begun (a runtime
+#: started a second ago) is drawn over this much, its points marked, instead of an axis of
+#: a millisecond ticked in tenths of one with lines too short to see
+MIN_SPAN_S = 30.0
+
+
+def _readable_time(fig: go.Figure) -> go.Figure:
+    """``fig`` (a time chart) readable however little data it has: while its points and
+    markers span less than ``MIN_SPAN_S``, each x axis spans that much, ending a little
+    after the last of them, and a line of a single point is marked."""
+    xs = [pd.to_datetime(np.asarray(tr.x)) for tr in fig.data
+          if tr.x is not None and len(tr.x)]
+    if not xs:
+        return fig
+    first, last = min(x.min() for x in xs), max(x.max() for x in xs)
+    if pd.isna(first) or (last - first).total_seconds() >= MIN_SPAN_S:
+        return fig
+    end = last + pd.Timedelta(seconds=MIN_SPAN_S / 10)
+    fig.update_xaxes(range=[end - pd.Timedelta(seconds=MIN_SPAN_S), end])
+    fig.update_traces(selector=lambda tr: (tr.type == "scatter" and tr.mode == "lines"
+                                           and tr.x is not None and len(tr.x) == 1),
+                      mode="lines+markers")
+    return fig
+
+
 def latency(requests_t: pd.DataFrame, events: pd.DataFrame | None = None,
             slo_ms: float | None = None) -> go.Figure:
     if not len(requests_t) or requests_t["latency_p50"].isna().all():
@@ -223,7 +252,7 @@ def latency(requests_t: pd.DataFrame, events: pd.DataFrame | None = None,
     if slo_ms:
         fig.add_trace(go.Scatter(x=[x.iloc[0], x.iloc[-1]], y=[slo_ms, slo_ms], name="SLO",
                                  mode="lines", line=dict(color="#444", dash="dash")))
-    return add_event_markers(fig, events)
+    return _readable_time(add_event_markers(fig, events))
 
 
 def throughput(requests_t: pd.DataFrame, batches_t: pd.DataFrame,
@@ -239,7 +268,7 @@ def throughput(requests_t: pd.DataFrame, batches_t: pd.DataFrame,
     if len(batches_t):
         fig.add_trace(go.Scatter(x=_times(batches_t["t"]), y=batches_t["batches_per_s"],
                                  name="batches/s", mode="lines", line=dict(dash="dot")))
-    return add_event_markers(fig, events)
+    return _readable_time(add_event_markers(fig, events))
 
 
 def wait_vs_compute(batches_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Figure:
@@ -251,7 +280,7 @@ def wait_vs_compute(batches_t: pd.DataFrame, events: pd.DataFrame | None = None)
                              stackgroup="one", mode="lines"))
     fig.add_trace(go.Scatter(x=x, y=batches_t["compute_mean_s"] * 1000, name="compute",
                              stackgroup="one", mode="lines"))
-    return add_event_markers(fig, events)
+    return _readable_time(add_event_markers(fig, events))
 
 
 def queue_depth(batches_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Figure:
@@ -262,7 +291,7 @@ def queue_depth(batches_t: pd.DataFrame, events: pd.DataFrame | None = None) -> 
     fig.add_trace(go.Scatter(x=x, y=batches_t["queue_depth_mean"], name="mean", mode="lines"))
     fig.add_trace(go.Scatter(x=x, y=batches_t["queue_depth_max"], name="max", mode="lines",
                              line=dict(dash="dot")))
-    return add_event_markers(fig, events)
+    return _readable_time(add_event_markers(fig, events))
 
 
 def batch_sizes(sizes: pd.DataFrame, max_batch_size: float | None = None) -> go.Figure:
@@ -309,7 +338,7 @@ def device(device_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Fig
             fig.add_trace(go.Scatter(x=[x.iloc[0], x.iloc[-1]], y=[total.max() / GIB] * 2,
                                      name=f"{dev} memory limit", mode="lines",
                                      line=dict(color="#999", dash="dash"), xaxis="x", yaxis="y2"))
-    return add_event_markers(fig, events, y=100.0)
+    return _readable_time(add_event_markers(fig, events, y=100.0))
 
 
 def padding(pad: pd.DataFrame) -> go.Figure:
@@ -384,7 +413,7 @@ def generation(gen_t: pd.DataFrame, events: pd.DataFrame | None = None) -> go.Fi
     add_event_markers(fig, events, y=float(gen_t["running"].max()), axes=("x", "y"))
     if spec:
         _speculation_row(fig, gen_t, x, events)
-    return fig
+    return _readable_time(fig)
 
 
 def _speculation_row(fig: go.Figure, gen_t: pd.DataFrame, x: pd.Series,

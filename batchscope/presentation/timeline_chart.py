@@ -232,6 +232,7 @@ def timeline(rows: TimelineRows, *, selected: tuple[str, int] | None = None,
         dict(range=[0.5, -0.5], visible=False))
     if rows.empty:
         charts._empty(fig, "no batch, request or generation step in this window")
+        fig.update_xaxes(visible=True)  # the window's own scale, in seconds from its start
     else:
         charts.add_event_markers(fig, rows.events, y=-0.5 - MARKER_ROOM / 2,
                                  x_of=lambda at: np.asarray(at, dtype=float) - t0)
