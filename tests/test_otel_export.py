@@ -567,6 +567,69 @@ def test_spans_a_collector_refuses_are_counted_as_dropped(status):
     assert reports and reports[-1] == spans.dropped
 
 
+def test_the_span_process_reports_spans_lost_after_the_last_traces_came(monkeypatch):
+    """The span process's exports fail after the server has handed over its last traces
+    (a collector down, traffic stopped): the loss is counted and reported without more
+    traffic and without closing. Before, the child's counts came back only with the next
+    hand-over, and the metric read 0 for as long as nothing more was traced."""
+    from runtime.engine.otel_process import SpanProcess
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # the child inherits it
+    server = refusing_receiver(400)
+    reports = []
+    spans = SpanProcess(f"http://127.0.0.1:{server.server_address[1]}", "i",
+                        protocol="http/protobuf",
+                        on_drops=lambda new, total: reports.append(total))
+    try:
+        spans.batch(batch(1))
+        for n in range(20):
+            spans.put(trace(n))
+        # a round takes a second (SEND_INTERVAL_S): the hand-over, then the loss
+        assert wait_until(lambda: reports and reports[-1] == 20 * 3 + 1, limit=3000), reports
+        assert server.exports >= 1 and spans.spans_out == 20 * 3 + 1
+        assert wait_until(lambda: spans._child_holding == 0, limit=3000)
+    finally:
+        spans.close(timeout_s=5.0)
+        server.shutdown()
+    assert spans.dropped == 20 * 3 + 1 and reports[-1] == spans.dropped
+
+
+def test_an_exporter_holds_what_it_has_not_exported_or_lost():
+    """``OtlpSpans.holding``: the traces its thread has not taken and the spans its
+    processor has neither exported nor lost; 0 once every count is final."""
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    class Gate:  # exports nothing until opened, then everything
+        def __init__(self) -> None:
+            self.open = threading.Event()
+
+        def export(self, spans):
+            self.open.wait(30)
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self):
+            self.open.set()
+
+        def force_flush(self, timeout_millis=0):
+            return True
+
+    gate = Gate()
+    spans = OtlpSpans("http://127.0.0.1:9", "i", exporter=gate)
+    try:
+        assert spans.holding() == 0
+        spans.batch(batch(1))
+        for n in range(10):
+            spans.put(trace(n))
+        assert spans.holding() > 0
+        assert wait_until(lambda: spans.spans_out == 10 * 3 + 1, limit=3000)
+        assert spans.holding() == 10 * 3 + 1  # handed over, none exported yet
+        gate.open.set()
+        assert wait_until(lambda: spans.holding() == 0, limit=3000)
+    finally:
+        spans.close(timeout_s=5.0)
+    assert spans._exporter.exported == 10 * 3 + 1 and spans.dropped == 0
+
+
 def test_closing_towards_a_collector_that_never_answers_ends_in_its_time_and_counts_all():
     """A port that takes the connection and never answers: the SDK's flush and shutdown
     waited on the export for the exporter's own timeout and retries (51 s for a close of

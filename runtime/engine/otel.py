@@ -128,6 +128,8 @@ class _CountingExporter:
         self._success = SpanExportResult.SUCCESS
         #: the spans of the export under way (the processor exports one batch at a time)
         self.in_flight = 0
+        #: the spans of every export that succeeded
+        self.exported = 0
         self._given_up = False
         #: an export's end and ``give_up`` each count its spans, never both
         self._lock = threading.Lock()
@@ -143,7 +145,9 @@ class _CountingExporter:
         finally:
             with self._lock:
                 self.in_flight = 0
-                if result != self._success and not self._given_up:
+                if result == self._success:
+                    self.exported += n
+                elif not self._given_up:
                     self._on_failed(n)
 
     def give_up(self) -> int:
@@ -247,6 +251,9 @@ class OtlpSpans:
         self._abandoned = False
         self.reported = 0
         self.spans_out = 0
+        #: of ``dropped``, the spans handed to the processor and lost there (pushed out of
+        #: its full queue, or in an export that failed)
+        self._lost_handed = 0
         self._wake = threading.Event()
         #: set once closing has waited its time: ends a wait for room at once
         self._room_wake = threading.Event()
@@ -303,7 +310,18 @@ class OtlpSpans:
 
     # -- the span thread ----------------------------------------------------------------
     def _dropped_by_processor(self, count: int) -> None:
-        self._count(count)
+        with self._count_lock:
+            self.dropped += count
+            self._lost_handed += count
+
+    def holding(self) -> int:
+        """What this exporter holds that is neither exported nor counted dropped: the
+        traces waiting for the span thread, and the spans handed to the processor that
+        it has not exported or lost yet (0: every count is final until more comes). Read
+        in this order, a span is never seen settled before it is: ``spans_out`` counts
+        a span before the processor gets it."""
+        settled = self._exporter.exported + self._lost_handed
+        return (self._put - self._taken) + max(0, self.spans_out - settled)
 
     def _count(self, spans: int) -> None:
         """Count ``spans`` as dropped: from the event loop's thread, the span thread, the
@@ -351,8 +369,8 @@ class OtlpSpans:
             try:
                 spans = builder.plain_spans(plain, offset, batch) if type(t) is tuple \
                     else builder.spans(t, batch)
+                self.spans_out += len(spans)  # before the processor has them (``holding``)
                 emit(spans)
-                self.spans_out += len(spans)
             except Exception:  # noqa: BLE001 - a bad trace must not stop the exporter
                 log.exception("could not build the spans of a trace")
 

@@ -31,7 +31,11 @@ of plain traces are the engine's booking's, their members' spans written straigh
 them, ``runtime.engine.otel_spans.SpanBuilder.plain_spans``: the database writer's process gets
 the same records, and each is pickled once, ``TraceBatch.packed``) -> ``(spans handed to
 the processor, spans dropped)``; ``b"stop"`` -> the same counts once the child has
-exported what it holds (``close``'s timeout).
+exported what it holds (``close``'s timeout); ``b"counts"`` -> the same counts and what the
+child still holds (``OtlpSpans.holding``). Every answer carries that too: while the child
+holds spans (a collector that is down fails their exports one by one, seconds apart), the
+sender thread asks for the counts once a round though nothing new is to be sent, so the
+spans lost after the last traces came are counted and reported without more traffic.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ CALM_BACKLOG = 0.05
 CLOSE_MARGIN_S = 0.2
 _READY = b"ready"
 _STOP = b"stop"
+_COUNTS = b"counts"
 _TRACE_TUPLE = attrgetter(*FinishedTrace.__slots__)
 _BATCH_TUPLE = attrgetter(*BatchInfo.__slots__)
 
@@ -96,8 +101,11 @@ def _child_main(conn: Any, endpoint: str, instance_id: str, protocol: str | None
             break
         if msg.startswith(_STOP):
             spans.close(float(msg[len(_STOP):] or 5.0))
-            conn.send_bytes(pickle.dumps((spans.spans_out, spans.dropped)))
+            conn.send_bytes(pickle.dumps((spans.spans_out, spans.dropped, 0)))
             return
+        if msg == _COUNTS:
+            conn.send_bytes(pickle.dumps(_counts(spans)))
+            continue
         batches, traces, raws, records, wall_offset_s, backlog = pickle.loads(msg)
         for b in batches:
             spans.batch(BatchInfo(*b))
@@ -108,8 +116,15 @@ def _child_main(conn: Any, endpoint: str, instance_id: str, protocol: str | None
         for record in records:
             spans.put_traces(record)
         prio.follow(max(backlog, spans.backlog()))
-        conn.send_bytes(pickle.dumps((spans.spans_out, spans.dropped)))
+        conn.send_bytes(pickle.dumps(_counts(spans)))
     spans.close(1.0)
+
+
+def _counts(spans: OtlpSpans) -> tuple[int, int, int]:
+    """``(spans handed to the processor, spans dropped, spans held)``: what is held read
+    first, so a span it no longer counts is in the other two."""
+    holding = spans.holding()
+    return spans.spans_out, spans.dropped, holding
 
 
 def _spans_in(record: Any) -> int:
@@ -148,6 +163,9 @@ class SpanProcess:
         self._dropped_there = 0
         self.reported = 0
         self.spans_out = 0
+        #: what the child held as it last answered (``OtlpSpans.holding``): while it
+        #: holds any, each round asks for its counts
+        self._child_holding = 0
         self._wake = threading.Event()
         self._closed = False
         #: held while the pipe is used: the sender thread's rounds and ``close``
@@ -246,6 +264,8 @@ class SpanProcess:
         infos = [batches.popleft() for _ in range(len(batches))]
         self._plain_taken += sum(len(b[-1]) for r in plain for b in r.batches)
         if not taken and not raw and not plain and not infos:
+            if self._child_holding:
+                self._ask_counts()
             return
         offset = self._wall_offset_s
         with self._conn_lock:  # ``close`` uses the pipe too: one at a time
@@ -258,14 +278,36 @@ class SpanProcess:
                                     self._held() / self.queue_max), protocol=5)
             try:
                 conn.send_bytes(payload)
-                if not conn.poll(REPLY_TIMEOUT_S):
-                    raise TimeoutError
-                self.spans_out, self._dropped_there = pickle.loads(conn.recv_bytes())
+                self._take_counts(conn)
             except (EOFError, OSError, TimeoutError):
-                log.error("the OpenTelemetry span process %s; spans are dropped from now on",
-                          "did not answer" if self._proc.is_alive() else "exited")
+                self._child_failed()
                 self._lost(taken, raw, plain, offset)
-                self._stop_child()
+
+    def _take_counts(self, conn: Any) -> None:
+        """The child's answer: its counts, and what it still holds."""
+        if not conn.poll(REPLY_TIMEOUT_S):
+            raise TimeoutError
+        self.spans_out, self._dropped_there, self._child_holding = pickle.loads(
+            conn.recv_bytes())
+
+    def _ask_counts(self) -> None:
+        """The child's counts, asked for though there is nothing to send."""
+        with self._conn_lock:
+            conn = self._conn
+            if conn is None:
+                self._child_holding = 0
+                return
+            try:
+                conn.send_bytes(_COUNTS)
+                self._take_counts(conn)
+            except (EOFError, OSError, TimeoutError):
+                self._child_failed()
+
+    def _child_failed(self) -> None:
+        log.error("the OpenTelemetry span process %s; spans are dropped from now on",
+                  "did not answer" if self._proc.is_alive() else "exited")
+        self._child_holding = 0
+        self._stop_child()
 
     def _lost(self, traces: list, raws: list, records: list, wall_offset_s: float) -> None:
         """Count the spans of traces that cannot be sent."""
@@ -298,7 +340,8 @@ class SpanProcess:
                 try:
                     conn.send_bytes(_STOP + str(budget).encode())
                     if conn.poll(budget + CLOSE_MARGIN_S):
-                        self.spans_out, self._dropped_there = pickle.loads(conn.recv_bytes())
+                        self.spans_out, self._dropped_there, _ = pickle.loads(
+                            conn.recv_bytes())
                 except (EOFError, OSError):
                     pass
                 self._stop_child(timeout_s=CLOSE_MARGIN_S / 2)

@@ -91,8 +91,9 @@ class _ScrapeCollector:
         spans = self._spans_dropped()
         if spans is not None:  # only while spans are exported (--otlp-traces-endpoint)
             lost = CounterMetricFamily("batchscope_trace_spans_dropped",
-                                       "OpenTelemetry spans lost to a full export queue "
-                                       "since start")
+                                       "OpenTelemetry spans lost since start: turned "
+                                       "away by a full export queue, in an export that "
+                                       "failed, or unsent at stop")
             lost.add_metric([], float(spans))
             out.append(lost)
         return out
