@@ -142,6 +142,26 @@ def check_spans(received: Received, answers: list[httpx.Response], joined: httpx
     assert {a["service.name"] for _, a in received.spans} == {"batchscope"}
 
 
+def check_rows_name_their_traces(db, answers: list[httpx.Response],
+                                 joined: httpx.Response) -> None:
+    """Each request's ``request_traces`` row names the W3C trace of its spans, the one
+    its answer's ``traceparent`` names: a trace the server began (no parent span), or
+    the caller's (with the caller's span). A trace found in the database or an export is
+    found in the collector by that id."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(f"sqlite:///{db}")
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT w3c_trace_id, w3c_parent_span_id FROM "
+                                     "request_traces")).all()
+    finally:
+        engine.dispose()
+    named = [a.headers["traceparent"].split("-")[1] for a in [*answers, joined]]
+    assert sorted(trace for trace, _ in rows) == sorted(named)
+    assert {trace: parent for trace, parent in rows if parent} == {CALLER_TRACE: CALLER_SPAN}
+
+
 @pytest.mark.slow
 def test_spans_reach_an_otlp_grpc_receiver(tmp_path, monkeypatch):
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
@@ -151,6 +171,7 @@ def test_spans_reach_an_otlp_grpc_receiver(tmp_path, monkeypatch):
         answers, joined = serve_and_send(tmp_path, f"http://127.0.0.1:{receiver.port}", 20)
         assert wait_until(lambda: len(received.spans) >= 21 * 3, limit=400)
         check_spans(received, answers, joined)
+        check_rows_name_their_traces(tmp_path / "otel.db", answers, joined)
     finally:
         receiver.server.stop(None)
 

@@ -325,12 +325,14 @@ def test_a_failed_export_is_told_by_its_cause_and_its_detail_stays_on_the_machin
     from runtime.server.trace_api import export_failed
 
     too_many = ("batchscope trace: the window holds 250,000 batches and requests, more than "
-                "200,000 can be read at once; pick a window of at most 40 s; or raise "
-                "--max-rows (the rows are read into memory)\n")
+                "200,000 can be read at once; pick a window of at most 1,200 s (or one "
+                "model or instance); or raise --max-rows (the rows are read into memory)\n")
     for local in (True, False):
         error = export_failed(EXIT_TOO_MANY_ROWS, too_many, local)
-        assert isinstance(error, RequestTooLarge) and "at most 40 s" in str(error)
-        assert "--max-rows" not in str(error)  # the command line's hint, not the route's
+        assert isinstance(error, RequestTooLarge)
+        # the route's own words: it takes last= and model=, and no instance or --max-rows
+        assert "ask for last=1200 or less, or for one model (model=NAME)" in str(error)
+        assert "--max-rows" not in str(error) and "instance" not in str(error)
     full = "batchscope trace: cannot write /tmp/batchscope-export-x/trace.json: No space left"
     here, there = export_failed(EXIT_NO_ROOM, full, True), export_failed(EXIT_NO_ROOM, full, False)
     assert isinstance(here, InsufficientStorage) and isinstance(there, InsufficientStorage)

@@ -37,6 +37,7 @@ from runtime.models.toys import DoubleModel, FailingModel
 from runtime.server.fastpath import LARGE_BODY_BYTES
 from runtime.server.auth import AuthConfig, Forbidden, Unauthorized, auth_for_listening
 from runtime.server.service import Service, ServiceThread
+from runtime.tools.cli.serve_args import TraceFlags
 from tests.factories import TracedService, wait_until
 
 TIMEOUT_S = 30.0
@@ -716,17 +717,56 @@ def test_start_up_trace_config_takes_triton_short_keys_and_refuses_bad_ones():
                            ("trace_mode", "opentelemetry")]) == {
         "trace_level": ("TIMESTAMPS",), "trace_rate": 10, "log_frequency": 5,
         "trace_mode": "opentelemetry"}
-    assert trace_config(["rate=100", "level=TIMESTAMPS"]) == (("rate", "100"),
-                                                              ("level", "TIMESTAMPS"))
-    for bad, words in (("rate", "give KEY=VALUE"), ("rate=zero", "trace_rate"),
-                       ("colour=red", "trace_colour")):
+    assert trace_config(["rate=100", "level=TIMESTAMPS"], environ={}).pairs == (
+        ("trace_rate", "100"), ("trace_level", "TIMESTAMPS"))
+    for bad, words in (("rate", "give KEY=VALUE"),
+                       ("rate=zero", "trace_rate='zero' is not accepted; it takes a whole"),
+                       ("colour=red", "unknown trace setting 'colour'; the forms: level="),
+                       ("jaeger,url=x", "triton,KEY=VALUE or opentelemetry,KEY=VALUE"),
+                       ("triton,rate=5", "unknown triton trace setting 'rate'"),
+                       ("opentelemetry,colour=red", "unknown OpenTelemetry setting"),
+                       ("opentelemetry,resource=x", "give resource=KEY=VALUE")):
         with pytest.raises(UsageError, match=words):
-            trace_config([bad])
+            trace_config([bad], environ={})
     # spans need somewhere to go: the mode is refused without an OTLP endpoint
-    with pytest.raises(UsageError, match="give --otlp-traces-endpoint URL too"):
-        trace_config(["mode=opentelemetry"])
-    assert trace_config(["mode=OpenTelemetry"], "http://127.0.0.1:4317") == (
-        ("mode", "OpenTelemetry"),)
+    with pytest.raises(UsageError, match="give --otlp-traces-endpoint URL"):
+        trace_config(["mode=opentelemetry"], environ={})
+    assert trace_config(["mode=OpenTelemetry"], "http://127.0.0.1:4317", environ={}) == \
+        TraceFlags((("trace_mode", "OpenTelemetry"),), "http://127.0.0.1:4317", {})
+
+
+def test_start_up_trace_config_takes_triton_s_mode_settings():
+    """Triton's ``triton,KEY=VALUE`` and ``opentelemetry,KEY=VALUE`` forms, as its own
+    ``--trace-config`` takes them: the trace file and its log frequency; the OTLP/HTTP
+    endpoint (Triton's exporter's protocol, unless the standard variable names one), a
+    resource attribute and the batch span processor's settings as the variables the SDK
+    reads."""
+    from runtime.tools.cli import UsageError, trace_config
+
+    got = trace_config(["triton,file=/tmp/t.json", "triton,log-frequency=50", "mode=triton",
+                        "opentelemetry,url=http://127.0.0.1:4318/v1/traces",
+                        "opentelemetry,resource=deployment.environment=test",
+                        "opentelemetry,bsp_max_queue_size=4096",
+                        "opentelemetry,bsp_schedule_delay=500",
+                        "opentelemetry,bsp_max_export_batch_size=256"],
+                       environ={"OTEL_RESOURCE_ATTRIBUTES": "team=ml"})
+    assert got.pairs == (("trace_file", "/tmp/t.json"), ("log_frequency", "50"),
+                         ("trace_mode", "triton"))
+    assert got.otlp_endpoint == "http://127.0.0.1:4318/v1/traces"
+    assert got.environ == {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                           "OTEL_RESOURCE_ATTRIBUTES": "team=ml,deployment.environment=test",
+                           "OTEL_BSP_MAX_QUEUE_SIZE": "4096",
+                           "OTEL_BSP_SCHEDULE_DELAY": "500",
+                           "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "256"}
+    # a protocol the environment names is kept; the url is the mode's endpoint
+    grpc = trace_config(["opentelemetry,url=http://127.0.0.1:4317", "mode=opentelemetry"],
+                        environ={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"})
+    assert grpc.otlp_endpoint == "http://127.0.0.1:4317" and grpc.environ == {}
+    with pytest.raises(UsageError, match="name two endpoints"):
+        trace_config(["opentelemetry,url=http://127.0.0.1:4318"], "http://127.0.0.1:4317",
+                     environ={})
+    with pytest.raises(UsageError, match="log_frequency='-1' is not accepted; it takes a whole"):
+        trace_config(["triton,log-frequency=-1"], environ={})
 
 
 def test_a_service_without_an_endpoint_refuses_opentelemetry_at_start(tmp_path):

@@ -261,8 +261,11 @@ class TraceRow:
     compute_end_at: Optional[float] = None
     send_start_at: Optional[float] = None
     send_end_at: Optional[float] = None
-    #: from the request's W3C ``traceparent`` header, if it carried one
+    #: the W3C trace of the request's spans: the one its ``traceparent`` header named,
+    #: or the one the server began for it when its spans are exported (then with no
+    #: parent span); None for a request of neither
     w3c_trace_id: Optional[str] = None
+    #: the caller's span, from the request's ``traceparent`` header, if it carried one
     w3c_parent_span_id: Optional[str] = None
 
 
@@ -306,8 +309,8 @@ def wall_times(times: Sequence[Optional[float]], offset_s: float) -> list[Option
     return at
 
 
-#: a plain member's values up to its send end (``PLAIN_MEMBER_FIELDS`` without ``span``)
-_MEMBER_TIMES = itemgetter(*range(7))
+#: a plain member's values up to its span (``PLAIN_MEMBER_FIELDS``)
+_MEMBER_VALUES = itemgetter(*range(8))
 
 
 @dataclass(slots=True)
@@ -386,7 +389,9 @@ class TraceBatch:
             first, last = (known[0], known[-1]) if known else (None, None)
             c0, c1, c2, c3, c4 = (None if t is None else t + off for t in shared)
             for trace_id, request_id, recv_start, recv_end, request_start, send_start, \
-                    send_end in map(_MEMBER_TIMES, members):
+                    send_end, span in map(_MEMBER_VALUES, members):
+                # its span's line names the trace the server began for it (no parent)
+                w3c = None if span is None else span[16:48].decode()
                 if recv_start is not None and recv_end is not None and send_start is not None \
                         and send_end is not None \
                         and recv_start <= recv_end <= request_start <= (
@@ -395,14 +400,14 @@ class TraceBatch:
                     start = request_start + off
                     out.append((inst, model, trace_id, protocol, outcome, start, c4,
                                 request_id, batch_seq, recv_start + off, recv_end + off, start,
-                                c0, c1, c2, c3, send_start + off, send_end + off, None, None))
+                                c0, c1, c2, c3, send_start + off, send_end + off, w3c, None))
                     continue
                 at = wall_times((recv_start, recv_end, request_start, request_start,
                                  compute_start, input_end, output_start, compute_end,
                                  request_end, send_start, send_end), off)
                 out.append((inst, model, trace_id, protocol, outcome, at[2], at[8],
                             request_id, batch_seq, at[0], at[1], at[3], at[4], at[5], at[6],
-                            at[7], at[9], at[10], None, None))
+                            at[7], at[9], at[10], w3c, None))
         return out
 
     def rows(self) -> list[TraceRow]:

@@ -173,7 +173,8 @@ class RequestTraceRecord(Base):
     #: HTTP_SEND_START / GRPC_SEND_START and HTTP_SEND_END / GRPC_SEND_END
     send_start_at: Mapped[Optional[float]] = mapped_column(Float)
     send_end_at: Mapped[Optional[float]] = mapped_column(Float)
-    #: the W3C trace context the request carried (``traceparent``), if any
+    #: the W3C trace of the request's spans: the one its ``traceparent`` named, or the
+    #: one the server began for it when spans are exported (then with no parent span)
     w3c_trace_id: Mapped[Optional[str]] = mapped_column(String(32))
     w3c_parent_span_id: Mapped[Optional[str]] = mapped_column(String(16))
 

@@ -285,7 +285,9 @@ class Tracer:
                              recv_start, recv_end, operation)
         if self.otel is not None and (w3c is not None and w3c[2]
                                       or self._values(model)["trace_mode"] == "opentelemetry"):
-            trace.span = self.span_ids.child_of(trace.w3c_trace_id)
+            trace.span = span = self.span_ids.child_of(trace.w3c_trace_id)
+            if trace.w3c_trace_id is None:  # a trace of its own: its row names it too
+                trace.w3c_trace_id = span[16:48].decode()
         return trace
 
     def begin_plain(self, model: str, request_id: str | None, recv_start: float | None,

@@ -39,6 +39,7 @@ import shutil
 import sys
 import tempfile
 import logging
+import re
 import time
 from typing import Any
 
@@ -267,6 +268,10 @@ async def export_trace(request: Request) -> Response:
         "Content-Disposition": f'attachment; filename="batchscope-{stamp}.{suffix}"'})
 
 
+#: the CLI's hint of a window that fits, as the route asks for one
+_ROUTE_HINT = re.compile(r"pick a window of at most ([0-9][0-9.,]*) s \(or one model or instance\)")
+
+
 def export_failed(status: int, stderr: str, local: bool) -> Exception:
     """The error that answers an export whose ``batchscope trace`` child exited with
     ``status`` and wrote ``stderr``: too many rows (413, with the length that fits), no
@@ -274,8 +279,11 @@ def export_failed(status: int, stderr: str, local: bool) -> Exception:
     the database's host) is passed on to a client on this machine (``local``) only;
     another is told that the server's log has it, and the line is logged."""
     line = (stderr.strip().splitlines() or ["failed"])[-1].removeprefix("batchscope trace: ")
-    if status == EXIT_TOO_MANY_ROWS:  # its hint of --max-rows is the CLI's, not the route's
-        return RequestTooLarge(line.split("; or raise --max-rows")[0][:400])
+    if status == EXIT_TOO_MANY_ROWS:  # its hints (--max-rows, an instance) are the CLI's
+        said = _ROUTE_HINT.sub(lambda m: f"ask for last={m[1].replace(',', '')} or less, or "
+                               "for one model (model=NAME)",
+                               line.split("; or raise --max-rows")[0])
+        return RequestTooLarge(said[:400])
     if not local:
         log.warning("trace export failed (exit %s): %s", status, line[:1000])
     if status == EXIT_NO_ROOM:  # the line's hint of -o is the CLI's, not the route's

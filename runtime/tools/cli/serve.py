@@ -32,6 +32,8 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_fleet(args, specs, None if args.no_record else database_url, auth)
     if args.ray_address is not None:
         raise UsageError("--ray-address goes with --replicas N (or --min/--max-replicas)")
+    tracing = trace_config(args.trace_config, args.otlp_traces_endpoint)
+    os.environ.update(tracing.environ)  # Triton's opentelemetry,... keys: the SDK reads these
     server = ServerConfig(host=args.host, port=args.port, database_url=database_url,
                           record=not args.no_record, torch_threads=args.torch_threads,
                           heartbeat_interval_s=args.heartbeat_interval_s,
@@ -41,9 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
                                                                 args.device),
                           recorder_process=args.recorder_process, grpc_port=args.grpc_port,
                           drain_timeout_s=args.drain_timeout_s,
-                          otlp_traces_endpoint=args.otlp_traces_endpoint,
-                          trace_config=trace_config(args.trace_config,
-                                                    args.otlp_traces_endpoint), nvtx=args.nvtx,
+                          otlp_traces_endpoint=tracing.otlp_endpoint,
+                          trace_config=tracing.pairs, nvtx=args.nvtx,
                           device_nice=args.device_nice,
                           **({} if args.direct_max_compute_ms is None else
                              {"direct_max_compute_ms": args.direct_max_compute_ms}))

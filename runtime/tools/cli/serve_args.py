@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -80,10 +81,12 @@ def _add_serve(sub: Any) -> None:
                         "this OTLP endpoint (gRPC, or http/protobuf by "
                         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL); turns tracing on at Triton's "
                         "default rate (1 in 1000; --trace-config rate=N to change it)")
-    p.add_argument("--trace-config", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--trace-config", action="append", default=[], metavar="[MODE,]KEY=VALUE",
                    help="trace settings at start, as Triton's --trace-config: level=TIMESTAMPS, "
-                        "rate=N, count=N, log_frequency=N, file=PATH, mode=triton|opentelemetry "
-                        "(changeable later at /v2/trace/setting)")
+                        "rate=N, count=N, mode=triton|opentelemetry, triton,file=PATH, "
+                        "triton,log-frequency=N, opentelemetry,url=URL (OTLP/HTTP), "
+                        "opentelemetry,resource=KEY=VALUE, opentelemetry,bsp_*=N "
+                        "(the settings changeable later at /v2/trace/setting)")
     p.add_argument("--nvtx", action="store_true",
                    help="NVTX ranges around each batch and generation step (batch id as payload) "
                         "for Nsight Systems; nothing without CUDA or a profiler")
@@ -233,28 +236,119 @@ def serve_auth(args: argparse.Namespace, environ: Any = None) -> Any:
         raise UsageError(f"batchscope serve: {exc.message}") from None
 
 
-def trace_config(pairs: list[str], otlp_endpoint: str | None = None
-                 ) -> tuple[tuple[str, str], ...]:
-    """``--trace-config KEY=VALUE`` flags, checked as ``/v2/trace/setting`` checks them
-    (``mode=opentelemetry`` needs ``otlp_endpoint``, ``--otlp-traces-endpoint``)."""
+#: ``--trace-config KEY=VALUE``: Triton's global keys and ours
+_TRACE_KEYS = {"level": "trace_level", "rate": "trace_rate", "count": "trace_count",
+               "mode": "trace_mode", "file": "trace_file", "log_frequency": "log_frequency",
+               "log-frequency": "log_frequency"}
+#: ``--trace-config triton,KEY=VALUE``: the keys of Triton's own trace mode
+_TRITON_KEYS = {"file": "trace_file", "log-frequency": "log_frequency",
+                "log_frequency": "log_frequency"}
+#: ``--trace-config opentelemetry,KEY=VALUE``: Triton's batch span processor keys, as the
+#: standard variables the SDK reads (``url`` is the endpoint, ``resource`` an attribute)
+_OTEL_VARIABLES = {"bsp_max_queue_size": "OTEL_BSP_MAX_QUEUE_SIZE",
+                   "bsp_schedule_delay": "OTEL_BSP_SCHEDULE_DELAY",
+                   "bsp_max_export_batch_size": "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"}
+_TRACE_FORMS = ("level=OFF|TIMESTAMPS, rate=N, count=N, mode=triton|opentelemetry, "
+                "triton,file=PATH, triton,log-frequency=N, opentelemetry,url=URL, "
+                "opentelemetry,resource=KEY=VALUE, opentelemetry,"
+                + "|".join(_OTEL_VARIABLES) + "=N")
+
+
+@dataclass(frozen=True)
+class TraceFlags:
+    """What ``--trace-config`` flags say: trace settings at start (``(key, value)``
+    pairs, ``ServerConfig.trace_config``), the OTLP endpoint, and the standard ``OTEL_*``
+    variables Triton's ``opentelemetry,...`` keys stand for (set for the span process)."""
+
+    pairs: tuple[tuple[str, str], ...] = ()
+    otlp_endpoint: str | None = None
+    environ: dict[str, str] = field(default_factory=dict)
+
+
+def trace_config(flags: list[str], otlp_endpoint: str | None = None,
+                 environ: dict[str, str] | None = None) -> TraceFlags:
+    """``--trace-config`` flags in Triton's forms: ``KEY=VALUE`` (``level``, ``rate``,
+    ``count``, ``mode``, and ours: ``file``, ``log_frequency``), ``triton,KEY=VALUE``
+    (``file``, ``log-frequency``) and ``opentelemetry,KEY=VALUE`` (``url``, ``resource``,
+    ``bsp_*``), checked as ``/v2/trace/setting`` checks them. ``opentelemetry,url`` is the
+    endpoint ``--otlp-traces-endpoint`` gives, over OTLP/HTTP as Triton's exporter sends
+    unless ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` says otherwise; ``mode=opentelemetry``
+    needs an endpoint. ``environ``: the variables already set (default ``os.environ``)."""
+    environ = dict(os.environ if environ is None else environ)
+    pairs: list[tuple[str, str, str]] = []  # (setting, value, the flag it came from)
+    variables: dict[str, str] = {}
+    resources: list[str] = []
+    url = None
+    for flag in flags:
+        mode, comma, rest = flag.partition(",")
+        mode = mode.strip().lower() if comma else ""
+        if comma and mode not in ("triton", "opentelemetry"):
+            raise UsageError(f"--trace-config {flag!r}: a mode's setting is triton,KEY=VALUE "
+                             f"or opentelemetry,KEY=VALUE; the forms: {_TRACE_FORMS}")
+        key, sep, value = (rest if comma else flag).partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"--trace-config {flag!r}: give KEY=VALUE, e.g. rate=100; the "
+                             f"forms: {_TRACE_FORMS}")
+        if mode == "opentelemetry":
+            if key == "url":
+                url = value.strip()
+            elif key == "resource":
+                if "=" not in value:
+                    raise UsageError(f"--trace-config {flag!r}: give resource=KEY=VALUE, "
+                                     "e.g. opentelemetry,resource=deployment.environment=prod")
+                resources.append(value.strip())
+            elif key in _OTEL_VARIABLES:
+                variables[_OTEL_VARIABLES[key]] = value.strip()
+            else:
+                raise UsageError(f"--trace-config {flag!r}: unknown OpenTelemetry setting "
+                                 f"{key[:64]!r}; the forms: {_TRACE_FORMS}")
+            continue
+        name = (_TRITON_KEYS if mode == "triton" else _TRACE_KEYS).get(key.lower())
+        if name is None:
+            raise UsageError(f"--trace-config {flag!r}: unknown {mode + ' ' if mode else ''}"
+                             f"trace setting {key[:64]!r}; the forms: {_TRACE_FORMS}")
+        pairs.append((name, value, flag))
+    endpoint = otlp_endpoint
+    if url is not None:
+        if otlp_endpoint and otlp_endpoint != url:
+            raise UsageError(f"--trace-config opentelemetry,url={url[:200]!r} and "
+                             f"--otlp-traces-endpoint {otlp_endpoint[:200]!r} name two "
+                             "endpoints: give one")
+        endpoint = url
+        if not otlp_endpoint and not (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                                      or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")):
+            variables["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+    if resources:
+        variables["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(
+            [*filter(None, [environ.get("OTEL_RESOURCE_ATTRIBUTES", "").strip()]), *resources])
+    _check_trace_pairs(pairs, endpoint)
+    return TraceFlags(tuple((key, value) for key, value, _ in pairs), endpoint, variables)
+
+
+def _check_trace_pairs(pairs: list[tuple[str, str, str]], endpoint: str | None) -> None:
+    """Each setting's value, as the trace settings check it at run time."""
     from runtime.api.errors import ClientError
     from runtime.core.tracing import config_changes
 
-    out = []
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise UsageError(f"--trace-config {pair!r}: give KEY=VALUE, e.g. rate=100")
+    for key, value, flag in pairs:
         try:
             changes = config_changes([(key, value)])
         except ClientError as exc:
-            raise UsageError(f"--trace-config {pair!r}: {exc.message}") from None
-        if changes.get("trace_mode") == "opentelemetry" and not otlp_endpoint:
-            raise UsageError(f"--trace-config {pair!r}: spans go to an OTLP endpoint; give "
-                             "--otlp-traces-endpoint URL too, or leave the mode triton")
-        out.append((key, value))
-    return tuple(out)
+            raise UsageError(f"--trace-config {flag!r}: {exc.message.split('; send ')[0]}; "
+                             f"it takes {_value_form(key)}") from None
+        if changes.get("trace_mode") == "opentelemetry" and not endpoint:
+            raise UsageError(f"--trace-config {flag!r}: spans go to an OTLP endpoint; give "
+                             "--otlp-traces-endpoint URL (or --trace-config "
+                             "opentelemetry,url=URL) too, or leave the mode triton")
+
+
+def _value_form(key: str) -> str:
+    """What a ``--trace-config`` setting takes, in the command line's words."""
+    return {"trace_level": "OFF or TIMESTAMPS", "trace_rate": "a whole number of at least 1",
+            "trace_count": "a whole number of at least -1 (-1: no limit)",
+            "log_frequency": "a whole number of at least 0 (0: one file)",
+            "trace_file": "a path", "trace_mode": "triton or opentelemetry"}[key]
 
 
 def adapter_args(items: list[str], models: dict) -> list[tuple[str, str, str]]:
