@@ -149,7 +149,9 @@ def test_snapshot_entries_are_plain_json(db):
     entries = recommend.for_snapshot(db, window, host_cpus=4)
     assert [(e["scope"], e["key"]) for e in entries] == [("model", "mlp"), ("instance", "a")]
     again = json.loads(json.dumps(entries, allow_nan=False))
-    assert again[0]["cpu"]["samples"] == 60 and again[0]["cpu"]["upper"] > 0
+    # an hour of history bounds nothing: no upper figure, and the entry says why
+    assert again[0]["cpu"]["samples"] == 60 and again[0]["cpu"]["upper"] is None
+    assert again[0]["cpu"]["upper_note"].startswith("not enough history for an upper bound")
     assert again[0]["memory"]["source"].startswith("serving process resident size")
 
 

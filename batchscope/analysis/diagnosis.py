@@ -13,14 +13,13 @@ The rules of every model are here; those of generation models are in
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Callable
 
 import pandas as pd
 
 from batchscope.analysis.flags import (OOM_KINDS, SEVERITY_ORDER, Flag, Thresholds, _enough,
-                                       _head, _ms, _num)
+                                       _head, _ms, _num, json_object)
 from batchscope.analysis.rules_adapters import (rule_adapter_mixing_off, rule_adapter_starving,
                                                 rule_adapter_thrash)
 from batchscope.analysis.rules_generation import (rule_long_prefill_stall,
@@ -46,10 +45,7 @@ def rule_oom(bundle: dict, th: Thresholds) -> Flag | None:
                 "memory_peak_fraction": round(frac, 3)}
     if len(ooms):
         last = ooms.iloc[-1]
-        try:
-            details = json.loads(last.get("details_json") or "{}")
-        except ValueError:
-            details = {}
+        details = json_object(last.get("details_json"))
         evidence.update({"batch_size_at_failure": details.get("batch_size"),
                          "runtime_action": str(last.get("message", ""))})
         title = f"Out of memory {len(ooms)} time(s) in this window"
@@ -117,10 +113,16 @@ def rule_tail_latency(bundle: dict, th: Thresholds) -> Flag | None:
 
 
 def rule_batches_not_forming(bundle: dict, th: Thresholds) -> Flag | None:
+    """Small batches with a larger maximum: too few requests in flight, or, when requests
+    queue or are turned away meanwhile, a limit that ends batches early (then raising
+    client concurrency would only make the queue longer)."""
     h = _head(bundle)
     mean, mx = _num(h.get("mean_batch_size")), _num(h.get("max_batch_size"))
     if not _enough(h, th) or mx < th.not_forming_min_max_size or mean > th.not_forming_mean_size:
         return None
+    backlog = _backlog(bundle, h)
+    if _backed_up(backlog, th):
+        return _batches_capped(bundle, backlog, mean, mx)
     rate = _num(h.get("ok_per_s"))
     lat = (_num(h.get("queue_wait_mean_s")) + _num(h.get("compute_mean_s")))
     in_flight = rate * lat
@@ -138,6 +140,76 @@ def rule_batches_not_forming(bundle: dict, th: Thresholds) -> Flag | None:
                  "serialised behind one connection."], "batch_sizes")
 
 
+def _backlog(bundle: dict, h: dict) -> dict:
+    """How far requests back up in the window: refused, expired, queue depth."""
+    bt = bundle.get("batches_t")
+    depth_max = (_num(bt["queue_depth_max"].max()) if bt is not None and len(bt)
+                 and "queue_depth_max" in bt else 0.0)
+    return {"requests": _num(h.get("requests")), "rejected": _num(h.get("rejected")),
+            "expired": _num(h.get("expired")), "queue_depth_mean": _num(h.get("queue_depth_mean")),
+            "queue_depth_max": depth_max}
+
+
+def _backed_up(backlog: dict, th: Thresholds) -> bool:
+    refused = backlog["rejected"] + backlog["expired"]
+    return (backlog["queue_depth_mean"] >= th.not_forming_queued_depth
+            or (refused > 0 and refused >= th.rejected_fraction * backlog["requests"]))
+
+
+def _oom_caps(bundle: dict) -> dict:
+    """The window's out-of-memory events: how many, how many a configured memory budget
+    raised (``memory_budget_mb``: an estimate refused, not the memory running out), and
+    the effective max batch size the last one left."""
+    ev = bundle.get("events")
+    if ev is None or not len(ev):
+        return {"oom_events": 0, "budget_ooms": 0, "effective_max_batch_size": None}
+    ooms = ev[ev["kind"].isin(OOM_KINDS)]
+    details = [json_object(d) for d in ooms.get("details_json", pd.Series(dtype=object))]
+    budget = sum("memory budget" in str(d.get("error", "")) or "memory_budget_mb" in
+                 str(d.get("error", "")) for d in details)
+    caps = [d.get("effective_max_batch_size") for d in details
+            if d.get("effective_max_batch_size") is not None]
+    return {"oom_events": int(len(ooms)), "budget_ooms": int(budget),
+            "effective_max_batch_size": caps[-1] if caps else None}
+
+
+def _batches_capped(bundle: dict, backlog: dict, mean: float, mx: float) -> Flag:
+    """Small batches while requests queue: name the limits the data points at."""
+    ooms = _oom_caps(bundle)
+    pad = bundle.get("padding")  # variable-length batches only: a fixed shape has no tokens
+    batches = float(pad["batches"].sum()) if pad is not None and len(pad) else 0.0
+    per_batch = float(pad["padded_elements"].sum()) / batches if batches else None
+    steps = []
+    if ooms["budget_ooms"]:
+        steps.append(f"{ooms['budget_ooms']} batch(es) were over the configured memory budget "
+                     "(memory_budget_mb): the runtime splits them and backs the batch size "
+                     f"off (effective max now {ooms['effective_max_batch_size']}). Raise "
+                     "memory_budget_mb if the host has the memory, or bucket lengths so "
+                     "short inputs are not padded to long ones.")
+    elif ooms["oom_events"]:
+        steps.append(f"{ooms['oom_events']} out-of-memory event(s): the runtime backed the batch "
+                     f"size off (effective max now {ooms['effective_max_batch_size']}); see "
+                     "the out-of-memory flag.")
+    if per_batch is not None:
+        steps.append(f"Batches compute about {per_batch:.0f} padded elements (tokens) each: a "
+                     "max_batch_tokens near that ends them early. Raise it, or bucket "
+                     "lengths / pad_to=batch_max so fewer of those tokens are padding.")
+    steps += ["Requests are waiting, so client concurrency is not what keeps batches small: "
+              "check max_batch_tokens, memory_budget_mb and max_queue_delay_ms (a wait "
+              "that dispatches before companions are taken from the queue).",
+              "Until batches grow, the model serves fewer requests than arrive: see the "
+              "saturation flag, shed load early or add capacity."]
+    return Flag("batches_capped", "warning",
+                f"Batches stay small while requests queue: mean size {mean:.2f} of max "
+                f"{int(mx)}",
+                {"mean_batch_size": round(mean, 2), "max_batch_size": int(mx),
+                 "rejected": int(backlog["rejected"]), "expired": int(backlog["expired"]),
+                 "queue_depth_mean": round(backlog["queue_depth_mean"], 1),
+                 "queue_depth_max": int(backlog["queue_depth_max"]),
+                 "padded_elements_per_batch": None if per_batch is None else round(per_batch, 1),
+                 **ooms}, steps, "batch_sizes")
+
+
 def rule_queue_wait_low_load(bundle: dict, th: Thresholds) -> Flag | None:
     h = _head(bundle)
     if not _enough(h, th):
@@ -146,8 +218,9 @@ def rule_queue_wait_low_load(bundle: dict, th: Thresholds) -> Flag | None:
     util = _num(h.get("utilization_mean_pct"), 100.0)
     mean, mx = _num(h.get("mean_batch_size")), _num(h.get("max_batch_size"), 1.0)
     low_load = util < th.low_load_utilization_pct or mean <= th.low_load_size_fraction * mx
+    queued = _backed_up(_backlog(bundle, h), th)  # the wait is for a turn, not companions
     if comp <= 0 or wait < th.wait_over_compute * comp or not low_load \
-            or _num(h.get("rejected")) > 0:
+            or _num(h.get("rejected")) > 0 or queued:
         return None
     return Flag("queue_wait_low_load", "warning",
                 f"Queue wait ({_ms(wait)} ms) dominates compute ({_ms(comp)} ms) at low load",
@@ -305,7 +378,7 @@ RULES: dict[str, Callable[[dict, Thresholds], Flag | None]] = {
     "oom": rule_oom,
     "repeated_oom": rule_repeated_oom,
     "tail_latency": rule_tail_latency,
-    "batches_not_forming": rule_batches_not_forming,
+    "batches_not_forming": rule_batches_not_forming,  # or batches_capped, when requests queue
     "queue_wait_low_load": rule_queue_wait_low_load,
     "saturation": rule_saturation,
     "padding_waste": rule_padding_waste,

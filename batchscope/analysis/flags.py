@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -32,6 +33,10 @@ class Thresholds:
     tail_min_p99_s: float = 0.005
     not_forming_mean_size: float = 1.5
     not_forming_min_max_size: int = 4
+    #: ... unless requests queue: this many waiting on average when a batch leaves, or
+    #: ``rejected_fraction`` of the requests refused or expired (then clients are not
+    #: too few: something ends the batches early)
+    not_forming_queued_depth: float = 1.0
     wait_over_compute: float = 2.0
     low_load_utilization_pct: float = 40.0
     low_load_size_fraction: float = 0.25
@@ -95,3 +100,13 @@ def _head(bundle: dict) -> dict:
 
 def _enough(h: dict, th: Thresholds) -> bool:
     return _num(h.get("batches")) >= th.min_batches
+
+
+def json_object(raw) -> dict:
+    """A recorded JSON text (an event's details, an instance's settings) as a dict: {}
+    for nothing, text that is not JSON, or JSON that is not an object."""
+    try:
+        found = json.loads(raw or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}

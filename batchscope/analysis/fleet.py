@@ -37,6 +37,7 @@ from decimal import Decimal
 import pandas as pd
 from sqlalchemy import Connection, Engine, text
 
+from batchscope.analysis.flags import json_object
 from batchscope.analysis.queries import Window, exact
 from batchscope.analysis.queries.window import connection
 
@@ -112,16 +113,8 @@ def settings(engine: Engine, model: str | None = None) -> pd.DataFrame:
     where = " WHERE model = :model" if model is not None else ""
     df = _df(engine, "SELECT instance_id, model, version, settings_json, kind, updated_at "
                      f"FROM model_settings{where} ORDER BY model, instance_id", {"model": model})
-    df["settings"] = [_json_object(raw) for raw in df["settings_json"]]
+    df["settings"] = [json_object(raw) for raw in df["settings_json"]]
     return df
-
-
-def _json_object(raw) -> dict:
-    try:
-        found = json.loads(raw or "{}")
-    except (TypeError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
 
 
 # -- per instance and model -----------------------------------------------------------

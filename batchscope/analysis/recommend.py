@@ -88,10 +88,23 @@ def _memory_estimate(usages: list[Usage], *, resource: str, confidence: float,
         times += [t for t, _ in series] + [t for t, _ in ooms]
     if not peaks:
         return None
+    capacity, name = _memory_capacity(usages, resource)
     return estimate(hist, resource=resource, unit="bytes", minimum=minimum,
-                    confidence=confidence, options=options, max_observed=observed,
+                    confidence=confidence, options=options, capacity=capacity,
+                    capacity_name=name, max_observed=observed,
                     samples=samples, peaks=peaks, oom_bumps=bumps,
                     first_sample_s=min(times), last_sample_s=max(times), source=source)
+
+
+def _memory_capacity(usages: list[Usage], resource: str) -> tuple[float | None, str]:
+    """What the smallest host (memory) or device (GPU memory) of ``usages`` has: no
+    upper bound is above it."""
+    attr, what = (("host_memory_bytes", "host's memory") if resource == MEMORY
+                  else ("gpu_total_bytes", "device's memory"))
+    known = [getattr(u, attr) for u in usages if getattr(u, attr)]
+    if not known:
+        return None, ""
+    return min(known), f"the {what} ({min(known) / 2 ** 30:.1f} GiB)"
 
 
 def _cpu_estimate(usages: list[Usage], options: VpaOptions, host_cpus: float | None,
@@ -104,7 +117,8 @@ def _cpu_estimate(usages: list[Usage], options: VpaOptions, host_cpus: float | N
         hist.add(cores, 1.0, at)
     times = [t for t, _ in series]
     return estimate(hist, resource=CPU, unit="cores", minimum=options.min_cpu_cores,
-                    confidence=confidence, options=options,
+                    confidence=confidence, options=options, capacity=host_cpus,
+                    capacity_name=f"the host's {host_cpus:g} CPUs",
                     max_observed=max(c for _, c in series), samples=len(series), peaks=0,
                     oom_bumps=0, first_sample_s=min(times), last_sample_s=max(times),
                     source=f"host CPU utilization x {host_cpus:g} CPUs, mean per "
@@ -138,6 +152,11 @@ def recommend_for(usages: list[Usage], *, scope: str, key: str, start_s: float, 
                               source="serving process resident size (RSS)")
     gpu = _memory_estimate(usages, resource=GPU_MEMORY, confidence=confidence, options=options,
                            minimum=0.0, source="PyTorch reserved bytes and batch memory peaks")
+    budget = sum(u.budget_ooms for u in usages)
+    if budget:
+        notes.append(f"{budget} batch(es) refused by a configured memory budget "
+                     "(memory_budget_mb) are not counted as out-of-memory kills: nothing ran "
+                     "out, and more memory would not let them through")
     if any(len(u.models) > 1 for u in usages):
         notes.append("an instance serving several models counts whole for each of them")
     totals = [u.gpu_total_bytes for u in usages if u.gpu_total_bytes]

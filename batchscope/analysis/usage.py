@@ -15,7 +15,12 @@ What is measured
   ``peak_memory_bytes``.
 - Out of memory: the runtime's ``oom`` and ``oom_failed`` events. A CUDA OOM (figures
   ``peak_bytes``/``reserved_bytes`` in its details, or any OOM on an instance that samples
-  a GPU) bumps the GPU memory, one with only ``rss_bytes`` bumps the memory.
+  a GPU) bumps the GPU memory, one with only ``rss_bytes`` bumps the memory. A batch
+  refused by a configured memory budget (``memory_budget_mb``: its estimate was over the
+  budget, nothing ran out) bumps nothing: VPA bumps on the container's OOM kills, and more
+  memory would not let such a batch through. They are counted (``budget_ooms``).
+- What the host has: the CPU sampler's ``memory_total_bytes`` (the host's memory), which
+  caps the memory upper bound.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ class Usage:
     #: (at_s, bytes at the failure or 0) per OOM event, by the resource it bumps
     memory_ooms: list[tuple[float, float]] = field(default_factory=list)
     gpu_ooms: list[tuple[float, float]] = field(default_factory=list)
+    #: batches refused by a configured memory budget (not OOM kills: they bump nothing)
+    budget_ooms: int = 0
+    #: the host's memory, from the CPU sampler (None when unknown)
+    host_memory_bytes: float | None = None
     models: set[str] = field(default_factory=set)
     raw_samples: int = 0
     #: intervals with a CPU utilization figure (turned into ``cpu`` only with host_cpus)
@@ -93,6 +102,17 @@ def _oom_figures(details_json: str | None) -> tuple[float, bool | None]:
     return number(details.get("peak_memory_bytes")), None
 
 
+def is_budget_oom(details_json: str | None) -> bool:
+    """Whether an OOM event is a batch refused by ``memory_budget_mb`` (the runtime's
+    ``MemoryBudgetExceeded``: an estimate over a configured budget, not memory running out)."""
+    try:
+        details = json.loads(details_json or "{}")
+    except ValueError:
+        return False
+    error = str(details.get("error", "")) if isinstance(details, dict) else ""
+    return "MemoryBudgetExceeded" in error or "memory_budget_mb" in error
+
+
 def registered_host_cpus(engine: Engine, instance_id: str | None = None) -> int | None:
     """The CPU count the instances (or ``instance_id``) registered, when they all registered
     the same one: what turns their host-wide CPU utilization into cores."""
@@ -121,7 +141,8 @@ def load_usage(engine: Engine, start_s: float, end_s: float, *, options: VpaOpti
                    MAX(process_rss_bytes) AS rss_bytes,
                    MAX(CASE WHEN kind = 'gpu' THEN COALESCE(torch_reserved_bytes, memory_used_bytes)
                        END) AS gpu_bytes,
-                   MAX(CASE WHEN kind = 'gpu' THEN memory_total_bytes END) AS gpu_total_bytes
+                   MAX(CASE WHEN kind = 'gpu' THEN memory_total_bytes END) AS gpu_total_bytes,
+                   MAX(CASE WHEN kind = 'cpu' THEN memory_total_bytes END) AS host_memory_bytes
             FROM device_samples WHERE {where}
             GROUP BY instance_id, {bucket}
             ORDER BY instance_id, MIN(at)""", {**params, "iv": iv}):
@@ -138,6 +159,8 @@ def load_usage(engine: Engine, start_s: float, end_s: float, *, options: VpaOpti
             u.gpu_memory.append((at, float(row.gpu_bytes)))
         if row.gpu_total_bytes is not None:
             u.gpu_total_bytes = max(u.gpu_total_bytes or 0.0, float(row.gpu_total_bytes))
+        if row.host_memory_bytes is not None:
+            u.host_memory_bytes = max(u.host_memory_bytes or 0.0, float(row.host_memory_bytes))
 
     where, params = _where(start_s, end_s, "ended_at", instance_id)
     bucket = floor_sql("ended_at / :iv")
@@ -165,6 +188,9 @@ def load_usage(engine: Engine, start_s: float, end_s: float, *, options: VpaOpti
         u = of(row.instance_id)
         if row.model is not None:
             u.models.add(str(row.model))
+        if is_budget_oom(row.details_json):
+            u.budget_ooms += 1
+            continue
         used, on_device = _oom_figures(row.details_json)
         if on_device is None:
             on_device = bool(u.gpu_memory) or u.gpu_total_bytes is not None

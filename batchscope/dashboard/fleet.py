@@ -199,8 +199,10 @@ def recommendations(engine: Engine, scope: Scope) -> None:
     st.caption("Computed as the Kubernetes VPA recommender does: decaying histograms "
                "(half-life 24 h), p90 target, p50 lower and p95 upper bound, 15 % margin, "
                "memory raised after an out-of-memory event; GPU memory alongside, which VPA "
-               "has no resource for. Until a day or more of history backs them the bounds "
-               "stay wide, as in VPA: the upper bound is multiplied by 1 + 1/days.")
+               "has no resource for. The lower bound stays wide until history backs it, as "
+               "in VPA. An upper bound needs a day of history (VPA's 1 + 1/days factor would "
+               "make it hundreds of times the usage after minutes) and is at most what the "
+               "host or device has.")
     left, right = st.columns(2)
     history = left.radio("History", list(HISTORY), horizontal=True, key="rec_history",
                          index=2 if scope.snapshot is not None else 0)
@@ -243,7 +245,7 @@ def _bounds(est: recommend.Estimate | None) -> str:
     if est is None:
         return "–"
     fmt = recommend.cpu_quantity if est.unit == "cores" else recommend.memory_quantity
-    upper = fmt(est.upper) if math.isfinite(est.upper) else "∞"
+    upper = fmt(est.upper) if math.isfinite(est.upper) else "none yet (< 1 day of history)"
     return f"{fmt(est.lower)} / {fmt(est.target)} / {upper}"
 
 

@@ -3,10 +3,11 @@ latency per adapter, batches by the number of adapters they mixed, the slot cach
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from batchscope.presentation.charts import _axis, _base, _empty
+from batchscope.presentation.charts import _axis, _bar_axis, _base, _empty, _finite
 
 #: chart key -> title, like ``charts.CHARTS``
 ADAPTER_CHARTS: dict[str, str] = {
@@ -21,17 +22,25 @@ def _label(name: str) -> str:
 
 
 def per_adapter(ad: pd.DataFrame) -> go.Figure:
-    """Answered requests per second (bars) and p50/p99 latency (points, right axis)."""
-    fig = _base(ADAPTER_CHARTS["adapters"], closest=True, barmode="group",
-                yaxis=_axis("requests/s", rangemode="tozero"),
-                yaxis2=_axis("ms", overlaying="y", side="right", rangemode="tozero"))
+    """Answered requests per second (bars) and p50/p99 latency (points, right axis).
+
+    Each axis gets its own range from its own traces, with room above the tallest bar
+    or point, and its own round ticks: left to plotly, the right axis overlaying the
+    left one syncs its ticks to the left one's (0 / 332 / 663 ms) and the tallest bar
+    ends at the plot's top edge, above the last tick."""
     if ad is None or not len(ad):
-        return _empty(fig)
+        return _empty(_base(ADAPTER_CHARTS["adapters"], closest=True))
     x = [_label(a) for a in ad["adapter"]]
-    fig.add_trace(go.Bar(x=x, y=ad["rps"], name="throughput", marker_color="#1f77b4"))
+    rps = _finite(ad["rps"])
+    ms = {p: _finite(ad[f"latency_p{p}"].astype("float64") * 1000.0) for p in (50, 99)}
+    fig = _base(ADAPTER_CHARTS["adapters"], closest=True, barmode="group",
+                yaxis=_bar_axis("requests/s", rps),
+                yaxis2=_bar_axis("ms", np.concatenate(list(ms.values())), overlaying="y",
+                                 side="right", tickmode="auto", showgrid=False))
+    fig.add_trace(go.Bar(x=x, y=rps, name="throughput", marker_color="#1f77b4"))
     for p, color in ((50, "#2ca02c"), (99, "#d62728")):
-        fig.add_trace(go.Scatter(x=x, y=ad[f"latency_p{p}"] * 1000.0, mode="markers",
-                                 name=f"p{p}", yaxis="y2", marker=dict(color=color, size=9)))
+        fig.add_trace(go.Scatter(x=x, y=ms[p], mode="markers", name=f"p{p}", yaxis="y2",
+                                 marker=dict(color=color, size=9)))
     return fig
 
 

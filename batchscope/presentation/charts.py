@@ -215,6 +215,30 @@ def _axis(title: str, **more) -> dict:
     return dict(title=dict(text=title), **more)
 
 
+#: room above the tallest bar, as a fraction of it
+BAR_HEADROOM = 0.12
+
+
+def _bar_axis(title: str, values, **more) -> dict:
+    """A value axis from 0 to a little above the largest finite value: plotly's own
+    range leaves a bar's top at the plot's edge, above the last tick, where it reads as
+    cut off, and an infinite value (a percentile past the histograms' last bucket) has
+    no top at all."""
+    finite = np.asarray(values, dtype="float64")
+    finite = finite[np.isfinite(finite)]
+    top = float(finite.max()) if len(finite) else 0.0
+    if top <= 0:
+        return _axis(title, rangemode="tozero", **more)
+    return _axis(title, range=[0.0, top * (1.0 + BAR_HEADROOM)], **more)
+
+
+def _finite(values) -> np.ndarray:
+    """``values`` with infinities as NaN (no bar): a bar to infinity has no top to draw."""
+    out = np.asarray(values, dtype="float64").copy()
+    out[~np.isfinite(out)] = np.nan
+    return out
+
+
 #: the least time a time chart's x axis spans: a window that has only begun (a runtime
 #: started a second ago) is drawn over this much, its points marked, instead of an axis of
 #: a millisecond ticked in tenths of one with lines too short to see
@@ -345,13 +369,16 @@ def padding(pad: pd.DataFrame) -> go.Figure:
     fig = _base(CHARTS["padding"], closest=True)
     if not len(pad):
         return _empty(fig, "no variable-length batches in this window")
-    fig.update_layout(yaxis=_axis("% of computed elements that are padding", range=[0, 100]),
+    # a short axis title: a long one runs into the chart's title; the hover explains it
+    fig.update_layout(yaxis=_axis("padding %", range=[0, 100]),
                       xaxis=_axis("length bucket", type="category"))
     labels = [("overflow" if b == -1 else f"≤{int(b)}") for b in pad["bucket"]]
     fig.add_trace(go.Bar(x=labels, y=pad["waste_fraction"] * 100, name="padding %",
                          customdata=pad[["batches", "real_elements", "padded_elements"]],
-                         hovertemplate="bucket %{x}<br>waste %{y:.1f}%<br>batches %{customdata[0]}"
-                                       "<br>real %{customdata[1]} / padded %{customdata[2]}"))
+                         hovertemplate="bucket %{x}<br>%{y:.1f}% of computed elements are "
+                                       "padding<br>batches %{customdata[0]}<br>real "
+                                       "%{customdata[1]} / padded %{customdata[2]}"
+                                       "<extra></extra>"))
     return fig
 
 
@@ -359,11 +386,12 @@ def priority(stats: pd.DataFrame) -> go.Figure:
     fig = _base(CHARTS["priority"], closest=True, barmode="group")
     if not len(stats):
         return _empty(fig)
-    fig.update_layout(yaxis=_axis("latency ms"))
+    values = {p: _finite(stats[f"latency_p{p}"].astype("float64") * 1000) for p in (50, 95, 99)}
+    fig.update_layout(yaxis=_bar_axis("latency ms", np.concatenate(list(values.values()))))
     # recorded priorities are the engine's (0 = most urgent); HTTP clients send p + 1
     labels = [f"priority {int(p)} (HTTP {int(p) + 1})" for p in stats["priority"]]
-    for p in (50, 95, 99):
-        fig.add_trace(go.Bar(x=labels, y=stats[f"latency_p{p}"] * 1000, name=f"p{p}"))
+    for p, y in values.items():
+        fig.add_trace(go.Bar(x=labels, y=y, name=f"p{p}"))
     return fig
 
 

@@ -54,16 +54,27 @@ def latency_by_instance(table: pd.DataFrame, fleet_row: dict | None = None) -> g
     return _lines(fig, lines)
 
 
+def upper_text(est: recommend.Estimate, scale: float, unit: str) -> str:
+    """The upper bound in a few words: why there is none, or the figure (and why it is
+    what it is) when it is too far above the target to draw."""
+    if not math.isfinite(est.upper):
+        return est.upper_note or "no upper bound yet"
+    note = f", {est.upper_note}" if est.upper_note else ""
+    return f"upper bound {est.upper * scale:,.1f} {unit}{note} (not drawn)"
+
+
 def usage(series: dict[str, list[tuple[float, float]]], est: recommend.Estimate) -> go.Figure:
     """The recorded usage of each instance with the recommendation's lower bound,
     target and upper bound drawn across."""
     scale, unit = _SCALE.get(est.unit, (1.0, est.unit))
-    title = f"{est.resource.replace('_', ' ')}: recorded usage and recommendation"
+    # a short title (the chart sits in a third of the page); when the upper bound is not
+    # drawn, a second, smaller line says what it is
+    title = f"{est.resource.replace('_', ' ')}: usage and recommendation"
     off_chart = not math.isfinite(est.upper) or est.upper > UPPER_SHOWN * est.target
-    if off_chart:  # a short history leaves the upper bound far above everything else
-        bound = f"{est.upper * scale:,.1f} {unit}" if math.isfinite(est.upper) else "unbounded"
-        title += f" (upper bound {bound}, off the chart)"
-    fig = _base(title)
+    if off_chart:
+        note = upper_text(est, scale, unit)
+        title += f"<br><span style='font-size:11px;color:#666'>{note}</span>"
+    fig = _base(title, margin=dict(l=50, r=20, t=60 if off_chart else 40, b=40))
     if not any(series.values()):
         return _empty(fig, "no samples")
     for iid, points in sorted(series.items()):

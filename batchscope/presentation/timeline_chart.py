@@ -435,20 +435,52 @@ def members(rows: TimelineRows, key: tuple[str, int]) -> tuple[go.Figure, pd.Dat
              for p, n, o, w, lat, tt in zip(part["priority"], part["length"], part["outcome"],
                                             part["queue_wait_s"], part["latency_s"],
                                             part["ttft_s"])]
+    times = [pd.to_numeric(part[col], errors="coerce").to_numpy(float)
+             for _, a, z, _ in phases for col in (a, z)]
+    axis = MemberAxis.of(np.concatenate(times), t0)
     for phase, a, z, c in phases:
-        start = pd.to_numeric(part[a], errors="coerce").to_numpy(float) - t0
-        end = pd.to_numeric(part[z], errors="coerce").to_numpy(float) - t0
+        start = axis.x(pd.to_numeric(part[a], errors="coerce").to_numpy(float))
+        end = axis.x(pd.to_numeric(part[z], errors="coerce").to_numpy(float))
         fig.add_trace(go.Bar(y=labels, x=np.maximum(end - start, 0),
                              base=start, orientation="h", name=phase, hovertext=hover,
                              hoverinfo="text+name", marker=dict(color=c or color)))
     if seq < 0:  # the step itself: a band across the sequences alive during it
-        fig.add_vrect(x0=st0 - t0, x1=st1 - t0, fillcolor=PICKED_COLOR, opacity=0.15,
+        fig.add_vrect(x0=axis.x(st0), x1=axis.x(st1), fillcolor=PICKED_COLOR, opacity=0.15,
                       line=dict(color=PICKED_COLOR, width=1, dash="dot"), layer="above",
                       annotation=dict(text=named.lower(), font=dict(size=LABEL_FONT_PX)),
                       annotation_position="top")
-    fig.update_layout(xaxis=dict(title="seconds after the window's start"),
+    fig.update_layout(xaxis=dict(title=axis.title),
                       yaxis=dict(autorange="reversed", type="category"))
     return _legend_below(fig), part
+
+
+#: a member chart spanning less than this is drawn in milliseconds
+MEMBER_MS_SPAN_S = 10.0
+
+
+class MemberAxis:
+    """The member chart's x axis: time from the first member's arrival, in milliseconds
+    while the members span less than ``MEMBER_MS_SPAN_S`` (a batch of a millisecond read
+    in seconds after the window's start has ticks like 4.9965 ... 5), else in seconds."""
+
+    def __init__(self, origin: float, scale: float, unit: str, t0: float) -> None:
+        self.origin, self.scale, self.unit, self.t0 = origin, scale, unit, t0
+
+    @classmethod
+    def of(cls, times: np.ndarray, t0: float) -> "MemberAxis":
+        known = times[np.isfinite(times)]
+        if not len(known):
+            return cls(t0, 1.0, "s", t0)
+        origin, span = float(known.min()), float(known.max() - known.min())
+        return cls(origin, *((1000.0, "ms") if span < MEMBER_MS_SPAN_S else (1.0, "s")), t0)
+
+    def x(self, t):
+        return (np.asarray(t, dtype=float) - self.origin) * self.scale
+
+    @property
+    def title(self) -> str:
+        return (f"{self.unit} after the first arrival ({self.origin - self.t0:.3f} s after "
+                "the window's start)")
 
 
 def slowest(rows: TimelineRows, n: int = 20) -> pd.DataFrame:

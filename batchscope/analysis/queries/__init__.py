@@ -100,7 +100,9 @@ def _with_generation(engine: Engine, w: Window, out: dict, bucket: float,
             out["generation_spec"] = generation_speculation(engine, w)
     if not reaches_rollups(engine, w):
         # LoRA adapters, of request and generation models: from the raw rows
-        adapters = adapter_frames(engine, w)
+        head = out.get("headline")
+        active_s = float(head["active_s"].iloc[0]) if head is not None and len(head) else None
+        adapters = adapter_frames(engine, w, active_s)  # rates over the headline's seconds
         if adapters is not None:
             out.update(adapters)
     return out

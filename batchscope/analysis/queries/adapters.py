@@ -19,6 +19,7 @@ from __future__ import annotations
 import pandas as pd
 from sqlalchemy import Engine, text
 
+from batchscope.analysis.queries.raw import active_seconds
 from batchscope.analysis.queries.window import (Window, count_if, in_window, pct_select,
                                                 ranked, read_frame)
 
@@ -39,10 +40,22 @@ def has_adapters(engine: Engine, w: Window) -> bool:
                                  "> 0 LIMIT 1"), gparams).first() is not None
 
 
-def adapter_stats(engine: Engine, w: Window) -> pd.DataFrame:
+def window_active_s(engine: Engine, w: Window) -> float:
+    """The seconds of ``w`` that have data, as the headline counts them (from the
+    window's first finished request, ``raw.active_seconds``)."""
+    where, params = in_window(w, "finished_at")
+    first = read_frame(engine, f"SELECT MIN(finished_at) AS first FROM requests WHERE {where}",
+                       params)
+    return active_seconds(w, first["first"].iloc[0] if len(first) else None)
+
+
+def adapter_stats(engine: Engine, w: Window, active_s: float | None = None) -> pd.DataFrame:
     """Per adapter of the window's requests of models that take adapters (the base as
     ``""``): requests, ok, expired, rejected, rps (answered per second) and latency
-    percentiles of the answered ones."""
+    percentiles of the answered ones. ``rps`` divides by ``active_s``, the headline's
+    seconds with data (read here when not given), so the adapters' rates add up to the
+    headline's served rate instead of being diluted by the part of the window before
+    the runtime started."""
     where, params = in_window(w, "finished_at")
     taking = ("(model IN (SELECT DISTINCT model FROM batches WHERE "
               + in_window(w, "ended_at", bounds=("b0", "b1"))[0] + " AND adapters IS NOT NULL)"
@@ -64,7 +77,8 @@ def adapter_stats(engine: Engine, w: Window) -> pd.DataFrame:
     if not len(counts):
         return counts.assign(rps=[], latency_p50=[], latency_p95=[], latency_p99=[])
     out = counts.merge(pcts, on="adapter", how="left")
-    out["rps"] = out["ok"].astype(float) / w.duration_s
+    seconds = window_active_s(engine, w) if active_s is None else active_s
+    out["rps"] = out["ok"].astype(float) / seconds
     return out
 
 
@@ -84,10 +98,11 @@ def adapter_mix(engine: Engine, w: Window) -> pd.DataFrame:
         GROUP BY adapters ORDER BY adapters""", {**params, **gparams})
 
 
-def adapter_slots(engine: Engine, w: Window) -> pd.DataFrame:
+def adapter_slots(engine: Engine, w: Window, active_s: float | None = None) -> pd.DataFrame:
     """One row: the slot cache over the window. ``loads`` (misses) and ``evictions``
     from the events; ``hits``: the adapters batches used without a load (each batch
-    takes each of its adapters once)."""
+    takes each of its adapters once); ``evictions_per_min`` over the seconds with data
+    (``active_s``, as ``adapter_stats``)."""
     where, params = in_window(w, "at")
     ev = read_frame(engine, f"""
         SELECT {count_if("kind = 'adapter_load'")} AS loads,
@@ -99,16 +114,20 @@ def adapter_slots(engine: Engine, w: Window) -> pd.DataFrame:
     loads = int(ev["loads"].fillna(0).iloc[0]) if len(ev) else 0
     evictions = int(ev["evictions"].fillna(0).iloc[0]) if len(ev) else 0
     uses = int(used["uses"].fillna(0).iloc[0]) if len(used) else 0
-    minutes = w.duration_s / 60.0
+    minutes = (window_active_s(engine, w) if active_s is None else active_s) / 60.0
     return pd.DataFrame([{"loads": loads, "misses": loads, "hits": max(0, uses - loads),
                           "evictions": evictions, "evictions_per_min": evictions / minutes,
                           "minutes": minutes}])
 
 
-def adapter_frames(engine: Engine, w: Window) -> dict[str, pd.DataFrame] | None:
+def adapter_frames(engine: Engine, w: Window,
+                   active_s: float | None = None) -> dict[str, pd.DataFrame] | None:
     """``adapters``, ``adapter_mix`` and ``adapter_slots`` of the window, or None when
-    no batch of it recorded adapters."""
+    no batch of it recorded adapters. ``active_s``: the headline's seconds with data,
+    which the rates divide by (read from the window when not given)."""
     if not has_adapters(engine, w):
         return None
-    return {"adapters": adapter_stats(engine, w), "adapter_mix": adapter_mix(engine, w),
-            "adapter_slots": adapter_slots(engine, w)}
+    if active_s is None:
+        active_s = window_active_s(engine, w)
+    return {"adapters": adapter_stats(engine, w, active_s), "adapter_mix": adapter_mix(engine, w),
+            "adapter_slots": adapter_slots(engine, w, active_s)}

@@ -89,11 +89,7 @@ def finish_headline(engine: Engine, w: Window, row: dict, resolution: "Resolutio
     drops = read_frame(engine, f"SELECT COALESCE(SUM(records_dropped), 0) AS records_dropped "
                         f"FROM runtime_instances {inst}", {"inst": w.instance_id})
     row = {**row, **dev.iloc[0].to_dict(), **drops.iloc[0].to_dict(), "window_s": w.duration_s}
-    # rates over the part of the window that has data (a runtime started mid-window)
-    first = row.get("first_finished_at")
-    active_s = w.duration_s
-    if first is not None and pd.notna(first):
-        active_s = min(w.duration_s, max(1.0, w.end_s - float(first)))
+    active_s = active_seconds(w, row.get("first_finished_at"))
     row["active_s"] = active_s
     row["requests_per_s"] = row["requests"] / active_s
     row["ok_per_s"] = row["ok"] / active_s
@@ -101,6 +97,17 @@ def finish_headline(engine: Engine, w: Window, row: dict, resolution: "Resolutio
     row.update(source=resolution.source, resolution_s=resolution.interval_s,
                resolution=resolution.label)
     return pd.DataFrame([row])
+
+
+def active_seconds(w: Window, first_finished_at: float | None) -> float:
+    """The part of ``w`` that has data: from its first finished request (a runtime
+    started mid-window, a window just opened after a change) to its end, at least a
+    second. Every per-second rate of a window divides by this, so that rates shown side
+    by side (the headline's, the per-adapter ones) agree and a window only partly
+    covered does not read as a drop in traffic."""
+    if first_finished_at is None or pd.isna(first_finished_at):
+        return w.duration_s
+    return min(w.duration_s, max(1.0, w.end_s - float(first_finished_at)))
 
 
 def tail_breakdown(engine: Engine, w: Window, threshold_s: float) -> pd.DataFrame:
