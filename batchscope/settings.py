@@ -32,6 +32,14 @@ _UNIT_WORDS = {"ms": "milliseconds", "s": "seconds"}
 _NULL_WORDS = ("", "null", "none", "auto", "off")
 _TRUE_WORDS = ("true", "yes", "on", "1")
 _FALSE_WORDS = ("false", "no", "off", "0")
+#: words of a setting's name written as their usual spelling in its label, not just
+#: capitalised ("oom_recovery" is "OOM recovery", not "Oom recovery")
+ACRONYMS = {w.lower(): w for w in (
+    "OOM", "CUDA", "SLO", "GPU", "CPU", "KV", "LoRA", "TTFT", "TPOT", "ID", "URL", "HTTP",
+    "HTTPS", "gRPC", "MPS", "NVML", "NVTX", "OTLP", "API", "JSON", "CSV", "SQL", "MB",
+    "GB", "GiB", "MiB", "RPS", "QPS", "VRAM", "DB")}
+#: units written at the end of a setting's name (``_ms``), shown as "(ms)" in its label
+_LABEL_UNITS = ("ms", "s", "mb")
 
 
 def _is_int(value: Any) -> bool:
@@ -87,6 +95,19 @@ class Setting:
     min_items: int = 0
     #: sizes something allocated at start; a running runtime refuses to change it
     fixed_at_start: bool = False
+
+    @property
+    def label(self) -> str:
+        """The name as a form shows it: ``max_queue_delay_ms`` -> "Max queue delay (ms)",
+        ``oom_recovery`` -> "OOM recovery" (``ACRONYMS``), a unit at the end in brackets."""
+        words = self.name.split("_")
+        unit = ""
+        if (self.unit is not None and self.unit.lower() in _LABEL_UNITS and len(words) > 1
+                and words[-1] == self.unit.lower()):
+            unit, words = f" ({self.unit})", words[:-1]
+        words = [ACRONYMS.get(w, w) for w in words]
+        words[0] = words[0][:1].upper() + words[0][1:]
+        return " ".join(words) + unit
 
     # -- checking -----------------------------------------------------------------------
     def problem(self, value: Any) -> str | None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from sqlalchemy.orm import Session
 from streamlit.testing.v1 import AppTest
 
 from batchscope.analysis.queries import Window
 from batchscope.presentation import snapshot
 from batchscope.storage import control
+from batchscope.storage.schema import EventRecord
 from batchscope.testing import synthetic
 
 from tests.factories import APP, PAGES, run_app
@@ -196,3 +198,121 @@ def test_a_change_for_every_instance_shows_each_instance_s_outcome(app_db):
     assert outcomes == {"replica-a": "applied", "replica-b": "refused",
                         **{i: "waiting" for i in waiting}}
     assert "below the floor" in " ".join(table["reason"])
+
+
+def open_tab(at) -> str:
+    """The label of the Live page's open tab, as the last run sent it to the browser."""
+    def find(node):
+        for child in getattr(node, "children", {}).values():
+            if getattr(child, "type", "") == "tab_container":
+                return child
+            found = find(child)
+            if found is not None:
+                return found
+        return None
+    tabs = find(at._tree)
+    labels = [t.label for t in tabs.children.values()]
+    return labels[tabs.proto.tab_container.default_tab_index]
+
+
+def test_the_open_live_tab_stays_open_when_findings_and_model_change(app_db):
+    """A tab's label was its identity: "Diagnosis (7)" becoming "(6)" made new tabs, and
+    the browser showed Charts again; so did a page run for another model."""
+    at = run_app()
+    assert [t.label for t in at.tabs] == ["Charts", "Diagnosis"] and open_tab(at) == "Charts"
+    at.session_state["live_tab"] = "Diagnosis"  # what a click on the tab sends
+    at.run()
+    first = [c.value for c in at.caption if c.value.startswith("Diagnosis:")]
+    assert open_tab(at) == "Diagnosis" and first == ["Diagnosis: 1 finding(s) · 🔴 1 critical"]
+    synthetic.generate(app_db, synthetic.SCENARIOS["generation"].with_(
+        duration_s=120, batches_per_s=2, gen_steps_per_s=5), end_s=time.time(), seed=5)
+    at.run()
+    at.selectbox(key="model").set_value("decoder").run()
+    assert not at.exception
+    now = [c.value for c in at.caption if c.value.startswith("Diagnosis:")]
+    assert now and now != first, now
+    assert [t.label for t in at.tabs] == ["Charts", "Diagnosis"] and open_tab(at) == "Diagnosis"
+
+
+def test_the_history_says_what_each_change_changed(app_db):
+    at = run_app("tuning")
+    history = next(d.value for d in at.dataframe if "changed" in d.value.columns)
+    assert list(history.columns)[0] == "changed"
+    assert history["changed"].iloc[0] == "max_batch_size 32 → 16"
+    picker = next(s for s in at.selectbox if s.label == "Change")
+    assert picker.options[0].endswith(": max_batch_size 32 → 16")
+
+
+def test_before_and_after_a_change_cover_the_same_length():
+    """A change 24 s ago is compared over 24 s on each side, not 24 s against the
+    window's 15 min (which read a quiet moment as a drop in traffic); an old one over the
+    window's length on each side; a change of a moment ago over the least side."""
+    from batchscope.dashboard.tuning import AROUND_MIN_S, around
+
+    before, after = around(1000.0, 900.0, 1024.0, "mlp", None)
+    assert (before.start_s, before.end_s, after.start_s, after.end_s) == (976, 1000, 1000, 1024)
+    before, after = around(1000.0, 900.0, 5000.0, "mlp", "i")
+    assert before.duration_s == after.duration_s == 900.0 and after.instance_id == "i"
+    before, after = around(1000.0, 900.0, 1001.0, "mlp", None)
+    assert before.duration_s == after.duration_s == AROUND_MIN_S
+
+
+def test_an_applied_change_not_recorded_yet_is_said_to_be_on_its_way(app_db):
+    """Applied, but the recorder has not written its settings_change event yet: the
+    history says so (it said nothing of it), then lists it once written."""
+    at = run_app("tuning")
+    next(n for n in at.number_input if n.label == "Max batch size").set_value(24)
+    next(b for b in at.button if b.label == "Apply").click()
+    at.run()
+    cmd = control.recent_commands(app_db, model="mlp")[0]
+    version, cur = control.current_settings(app_db, "synthetic-1", "mlp")
+    now = time.time()
+    control.publish_settings(app_db, instance_id="synthetic-1", model="mlp",
+                             version=version + 1, settings={**cur, "max_batch_size": 24},
+                             kind="request", now=now)
+    control.ack_command(app_db, cmd.id, applied_version=version + 1, now=now)
+    at.run()
+    assert any(f"on synthetic-1, version {version + 1}" in c.value for c in at.caption)
+    waiting = [c.value for c in at.caption if "being recorded" in c.value]
+    assert waiting == [f"Change #{cmd.id} (max_batch_size → 24) was applied as version "
+                       f"{version + 1} on synthetic-1; it is being recorded and appears here "
+                       "within a second or so."], waiting
+    with Session(app_db) as session, session.begin():  # what the runtime's recorder writes
+        session.add(EventRecord(
+            at=now, instance_id="synthetic-1", model="mlp", kind="settings_change",
+            message="settings changed", details_json=json.dumps({
+                "old": cur, "new": {**cur, "max_batch_size": 24}, "version": version + 1,
+                "requested_by": "dashboard"})))
+    at.run()
+    assert not any("being recorded" in c.value for c in at.caption)
+    history = next(d.value for d in at.dataframe if "changed" in d.value.columns)
+    assert history["changed"].iloc[0] == "max_batch_size 16 → 24"
+
+
+def test_setting_labels_spell_acronyms_as_such(app_db):
+    version, cur = control.current_settings(app_db, "synthetic-1", "mlp")
+    control.publish_settings(app_db, instance_id="synthetic-1", model="mlp", version=version + 1,
+                             settings={**cur, "oom_recovery": True, "cuda_graphs": False,
+                                       "oom_probe_after_batches": 40,
+                                       "autopilot_slo_p99_ms": None},
+                             kind="request", now=time.time())
+    at = run_app("tuning")
+    labels = {w.label for w in [*at.checkbox, *at.number_input, *at.text_input]}
+    assert {"OOM recovery", "CUDA graphs", "OOM probe after batches",
+            "Autopilot SLO p99 (ms)"} <= labels, labels
+
+
+def test_the_timeline_tables_show_latency_first_and_ms_alike(app_db):
+    with app_db.connect() as conn:
+        seq = conn.exec_driver_sql("SELECT seq FROM batches WHERE outcome = 'ok' "
+                                   "ORDER BY ended_at DESC LIMIT 1 OFFSET 40").scalar()
+    at = run_app("timeline")
+    next(t for t in at.text_input if t.label == "Go to batch number").set_value(str(seq)).run()
+    assert not at.exception and any(f"**Batch {seq}**" in m.value for m in at.markdown)
+    slowest = next(d for d in at.dataframe if "latency_ms" in d.value.columns)
+    assert list(slowest.proto.column_order)[:2] == ["latency_ms", "batch"]
+    members = next(d for d in at.dataframe if "latency (ms)" in d.value.columns)
+    formats = {name: c.get("type_config", {}).get("format") for d in (slowest, members)
+               for name, c in json.loads(d.proto.columns).items()}
+    assert formats["latency_ms"] == formats["latency (ms)"] == "%.2f"
+    assert formats["queue wait (ms)"] == formats["queue_ms"] == "%.2f"

@@ -123,9 +123,10 @@ def test_a_pick_s_requests_are_listed_in_ms_with_generation_columns_only_when_fi
     assert table["first token (ms)"].to_numpy() == pytest.approx(1000 * part["ttft_s"].to_numpy())
 
 
-def test_the_slowest_table_puts_the_batch_first_and_names_its_units():
+def test_the_slowest_table_puts_its_latency_and_batch_first_and_names_its_units():
     from batchscope.dashboard.timeline import SLOWEST_COLUMNS
-    assert list(SLOWEST_COLUMNS)[:5] == ["batch", "batch_size", "priority", "length", "outcome"]
+    # the sort key and the batch a row picks stay on screen at 1440 px
+    assert list(SLOWEST_COLUMNS)[:3] == ["latency_ms", "batch", "batch_size"]
     labels = [c["label"] for c in SLOWEST_COLUMNS.values()]
     assert "latency (ms)" in labels and "finished (s after the window's start)" in labels
     assert not [x for x in labels if "_" in x]  # no column name as the table holds it
@@ -185,7 +186,9 @@ def test_the_chart_draws_every_batch_once_and_picks_members(filled, monkeypatch)
     assert len(seqs) == 5 and (seqs["arrived_at"] <= step["at"]).all()
     assert [t.name for t in fig.data] == ["waiting", "prefill", "decode"]
     prefill = fig.data[1]
-    assert prefill.x[0] == pytest.approx(0.15)  # from its start until the first token
+    # from its start until the first token, in ms (the sequences span under 10 s)
+    assert fig.layout.xaxis.title.text.startswith("ms after the first arrival")
+    assert prefill.x[0] == pytest.approx(150.0, abs=1e-3)
     slow = timeline_chart.slowest(rows, 5)
     assert list(slow["latency_ms"]) == sorted(slow["latency_ms"], reverse=True)
     assert slow["latency_ms"].iloc[0] == pytest.approx(1000 * rows.requests["latency_s"].max())

@@ -23,6 +23,12 @@ SEVERITY_ICON = {"critical": "🔴", "warning": "🟠", "info": "🔵"}
 CHART_ORDER = ("latency", "throughput", "wait_compute", "queue_depth", "batch_sizes",
                "batch_efficiency", "device", "padding", "priority", "model_share",
                "generation", "generation_latency")
+#: the Live page's tabs. Their labels never change: Streamlit knows tabs by their labels,
+#: so a count in a label ("Diagnosis (7)") made a new set of tabs whenever the count
+#: changed, and a refresh showed Charts again; the count is said above the tabs instead
+LIVE_TABS = ("Charts", "Diagnosis")
+#: the session state key of the open tab, kept across refreshes and page runs
+TAB_KEY = "live_tab"
 
 
 def render(scope: Scope) -> None:
@@ -47,11 +53,34 @@ def live_region(engine: Engine, scope: Scope) -> None:
             st.caption(f"{w.model} is served by **{row['platform']}** from `{row['source']}`")
     render_headline(bundle)
     flags = diagnosis.diagnose(bundle)
-    chart_tab, flag_tab = st.tabs(["Charts", f"Diagnosis ({len(flags)})"])
+    st.caption(findings_line(flags))
+    chart_tab, flag_tab = live_tabs()
     with chart_tab:
         figs = render_charts(bundle, scope.slo_ms, "live")
     with flag_tab:
         render_flags(flags, figs, "live")
+
+
+def live_tabs() -> tuple:
+    """The Charts and Diagnosis tabs, the open one kept in the session (``TAB_KEY``).
+
+    Tabs that track their state are sent with the open one selected, so it stays open when
+    the region refreshes, when the findings change, and when a page run (another model in
+    the sidebar) draws it at another place on the page.
+    """
+    return st.tabs(list(LIVE_TABS), key=TAB_KEY, on_change="rerun")
+
+
+def findings_line(flags: list[diagnosis.Flag]) -> str:
+    """How many findings the Diagnosis tab holds, by severity ("Diagnosis: 3 finding(s) ·
+    🔴 1 critical · 🟠 2 warning"): the count its label no longer carries."""
+    if not flags:
+        return "Diagnosis: no problems found in this window."
+    counts: dict[str, int] = {}
+    for f in flags:  # diagnose() lists them most severe first
+        counts[f.severity] = counts.get(f.severity, 0) + 1
+    parts = " · ".join(f"{SEVERITY_ICON.get(sev, '')} {n} {sev}" for sev, n in counts.items())
+    return f"Diagnosis: {len(flags)} finding(s) · {parts}"
 
 
 def cached_bundle(engine: Engine, w: queries.Window) -> dict:

@@ -25,8 +25,6 @@ from batchscope.settings import Setting
 
 COLUMNS = 3
 OTHER_GROUP = "other"
-#: units written at the end of a setting's name (``_ms``), shown as "(ms)" in its label
-UNIT_SUFFIXES = ("ms", "s", "mb")
 
 
 @dataclass(frozen=True)
@@ -40,14 +38,9 @@ class Submitted:
 
 
 def label(s: Setting) -> str:
-    """``max_batch_size`` -> "Max batch size", ``max_queue_delay_ms`` -> "Max queue delay (ms)"."""
-    words = s.name.split("_")
-    abbreviated = s.unit is not None and s.unit.lower() in UNIT_SUFFIXES
-    unit = f" ({s.unit})" if abbreviated and len(words) > 1 and words[-1] == s.unit.lower() else ""
-    if unit:
-        words = words[:-1]
-    text = " ".join(words)
-    return text[:1].upper() + text[1:] + unit
+    """The field's label: the schema's (``Setting.label``), so acronyms read as such
+    ("OOM recovery") wherever a setting is named."""
+    return s.label
 
 
 def help_text(s: Setting) -> str:

@@ -117,23 +117,26 @@ def find_numbered(engine: Engine, seq: int, model: str | None,
     return None
 
 
-#: the slowest-requests table's columns, in their order, with their names on the page
+#: how every time in milliseconds is shown in the timeline's tables
+MS_FORMAT = "%.2f"
+#: the slowest-requests table's columns, in their order, with their names on the page: the
+#: latency it is sorted by and the batch a row picks first, so both show on a laptop screen
 SLOWEST_COLUMNS = {
+    "latency_ms": st.column_config.NumberColumn("latency (ms)", format=MS_FORMAT),
     "batch": st.column_config.NumberColumn(
         "batch", format="%d", help="the batch the request ran in; a generation request's: "
                                    "the engine step it joined"),
     "batch_size": st.column_config.NumberColumn(
         "batch size", format="%d", help="the batch's size; a generation request's: the "
                                         "sequences running in the step it joined"),
+    "queue_ms": st.column_config.NumberColumn("queue wait (ms)", format=MS_FORMAT),
+    "compute_ms": st.column_config.NumberColumn(
+        "start to answer (ms)", format=MS_FORMAT,
+        help="latency less queue wait: from its batch's start to its answer, the batch's "
+             "compute and the answer handed back (a batch's compute alone is in its header)"),
     "priority": st.column_config.NumberColumn("priority", format="%d"),
     "length": st.column_config.NumberColumn("length", format="%d"),
     "outcome": st.column_config.TextColumn("outcome"),
-    "latency_ms": st.column_config.NumberColumn("latency (ms)", format="%.2f"),
-    "queue_ms": st.column_config.NumberColumn("queue wait (ms)", format="%.2f"),
-    "compute_ms": st.column_config.NumberColumn(
-        "start to answer (ms)", format="%.2f",
-        help="latency less queue wait: from its batch's start to its answer, the batch's "
-             "compute and the answer handed back (a batch's compute alone is in its header)"),
     "model": st.column_config.TextColumn("model"),
     "finished": st.column_config.NumberColumn("finished (s after the window's start)",
                                               format="%.3f"),
@@ -168,6 +171,13 @@ def requests_table(part: pd.DataFrame) -> pd.DataFrame:
         out["receive (ms)"] = 1000 * (p["recv_end_at"] - p["recv_start_at"])
         out["send (ms)"] = 1000 * (p["send_end_at"] - p["send_start_at"])
     return out
+
+
+def ms_columns(table: pd.DataFrame) -> dict:
+    """Each "(ms)" column of ``table`` shown with two decimals, as in the slowest-requests
+    table (the values keep their precision for sorting)."""
+    return {name: st.column_config.NumberColumn(name, format=MS_FORMAT)
+            for name in table.columns if name.endswith("(ms)")}
 
 
 def _as_end(t: float) -> datetime:
@@ -530,7 +540,8 @@ def _show_selected(rows: TimelineRows, key: tuple[str, int]) -> None:
             st.caption(differs)
     st.plotly_chart(fig, key="timeline_members", config={"displaylogo": False})
     if len(part):
-        st.dataframe(requests_table(part), hide_index=True)
+        table = requests_table(part)
+        st.dataframe(table, hide_index=True, column_config=ms_columns(table))
 
 
 def _downloads(engine: Engine, w: Window, rows: int) -> None:

@@ -49,6 +49,13 @@ from batchscope.tuning.space import format_point
 #: seconds between refreshes of the last command's status while live
 STATUS_EVERY_S = 1.0
 _LAST_COMMAND = "last_command"
+#: what the page run read: the scope's published settings version and newest history entry
+_PAGE_STATE = "tuning_page_state"
+#: seconds after a change of this session was handled during which the status region
+#: rebuilds the page when the published settings or the history move on: the runtime
+#: publishes its new settings on its next pass, the recorder writes the settings_change
+#: event within a second
+FOLLOW_S = 15.0
 #: seconds between refreshes of a running tuning session's chart and table
 TUNE_EVERY_S = 1.0
 _JOBS = "tuning_jobs"
@@ -66,9 +73,10 @@ def render(scope: Scope) -> None:
         stored_sessions(data_engine(scope), scope)
         return
     engine = engine_for(scope.db_url)
+    st.session_state[_PAGE_STATE] = page_state(engine, scope)
     settings_section(engine, scope)
     run_every = STATUS_EVERY_S if scope.refresh_s is not None else None
-    fragment(command_status, run_every)(engine)
+    fragment(command_status, run_every)(engine, scope)
     find_best_settings(engine, scope)
     stored_sessions(engine, scope)
     history_and_revert(engine, scope)
@@ -128,7 +136,50 @@ def settings_section(engine: Engine, scope: Scope) -> None:
     st.toast(f"Requested change #{cid}: {json.dumps(asked.changes)}")
 
 
-def command_status(engine: Engine) -> None:
+def page_state(engine: Engine, scope: Scope) -> tuple:
+    """What the settings header and the history show: the instance and version of the
+    published settings, and the newest settings change recorded."""
+    if scope.model is None:
+        return ()
+    inst_id, version, _ = published_settings(engine, scope)
+    newest = control.settings_history(engine, scope.model, scope.instance, limit=1)
+    return inst_id, version, newest[0].id if newest else None
+
+
+def last_command(engine: Engine) -> control.Command | None:
+    """The last command this session sent, as the control table has it now."""
+    cid = st.session_state.get(_LAST_COMMAND)
+    if cid is None:
+        return None
+    try:
+        return control.command_status(engine, cid)
+    except ValueError:
+        return None
+
+
+def handled_at(cmd: control.Command) -> float | None:
+    """When the runtime (the last instance, for a broadcast) answered ``cmd``; None
+    while nobody has."""
+    times = [a.handled_at for a in cmd.acks] + [cmd.handled_at or 0.0]
+    return max(times) or None
+
+
+def follow_the_change(engine: Engine, scope: Scope, cmd: control.Command) -> None:
+    """Rebuild the whole page once what it shows is behind the change just handled.
+
+    This status is a fragment that reruns on its own; the settings header and the
+    history above and below it are drawn by the page run, which read them before the
+    runtime applied the change. Without this they kept the old version and "no settings
+    changes" until something else rebuilt the page.
+    """
+    done = handled_at(cmd)
+    if done is None or time.time() > done + FOLLOW_S:
+        return
+    if page_state(engine, scope) != st.session_state.get(_PAGE_STATE):
+        st.rerun(scope="app")
+
+
+def command_status(engine: Engine, scope: Scope) -> None:
     """Where the last command of this session stands: pending, applied or refused."""
     cid = st.session_state.get(_LAST_COMMAND)
     if cid is None:
@@ -138,6 +189,7 @@ def command_status(engine: Engine) -> None:
     except ValueError as exc:
         st.warning(str(exc))
         return
+    follow_the_change(engine, scope, cmd)
     text = json.dumps(cmd.changes)
     if cmd.instance_id is None:
         broadcast_status(engine, cmd, text)
@@ -177,14 +229,15 @@ def history_and_revert(engine: Engine, scope: Scope) -> None:
         return
     hist = control.settings_history(engine, model, scope.instance, limit=100)
     st.subheader("Settings history")
+    waiting = unrecorded_change(last_command(engine), model, scope.instance, hist)
+    if waiting:
+        st.caption(waiting)
     if not hist:
-        st.caption("No settings changes recorded for this model.")
+        if not waiting:
+            st.caption("No settings changes recorded for this model.")
         return
-    table = pd.DataFrame([{"when": fmt_time(h.at), "instance": h.instance_id, "version": h.version,
-                           "by": h.requested_by, "old": json.dumps(h.old), "new": json.dumps(h.new)}
-                          for h in hist])
-    st.dataframe(table, hide_index=True, width="stretch")
-    labels = {f"v{h.version} at {fmt_time(h.at)}: {json.dumps(h.new)}": h for h in hist}
+    st.dataframe(history_table(hist), hide_index=True, width="stretch")
+    labels = {f"v{h.version} at {fmt_time(h.at)}: {changed_text(h.old, h.new)}": h for h in hist}
     chosen = labels[st.selectbox("Change", list(labels), key="revert_choice")]
     c1, c2 = st.columns(2)
     if c1.button("Revert to the settings before this change", key="revert"):
@@ -192,13 +245,80 @@ def history_and_revert(engine: Engine, scope: Scope) -> None:
                                      requested_by="dashboard (revert)", instance_id=scope.instance)
         st.session_state[_LAST_COMMAND] = cid
         st.toast(f"Requested revert #{cid}: {json.dumps(chosen.old)}")
-    span = scope.duration_s
-    before = queries.Window(chosen.at - span, chosen.at, model, scope.instance)
-    after = queries.Window(chosen.at, min(time.time(), chosen.at + span), model, scope.instance)
-    c2.caption(f"Before/after: {span / 60:.0f} min on each side of the change "
-               f"(after covers {after.duration_s / 60:.1f} min so far)")
+    before, after = around(chosen.at, scope.duration_s, time.time(), model, scope.instance)
+    side = after.duration_s
+    c2.caption(f"Before/after: {side / 60:.1f} min on each side of the change"
+               + ("" if side >= scope.duration_s else
+                  f" (the time since it, so far; up to {scope.duration_s / 60:.0f} min)"))
     st.plotly_chart(charts.compare(queries.headline(engine, before),
                                    queries.headline(engine, after)), key="before-after")
+
+
+#: the least time each side of a before/after comparison covers
+AROUND_MIN_S = 10.0
+
+
+def around(at: float, span_s: float, now: float, model: str,
+           instance: str | None) -> tuple[queries.Window, queries.Window]:
+    """The windows before and after a change at ``at``: ``span_s`` each, or, while less
+    than that has passed since it, the time that has (at least ``AROUND_MIN_S``) on both
+    sides. Sides of equal length: 24 s after a change against 15 min before it compared
+    a quiet moment with a quarter of an hour's mean, and read as a drop in traffic."""
+    side = max(AROUND_MIN_S, min(span_s, now - at))
+    return (queries.Window(at - side, at, model, instance),
+            queries.Window(at, at + side, model, instance))
+
+
+#: a setting one side of a change lacks
+_ABSENT = object()
+
+
+def value_text(value) -> str:
+    """A setting's value as the history shows it: JSON, strings without quotes."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def changed_text(old: dict, new: dict) -> str:
+    """Only what a change changed: "max_batch_size 16 → 12, policy static → dynamic"
+    (— where a side lacks the setting); the whole settings are in the old/new columns."""
+    parts = [f"{k} {value_text(old[k]) if k in old else '—'} → "
+             f"{value_text(new[k]) if k in new else '—'}"
+             for k in sorted({*old, *new}) if old.get(k, _ABSENT) != new.get(k, _ABSENT)]
+    return ", ".join(parts) or "no setting changed"
+
+
+def asked_text(changes: dict) -> str:
+    """A command's changes: "max_batch_size → 12"."""
+    return ", ".join(f"{k} → {value_text(v)}" for k, v in changes.items())
+
+
+def history_table(hist: list[control.SettingsChange]) -> pd.DataFrame:
+    """The settings changes, newest first, what changed in the first column."""
+    return pd.DataFrame([{"changed": changed_text(h.old, h.new), "when": fmt_time(h.at),
+                          "instance": h.instance_id, "version": h.version,
+                          "by": h.requested_by, "old": json.dumps(h.old),
+                          "new": json.dumps(h.new)} for h in hist])
+
+
+def unrecorded_change(cmd: control.Command | None, model: str, instance: str | None,
+                      hist: list[control.SettingsChange]) -> str | None:
+    """What to say while this session's last change is applied but its settings_change
+    event is not in the database yet (the recorder writes it within a second), rather
+    than "no settings changes"; None otherwise."""
+    if cmd is None or cmd.model != model:
+        return None
+    applied = {(a.instance_id, a.applied_version) for a in cmd.acks
+               if a.status == control.APPLIED}
+    if cmd.status == control.APPLIED and cmd.instance_id is not None:
+        applied.add((cmd.instance_id, cmd.applied_version))
+    applied = {(i, v) for i, v in applied if instance in (None, i)}  # the history's instance
+    recorded = {(h.instance_id, h.version) for h in hist}
+    done = handled_at(cmd)
+    if not applied - recorded or done is None or time.time() > done + FOLLOW_S:
+        return None
+    versions = ", ".join(f"version {v} on {i}" for i, v in sorted(applied - recorded))
+    return (f"Change #{cmd.id} ({asked_text(cmd.changes)}) was applied as {versions}; "
+            "it is being recorded and appears here within a second or so.")
 
 
 # -- find best settings ------------------------------------------------------------------------
