@@ -198,6 +198,10 @@ def test_two_replicas_serve_record_and_acknowledge_a_fleet_wide_change(fleet_url
     (["--ray-address", "auto"], "--ray-address goes with --replicas"),
     (["--replicas", "2", "--port", "0"], "needs a fixed --port"),
     (["--replicas", "2", "--grpc-port", "8001"], "--grpc-port is not served by replicas"),
+    (["--replicas", "2", "--trace-config", "rate=1", "--nvtx"],
+     "--trace-config, --nvtx: not served by replicas yet"),
+    (["--replicas", "2", "--otlp-traces-endpoint", "http://127.0.0.1:4317"],
+     "--otlp-traces-endpoint: not served by replicas yet"),
 ])
 def test_fleet_flags_are_checked_before_ray_starts(argv, says, capsys):
     from runtime.tools.cli import main

@@ -72,6 +72,12 @@ def _serve_fleet(args: argparse.Namespace, specs: Sequence[str], database_url: s
     if args.grpc_port is not None:
         raise UsageError("--grpc-port is not served by replicas yet; Ray Serve's proxy "
                          "serves HTTP (drop --grpc-port or --replicas)")
+    tracing = [flag for flag, given in (("--trace-config", args.trace_config),
+                                         ("--otlp-traces-endpoint", args.otlp_traces_endpoint),
+                                         ("--nvtx", args.nvtx)) if given]
+    if tracing:  # taken and then ignored, a user would look for traces that never come
+        raise UsageError(f"{', '.join(tracing)}: not served by replicas yet; each replica "
+                         "serves its requests untraced (drop them, or --replicas)")
     replicas = Replicas(count=1 if args.replicas is None else args.replicas,
                         min_count=args.min_replicas, max_count=args.max_replicas)
     models, generation = load_models(specs)
