@@ -206,8 +206,15 @@ def test_timeline_shows_a_picked_batch_and_downloads_its_trace(page, stack):
 
 
 #: the middle batch of the timeline chart: its seq and where it is on the screen
+#: the Batch timeline's own plot (the one whose points carry batch keys), not whichever
+#: plot comes first: while Streamlit replaces the chart's element on a refresh, the picked
+#: batch's member chart below it can be the page's first plot for a moment
+TIMELINE_PLOT = ("Array.from(document.querySelectorAll('.js-plotly-plot')).find(g => "
+                 "g._fullData && g._fullData.some(t => (t.customdata || []).some("
+                 "c => Array.isArray(c) && c.length === 2)))")
+
 MIDDLE_BATCH = """() => {
-    const g = document.querySelector('.js-plotly-plot');
+    const g = """ + TIMELINE_PLOT + """;
     if (!g || !g._fullData) return null;
     const box = g.getBoundingClientRect(), fl = g._fullLayout;
     for (const t of g._fullData) {
@@ -224,7 +231,7 @@ MIDDLE_BATCH = """() => {
     return null;
 }"""
 #: whether the chart still holds the figure MIDDLE_BATCH read
-SAME_FIGURE = "() => document.querySelector('.js-plotly-plot').data === window.__clicked_figure"
+SAME_FIGURE = "() => (" + TIMELINE_PLOT + " || {}).data === window.__clicked_figure"
 
 
 def _follow_button(page) -> str | None:
@@ -288,8 +295,7 @@ def test_picks_land_while_the_window_follows_the_clock(page, stack):
         assert missed < 15, f"{landed} of {landed + missed} clicks on a bar picked it"
         _following(page)
         page.wait_for_function(DRAWN_CHARTS, arg=1, timeout=30_000)
-        target = page.evaluate(MIDDLE_BATCH)
-        assert target is not None, "no batch on the chart"
+        target = wait_for(lambda: page.evaluate(MIDDLE_BATCH), 30, "a batch on the chart")
         page.mouse.click(target["x"], target["y"])
         if not page.evaluate(SAME_FIGURE):  # a refresh replaced the chart around the click
             missed += 1
@@ -304,12 +310,13 @@ def test_picks_land_while_the_window_follows_the_clock(page, stack):
 
 
 #: the timeline chart's x range as the browser shows it (a zoom changes it)
-X_RANGE = "() => document.querySelector('.js-plotly-plot')._fullLayout.xaxis.range.slice()"
+X_RANGE = "() => " + TIMELINE_PLOT + "._fullLayout.xaxis.range.slice()"
 #: a batch in the x range shown, ``at`` (0-1) of the way through those at least 12 px from
 #: any other batch's point (a click picks the nearest point: a neighbour 2 px away may be
 #: it): its seq and where it is on the screen
 SHOWN_BATCH = """(at) => {
-    const g = document.querySelector('.js-plotly-plot');
+    const g = """ + TIMELINE_PLOT + """;
+    if (!g || !g._fullLayout) return {seq: null, points: 0};
     const box = g.getBoundingClientRect(), fl = g._fullLayout;
     const [lo, hi] = fl.xaxis.range;
     const points = [];
@@ -346,7 +353,8 @@ def test_a_zoom_survives_picks_by_click(page, stack):
     page.wait_for_function(DRAWN_CHARTS, arg=1, timeout=30_000)
     settle(page)
     whole = page.evaluate(X_RANGE)
-    plot = page.locator(".js-plotly-plot .nsewdrag").first.bounding_box()
+    plot = page.locator(".js-plotly-plot", has_text="Batch timeline").locator(
+        ".nsewdrag").first.bounding_box()
     y = plot["y"] + plot["height"] / 2
     page.mouse.move(plot["x"] + plot["width"] * 0.25, y)  # a plain drag zooms
     page.mouse.down()
@@ -356,9 +364,8 @@ def test_a_zoom_survives_picks_by_click(page, stack):
     assert zoomed[1] - zoomed[0] < (whole[1] - whole[0]) * 0.6, (whole, zoomed)
     picked: list[int] = []
     for at in (0.5, 0.0, 1.0):
-        target = page.evaluate(SHOWN_BATCH, at)
-        assert target["seq"] is not None, \
-            f"no batch in the zoomed range apart from the others ({target['points']} in it)"
+        target = wait_for(lambda: (t := page.evaluate(SHOWN_BATCH, at))["seq"] is not None
+                          and t, 30, "a batch in the zoomed range apart from the others")
         assert target["seq"] not in picked, \
             f"fewer than 3 batches apart from the others in the zoomed range: {picked}"
         # a click within plotly's double-click time (300 ms) of the last release would
